@@ -1,0 +1,260 @@
+//! JSON shapes of the v1 HTTP API (DESIGN §7). Request types reject unknown
+//! fields so a typo in a client is an error, not a silently ignored option.
+
+use crate::{LeaseToken, NetworkProfile, ResourceLimits, SandboxId, SandboxState, Scope};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use time::OffsetDateTime;
+
+/// `POST /v1/sandboxes`
+#[derive(Clone, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandboxRequest {
+    /// Template name; the default template when absent.
+    #[serde(default)]
+    pub template: Option<String>,
+    /// Resource class; the default class when absent.
+    #[serde(default)]
+    pub class: Option<String>,
+    #[serde(default)]
+    pub user_id: Option<String>,
+    #[serde(default)]
+    pub session_id: Option<String>,
+    #[serde(default)]
+    pub agent: Option<String>,
+    #[serde(default)]
+    pub scope: Option<Scope>,
+    #[serde(default)]
+    pub network: Option<NetworkProfile>,
+    /// Lifetime in seconds; the sandbox is destroyed after it.
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+    /// Take a lease as part of the create.
+    #[serde(default)]
+    pub lease: Option<AcquireLeaseRequest>,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Sandbox {
+    pub id: SandboxId,
+    pub state: SandboxState,
+    pub tenant: String,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
+    pub agent: Option<String>,
+    pub scope: Scope,
+    pub resource_class: String,
+    pub resources: ResourceLimits,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    pub node: String,
+    pub network_profile: NetworkProfile,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub expires_at: Option<OffsetDateTime>,
+    pub tainted: bool,
+    /// Optimistic-concurrency version of the registry row.
+    pub version: i64,
+    /// The live lease, if any (its token is shown only in the acquire/create answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_owner: Option<String>,
+}
+
+/// Why the control plane chose what it chose.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Decision {
+    /// `new_sandbox | reuse | new_venv | fork_clean_snapshot`
+    pub action: String,
+    /// Restore branch `A | B | C | D` (D = cold init).
+    pub branch: String,
+    pub reason: String,
+    pub score: f64,
+}
+
+/// `POST /v1/sandboxes` answer.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CreateSandboxResponse {
+    #[serde(flatten)]
+    pub sandbox: Sandbox,
+    pub decision: Decision,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<Lease>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SandboxList {
+    pub sandboxes: Vec<Sandbox>,
+}
+
+/// `POST /v1/sandboxes/{id}/lease`
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireLeaseRequest {
+    pub owner: String,
+    /// Seconds until the lease expires unless renewed (default 60).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+/// `PUT /v1/sandboxes/{id}/lease` (renew / heartbeat)
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RenewLeaseRequest {
+    pub token: LeaseToken,
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+/// `DELETE /v1/sandboxes/{id}/lease`
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseLeaseRequest {
+    pub token: LeaseToken,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Lease {
+    pub sandbox_id: SandboxId,
+    pub owner: String,
+    pub token: LeaseToken,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub acquired_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: OffsetDateTime,
+}
+
+/// `POST /v1/sandboxes/{id}/exec` (and `/exec/stream`)
+#[derive(Clone, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    /// argv form; exactly one of `cmd` and `shell` must be given.
+    #[serde(default)]
+    pub cmd: Option<Vec<String>>,
+    /// Shell string, run with `/bin/sh -c`.
+    #[serde(default)]
+    pub shell: Option<String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Bytes written to the command's stdin (UTF-8 text).
+    #[serde(default)]
+    pub stdin: Option<String>,
+    /// Seconds; the whole process group is killed when it passes.
+    #[serde(default)]
+    pub timeout_s: Option<f64>,
+    /// Lease token; required while the sandbox is leased.
+    #[serde(default)]
+    pub token: Option<LeaseToken>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ExecResult {
+    /// Exit code; `128 + signal` when killed by a signal.
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub duration_ms: f64,
+    pub timed_out: bool,
+    pub oom_killed: bool,
+    /// True when stdout/stderr were cut to the non-streaming cap; use the
+    /// streaming endpoint for the whole output.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// One event of a streaming exec (`text/event-stream`, event name = variant).
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ExecEvent {
+    Stdout { data: String },
+    Stderr { data: String },
+    Exit { result: ExecResult },
+    Error { code: crate::ErrorCode, message: String },
+}
+
+/// A directory entry or `stat` answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FileInfo {
+    pub name: String,
+    pub path: String,
+    /// `file | dir | symlink | other`
+    pub kind: String,
+    pub size: u64,
+    pub mode: u32,
+    pub modified_unix: i64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FileList {
+    pub entries: Vec<FileInfo>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MkdirRequest {
+    pub path: String,
+    #[serde(default)]
+    pub token: Option<LeaseToken>,
+}
+
+/// An entry of the event log.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Event {
+    pub id: i64,
+    pub sandbox_id: Option<SandboxId>,
+    pub tenant: String,
+    pub event_type: String,
+    pub old_state: Option<SandboxState>,
+    pub new_state: Option<SandboxState>,
+    pub request_id: Option<String>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub timestamp: OffsetDateTime,
+    #[schema(value_type = Object)]
+    pub metadata: serde_json::Value,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct EventList {
+    pub events: Vec<Event>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct Template {
+    pub name: String,
+    pub digest: String,
+    pub size_bytes: u64,
+    pub source: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TemplateList {
+    pub templates: Vec<Template>,
+}
+
+/// `POST /v1/keys` (admin only): a key for a tenant. The secret is shown once.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateKeyRequest {
+    pub tenant: String,
+    #[serde(default)]
+    pub admin: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct CreatedKey {
+    pub tenant: String,
+    pub admin: bool,
+    pub key: String,
+}
