@@ -1,0 +1,263 @@
+//! The seam between Aviary's control plane and whatever actually runs sandboxes.
+//!
+//! This crate owns the [`Runtime`] trait (create / destroy / status / usage /
+//! list), the optional [`Pausable`] capability, the [`RuntimeError`] every
+//! backend maps its failures into, and the [`Spawner`] seam: backends start
+//! external programs (crun, runc, helpers) only through a `Spawner`, so unit
+//! tests can swap in the [`RecordingSpawner`] fake.
+//!
+//! Invariants every backend upholds (checked by [`conformance`]):
+//! - `create` returns only once PID 1 of the sandbox is running;
+//! - `destroy` is idempotent and leaves nothing behind on the host (processes,
+//!   mounts, cgroups, directories), also after a crash left half a sandbox;
+//! - `list` reports what the backend really has, not what it was told, so the
+//!   reconciler can compare it with the registry.
+//!
+//! Concurrency: runtimes are `Send + Sync` and called concurrently for
+//! *different* sandboxes; callers serialise operations on one sandbox (the
+//! lease manager does). The crate itself has no I/O and no unsafe code.
+#![forbid(unsafe_code)]
+
+pub mod conformance;
+mod error;
+mod spawner;
+
+pub use error::RuntimeError;
+pub use spawner::{
+    RecordingSpawner, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
+};
+
+use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where the control directory is mounted inside every sandbox.
+pub const CONTROL_MOUNT: &str = "/run/aviary";
+/// Where the workspace directory is mounted inside every sandbox.
+pub const WORKSPACE_MOUNT: &str = "/workspace";
+
+/// An extra bind mount from the host into the sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BindMount {
+    /// Existing host path (file or directory).
+    pub host: PathBuf,
+    /// Absolute path inside the sandbox, without `..` components.
+    pub sandbox: String,
+    pub read_only: bool,
+}
+
+/// Everything a runtime needs to start one sandbox.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    pub id: SandboxId,
+    /// Read-only lower layer, shared by many sandboxes; never modified.
+    pub template_rootfs: PathBuf,
+    pub resources: ResourceLimits,
+    /// Only [`NetworkProfile::None`] (loopback only) is supported today;
+    /// other profiles fail with [`RuntimeError::Unsupported`].
+    pub network: NetworkProfile,
+    pub hostname: String,
+    /// argv of PID 1 inside the sandbox (the control plane passes its envd).
+    pub init: Vec<String>,
+    /// `KEY=VALUE` entries for PID 1.
+    pub env: Vec<String>,
+    pub binds: Vec<BindMount>,
+}
+
+/// What `create` hands back: where the sandbox lives on the host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxHandle {
+    pub id: SandboxId,
+    /// Backend name, e.g. `"crun"` or `"runc"`.
+    pub runtime: String,
+    /// The backend's own name for the sandbox (container id, VM name, ...).
+    pub runtime_instance_id: String,
+    /// Host directory created by the runtime, bind-mounted read-write at
+    /// [`CONTROL_MOUNT`] in the sandbox (envd's socket lives here).
+    pub control_dir: PathBuf,
+    /// Host directory bind-mounted read-write at [`WORKSPACE_MOUNT`].
+    pub workspace_dir: PathBuf,
+    /// Host pid of the sandbox's PID 1.
+    pub init_pid: u32,
+}
+
+/// What the runtime says about one sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeStatus {
+    Running,
+    Paused,
+    /// Known to the runtime but PID 1 has exited.
+    Stopped,
+    NotFound,
+}
+
+/// Resource counters of one sandbox, read from its cgroup. Cheap enough to
+/// call around every exec (OOM detection compares `oom_kills`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceUsage {
+    pub memory_current_bytes: u64,
+    pub memory_peak_bytes: u64,
+    pub cpu_usage_ns: u64,
+    /// Processes killed by the OOM killer in this sandbox since it started.
+    pub oom_kills: u64,
+    pub pids_current: u64,
+}
+
+/// A sandbox backend.
+#[async_trait]
+pub trait Runtime: Send + Sync {
+    /// Stable backend name, recorded in the registry (`"crun"`, `"runc"`, ...).
+    fn name(&self) -> &str;
+    /// Starts a sandbox; returns once its PID 1 has started. On failure nothing
+    /// is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+    /// Kills and removes the sandbox and everything the runtime made for it.
+    /// Idempotent: destroying an unknown id succeeds.
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+    async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError>;
+    /// Fails with [`RuntimeError::NotFound`] for an unknown sandbox.
+    async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError>;
+    /// The sandboxes this runtime actually has (for the reconciler), including
+    /// half-torn-down ones that `destroy` should finish.
+    async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError>;
+}
+
+/// A runtime that can freeze and thaw all processes of a sandbox.
+#[async_trait]
+pub trait Pausable: Runtime {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+    async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+}
+
+/// Checks the parts of a spec that do not depend on the backend: a path-safe
+/// sandbox path for every bind, a valid hostname, a non-empty init, sane limits.
+pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
+    let invalid = |reason: String| Err(RuntimeError::InvalidSpec { reason });
+    if spec.network != NetworkProfile::None {
+        return Err(RuntimeError::Unsupported {
+            what: format!("network profile {:?}", spec.network.as_str()),
+        });
+    }
+    if spec.init.is_empty() || spec.init[0].is_empty() {
+        return invalid("init argv is empty".into());
+    }
+    let h = &spec.hostname;
+    if h.is_empty()
+        || h.len() > 63
+        || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+    {
+        return invalid(format!("hostname {h:?} is not a valid host name"));
+    }
+    if !(spec.resources.cpu > 0.0 && spec.resources.cpu.is_finite()) {
+        return invalid(format!("cpu {} must be positive", spec.resources.cpu));
+    }
+    if spec.resources.memory_mb < 8 {
+        return invalid(format!("memory_mb {} is below 8", spec.resources.memory_mb));
+    }
+    if spec.resources.pids < 2 {
+        return invalid(format!("pids {} is below 2", spec.resources.pids));
+    }
+    for env in &spec.env {
+        if !env.contains('=') || env.starts_with('=') {
+            return invalid(format!("env entry {env:?} is not KEY=VALUE"));
+        }
+    }
+    for bind in &spec.binds {
+        if !is_clean_absolute(&bind.sandbox) {
+            return invalid(format!(
+                "bind target {:?} must be absolute without `..`",
+                bind.sandbox
+            ));
+        }
+        if bind.sandbox == "/" || is_reserved_target(&bind.sandbox) {
+            return invalid(format!(
+                "bind target {:?} collides with a runtime mount",
+                bind.sandbox
+            ));
+        }
+        if !bind.host.is_absolute() {
+            return invalid(format!("bind source {:?} must be absolute", bind.host));
+        }
+    }
+    Ok(())
+}
+
+fn is_clean_absolute(p: &str) -> bool {
+    p.starts_with('/')
+        && !p.contains('\0')
+        && p.split('/').all(|c| c != ".." && c != ".")
+}
+
+fn is_reserved_target(p: &str) -> bool {
+    let p = p.trim_end_matches('/');
+    [CONTROL_MOUNT, WORKSPACE_MOUNT, "/proc", "/sys", "/dev"]
+        .iter()
+        .any(|r| p == *r || p.starts_with(&format!("{r}/")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SandboxSpec {
+        SandboxSpec {
+            id: SandboxId::generate(),
+            template_rootfs: "/var/lib/aviary/templates/t".into(),
+            resources: ResourceLimits::default(),
+            network: NetworkProfile::None,
+            hostname: "sbx".into(),
+            init: vec!["/bin/sh".into()],
+            env: vec!["A=b".into()],
+            binds: vec![BindMount {
+                host: "/usr/local/bin/envd".into(),
+                sandbox: "/.aviary/envd".into(),
+                read_only: true,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_plain_spec_is_valid() {
+        validate_spec(&spec()).unwrap();
+    }
+
+    #[test]
+    fn other_network_profiles_are_unsupported() {
+        let mut s = spec();
+        s.network = NetworkProfile::Open;
+        assert!(matches!(
+            validate_spec(&s).unwrap_err(),
+            RuntimeError::Unsupported { .. }
+        ));
+    }
+
+    #[test]
+    fn bind_targets_must_not_escape_or_shadow() {
+        for bad in ["relative", "/a/../etc", "/workspace", "/run/aviary/x", "/proc", "/"] {
+            let mut s = spec();
+            s.binds[0].sandbox = bad.into();
+            assert!(
+                matches!(validate_spec(&s).unwrap_err(), RuntimeError::InvalidSpec { .. }),
+                "{bad} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn hostname_env_and_limits_are_checked() {
+        let mut s = spec();
+        s.hostname = "a b".into();
+        validate_spec(&s).unwrap_err();
+        let mut s = spec();
+        s.env.push("NOEQUALS".into());
+        validate_spec(&s).unwrap_err();
+        let mut s = spec();
+        s.resources.cpu = f64::NAN;
+        validate_spec(&s).unwrap_err();
+        let mut s = spec();
+        s.init.clear();
+        validate_spec(&s).unwrap_err();
+    }
+}
