@@ -1,0 +1,574 @@
+//! The async client the control plane uses to talk to envd.
+//!
+//! Every call opens its own unix-socket connection (envd serves one request per
+//! connection), so an [`EnvdClient`] is just a socket path: cheap to clone and
+//! safe to share between tasks. Long-running results ([`ExecStream`],
+//! [`FileReader`]) own their connection; dropping them closes it, and envd then
+//! kills the exec's process group.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::UnixStream;
+use tokio::task::JoinHandle;
+
+use crate::{
+    decode_header, decode_json, encode_header, encode_json, ErrorBody, ErrorCode, FileStat,
+    FrameKind, Health, ProtoError, Request, Response, CHUNK_SIZE, FRAME_HEADER_LEN,
+};
+
+/// Errors of the envd client. The semantic variants map one-to-one onto API errors.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvdError {
+    /// The socket could not be reached (envd not (yet) running, or gone).
+    #[error("connect to envd")]
+    Connect(#[source] io::Error),
+    /// The connection failed after it was established.
+    #[error("envd connection")]
+    Transport(#[source] io::Error),
+    #[error("not found: {0}")]
+    NotFound(String),
+    #[error("invalid path: {0}")]
+    InvalidPath(String),
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
+    #[error("directory not empty: {0}")]
+    NotEmpty(String),
+    /// The sandbox is leased and the call carried no token.
+    #[error("lease required")]
+    LeaseRequired,
+    /// The call's token is not the sandbox's current fence.
+    #[error("stale token")]
+    StaleToken,
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    /// envd refused the request as malformed.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    /// envd is at its connection limit.
+    #[error("envd busy")]
+    Busy,
+    /// envd broke the protocol (or the client received something it cannot parse).
+    #[error("envd protocol")]
+    Protocol(#[source] ProtoError),
+    /// Any other failure reported by envd.
+    #[error("envd: {0}")]
+    Remote(String),
+    #[error("envd not ready after {0:?}")]
+    NotReady(Duration),
+    /// `next()` was called after the exec's exit was already returned.
+    #[error("exec stream already finished")]
+    StreamFinished,
+}
+
+impl EnvdError {
+    fn from_body(body: ErrorBody) -> EnvdError {
+        let m = body.message;
+        match body.code {
+            ErrorCode::NotFound => EnvdError::NotFound(m),
+            ErrorCode::InvalidPath => EnvdError::InvalidPath(m),
+            ErrorCode::AlreadyExists => EnvdError::AlreadyExists(m),
+            ErrorCode::NotEmpty => EnvdError::NotEmpty(m),
+            ErrorCode::LeaseRequired => EnvdError::LeaseRequired,
+            ErrorCode::StaleToken => EnvdError::StaleToken,
+            ErrorCode::PermissionDenied => EnvdError::PermissionDenied(m),
+            ErrorCode::BadRequest => EnvdError::BadRequest(m),
+            ErrorCode::Busy => EnvdError::Busy,
+            ErrorCode::Internal => EnvdError::Remote(m),
+        }
+    }
+
+    fn unexpected(kind: FrameKind) -> EnvdError {
+        EnvdError::Protocol(ProtoError::UnexpectedFrame(kind))
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone, Default)]
+pub struct ExecSpec {
+    /// Program and arguments (a shell string becomes `["/bin/sh", "-c", s]`).
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+    /// Added to envd's clean default environment (PATH, HOME=/root, LANG=C.UTF-8).
+    pub env: Vec<(String, String)>,
+    /// Written to the process's stdin, which is then closed. `None`: stdin is /dev/null.
+    pub stdin: Option<Vec<u8>>,
+    /// Kills the whole process group when exceeded.
+    pub timeout: Option<Duration>,
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExitInfo {
+    /// Exit code, or 128 + signal number when the process was killed by a signal.
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration: Duration,
+}
+
+/// One event of a running exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    /// Always the last event.
+    Exit(ExitInfo),
+}
+
+/// The collected result of an exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub exit: ExitInfo,
+}
+
+/// A running exec. Dropping it before [`ExecEvent::Exit`] closes the connection,
+/// and envd kills the process group.
+#[derive(Debug)]
+pub struct ExecStream {
+    conn: UnixStream,
+    stdin_writer: Option<JoinHandle<io::Result<()>>>,
+    finished: bool,
+}
+
+impl ExecStream {
+    /// The next output chunk, or the exit (always last).
+    pub async fn next(&mut self) -> Result<ExecEvent, EnvdError> {
+        if self.finished {
+            return Err(EnvdError::StreamFinished);
+        }
+        let (kind, payload) = read_frame(&mut self.conn).await?;
+        match kind {
+            FrameKind::Stdout => Ok(ExecEvent::Stdout(payload)),
+            FrameKind::Stderr => Ok(ExecEvent::Stderr(payload)),
+            FrameKind::Response => {
+                self.finished = true;
+                match decode_json::<Response>(&payload).map_err(EnvdError::Protocol)? {
+                    Response::Exit(w) => Ok(ExecEvent::Exit(ExitInfo {
+                        exit_code: w.exit_code,
+                        signal: w.signal,
+                        timed_out: w.timed_out,
+                        duration: Duration::from_micros(w.duration_us),
+                    })),
+                    _ => Err(EnvdError::unexpected(kind)),
+                }
+            }
+            FrameKind::Error => {
+                self.finished = true;
+                Err(error_from_payload(&payload))
+            }
+            other => Err(EnvdError::unexpected(other)),
+        }
+    }
+
+    /// Collects all output in memory (for bounded commands) and the exit.
+    pub async fn collect(mut self) -> Result<ExecOutput, EnvdError> {
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            match self.next().await? {
+                ExecEvent::Stdout(b) => stdout.extend_from_slice(&b),
+                ExecEvent::Stderr(b) => stderr.extend_from_slice(&b),
+                ExecEvent::Exit(exit) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        exit,
+                    })
+                }
+            }
+        }
+    }
+}
+
+impl Drop for ExecStream {
+    fn drop(&mut self) {
+        if let Some(w) = self.stdin_writer.take() {
+            w.abort();
+        }
+    }
+}
+
+/// The content of a file being read; implements [`AsyncRead`]. An error reported
+/// by envd mid-stream surfaces as an `io::Error` wrapping an [`EnvdError`].
+#[derive(Debug)]
+pub struct FileReader {
+    conn: UnixStream,
+    size: u64,
+    /// Payload bytes of the current `Data` frame not yet handed out.
+    remaining: usize,
+    header: [u8; FRAME_HEADER_LEN],
+    header_filled: usize,
+    /// Set while the payload of an `Error` frame is being read.
+    error: Option<(Vec<u8>, usize)>,
+    done: bool,
+}
+
+impl FileReader {
+    /// Size of the file when it was opened.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl AsyncRead for FileReader {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if this.done || buf.remaining() == 0 {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some((body, filled)) = &mut this.error {
+                while *filled < body.len() {
+                    let mut eb = ReadBuf::new(&mut body[*filled..]);
+                    ready!(Pin::new(&mut this.conn).poll_read(cx, &mut eb))?;
+                    let n = eb.filled().len();
+                    if n == 0 {
+                        return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    *filled += n;
+                }
+                this.done = true;
+                let err = error_from_payload(body);
+                return Poll::Ready(Err(io::Error::other(err)));
+            }
+            if this.remaining > 0 {
+                let want = this.remaining.min(buf.remaining());
+                let mut limited = ReadBuf::new(buf.initialize_unfilled_to(want));
+                ready!(Pin::new(&mut this.conn).poll_read(cx, &mut limited))?;
+                let n = limited.filled().len();
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
+                }
+                buf.advance(n);
+                this.remaining -= n;
+                return Poll::Ready(Ok(()));
+            }
+            while this.header_filled < FRAME_HEADER_LEN {
+                let mut hb = ReadBuf::new(&mut this.header[this.header_filled..]);
+                ready!(Pin::new(&mut this.conn).poll_read(cx, &mut hb))?;
+                let n = hb.filled().len();
+                if n == 0 {
+                    return Poll::Ready(Err(io::ErrorKind::UnexpectedEof.into()));
+                }
+                this.header_filled += n;
+            }
+            this.header_filled = 0;
+            let (kind, len) = decode_header(this.header).map_err(io::Error::other)?;
+            match kind {
+                FrameKind::Data => this.remaining = len as usize,
+                FrameKind::End => this.done = true,
+                // Bounded: decode_header caps Error frames at MAX_JSON_FRAME.
+                FrameKind::Error => this.error = Some((vec![0; len as usize], 0)),
+                other => return Poll::Ready(Err(io::Error::other(EnvdError::unexpected(other)))),
+            }
+        }
+    }
+}
+
+/// Client for one sandbox's envd socket.
+#[derive(Debug, Clone)]
+pub struct EnvdClient {
+    socket: PathBuf,
+}
+
+impl EnvdClient {
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        EnvdClient {
+            socket: socket.into(),
+        }
+    }
+
+    /// The socket this client connects to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    async fn connect(&self, req: &Request) -> Result<UnixStream, EnvdError> {
+        let mut conn = UnixStream::connect(&self.socket)
+            .await
+            .map_err(EnvdError::Connect)?;
+        let payload = encode_json(req).map_err(EnvdError::Protocol)?;
+        write_frame(&mut conn, FrameKind::Request, &payload).await?;
+        Ok(conn)
+    }
+
+    /// Sends a request without a data phase and returns its single response.
+    async fn call(&self, req: &Request) -> Result<Response, EnvdError> {
+        let mut conn = self.connect(req).await?;
+        read_response(&mut conn).await
+    }
+
+    pub async fn health(&self) -> Result<Health, EnvdError> {
+        match self.call(&Request::Health).await? {
+            Response::Health(h) => Ok(h),
+            _ => Err(EnvdError::unexpected(FrameKind::Response)),
+        }
+    }
+
+    /// Polls connect + health every ~500µs until envd answers or `timeout` passes.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<(), EnvdError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.health().await {
+                Ok(_) => return Ok(()),
+                Err(EnvdError::Connect(_) | EnvdError::Transport(_)) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                Err(EnvdError::Connect(_) | EnvdError::Transport(_)) => {
+                    return Err(EnvdError::NotReady(timeout))
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Sets the lease fence: `Some(t)` = leased with current token t; `None` =
+    /// unleased. envd refuses a fence below the highest it has seen
+    /// ([`EnvdError::StaleToken`]) and refuses callers inside the sandbox
+    /// ([`EnvdError::PermissionDenied`]).
+    pub async fn set_fence(&self, token: Option<u64>) -> Result<(), EnvdError> {
+        expect_ok(self.call(&Request::SetFence { token }).await?)
+    }
+
+    /// Starts a process; the returned stream yields output chunks as they come and
+    /// finally the exit.
+    pub async fn exec(&self, spec: ExecSpec, token: Option<u64>) -> Result<ExecStream, EnvdError> {
+        let req = Request::Exec {
+            argv: spec.argv,
+            cwd: spec.cwd,
+            env: spec.env,
+            stdin: spec.stdin.is_some(),
+            timeout_ms: spec
+                .timeout
+                .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)),
+            token,
+        };
+        let conn = self.connect(&req).await?;
+        let stdin_writer = match spec.stdin {
+            None => None,
+            Some(data) => {
+                // Stdin is written concurrently with reading output: a process that
+                // writes before it reads would otherwise deadlock against us.
+                let std_conn = conn.into_std().map_err(EnvdError::Transport)?;
+                let writer_std = std_conn.try_clone().map_err(EnvdError::Transport)?;
+                let conn_back = UnixStream::from_std(std_conn).map_err(EnvdError::Transport)?;
+                let mut writer = UnixStream::from_std(writer_std).map_err(EnvdError::Transport)?;
+                let handle = tokio::spawn(async move {
+                    for chunk in data.chunks(CHUNK_SIZE) {
+                        write_raw_frame(&mut writer, FrameKind::Data, chunk).await?;
+                    }
+                    // Dropping `writer` afterwards closes only this duplicate descriptor:
+                    // the connection stays open until the ExecStream is dropped.
+                    write_raw_frame(&mut writer, FrameKind::End, &[]).await
+                });
+                return Ok(ExecStream {
+                    conn: conn_back,
+                    stdin_writer: Some(handle),
+                    finished: false,
+                });
+            }
+        };
+        Ok(ExecStream {
+            conn,
+            stdin_writer,
+            finished: false,
+        })
+    }
+
+    /// Convenience: runs a process to completion and collects its output.
+    pub async fn exec_collect(
+        &self,
+        spec: ExecSpec,
+        token: Option<u64>,
+    ) -> Result<ExecOutput, EnvdError> {
+        self.exec(spec, token).await?.collect().await
+    }
+
+    /// Opens a file for streaming. Reads are not fenced; `_token` is accepted for
+    /// symmetry with the mutating calls and ignored.
+    pub async fn read_file(&self, path: &str, _token: Option<u64>) -> Result<FileReader, EnvdError> {
+        let mut conn = self
+            .connect(&Request::ReadFile {
+                path: path.to_owned(),
+            })
+            .await?;
+        match read_response(&mut conn).await? {
+            Response::Opened { size } => Ok(FileReader {
+                conn,
+                size,
+                remaining: 0,
+                header: [0; FRAME_HEADER_LEN],
+                header_filled: 0,
+                error: None,
+                done: false,
+            }),
+            _ => Err(EnvdError::unexpected(FrameKind::Response)),
+        }
+    }
+
+    /// Writes (creates or atomically replaces) a file; returns the bytes written.
+    pub async fn write_file(
+        &self,
+        path: &str,
+        mode: Option<u32>,
+        mut data: impl AsyncRead + Unpin + Send,
+        token: Option<u64>,
+    ) -> Result<u64, EnvdError> {
+        let mut conn = self
+            .connect(&Request::WriteFile {
+                path: path.to_owned(),
+                mode,
+                token,
+            })
+            .await?;
+        let mut buf = vec![0u8; CHUNK_SIZE];
+        let sent: Result<(), EnvdError> = async {
+            loop {
+                let n = data.read(&mut buf).await.map_err(EnvdError::Transport)?;
+                if n == 0 {
+                    break;
+                }
+                write_frame(&mut conn, FrameKind::Data, &buf[..n]).await?;
+            }
+            write_frame(&mut conn, FrameKind::End, &[]).await
+        }
+        .await;
+        // envd may have refused the request (bad token, bad path) and closed the
+        // connection while we were still sending: its error frame explains why.
+        match read_response(&mut conn).await {
+            Ok(Response::Written { bytes }) => Ok(bytes),
+            Ok(_) => Err(EnvdError::unexpected(FrameKind::Response)),
+            Err(e @ (EnvdError::Transport(_) | EnvdError::Protocol(_))) => Err(sent.err().unwrap_or(e)),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub async fn list_dir(&self, path: &str) -> Result<Vec<FileStat>, EnvdError> {
+        let mut conn = self
+            .connect(&Request::ListDir {
+                path: path.to_owned(),
+            })
+            .await?;
+        let mut entries = Vec::new();
+        loop {
+            let (kind, payload) = read_frame(&mut conn).await?;
+            match kind {
+                FrameKind::Data => {
+                    let chunk: Vec<FileStat> = decode_json(&payload).map_err(EnvdError::Protocol)?;
+                    entries.extend(chunk);
+                }
+                FrameKind::Response => {
+                    return match decode_json(&payload).map_err(EnvdError::Protocol)? {
+                        Response::Listed { .. } => Ok(entries),
+                        _ => Err(EnvdError::unexpected(kind)),
+                    }
+                }
+                FrameKind::Error => return Err(error_from_payload(&payload)),
+                other => return Err(EnvdError::unexpected(other)),
+            }
+        }
+    }
+
+    /// Metadata of a path; a symlink is described, not followed.
+    pub async fn stat(&self, path: &str) -> Result<FileStat, EnvdError> {
+        match self
+            .call(&Request::Stat {
+                path: path.to_owned(),
+            })
+            .await?
+        {
+            Response::Stat(s) => Ok(s),
+            _ => Err(EnvdError::unexpected(FrameKind::Response)),
+        }
+    }
+
+    pub async fn mkdir(&self, path: &str, parents: bool, token: Option<u64>) -> Result<(), EnvdError> {
+        expect_ok(
+            self.call(&Request::Mkdir {
+                path: path.to_owned(),
+                parents,
+                token,
+            })
+            .await?,
+        )
+    }
+
+    pub async fn remove(&self, path: &str, recursive: bool, token: Option<u64>) -> Result<(), EnvdError> {
+        expect_ok(
+            self.call(&Request::Remove {
+                path: path.to_owned(),
+                recursive,
+                token,
+            })
+            .await?,
+        )
+    }
+}
+
+fn expect_ok(r: Response) -> Result<(), EnvdError> {
+    match r {
+        Response::Ok => Ok(()),
+        _ => Err(EnvdError::unexpected(FrameKind::Response)),
+    }
+}
+
+fn error_from_payload(payload: &[u8]) -> EnvdError {
+    match decode_json::<ErrorBody>(payload) {
+        Ok(body) => EnvdError::from_body(body),
+        Err(e) => EnvdError::Protocol(e),
+    }
+}
+
+/// Reads the final frame of a request: a `Response` or an `Error`.
+async fn read_response(conn: &mut UnixStream) -> Result<Response, EnvdError> {
+    let (kind, payload) = read_frame(conn).await?;
+    match kind {
+        FrameKind::Response => decode_json(&payload).map_err(EnvdError::Protocol),
+        FrameKind::Error => Err(error_from_payload(&payload)),
+        other => Err(EnvdError::unexpected(other)),
+    }
+}
+
+async fn read_frame(conn: &mut UnixStream) -> Result<(FrameKind, Vec<u8>), EnvdError> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    match conn.read_exact(&mut h).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            return Err(EnvdError::Protocol(ProtoError::UnexpectedEof))
+        }
+        Err(e) => return Err(EnvdError::Transport(e)),
+    }
+    let (kind, len) = decode_header(h).map_err(EnvdError::Protocol)?;
+    let mut payload = vec![0u8; len as usize];
+    conn.read_exact(&mut payload).await.map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            EnvdError::Protocol(ProtoError::UnexpectedEof)
+        } else {
+            EnvdError::Transport(e)
+        }
+    })?;
+    Ok((kind, payload))
+}
+
+async fn write_frame(conn: &mut UnixStream, kind: FrameKind, payload: &[u8]) -> Result<(), EnvdError> {
+    write_raw_frame(conn, kind, payload)
+        .await
+        .map_err(EnvdError::Transport)
+}
+
+async fn write_raw_frame<W: AsyncWrite + Unpin>(w: &mut W, kind: FrameKind, payload: &[u8]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+    buf.extend_from_slice(&encode_header(kind, payload.len()));
+    buf.extend_from_slice(payload);
+    w.write_all(&buf).await
+}

@@ -1,0 +1,564 @@
+//! The wire protocol between Aviary's control plane and `envd`, the daemon that
+//! runs as PID 1 inside every sandbox.
+//!
+//! **What it owns.** The framing, the JSON request/response messages, the hard
+//! size limits, the error codes that cross the wire, and the normalisation of
+//! sandbox paths. Behind the `client` feature it also owns [`EnvdClient`], the
+//! async (tokio) client used by the control plane. Without that feature the
+//! crate depends on `serde` and `serde_json` only, so envd stays small and static.
+//!
+//! **Protocol.** One request per unix-socket connection. Every frame is
+//! `kind: u8 | len: u32 big-endian | payload[len]`:
+//!
+//! | kind | name | direction | payload |
+//! |---|---|---|---|
+//! | 1 | `Request` | client → envd, first frame, exactly once | JSON [`Request`] |
+//! | 2 | `Data` | both | raw bytes (stdin, file content, list chunks) |
+//! | 3 | `End` | both | empty: end of a data stream |
+//! | 4 | `Stdout` | envd → client | raw bytes |
+//! | 5 | `Stderr` | envd → client | raw bytes |
+//! | 6 | `Response` | envd → client | JSON [`Response`] |
+//! | 7 | `Error` | envd → client, final | JSON [`ErrorBody`] |
+//!
+//! Per operation:
+//! - `health`, `set_fence`, `stat`, `mkdir`, `remove`: `Request` → `Response | Error`.
+//! - `exec`: `Request` [→ `Data`* `End` when `stdin` is true] ; envd answers
+//!   `Stdout|Stderr`* then `Response::Exit`, or `Error`. Closing the connection
+//!   before the final frame kills the process group.
+//! - `read_file`: `Request` → `Response::Opened` `Data`* `End` (or `Error` at any point).
+//! - `write_file`: `Request` `Data`* `End` → `Response::Written` or `Error`.
+//! - `list_dir`: `Request` → `Data`* (each a JSON array of [`FileStat`]) `Response::Listed`.
+//!
+//! **Invariants.** Decoding never panics and never allocates more than
+//! [`MAX_DATA_FRAME`] for one frame: the header is checked (known kind, length
+//! within the kind's limit, `End` empty) before any payload is read.
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "client")]
+mod client;
+#[cfg(feature = "client")]
+pub use client::{
+    EnvdClient, EnvdError, ExecEvent, ExecOutput, ExecSpec, ExecStream, ExitInfo, FileReader,
+};
+
+/// Protocol version reported by `health`; bump on incompatible changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Length of a frame header: kind byte + big-endian u32 length.
+pub const FRAME_HEADER_LEN: usize = 5;
+/// Largest JSON frame (`Request`, `Response`, `Error`).
+pub const MAX_JSON_FRAME: u32 = 64 * 1024;
+/// Largest data-carrying frame (`Data`, `Stdout`, `Stderr`).
+pub const MAX_DATA_FRAME: u32 = 1024 * 1024;
+/// Size of the data chunks envd and the client send (well below [`MAX_DATA_FRAME`]).
+pub const CHUNK_SIZE: usize = 64 * 1024;
+/// Longest accepted sandbox path, in bytes.
+pub const MAX_PATH_LEN: usize = 4096;
+/// Longest accepted path component, in bytes.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// The kind byte of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    Request = 1,
+    Data = 2,
+    End = 3,
+    Stdout = 4,
+    Stderr = 5,
+    Response = 6,
+    Error = 7,
+}
+
+impl FrameKind {
+    /// Parses a kind byte.
+    pub fn from_byte(b: u8) -> Option<FrameKind> {
+        Some(match b {
+            1 => FrameKind::Request,
+            2 => FrameKind::Data,
+            3 => FrameKind::End,
+            4 => FrameKind::Stdout,
+            5 => FrameKind::Stderr,
+            6 => FrameKind::Response,
+            7 => FrameKind::Error,
+            _ => return None,
+        })
+    }
+
+    /// The largest payload a frame of this kind may carry.
+    pub fn max_len(self) -> u32 {
+        match self {
+            FrameKind::Request | FrameKind::Response | FrameKind::Error => MAX_JSON_FRAME,
+            FrameKind::Data | FrameKind::Stdout | FrameKind::Stderr => MAX_DATA_FRAME,
+            FrameKind::End => 0,
+        }
+    }
+}
+
+/// Errors of the framing and message layer.
+#[derive(Debug)]
+pub enum ProtoError {
+    /// The underlying stream failed (including a clean EOF in the middle of a frame).
+    ReadFrame(io::Error),
+    /// Writing a frame failed.
+    WriteFrame(io::Error),
+    /// The connection ended where a frame was expected.
+    UnexpectedEof,
+    /// A frame header named an unknown kind.
+    UnknownKind(u8),
+    /// A frame header announced more bytes than its kind allows.
+    FrameTooLarge { kind: FrameKind, len: u32 },
+    /// A frame arrived that the protocol does not allow at this point.
+    UnexpectedFrame(FrameKind),
+    /// A JSON payload did not parse as the expected message.
+    DecodeJson(serde_json::Error),
+    /// A message could not be encoded (or its encoding exceeds [`MAX_JSON_FRAME`]).
+    EncodeJson(String),
+}
+
+impl fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProtoError::ReadFrame(_) => write!(f, "read frame"),
+            ProtoError::WriteFrame(_) => write!(f, "write frame"),
+            ProtoError::UnexpectedEof => write!(f, "connection closed before the expected frame"),
+            ProtoError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
+            ProtoError::FrameTooLarge { kind, len } => {
+                write!(f, "{kind:?} frame of {len} bytes exceeds {}", kind.max_len())
+            }
+            ProtoError::UnexpectedFrame(k) => write!(f, "unexpected {k:?} frame"),
+            ProtoError::DecodeJson(_) => write!(f, "decode json message"),
+            ProtoError::EncodeJson(m) => write!(f, "encode json message: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ProtoError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ProtoError::ReadFrame(e) | ProtoError::WriteFrame(e) => Some(e),
+            ProtoError::DecodeJson(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Validates a 5-byte frame header and returns its kind and payload length.
+pub fn decode_header(h: [u8; FRAME_HEADER_LEN]) -> Result<(FrameKind, u32), ProtoError> {
+    let kind = FrameKind::from_byte(h[0]).ok_or(ProtoError::UnknownKind(h[0]))?;
+    let len = u32::from_be_bytes([h[1], h[2], h[3], h[4]]);
+    if len > kind.max_len() {
+        return Err(ProtoError::FrameTooLarge { kind, len });
+    }
+    Ok((kind, len))
+}
+
+/// Encodes a frame header. The caller guarantees `len` fits the kind's limit.
+pub fn encode_header(kind: FrameKind, len: usize) -> [u8; FRAME_HEADER_LEN] {
+    let len = u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes();
+    [kind as u8, len[0], len[1], len[2], len[3]]
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub kind: FrameKind,
+    pub payload: Vec<u8>,
+}
+
+/// Reads one frame from a blocking reader. `Ok(None)` means a clean EOF before
+/// the first header byte.
+pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, ProtoError> {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    let mut got = 0;
+    while got < h.len() {
+        match r.read(&mut h[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(ProtoError::UnexpectedEof),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ProtoError::ReadFrame(e)),
+        }
+    }
+    let (kind, len) = decode_header(h)?;
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            ProtoError::UnexpectedEof
+        } else {
+            ProtoError::ReadFrame(e)
+        }
+    })?;
+    Ok(Some(Frame { kind, payload }))
+}
+
+/// Writes one frame (header and payload in a single `write_all`).
+pub fn write_frame(w: &mut impl Write, kind: FrameKind, payload: &[u8]) -> Result<(), ProtoError> {
+    if payload.len() > kind.max_len() as usize {
+        return Err(ProtoError::EncodeJson(format!(
+            "{kind:?} payload of {} bytes exceeds {}",
+            payload.len(),
+            kind.max_len()
+        )));
+    }
+    let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
+    buf.extend_from_slice(&encode_header(kind, payload.len()));
+    buf.extend_from_slice(payload);
+    w.write_all(&buf).map_err(ProtoError::WriteFrame)
+}
+
+/// Encodes a JSON message, refusing encodings larger than [`MAX_JSON_FRAME`].
+pub fn encode_json<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtoError> {
+    let v = serde_json::to_vec(msg).map_err(|e| ProtoError::EncodeJson(e.to_string()))?;
+    if v.len() > MAX_JSON_FRAME as usize {
+        return Err(ProtoError::EncodeJson(format!(
+            "message of {} bytes exceeds {MAX_JSON_FRAME}",
+            v.len()
+        )));
+    }
+    Ok(v)
+}
+
+/// Decodes a JSON message.
+pub fn decode_json<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, ProtoError> {
+    serde_json::from_slice(payload).map_err(ProtoError::DecodeJson)
+}
+
+/// The first frame of every connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Health,
+    /// Control operation, accepted only from peers outside the sandbox.
+    SetFence {
+        token: Option<u64>,
+    },
+    Exec {
+        argv: Vec<String>,
+        #[serde(default)]
+        cwd: Option<String>,
+        #[serde(default)]
+        env: Vec<(String, String)>,
+        /// When true, `Data`* `End` frames follow with the process's stdin.
+        #[serde(default)]
+        stdin: bool,
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    ReadFile {
+        path: String,
+    },
+    WriteFile {
+        path: String,
+        #[serde(default)]
+        mode: Option<u32>,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    ListDir {
+        path: String,
+    },
+    Stat {
+        path: String,
+    },
+    Mkdir {
+        path: String,
+        #[serde(default)]
+        parents: bool,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    Remove {
+        path: String,
+        #[serde(default)]
+        recursive: bool,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+}
+
+/// Successful answers (the final frame, except `Opened`, which precedes file data).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Response {
+    Health(Health),
+    Ok,
+    Exit(ExitWire),
+    Stat(FileStat),
+    Opened { size: u64 },
+    Written { bytes: u64 },
+    Listed { count: u64 },
+}
+
+/// envd's health report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// envd's crate version.
+    pub version: String,
+    pub protocol: u32,
+    pub uptime_ms: u64,
+    /// Current lease fence: `Some(t)` leased with token t, `None` unleased.
+    pub fence: Option<u64>,
+    /// Highest fence ever set; the fence can never be set below it.
+    pub highest_fence: Option<u64>,
+    /// Whether envd runs as PID 1 (inside a sandbox) or as an ordinary process.
+    pub pid1: bool,
+    /// Processes started by exec that are still running.
+    pub running_execs: u64,
+}
+
+/// How a process ended, as sent on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitWire {
+    /// Exit code, or 128 + signal number when killed by a signal.
+    pub exit_code: i32,
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_us: u64,
+}
+
+/// Kind of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// Metadata of one file (symlinks are reported as themselves, not followed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub name: String,
+    /// Normalised absolute sandbox path.
+    pub path: String,
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub modified_unix: i64,
+}
+
+/// Stable error codes that cross the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    NotFound,
+    InvalidPath,
+    AlreadyExists,
+    NotEmpty,
+    LeaseRequired,
+    StaleToken,
+    PermissionDenied,
+    /// The request was malformed or violated the protocol.
+    BadRequest,
+    /// envd refused the connection because it is at its connection limit.
+    Busy,
+    /// Anything else (I/O failure inside the sandbox, spawn failure, ...).
+    Internal,
+}
+
+/// Payload of an `Error` frame.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// Why a sandbox path was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathError {
+    NotAbsolute,
+    ContainsNul,
+    TooLong,
+    NameTooLong,
+    /// `..` would climb above the sandbox root.
+    EscapesRoot,
+}
+
+impl fmt::Display for PathError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PathError::NotAbsolute => "path must be absolute",
+            PathError::ContainsNul => "path contains a NUL byte",
+            PathError::TooLong => "path too long",
+            PathError::NameTooLong => "path component too long",
+            PathError::EscapesRoot => "path escapes the sandbox root",
+        })
+    }
+}
+
+impl std::error::Error for PathError {}
+
+/// Normalises an absolute sandbox path lexically into its components:
+/// empty and `.` components are dropped, `..` removes the previous component
+/// and is refused when it would climb above `/`. `"/"` yields no components.
+pub fn normalize_path(path: &str) -> Result<Vec<String>, PathError> {
+    if path.len() > MAX_PATH_LEN {
+        return Err(PathError::TooLong);
+    }
+    if path.contains('\0') {
+        return Err(PathError::ContainsNul);
+    }
+    if !path.starts_with('/') {
+        return Err(PathError::NotAbsolute);
+    }
+    let mut out: Vec<String> = Vec::new();
+    for comp in path.split('/') {
+        match comp {
+            "" | "." => {}
+            ".." => {
+                if out.pop().is_none() {
+                    return Err(PathError::EscapesRoot);
+                }
+            }
+            name if name.len() > MAX_NAME_LEN => return Err(PathError::NameTooLong),
+            name => out.push(name.to_owned()),
+        }
+    }
+    Ok(out)
+}
+
+/// Joins normalised components back into an absolute path.
+pub fn join_components(comps: &[String]) -> String {
+    if comps.is_empty() {
+        return "/".to_owned();
+    }
+    let mut s = String::new();
+    for c in comps {
+        s.push('/');
+        s.push_str(c);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn frame_round_trip() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, FrameKind::Stdout, b"hello").unwrap();
+        write_frame(&mut buf, FrameKind::End, b"").unwrap();
+        let mut r = &buf[..];
+        let f = read_frame(&mut r).unwrap().unwrap();
+        assert_eq!(f.kind, FrameKind::Stdout);
+        assert_eq!(f.payload, b"hello");
+        assert_eq!(read_frame(&mut r).unwrap().unwrap().kind, FrameKind::End);
+        assert!(read_frame(&mut r).unwrap().is_none());
+    }
+
+    #[test]
+    fn oversized_header_is_refused_before_allocation() {
+        let h = encode_header(FrameKind::Request, MAX_JSON_FRAME as usize + 1);
+        let err = decode_header(h).unwrap_err();
+        assert!(matches!(err, ProtoError::FrameTooLarge { .. }), "{err}");
+        let mut r: &[u8] = &[2, 0xff, 0xff, 0xff, 0xff];
+        assert!(matches!(
+            read_frame(&mut r).unwrap_err(),
+            ProtoError::FrameTooLarge { .. }
+        ));
+        let mut r: &[u8] = &[3, 0, 0, 0, 1, 0];
+        assert!(matches!(
+            read_frame(&mut r).unwrap_err(),
+            ProtoError::FrameTooLarge { .. }
+        ));
+        let mut r: &[u8] = &[9, 0, 0, 0, 0];
+        assert!(matches!(
+            read_frame(&mut r).unwrap_err(),
+            ProtoError::UnknownKind(9)
+        ));
+        let mut r: &[u8] = &[2, 0, 0, 0, 4, 1];
+        assert!(matches!(
+            read_frame(&mut r).unwrap_err(),
+            ProtoError::UnexpectedEof
+        ));
+    }
+
+    #[test]
+    fn request_json_shape() {
+        let r = Request::Exec {
+            argv: vec!["/bin/sh".into(), "-c".into(), "exit 7".into()],
+            cwd: None,
+            env: vec![("A".into(), "b".into())],
+            stdin: false,
+            timeout_ms: Some(5),
+            token: Some(3),
+        };
+        let j = encode_json(&r).unwrap();
+        let s = std::str::from_utf8(&j).unwrap();
+        assert!(s.starts_with(r#"{"op":"exec","argv":["/bin/sh","-c","exit 7"]"#), "{s}");
+        assert_eq!(decode_json::<Request>(&j).unwrap(), r);
+        let minimal: Request = decode_json(br#"{"op":"mkdir","path":"/a"}"#).unwrap();
+        assert_eq!(
+            minimal,
+            Request::Mkdir {
+                path: "/a".into(),
+                parents: false,
+                token: None
+            }
+        );
+    }
+
+    #[test]
+    fn normalize_paths() {
+        assert_eq!(normalize_path("/").unwrap(), Vec::<String>::new());
+        assert_eq!(normalize_path("//a/./b/../c/").unwrap(), vec!["a", "c"]);
+        assert_eq!(join_components(&normalize_path("/a//b").unwrap()), "/a/b");
+        assert_eq!(normalize_path("/..").unwrap_err(), PathError::EscapesRoot);
+        assert_eq!(
+            normalize_path("/a/../../etc/passwd").unwrap_err(),
+            PathError::EscapesRoot
+        );
+        assert_eq!(normalize_path("a/b").unwrap_err(), PathError::NotAbsolute);
+        assert_eq!(normalize_path("").unwrap_err(), PathError::NotAbsolute);
+        assert_eq!(normalize_path("/a\0b").unwrap_err(), PathError::ContainsNul);
+        let long = format!("/{}", "x".repeat(256));
+        assert_eq!(normalize_path(&long).unwrap_err(), PathError::NameTooLong);
+    }
+
+    proptest! {
+        #[test]
+        fn decoder_never_panics_on_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            let mut r = &bytes[..];
+            // Consume frames until the stream ends or the decoder refuses it.
+            while let Ok(Some(frame)) = read_frame(&mut r) {
+                prop_assert!(frame.payload.len() <= frame.kind.max_len() as usize);
+                let _ = decode_json::<Request>(&frame.payload);
+                let _ = decode_json::<Response>(&frame.payload);
+                let _ = decode_json::<ErrorBody>(&frame.payload);
+            }
+        }
+
+        #[test]
+        fn decoder_never_panics_on_framed_random_payloads(kind in 0u8..10, payload in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let mut bytes = vec![kind];
+            bytes.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+            bytes.extend_from_slice(&payload);
+            let mut r = &bytes[..];
+            if let Ok(Some(frame)) = read_frame(&mut r) {
+                prop_assert_eq!(&frame.payload, &payload);
+                let _ = decode_json::<Request>(&frame.payload);
+            }
+        }
+
+        #[test]
+        fn normalized_paths_never_escape(parts in proptest::collection::vec(prop_oneof![Just("..".to_string()), Just(".".to_string()), Just(String::new()), "[a-z]{1,3}"], 0..12)) {
+            let path = format!("/{}", parts.join("/"));
+            if let Ok(comps) = normalize_path(&path) {
+                for c in &comps {
+                    prop_assert!(c != ".." && c != "." && !c.is_empty() && !c.contains('/'));
+                }
+                prop_assert_eq!(normalize_path(&join_components(&comps)).unwrap(), comps);
+            }
+        }
+    }
+}
