@@ -1,0 +1,212 @@
+//! Aviary's lease manager seam (DESIGN §3 "Lease manager", principle 4).
+//!
+//! This crate owns the [`LeaseStore`] trait: acquire / renew (heartbeat) /
+//! release / expire / revoke of the one lease a sandbox may have, and the
+//! fencing check every mutating call goes through. Backends: the embedded
+//! SQLite store (`aviary-registry-sqlite`), [`MemoryLeaseStore`] for unit
+//! tests at the seams, and later Redis. Every backend must pass
+//! [`conformance::run_all`].
+//!
+//! Invariants every backend keeps:
+//! - A sandbox has at most one *live* lease; a lease is live while
+//!   `now < expires_at`. An expired lease counts as no lease, whether or not
+//!   [`LeaseStore::expire_due`] has deleted it yet.
+//! - The fencing token of a new lease is the sandbox's fencing counter + 1,
+//!   persisted atomically with the grant: tokens are strictly increasing per
+//!   sandbox, forever — across release, expiry, revoke and restarts.
+//! - Time is always passed in (`now`); no backend reads the clock, so tests
+//!   can move it.
+//!
+//! Concurrency: backends are `Send + Sync` and serialise the
+//! read-modify-write of one sandbox's lease, so of N concurrent acquires on a
+//! free sandbox exactly one wins.
+#![forbid(unsafe_code)]
+
+pub mod conformance;
+mod memory;
+
+pub use aviary_core::api::Lease;
+pub use memory::MemoryLeaseStore;
+
+use async_trait::async_trait;
+use aviary_core::{LeaseToken, SandboxId};
+use std::time::Duration;
+use time::OffsetDateTime;
+
+/// The outcome of a successful fencing check.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fence {
+    /// No live lease; the call carried no token and may proceed.
+    Unleased,
+    /// A live lease exists and the call carried its token.
+    Leased(LeaseToken),
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LeaseError {
+    /// No such sandbox.
+    #[error("sandbox not found")]
+    NotFound,
+    /// The sandbox already has a live lease.
+    #[error("sandbox is leased by {owner} until {expires_at}")]
+    Held {
+        owner: String,
+        expires_at: OffsetDateTime,
+    },
+    /// The sandbox is leased and the call carried no token.
+    #[error("sandbox is leased; the call needs its token")]
+    LeaseRequired,
+    /// The token is not the one of the sandbox's live lease.
+    #[error("stale lease token")]
+    StaleToken,
+    /// A ttl of zero, or one so long the expiry cannot be represented.
+    #[error("invalid lease ttl")]
+    InvalidTtl,
+    /// The backing store failed; the message is for the server log.
+    #[error("lease storage: {0}")]
+    Storage(String),
+}
+
+impl LeaseError {
+    /// The stable API error code of this error.
+    pub fn code(&self) -> aviary_core::ErrorCode {
+        use aviary_core::ErrorCode;
+        match self {
+            LeaseError::NotFound => ErrorCode::NotFound,
+            LeaseError::Held { .. } => ErrorCode::LeaseHeld,
+            LeaseError::LeaseRequired => ErrorCode::LeaseRequired,
+            LeaseError::StaleToken => ErrorCode::StaleToken,
+            LeaseError::InvalidTtl => ErrorCode::InvalidRequest,
+            LeaseError::Storage(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+#[async_trait]
+pub trait LeaseStore: Send + Sync {
+    /// Grants a lease if none is live (an expired lease counts as none). The
+    /// token is the sandbox's fencing counter + 1, persisted atomically:
+    /// strictly increasing per sandbox, forever, across restarts and across
+    /// expiry/release. A live lease, even the caller's own, is `Held`.
+    async fn acquire(
+        &self,
+        sandbox: &SandboxId,
+        owner: &str,
+        ttl: Duration,
+        now: OffsetDateTime,
+    ) -> Result<Lease, LeaseError>;
+
+    /// Heartbeat/renew: sets the expiry to `now + ttl`; only with the current
+    /// token of a live lease (else `StaleToken`).
+    async fn renew(
+        &self,
+        sandbox: &SandboxId,
+        token: LeaseToken,
+        ttl: Duration,
+        now: OffsetDateTime,
+    ) -> Result<Lease, LeaseError>;
+
+    /// Ends the live lease carrying `token` (else `StaleToken`).
+    async fn release(
+        &self,
+        sandbox: &SandboxId,
+        token: LeaseToken,
+        now: OffsetDateTime,
+    ) -> Result<(), LeaseError>;
+
+    /// The live lease, if any.
+    async fn current(
+        &self,
+        sandbox: &SandboxId,
+        now: OffsetDateTime,
+    ) -> Result<Option<Lease>, LeaseError>;
+
+    /// The fencing check for a mutating call: live lease → token must equal
+    /// it (`None` → `LeaseRequired`, other → `StaleToken`); no live lease →
+    /// `None` is fine ([`Fence::Unleased`]), any token → `StaleToken`.
+    async fn check(
+        &self,
+        sandbox: &SandboxId,
+        token: Option<LeaseToken>,
+        now: OffsetDateTime,
+    ) -> Result<Fence, LeaseError>;
+
+    /// Deletes leases whose expiry passed (`expires_at <= now`) and returns
+    /// them; the caller writes events and tells the sandbox's envd.
+    async fn expire_due(&self, now: OffsetDateTime) -> Result<Vec<Lease>, LeaseError>;
+
+    /// Drops any lease of the sandbox (on destroy) without lowering its
+    /// fencing counter.
+    async fn revoke(&self, sandbox: &SandboxId) -> Result<(), LeaseError>;
+}
+
+/// `now + ttl`, refusing a zero ttl and one that overflows the calendar.
+pub fn expiry(now: OffsetDateTime, ttl: Duration) -> Result<OffsetDateTime, LeaseError> {
+    if ttl.is_zero() {
+        return Err(LeaseError::InvalidTtl);
+    }
+    let ttl = time::Duration::try_from(ttl).map_err(|_| LeaseError::InvalidTtl)?;
+    now.checked_add(ttl).ok_or(LeaseError::InvalidTtl)
+}
+
+/// The fencing rule of [`LeaseStore::check`] applied to the live lease's
+/// token (`None` when the sandbox has no live lease). Backends call this so
+/// the rule is written once.
+pub fn fence_rule(
+    live: Option<LeaseToken>,
+    presented: Option<LeaseToken>,
+) -> Result<Fence, LeaseError> {
+    match (live, presented) {
+        (None, None) => Ok(Fence::Unleased),
+        (None, Some(_)) => Err(LeaseError::StaleToken),
+        (Some(_), None) => Err(LeaseError::LeaseRequired),
+        (Some(live), Some(t)) if live == t => Ok(Fence::Leased(live)),
+        (Some(_), Some(_)) => Err(LeaseError::StaleToken),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use time::macros::datetime;
+
+    #[test]
+    fn expiry_refuses_zero_and_overflow() {
+        let now = datetime!(2030-01-01 0:00 UTC);
+        assert_eq!(
+            expiry(now, Duration::ZERO).unwrap_err(),
+            LeaseError::InvalidTtl
+        );
+        assert_eq!(
+            expiry(now, Duration::from_secs(u64::MAX)).unwrap_err(),
+            LeaseError::InvalidTtl
+        );
+        assert_eq!(
+            expiry(now, Duration::from_secs(60)).unwrap(),
+            datetime!(2030-01-01 0:01 UTC)
+        );
+    }
+
+    #[test]
+    fn fence_rule_table() {
+        let t = LeaseToken(7);
+        assert_eq!(fence_rule(None, None).unwrap(), Fence::Unleased);
+        assert_eq!(
+            fence_rule(None, Some(t)).unwrap_err(),
+            LeaseError::StaleToken
+        );
+        assert_eq!(
+            fence_rule(Some(t), None).unwrap_err(),
+            LeaseError::LeaseRequired
+        );
+        assert_eq!(fence_rule(Some(t), Some(t)).unwrap(), Fence::Leased(t));
+        assert_eq!(
+            fence_rule(Some(t), Some(LeaseToken(6))).unwrap_err(),
+            LeaseError::StaleToken
+        );
+        assert_eq!(
+            fence_rule(Some(t), Some(LeaseToken(8))).unwrap_err(),
+            LeaseError::StaleToken
+        );
+    }
+}
