@@ -1,0 +1,491 @@
+//! Reading image archives: `docker save` tarballs and OCI image layouts.
+//!
+//! The outer tarball (optionally gzip/zstd-compressed as a whole) is indexed
+//! once (member name → offset and size); nothing of it is ever extracted to
+//! disk by name, so hostile member names in the outer tar are harmless.
+//! Metadata members (`manifest.json`, `index.json`, configs, manifests) are
+//! read into memory with a size cap. Each layer is streamed from its offset
+//! through: blob hash → decompression (gzip/zstd, sniffed from magic bytes)
+//! → uncompressed hash + byte budget → [`extract::apply_layer`].
+//!
+//! Verification: every blob named by digest (`blobs/sha256/<hex>`, and
+//! legacy `<hex>.json` configs) must hash to its name; every layer's
+//! uncompressed stream must hash to its `diff_id` from the image config. A
+//! `docker save` archive must carry diff_ids for all layers.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
+use std::path::Path;
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::error::{read_archive_err, write_err, IoContext, TemplateError};
+use crate::extract::{self, Budget, DeferredDirs};
+
+/// Largest metadata member (manifest, index, config) we read into memory.
+const MAX_JSON: u64 = 16 << 20;
+
+/// Which kind of archive an import was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ArchiveKind {
+    DockerArchive,
+    OciLayout,
+}
+
+impl ArchiveKind {
+    pub(crate) fn source(self) -> &'static str {
+        match self {
+            ArchiveKind::DockerArchive => "docker-archive",
+            ArchiveKind::OciLayout => "oci-layout",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+fn sniff(head: &[u8]) -> Compression {
+    if head.starts_with(&[0x1f, 0x8b]) {
+        Compression::Gzip
+    } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        Compression::Zstd
+    } else {
+        Compression::None
+    }
+}
+
+fn decoder<'a>(
+    kind: Compression,
+    input: &'a mut (dyn BufRead + 'a),
+) -> Result<Box<dyn Read + 'a>, TemplateError> {
+    match kind {
+        Compression::None => Ok(Box::new(input)),
+        Compression::Gzip => Ok(Box::new(flate2::bufread::MultiGzDecoder::new(input))),
+        #[cfg(feature = "zstd")]
+        Compression::Zstd => {
+            let d = ruzstd::decoding::StreamingDecoder::new(input)
+                .map_err(|e| TemplateError::invalid(format!("zstd stream: {e}")))?;
+            Ok(Box::new(d))
+        }
+        #[cfg(not(feature = "zstd"))]
+        Compression::Zstd => Err(TemplateError::invalid(
+            "zstd-compressed data needs aviary-templates' `zstd` feature",
+        )),
+    }
+}
+
+/// Hashes (and optionally charges to a budget) everything read through it.
+struct Hashing<'a, R> {
+    inner: R,
+    hasher: Sha256,
+    budget: Option<&'a Budget>,
+}
+
+impl<'a, R: Read> Hashing<'a, R> {
+    fn new(inner: R, budget: Option<&'a Budget>) -> Self {
+        Hashing {
+            inner,
+            hasher: Sha256::new(),
+            budget,
+        }
+    }
+
+    fn finish_hex(self) -> String {
+        hex::encode(self.hasher.finalize())
+    }
+}
+
+impl<R: Read> Read for Hashing<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if let Some(b) = self.budget {
+            b.charge_bytes(n as u64)?;
+        }
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+}
+
+/// Index of the outer tarball's regular-file members.
+struct Outer {
+    path: std::path::PathBuf,
+    members: HashMap<String, (u64, u64)>,
+}
+
+impl Outer {
+    fn index(path: &Path, max_entries: u64) -> Result<Self, TemplateError> {
+        let file = File::open(path).ctx(read_archive_err, path)?;
+        let mut archive = tar::Archive::new(file);
+        let bad = |e: io::Error| TemplateError::invalid(format!("outer tar: {e}"));
+        let mut members = HashMap::new();
+        for (n, entry) in archive.entries_with_seek().map_err(bad)?.enumerate() {
+            if n as u64 >= max_entries {
+                return Err(TemplateError::invalid(format!(
+                    "outer tar has more than {max_entries} entries"
+                )));
+            }
+            let entry = entry.map_err(bad)?;
+            if !matches!(
+                entry.header().entry_type(),
+                tar::EntryType::Regular | tar::EntryType::Continuous
+            ) {
+                continue;
+            }
+            let name = entry.path().map_err(bad)?;
+            let Ok(norm) = extract::normalize(&name, "member") else {
+                continue;
+            };
+            let Some(key) = norm.to_str().map(str::to_owned) else {
+                continue;
+            };
+            members.insert(key, (entry.raw_file_position(), entry.size()));
+        }
+        Ok(Outer {
+            path: path.to_path_buf(),
+            members,
+        })
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.members.contains_key(name)
+    }
+
+    fn open(&self, name: &str) -> Result<io::Take<File>, TemplateError> {
+        let &(offset, size) = self
+            .members
+            .get(name)
+            .ok_or_else(|| TemplateError::invalid(format!("archive has no member {name:?}")))?;
+        let mut f = File::open(&self.path).ctx(read_archive_err, &self.path)?;
+        f.seek(SeekFrom::Start(offset)).ctx(read_archive_err, &self.path)?;
+        Ok(f.take(size))
+    }
+
+    /// Reads a small member, checking its sha256 when `hex` is given.
+    fn read_small(&self, name: &str, hex: Option<&str>) -> Result<Vec<u8>, TemplateError> {
+        let size = self.members.get(name).map(|m| m.1).unwrap_or(0);
+        if size > MAX_JSON {
+            return Err(TemplateError::invalid(format!(
+                "{name} is larger than {MAX_JSON} bytes"
+            )));
+        }
+        let mut data = Vec::new();
+        self.open(name)?
+            .read_to_end(&mut data)
+            .ctx(read_archive_err, &self.path)?;
+        if let Some(want) = hex {
+            let got = hex::encode(Sha256::digest(&data));
+            if got != want {
+                return Err(TemplateError::invalid(format!(
+                    "{name}: digest mismatch (sha256:{got})"
+                )));
+            }
+        }
+        Ok(data)
+    }
+
+    fn read_json(&self, name: &str, hex: Option<&str>) -> Result<Value, TemplateError> {
+        let data = self.read_small(name, hex)?;
+        serde_json::from_slice(&data)
+            .map_err(|e| TemplateError::invalid(format!("{name} is not valid JSON: {e}")))
+    }
+}
+
+/// One layer to apply: where it is and what it must hash to.
+struct LayerRef {
+    member: String,
+    blob_hex: Option<String>,
+    diff_hex: Option<String>,
+}
+
+/// Parses `sha256:<64 lowercase hex>`; other algorithms are refused.
+fn sha256_hex(digest: &str) -> Result<String, TemplateError> {
+    let hex = digest
+        .strip_prefix("sha256:")
+        .ok_or_else(|| TemplateError::invalid(format!("unsupported digest {digest:?}")))?;
+    if hex.len() != 64 || !hex.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(TemplateError::invalid(format!("malformed digest {digest:?}")));
+    }
+    Ok(hex.to_owned())
+}
+
+/// The digest hex of a content-addressed member name, if it is one.
+fn member_hex(member: &str) -> Option<String> {
+    let tail = member
+        .strip_prefix("blobs/sha256/")
+        .or_else(|| member.strip_suffix(".json"))?;
+    sha256_hex(&format!("sha256:{tail}")).ok()
+}
+
+fn str_field<'v>(v: &'v Value, key: &str, ctx: &str) -> Result<&'v str, TemplateError> {
+    v.get(key)
+        .and_then(Value::as_str)
+        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing string field {key:?}")))
+}
+
+fn diff_ids(config: &Value) -> Option<Vec<String>> {
+    config
+        .get("rootfs")?
+        .get("diff_ids")?
+        .as_array()?
+        .iter()
+        .map(|v| v.as_str().and_then(|s| sha256_hex(s).ok()))
+        .collect()
+}
+
+fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
+    let manifest = outer.read_json("manifest.json", None)?;
+    let images = manifest
+        .as_array()
+        .ok_or_else(|| TemplateError::invalid("manifest.json is not an array"))?;
+    let [image] = images.as_slice() else {
+        return Err(TemplateError::invalid(format!(
+            "manifest.json lists {} images; import exactly one",
+            images.len()
+        )));
+    };
+    let config_name = norm_member(str_field(image, "Config", "manifest.json")?)?;
+    let config = outer.read_json(&config_name, member_hex(&config_name).as_deref())?;
+    let diffs = diff_ids(&config)
+        .ok_or_else(|| TemplateError::invalid(format!("{config_name}: no valid rootfs.diff_ids")))?;
+    let layers = image
+        .get("Layers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| TemplateError::invalid("manifest.json: missing Layers"))?;
+    if layers.len() != diffs.len() {
+        return Err(TemplateError::invalid(format!(
+            "manifest lists {} layers but the config has {} diff_ids",
+            layers.len(),
+            diffs.len()
+        )));
+    }
+    layers
+        .iter()
+        .zip(diffs)
+        .map(|(l, diff)| {
+            let member = norm_member(
+                l.as_str()
+                    .ok_or_else(|| TemplateError::invalid("manifest.json: layer is not a string"))?,
+            )?;
+            Ok(LayerRef {
+                blob_hex: member
+                    .starts_with("blobs/sha256/")
+                    .then(|| member_hex(&member))
+                    .flatten(),
+                member,
+                diff_hex: Some(diff),
+            })
+        })
+        .collect()
+}
+
+fn norm_member(name: &str) -> Result<String, TemplateError> {
+    let p = extract::normalize(Path::new(name), "member")?;
+    p.to_str()
+        .map(str::to_owned)
+        .ok_or_else(|| TemplateError::invalid("member name is not UTF-8"))
+}
+
+fn host_platform() -> (&'static str, &'static str) {
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    };
+    ("linux", arch)
+}
+
+fn choose_descriptor<'v>(list: &'v [Value], ctx: &str) -> Result<&'v Value, TemplateError> {
+    if let [only] = list {
+        return Ok(only);
+    }
+    let (os, arch) = host_platform();
+    let matching: Vec<&Value> = list
+        .iter()
+        .filter(|d| {
+            let p = d.get("platform");
+            p.and_then(|p| p.get("os")).and_then(Value::as_str) == Some(os)
+                && p.and_then(|p| p.get("architecture")).and_then(Value::as_str) == Some(arch)
+        })
+        .collect();
+    match matching.as_slice() {
+        [one] => Ok(one),
+        _ => Err(TemplateError::invalid(format!(
+            "{ctx} lists {} manifests and not exactly one for {os}/{arch}",
+            list.len()
+        ))),
+    }
+}
+
+fn is_index(media_type: &str) -> bool {
+    media_type.ends_with("image.index.v1+json") || media_type.ends_with("manifest.list.v2+json")
+}
+
+fn oci_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
+    let layout = outer.read_json("oci-layout", None)?;
+    if layout.get("imageLayoutVersion").and_then(Value::as_str) != Some("1.0.0") {
+        return Err(TemplateError::invalid("oci-layout: unsupported imageLayoutVersion"));
+    }
+    let mut doc = outer.read_json("index.json", None)?;
+    let mut ctx = "index.json".to_owned();
+    // Follow nested indexes to one image manifest (bounded depth).
+    for _ in 0..4 {
+        let list = doc
+            .get("manifests")
+            .and_then(Value::as_array)
+            .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing manifests")))?;
+        let desc = choose_descriptor(list, &ctx)?;
+        let hex = sha256_hex(str_field(desc, "digest", &ctx)?)?;
+        let media = desc.get("mediaType").and_then(Value::as_str).unwrap_or("");
+        let member = format!("blobs/sha256/{hex}");
+        let next = outer.read_json(&member, Some(&hex))?;
+        let next_media = next
+            .get("mediaType")
+            .and_then(Value::as_str)
+            .unwrap_or(media)
+            .to_owned();
+        if is_index(&next_media) || (next.get("manifests").is_some() && next.get("layers").is_none()) {
+            doc = next;
+            ctx = member;
+            continue;
+        }
+        return manifest_layers(outer, &next, &member);
+    }
+    Err(TemplateError::invalid("image indexes nested too deeply"))
+}
+
+fn manifest_layers(outer: &Outer, manifest: &Value, ctx: &str) -> Result<Vec<LayerRef>, TemplateError> {
+    let config_desc = manifest
+        .get("config")
+        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing config")))?;
+    let config_hex = sha256_hex(str_field(config_desc, "digest", ctx)?)?;
+    let config = outer.read_json(&format!("blobs/sha256/{config_hex}"), Some(&config_hex))?;
+    let layers = manifest
+        .get("layers")
+        .and_then(Value::as_array)
+        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing layers")))?;
+    let diffs = diff_ids(&config).filter(|d| d.len() == layers.len());
+    layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let media = l.get("mediaType").and_then(Value::as_str).unwrap_or("");
+            if media.contains("encrypted") {
+                return Err(TemplateError::invalid(format!("encrypted layer ({media})")));
+            }
+            let hex = sha256_hex(str_field(l, "digest", ctx)?)?;
+            Ok(LayerRef {
+                member: format!("blobs/sha256/{hex}"),
+                blob_hex: Some(hex),
+                diff_hex: diffs.as_ref().map(|d| d[i].clone()),
+            })
+        })
+        .collect()
+}
+
+/// Imports `archive` into the empty directory `rootfs`, using `scratch` (a
+/// private directory) for a decompressed copy of a compressed outer tarball.
+pub(crate) fn import_into(
+    archive: &Path,
+    rootfs: &Path,
+    scratch: &Path,
+    budget: &Budget,
+) -> Result<ArchiveKind, TemplateError> {
+    let outer_path = decompress_outer(archive, scratch, budget)?;
+    let outer = Outer::index(&outer_path, budget.limits.max_entries)?;
+    let (kind, layers) = if outer.has("oci-layout") && outer.has("index.json") {
+        (ArchiveKind::OciLayout, oci_layers(&outer)?)
+    } else if outer.has("manifest.json") {
+        (ArchiveKind::DockerArchive, docker_layers(&outer)?)
+    } else {
+        return Err(TemplateError::invalid(
+            "neither a `docker save` archive (manifest.json) nor an OCI image layout (oci-layout, index.json)",
+        ));
+    };
+    let mut deferred = DeferredDirs::default();
+    for (i, layer) in layers.iter().enumerate() {
+        let stats = apply_one(&outer, layer, rootfs, budget, &mut deferred)?;
+        tracing::debug!(
+            layer = i,
+            member = %layer.member,
+            entries = stats.entries,
+            skipped_devices = stats.skipped_devices,
+            "applied layer"
+        );
+    }
+    extract::finish_dirs(rootfs, deferred)?;
+    Ok(kind)
+}
+
+fn apply_one(
+    outer: &Outer,
+    layer: &LayerRef,
+    rootfs: &Path,
+    budget: &Budget,
+    deferred: &mut DeferredDirs,
+) -> Result<extract::LayerStats, TemplateError> {
+    let bad = |e: io::Error| TemplateError::invalid(format!("layer {}: {e}", layer.member));
+    let mut raw = Hashing::new(outer.open(&layer.member)?, None);
+    let mut buffered = BufReader::with_capacity(256 * 1024, &mut raw);
+    let compression = sniff(buffered.fill_buf().map_err(bad)?);
+    let diff_hex;
+    let stats;
+    {
+        let decoded = decoder(compression, &mut buffered)?;
+        let mut plain = Hashing::new(decoded, Some(budget));
+        stats = extract::apply_layer(rootfs, &mut plain, &layer.member, budget, deferred)?;
+        // The tar reader stops at the end-of-archive marker; the rest (padding)
+        // still belongs to the hashed stream.
+        io::copy(&mut plain, &mut io::sink()).map_err(bad)?;
+        diff_hex = plain.finish_hex();
+    }
+    io::copy(&mut buffered, &mut io::sink()).map_err(bad)?;
+    drop(buffered);
+    let blob_hex = raw.finish_hex();
+    if let Some(want) = &layer.blob_hex {
+        if *want != blob_hex {
+            return Err(TemplateError::invalid(format!(
+                "layer {}: blob digest mismatch (got sha256:{blob_hex})",
+                layer.member
+            )));
+        }
+    }
+    if let Some(want) = &layer.diff_hex {
+        if *want != diff_hex {
+            return Err(TemplateError::invalid(format!(
+                "layer {}: uncompressed digest does not match diff_id sha256:{want} (got sha256:{diff_hex})",
+                layer.member
+            )));
+        }
+    }
+    Ok(stats)
+}
+
+/// Returns a path to the uncompressed outer tarball: the archive itself, or a
+/// decompressed copy in `scratch` (charged to the byte budget).
+fn decompress_outer(
+    archive: &Path,
+    scratch: &Path,
+    budget: &Budget,
+) -> Result<std::path::PathBuf, TemplateError> {
+    let file = File::open(archive).ctx(read_archive_err, archive)?;
+    let mut buffered = BufReader::with_capacity(256 * 1024, file);
+    let compression = sniff(buffered.fill_buf().ctx(read_archive_err, archive)?);
+    if compression == Compression::None {
+        return Ok(archive.to_path_buf());
+    }
+    let copy = scratch.join("outer.tar");
+    let mut out = File::create(&copy).ctx(write_err, &copy)?;
+    let decoded = decoder(compression, &mut buffered)?;
+    let mut counted = Hashing::new(decoded, Some(budget));
+    io::copy(&mut counted, &mut out).map_err(|e| match e.kind() {
+        io::ErrorKind::StorageFull | io::ErrorKind::PermissionDenied => write_err(copy.clone(), e),
+        _ => TemplateError::invalid(format!("decompressing archive: {e}")),
+    })?;
+    Ok(copy)
+}
