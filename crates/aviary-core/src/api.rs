@@ -174,10 +174,19 @@ pub struct ExecResult {
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ExecEvent {
-    Stdout { data: String },
-    Stderr { data: String },
-    Exit { result: ExecResult },
-    Error { code: crate::ErrorCode, message: String },
+    Stdout {
+        data: String,
+    },
+    Stderr {
+        data: String,
+    },
+    Exit {
+        result: ExecResult,
+    },
+    Error {
+        code: crate::ErrorCode,
+        message: String,
+    },
 }
 
 /// A directory entry or `stat` answer.

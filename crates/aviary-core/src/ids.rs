@@ -82,7 +82,17 @@ impl fmt::Debug for SandboxId {
 /// A lease's fencing token. Strictly increasing per sandbox, across restarts:
 /// a write carrying a token lower than the current one is stale.
 #[derive(
-    Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug, Serialize, Deserialize, utoipa::ToSchema,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Debug,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(transparent)]
 pub struct LeaseToken(pub u64);

@@ -29,7 +29,9 @@ impl Default for ResourceLimits {
 }
 
 /// Who shares a sandbox (AgentScope's isolation scopes).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, Debug, Default, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Scope {
     Session,
@@ -64,14 +66,18 @@ impl FromStr for Scope {
             "user" => Ok(Scope::User),
             "agent" => Ok(Scope::Agent),
             "global" => Ok(Scope::Global),
-            other => Err(format!("unknown scope {other:?} (session|user|agent|global)")),
+            other => Err(format!(
+                "unknown scope {other:?} (session|user|agent|global)"
+            )),
         }
     }
 }
 
 /// Network profiles. `none` (loopback only) is the default and the only one
 /// the local runtime grants today.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, Debug, Default, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkProfile {
     #[default]
@@ -97,7 +103,9 @@ impl FromStr for NetworkProfile {
             "none" => Ok(NetworkProfile::None),
             "allowlist" => Ok(NetworkProfile::Allowlist),
             "open" => Ok(NetworkProfile::Open),
-            other => Err(format!("unknown network profile {other:?} (none|allowlist|open)")),
+            other => Err(format!(
+                "unknown network profile {other:?} (none|allowlist|open)"
+            )),
         }
     }
 }

@@ -8,9 +8,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-#[derive(
-    Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize, utoipa::ToSchema,
-)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum SandboxState {
     Requested,
     Planning,
@@ -33,7 +31,10 @@ pub enum SandboxState {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StateError {
     #[error("illegal transition {from} -> {to}")]
-    IllegalTransition { from: SandboxState, to: SandboxState },
+    IllegalTransition {
+        from: SandboxState,
+        to: SandboxState,
+    },
     #[error("unknown state {0:?}")]
     UnknownState(String),
 }
@@ -105,7 +106,16 @@ impl SandboxState {
             Ready => &[Locking, Sanitizing, Failed, Lost, Terminated],
             Leased => &[Running, Idle, Sanitizing, Failed, Lost],
             Running => &[Idle, Leased, Failed, Lost],
-            Idle => &[ReuseChecking, Leased, Running, Hibernating, Sanitizing, Recycling, Failed, Lost],
+            Idle => &[
+                ReuseChecking,
+                Leased,
+                Running,
+                Hibernating,
+                Sanitizing,
+                Recycling,
+                Failed,
+                Lost,
+            ],
             ReuseChecking => &[Leased, Idle, Recycling, Failed],
             Recycling => &[Sanitizing, Provisioning, Idle, Failed, Terminated],
             Hibernating => &[Provisioning, Sanitizing, Failed, Terminated],
@@ -158,8 +168,19 @@ mod tests {
     #[test]
     fn design_paths_are_legal() {
         let paths: &[&[SandboxState]] = &[
-            &[Requested, Planning, Allocating, Locking, Leased, Running, Idle],
-            &[Requested, Planning, Allocating, Provisioning, Locking, Leased, Running, Idle],
+            &[
+                Requested, Planning, Allocating, Locking, Leased, Running, Idle,
+            ],
+            &[
+                Requested,
+                Planning,
+                Allocating,
+                Provisioning,
+                Locking,
+                Leased,
+                Running,
+                Idle,
+            ],
             &[Idle, ReuseChecking, Leased],
             &[Idle, ReuseChecking, Recycling],
             &[Idle, Hibernating, Provisioning],

@@ -1,0 +1,552 @@
+//! Client for the Aviary v1 HTTP API.
+//!
+//! One method per API operation; errors come back as [`ClientError::Api`]
+//! carrying the server's stable [`ErrorCode`], so callers (the CLI, tests)
+//! can branch on codes rather than on message text. Streaming exec decodes
+//! the server-sent events into [`ExecEvent`]s as they arrive.
+#![forbid(unsafe_code)]
+
+use aviary_core::api::*;
+use aviary_core::{ErrorBody, ErrorCode, LeaseToken};
+use base64::Engine;
+use futures_util::StreamExt;
+use reqwest::{Method, RequestBuilder, Response, StatusCode};
+use serde::de::DeserializeOwned;
+use std::path::Path;
+
+/// Header carrying the lease token on mutating calls that have no JSON body.
+pub const LEASE_TOKEN_HEADER: &str = "x-aviary-lease-token";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{code:?} ({status}): {message}")]
+    Api {
+        status: u16,
+        code: ErrorCode,
+        message: String,
+    },
+    #[error("cannot reach the aviary server at {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("http transport failed")]
+    Transport(#[source] reqwest::Error),
+    #[error("unexpected response from server: {0}")]
+    Protocol(String),
+    #[error("local file i/o failed")]
+    Io(#[source] std::io::Error),
+}
+
+impl ClientError {
+    /// The server's error code, if the server answered with one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Api { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Client {
+    base: String,
+    key: String,
+    http: reqwest::Client,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("key", &"<redacted>")
+            .finish()
+    }
+}
+
+/// The result of a streaming exec, event by event.
+pub struct ExecStream {
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl ExecStream {
+    /// Next event; `None` after the final `Exit` (or when the stream ends).
+    /// `Stdout`/`Stderr` data is decoded from base64 into raw bytes.
+    pub async fn next(&mut self) -> Result<Option<StreamItem>, ClientError> {
+        loop {
+            if let Some(pos) = find_frame_end(&self.buf) {
+                let frame: Vec<u8> = self.buf.drain(..pos.1).collect();
+                let text = String::from_utf8_lossy(&frame[..pos.0]).into_owned();
+                if let Some(item) = parse_sse_frame(&text)? {
+                    return Ok(Some(item));
+                }
+                continue;
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                Some(Err(e)) => return Err(ClientError::Transport(e)),
+                None => return Ok(None),
+            }
+        }
+    }
+}
+
+/// One decoded item of a streaming exec.
+#[derive(Debug)]
+pub enum StreamItem {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exit(ExecResult),
+}
+
+/// (end of frame content, end of frame including the blank line)
+fn find_frame_end(buf: &[u8]) -> Option<(usize, usize)> {
+    buf.windows(2)
+        .position(|w| w == b"\n\n")
+        .map(|p| (p, p + 2))
+}
+
+fn parse_sse_frame(frame: &str) -> Result<Option<StreamItem>, ClientError> {
+    let mut data = String::new();
+    for line in frame.lines() {
+        if let Some(rest) = line.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(rest.trim_start());
+        }
+    }
+    if data.is_empty() {
+        return Ok(None); // comment / keep-alive
+    }
+    let ev: ExecEvent = serde_json::from_str(&data)
+        .map_err(|e| ClientError::Protocol(format!("bad exec event: {e}")))?;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    Ok(Some(match ev {
+        ExecEvent::Stdout { data } => StreamItem::Stdout(
+            b64.decode(data)
+                .map_err(|e| ClientError::Protocol(format!("bad base64: {e}")))?,
+        ),
+        ExecEvent::Stderr { data } => StreamItem::Stderr(
+            b64.decode(data)
+                .map_err(|e| ClientError::Protocol(format!("bad base64: {e}")))?,
+        ),
+        ExecEvent::Exit { result } => StreamItem::Exit(result),
+        ExecEvent::Error { code, message } => {
+            return Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message,
+            })
+        }
+    }))
+}
+
+fn token_header(rb: RequestBuilder, token: Option<LeaseToken>) -> RequestBuilder {
+    match token {
+        Some(t) => rb.header(LEASE_TOKEN_HEADER, t.0.to_string()),
+        None => rb,
+    }
+}
+
+impl Client {
+    pub fn new(base_url: &str, api_key: &str) -> Self {
+        Client {
+            base: base_url.trim_end_matches('/').to_owned(),
+            key: api_key.to_owned(),
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(8)
+                .tcp_nodelay(true)
+                .build()
+                .unwrap_or_default(),
+        }
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    fn req(&self, method: Method, path: &str) -> RequestBuilder {
+        self.http
+            .request(method, format!("{}{}", self.base, path))
+            .bearer_auth(&self.key)
+    }
+
+    async fn send(&self, rb: RequestBuilder) -> Result<Response, ClientError> {
+        let resp = rb.send().await.map_err(|e| {
+            if e.is_connect() {
+                ClientError::Connect {
+                    url: self.base.clone(),
+                    source: e,
+                }
+            } else {
+                ClientError::Transport(e)
+            }
+        })?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        let status = resp.status().as_u16();
+        let body = resp.bytes().await.map_err(ClientError::Transport)?;
+        match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(b) => Err(ClientError::Api {
+                status,
+                code: b.error.code,
+                message: b.error.message,
+            }),
+            Err(_) => Err(ClientError::Protocol(format!(
+                "HTTP {status}: {}",
+                String::from_utf8_lossy(&body)
+            ))),
+        }
+    }
+
+    async fn json<T: DeserializeOwned>(&self, rb: RequestBuilder) -> Result<T, ClientError> {
+        let resp = self.send(rb).await?;
+        resp.json().await.map_err(ClientError::Transport)
+    }
+
+    pub async fn healthz(&self) -> Result<(), ClientError> {
+        self.send(self.http.get(format!("{}/healthz", self.base)))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn readyz(&self) -> Result<serde_json::Value, ClientError> {
+        self.json(self.http.get(format!("{}/readyz", self.base)))
+            .await
+    }
+
+    pub async fn create_sandbox(
+        &self,
+        req: &CreateSandboxRequest,
+    ) -> Result<CreateSandboxResponse, ClientError> {
+        self.json(self.req(Method::POST, "/v1/sandboxes").json(req))
+            .await
+    }
+
+    pub async fn get_sandbox(&self, id: &str) -> Result<Sandbox, ClientError> {
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes/{id}")))
+            .await
+    }
+
+    pub async fn list_sandboxes(&self, all: bool) -> Result<SandboxList, ClientError> {
+        let q = if all { "?all=true" } else { "" };
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes{q}")))
+            .await
+    }
+
+    pub async fn delete_sandbox(
+        &self,
+        id: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<Sandbox, ClientError> {
+        self.json(token_header(
+            self.req(Method::DELETE, &format!("/v1/sandboxes/{id}")),
+            token,
+        ))
+        .await
+    }
+
+    pub async fn exec(&self, id: &str, req: &ExecRequest) -> Result<ExecResult, ClientError> {
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/exec"))
+                .json(req),
+        )
+        .await
+    }
+
+    pub async fn exec_stream(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+    ) -> Result<ExecStream, ClientError> {
+        let resp = self
+            .send(
+                self.req(Method::POST, &format!("/v1/sandboxes/{id}/exec/stream"))
+                    .json(req),
+            )
+            .await?;
+        Ok(ExecStream {
+            body: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        })
+    }
+
+    fn files_url(id: &str, op: &str, path: &str) -> String {
+        let mut s = format!("/v1/sandboxes/{id}/files{op}?path=");
+        s.push_str(&urlencode(path));
+        s
+    }
+
+    /// Uploads a local file, streamed.
+    pub async fn upload(
+        &self,
+        id: &str,
+        local: &Path,
+        remote: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<u64, ClientError> {
+        let file = tokio::fs::File::open(local)
+            .await
+            .map_err(ClientError::Io)?;
+        let len = file.metadata().await.map_err(ClientError::Io)?.len();
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        let rb = self
+            .req(Method::PUT, &Self::files_url(id, "", remote))
+            .header(reqwest::header::CONTENT_LENGTH, len)
+            .body(body);
+        let v: serde_json::Value = self.json(token_header(rb, token)).await?;
+        Ok(v["bytes"].as_u64().unwrap_or(len))
+    }
+
+    /// Uploads bytes held in memory.
+    pub async fn write_file(
+        &self,
+        id: &str,
+        remote: &str,
+        data: Vec<u8>,
+        token: Option<LeaseToken>,
+    ) -> Result<u64, ClientError> {
+        let rb = self
+            .req(Method::PUT, &Self::files_url(id, "", remote))
+            .body(data);
+        let v: serde_json::Value = self.json(token_header(rb, token)).await?;
+        Ok(v["bytes"].as_u64().unwrap_or(0))
+    }
+
+    /// Downloads a file into a local path, streamed.
+    pub async fn download(&self, id: &str, remote: &str, local: &Path) -> Result<u64, ClientError> {
+        let resp = self
+            .send(self.req(Method::GET, &Self::files_url(id, "", remote)))
+            .await?;
+        let mut out = tokio::fs::File::create(local)
+            .await
+            .map_err(ClientError::Io)?;
+        let mut stream = resp.bytes_stream();
+        let mut n = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(ClientError::Transport)?;
+            n += chunk.len() as u64;
+            tokio::io::AsyncWriteExt::write_all(&mut out, &chunk)
+                .await
+                .map_err(ClientError::Io)?;
+        }
+        tokio::io::AsyncWriteExt::flush(&mut out)
+            .await
+            .map_err(ClientError::Io)?;
+        Ok(n)
+    }
+
+    pub async fn read_file(&self, id: &str, remote: &str) -> Result<Vec<u8>, ClientError> {
+        let resp = self
+            .send(self.req(Method::GET, &Self::files_url(id, "", remote)))
+            .await?;
+        Ok(resp.bytes().await.map_err(ClientError::Transport)?.to_vec())
+    }
+
+    pub async fn list_files(&self, id: &str, path: &str) -> Result<FileList, ClientError> {
+        self.json(self.req(Method::GET, &Self::files_url(id, "/list", path)))
+            .await
+    }
+
+    pub async fn stat(&self, id: &str, path: &str) -> Result<FileInfo, ClientError> {
+        self.json(self.req(Method::GET, &Self::files_url(id, "/stat", path)))
+            .await
+    }
+
+    pub async fn mkdir(
+        &self,
+        id: &str,
+        path: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<(), ClientError> {
+        let body = MkdirRequest {
+            path: path.to_owned(),
+            token,
+        };
+        self.send(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/files/mkdir"))
+                .json(&body),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn remove(
+        &self,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        token: Option<LeaseToken>,
+    ) -> Result<(), ClientError> {
+        let mut url = Self::files_url(id, "", path);
+        if recursive {
+            url.push_str("&recursive=true");
+        }
+        self.send(token_header(self.req(Method::DELETE, &url), token))
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn acquire_lease(
+        &self,
+        id: &str,
+        owner: &str,
+        ttl_s: Option<u64>,
+    ) -> Result<Lease, ClientError> {
+        let body = AcquireLeaseRequest {
+            owner: owner.to_owned(),
+            ttl_s,
+        };
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/lease"))
+                .json(&body),
+        )
+        .await
+    }
+
+    pub async fn renew_lease(
+        &self,
+        id: &str,
+        token: LeaseToken,
+        ttl_s: Option<u64>,
+    ) -> Result<Lease, ClientError> {
+        let body = RenewLeaseRequest { token, ttl_s };
+        self.json(
+            self.req(Method::PUT, &format!("/v1/sandboxes/{id}/lease"))
+                .json(&body),
+        )
+        .await
+    }
+
+    pub async fn release_lease(&self, id: &str, token: LeaseToken) -> Result<(), ClientError> {
+        let body = ReleaseLeaseRequest { token };
+        self.send(
+            self.req(Method::DELETE, &format!("/v1/sandboxes/{id}/lease"))
+                .json(&body),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    pub async fn events(
+        &self,
+        sandbox: Option<&str>,
+        after: Option<i64>,
+        limit: Option<u32>,
+    ) -> Result<EventList, ClientError> {
+        let mut q = Vec::new();
+        if let Some(s) = sandbox {
+            q.push(format!("sandbox={}", urlencode(s)));
+        }
+        if let Some(a) = after {
+            q.push(format!("after={a}"));
+        }
+        if let Some(l) = limit {
+            q.push(format!("limit={l}"));
+        }
+        let qs = if q.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", q.join("&"))
+        };
+        self.json(self.req(Method::GET, &format!("/v1/events{qs}")))
+            .await
+    }
+
+    pub async fn templates(&self) -> Result<TemplateList, ClientError> {
+        self.json(self.req(Method::GET, "/v1/templates")).await
+    }
+
+    /// Imports a `docker save` or OCI image-layout tarball as template `name` (streamed upload).
+    pub async fn import_template(
+        &self,
+        name: &str,
+        archive: &Path,
+    ) -> Result<Template, ClientError> {
+        let file = tokio::fs::File::open(archive)
+            .await
+            .map_err(ClientError::Io)?;
+        let len = file.metadata().await.map_err(ClientError::Io)?.len();
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        self.json(
+            self.req(Method::POST, &format!("/v1/templates/{}", urlencode(name)))
+                .header(reqwest::header::CONTENT_LENGTH, len)
+                .body(body),
+        )
+        .await
+    }
+
+    pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
+        let body = CreateKeyRequest {
+            tenant: tenant.to_owned(),
+            admin,
+        };
+        self.json(self.req(Method::POST, "/v1/keys").json(&body))
+            .await
+    }
+
+    /// A raw request, for tests that send deliberately bad input.
+    pub async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        auth: Option<&str>,
+    ) -> Result<(StatusCode, serde_json::Value), ClientError> {
+        let mut rb = self.http.request(method, format!("{}{}", self.base, path));
+        if let Some(k) = auth {
+            rb = rb.bearer_auth(k);
+        }
+        if let Some(b) = body {
+            rb = rb
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(b);
+        }
+        let resp = rb.send().await.map_err(ClientError::Transport)?;
+        let status = resp.status();
+        let bytes = resp.bytes().await.map_err(ClientError::Transport)?;
+        let v = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+        Ok((status, v))
+    }
+}
+
+/// Percent-encodes a query value (RFC 3986 unreserved characters and `/` pass).
+pub fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_frames_decode() {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let frame = format!(
+            "event: stdout\ndata: {{\"type\":\"stdout\",\"data\":\"{}\"}}",
+            b64.encode(b"hi\n")
+        );
+        match parse_sse_frame(&frame).unwrap().unwrap() {
+            StreamItem::Stdout(d) => assert_eq!(d, b"hi\n"),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(parse_sse_frame(": keep-alive").unwrap().is_none());
+    }
+
+    #[test]
+    fn urlencode_escapes_query_syntax() {
+        assert_eq!(urlencode("/a b&c=d"), "/a%20b%26c%3Dd");
+    }
+}
