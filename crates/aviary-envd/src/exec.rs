@@ -1,0 +1,378 @@
+//! Running one process for one `exec` connection.
+//!
+//! Every exec becomes the leader of its own session and process group, so the
+//! group can be killed as a whole (`killpg(SIGKILL)`) on timeout and when the
+//! client disconnects before the exit was sent. Two threads serve an exec:
+//!
+//! - the connection thread *pumps* stdout/stderr from pipes into frames, one
+//!   chunk at a time (memory stays bounded whatever the output size: a slow
+//!   client back-pressures the process through the pipe);
+//! - a *controller* thread feeds stdin frames into the process (non-blocking, so
+//!   a process that never reads stdin cannot stall it), enforces the deadline,
+//!   and watches the socket for a disconnect.
+//!
+//! After the leader exits, output is drained until both pipes close or for a
+//! short grace period (a backgrounded process may keep them open); processes
+//! left in the group after a normal exit keep running.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aviary_envd_proto::{
+    encode_header, encode_json, read_frame, write_frame, ErrorBody, ErrorCode, ExitWire, FrameKind,
+    Response, CHUNK_SIZE, FRAME_HEADER_LEN,
+};
+
+use crate::server::Envd;
+use crate::sys;
+
+/// How long output is still forwarded after the leader exited while a pipe is
+/// held open by a process it left behind.
+const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(100);
+/// How often the pump checks for the leader's exit while pipes stay open.
+const EXIT_CHECK_TICK_MS: i32 = 50;
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A validated exec request.
+pub struct ExecRequest {
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+    pub env: Vec<(String, String)>,
+    pub stdin: bool,
+    pub timeout: Option<Duration>,
+}
+
+/// State shared between the pump and the controller of one exec.
+struct ExecShared {
+    pgid: i32,
+    /// Set once the leader has been reaped; after that the group is not killed.
+    exited: Mutex<bool>,
+    timed_out: AtomicBool,
+}
+
+impl ExecShared {
+    fn kill_group(&self) {
+        let exited = self.exited.lock().unwrap_or_else(|p| p.into_inner());
+        if !*exited {
+            sys::kill_group(self.pgid, libc::SIGKILL);
+        }
+    }
+}
+
+fn bad(message: impl Into<String>) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::BadRequest,
+        message: message.into(),
+    }
+}
+
+fn spawn_error(argv0: &str, e: &io::Error) -> ErrorBody {
+    let code = match e.kind() {
+        io::ErrorKind::NotFound => ErrorCode::NotFound,
+        io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+        _ => ErrorCode::Internal,
+    };
+    ErrorBody {
+        code,
+        message: format!("spawn {argv0}: {e}"),
+    }
+}
+
+/// Runs `req` and streams its output and exit over `conn`. Errors before the
+/// process started are returned (the caller sends them as an `Error` frame).
+pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
+    let Some(argv0) = req.argv.first() else {
+        return Err(bad("argv is empty"));
+    };
+    for (k, v) in &req.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(bad(format!("invalid environment variable {k:?}")));
+        }
+    }
+    if req.argv.iter().any(|a| a.contains('\0')) {
+        return Err(bad("argv contains a NUL byte"));
+    }
+    let mut cmd = Command::new(argv0);
+    cmd.args(&req.argv[1..])
+        .env_clear()
+        .env("PATH", DEFAULT_PATH)
+        .env("HOME", "/root")
+        .env("LANG", "C.UTF-8")
+        .envs(req.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(req.cwd.as_deref().map(std::path::Path::new).unwrap_or(envd.root.as_path()))
+        .stdin(if req.stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    sys::spawn_in_new_session(&mut cmd);
+
+    // The controller needs its own handle on the socket; get it before spawning
+    // so that a failure here cannot leave a process behind.
+    let ctl_sock = conn.try_clone().map_err(|e| internal("clone socket", &e))?;
+    let (wake_r, wake_w) = sys::pipe().map_err(|e| internal("create pipe", &e))?;
+
+    let (mut child, exit_rx) = envd
+        .reaper
+        .spawn(&mut cmd)
+        .map_err(|e| spawn_error(argv0, &e))?;
+    let started = Instant::now();
+    let pgid = child.id() as i32;
+    envd.exec_started(pgid);
+    let shared = Arc::new(ExecShared {
+        pgid,
+        exited: Mutex::new(false),
+        timed_out: AtomicBool::new(false),
+    });
+
+    let deadline = req.timeout.map(|t| started + t);
+    let stdin = child.stdin.take().map(OwnedFd::from);
+    let ctl_shared = Arc::clone(&shared);
+    let controller = std::thread::Builder::new()
+        .name("envd-exec-ctl".into())
+        .stack_size(64 * 1024)
+        .spawn(move || control(ctl_sock, stdin, req.stdin, deadline, wake_r, &ctl_shared));
+    if controller.is_err() {
+        // Without a controller nobody enforces the deadline or watches the client.
+        shared.kill_group();
+    }
+
+    let stdout = child.stdout.take().map(|p| File::from(OwnedFd::from(p)));
+    let stderr = child.stderr.take().map(|p| File::from(OwnedFd::from(p)));
+    let (status, client_gone) = pump(conn, stdout, stderr, &exit_rx, &shared);
+    // The reaper never drops a registered waiter, so recv only fails if envd is
+    // shutting down; report that as a kill.
+    let status = status.unwrap_or_else(|| exit_rx.recv().unwrap_or(libc::SIGKILL));
+    *shared.exited.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    let duration = started.elapsed();
+    drop(wake_w);
+    if let Ok(handle) = controller {
+        let _ = handle.join();
+    }
+    envd.exec_finished(pgid);
+
+    if client_gone {
+        return Ok(());
+    }
+    let (exit_code, signal) = sys::decode_wait_status(status);
+    let exit = Response::Exit(ExitWire {
+        exit_code,
+        signal,
+        timed_out: shared.timed_out.load(Ordering::Relaxed),
+        duration_us: u64::try_from(duration.as_micros()).unwrap_or(u64::MAX),
+    });
+    if let Ok(payload) = encode_json(&exit) {
+        let _ = write_frame(conn, FrameKind::Response, &payload);
+    }
+    Ok(())
+}
+
+fn internal(what: &str, e: &io::Error) -> ErrorBody {
+    ErrorBody {
+        code: ErrorCode::Internal,
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// Forwards output until both pipes close (or the grace after the exit ends).
+/// Returns the wait status if it arrived meanwhile, and whether the client is gone.
+fn pump(
+    conn: &mut UnixStream,
+    stdout: Option<File>,
+    stderr: Option<File>,
+    exit_rx: &Receiver<libc::c_int>,
+    shared: &ExecShared,
+) -> (Option<libc::c_int>, bool) {
+    let mut pipes: [(Option<File>, FrameKind); 2] = [(stdout, FrameKind::Stdout), (stderr, FrameKind::Stderr)];
+    let mut buf = vec![0u8; FRAME_HEADER_LEN + CHUNK_SIZE];
+    let mut status = None;
+    let mut grace_end: Option<Instant> = None;
+    let mut client_gone = false;
+    loop {
+        if pipes.iter().all(|(p, _)| p.is_none()) {
+            break;
+        }
+        if status.is_none() {
+            match exit_rx.try_recv() {
+                Ok(s) => {
+                    status = Some(s);
+                    grace_end = Some(Instant::now() + EXIT_DRAIN_GRACE);
+                }
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
+            }
+        }
+        let timeout_ms = match grace_end {
+            Some(end) => {
+                let left = end.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
+            }
+            None => EXIT_CHECK_TICK_MS,
+        };
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
+        let mut which = Vec::with_capacity(2);
+        for (i, (p, _)) in pipes.iter().enumerate() {
+            if let Some(fd) = p {
+                fds.push(libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                which.push(i);
+            }
+        }
+        if sys::poll(&mut fds, timeout_ms).is_err() {
+            break;
+        }
+        for (pfd, &i) in fds.iter().zip(&which) {
+            if pfd.revents == 0 {
+                continue;
+            }
+            let (pipe, kind) = &mut pipes[i];
+            let Some(file) = pipe.as_mut() else { continue };
+            let n = match read_retrying(file, &mut buf[FRAME_HEADER_LEN..]) {
+                Ok(0) | Err(_) => {
+                    *pipe = None;
+                    continue;
+                }
+                Ok(n) => n,
+            };
+            if client_gone {
+                continue;
+            }
+            buf[..FRAME_HEADER_LEN].copy_from_slice(&encode_header(*kind, n));
+            if conn.write_all(&buf[..FRAME_HEADER_LEN + n]).is_err() {
+                client_gone = true;
+                shared.kill_group();
+            }
+        }
+    }
+    (status, client_gone)
+}
+
+fn read_retrying(f: &mut File, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        match f.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+/// Feeds stdin, enforces the deadline and watches the client until woken by
+/// the pump closing `wake`.
+fn control(
+    mut sock: UnixStream,
+    stdin: Option<OwnedFd>,
+    mut expecting_stdin: bool,
+    mut deadline: Option<Instant>,
+    wake: OwnedFd,
+    shared: &ExecShared,
+) {
+    let mut stdin: Option<File> = stdin.map(File::from);
+    if let Some(f) = &stdin {
+        if sys::set_nonblocking(f.as_fd(), true).is_err() {
+            stdin = None;
+        }
+    }
+    // Frames are read only after poll reports data, and a client that sends half
+    // a frame only delays its own exec; no read timeout is needed.
+    let _ = sock.set_read_timeout(None);
+    let mut pending: Vec<u8> = Vec::new();
+    let mut offset = 0;
+    loop {
+        let timeout_ms = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    shared.timed_out.store(true, Ordering::Relaxed);
+                    shared.kill_group();
+                    deadline = None;
+                    continue;
+                }
+                // Round up so we never wake just before the deadline and spin.
+                i32::try_from(left.as_millis() + 1).unwrap_or(i32::MAX)
+            }
+            None => -1,
+        };
+        let want_frames = offset >= pending.len();
+        let mut fds = vec![
+            libc::pollfd {
+                fd: wake.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: sock.as_raw_fd(),
+                events: if want_frames {
+                    libc::POLLIN | libc::POLLRDHUP
+                } else {
+                    libc::POLLRDHUP
+                },
+                revents: 0,
+            },
+        ];
+        if let (false, Some(f)) = (want_frames, &stdin) {
+            fds.push(libc::pollfd {
+                fd: f.as_raw_fd(),
+                events: libc::POLLOUT,
+                revents: 0,
+            });
+        }
+        if sys::poll(&mut fds, timeout_ms).is_err() {
+            return;
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        if fds.len() > 2 && fds[2].revents != 0 {
+            if let Some(f) = stdin.as_mut() {
+                match f.write(&pending[offset..]) {
+                    Ok(n) => offset += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    // The process closed its stdin: the rest is discarded.
+                    Err(_) => {
+                        stdin = None;
+                        offset = pending.len();
+                    }
+                }
+            }
+        }
+        let sock_ev = fds[1].revents;
+        if sock_ev & libc::POLLIN != 0 && want_frames {
+            match read_frame(&mut sock) {
+                Ok(Some(f)) if expecting_stdin && f.kind == FrameKind::Data => {
+                    if stdin.is_some() {
+                        pending = f.payload;
+                        offset = 0;
+                    }
+                }
+                Ok(Some(f)) if expecting_stdin && f.kind == FrameKind::End => {
+                    expecting_stdin = false;
+                    stdin = None;
+                }
+                // EOF before the exit was sent, or a protocol violation: the client
+                // is gone or misbehaving; either way the process group dies.
+                _ => {
+                    shared.kill_group();
+                    return;
+                }
+            }
+        } else if sock_ev & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            shared.kill_group();
+            return;
+        }
+        if offset >= pending.len() && !pending.is_empty() {
+            pending = Vec::new();
+            offset = 0;
+        }
+    }
+}

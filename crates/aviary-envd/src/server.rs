@@ -1,0 +1,340 @@
+//! envd's shared state (lease fence, running exec groups, the file system) and
+//! the handling of one connection.
+//!
+//! Invariants:
+//! - The fence only moves through [`Envd::set_fence`], which accepts callers
+//!   outside the sandbox only (SO_PEERCRED pid 0 = a peer in an ancestor PID
+//!   namespace) unless `--trust-all-peers` was given, and never lowers the fence
+//!   below the highest value seen.
+//! - Mutating operations check the fence before doing anything.
+//!
+//! Concurrency: one thread per connection, at most [`MAX_CONNECTIONS`]; the
+//! fence and the exec table are behind mutexes held only for map/field updates.
+
+use std::collections::HashSet;
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aviary_envd_proto::{
+    decode_json, encode_json, read_frame, write_frame, ErrorBody, ErrorCode, FileStat, FrameKind,
+    Health, Request, Response, CHUNK_SIZE, MAX_JSON_FRAME, PROTOCOL_VERSION,
+};
+
+use crate::exec::{self, ExecRequest};
+use crate::files::{map_io, SandboxFs};
+use crate::reaper::Reaper;
+use crate::sys;
+
+/// Most connections served at once; more are answered `Busy`.
+pub const MAX_CONNECTIONS: usize = 128;
+/// How long envd waits for the next frame from a client (outside exec).
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Fence {
+    current: Option<u64>,
+    highest: Option<u64>,
+}
+
+/// Daemon-wide state.
+pub struct Envd {
+    pub started: Instant,
+    pub pid1: bool,
+    pub trust_all_peers: bool,
+    /// Root of the file API, and the default working directory of exec.
+    pub root: PathBuf,
+    pub fs: SandboxFs,
+    pub reaper: Reaper,
+    fence: Mutex<Fence>,
+    running_groups: Mutex<HashSet<i32>>,
+    connections: AtomicUsize,
+}
+
+fn fail(code: ErrorCode, message: impl Into<String>) -> ErrorBody {
+    ErrorBody {
+        code,
+        message: message.into(),
+    }
+}
+
+impl Envd {
+    pub fn new(root: PathBuf, fs: SandboxFs, pid1: bool, trust_all_peers: bool) -> Envd {
+        Envd {
+            started: Instant::now(),
+            pid1,
+            trust_all_peers,
+            root,
+            fs,
+            reaper: Reaper::default(),
+            fence: Mutex::new(Fence::default()),
+            running_groups: Mutex::new(HashSet::new()),
+            connections: AtomicUsize::new(0),
+        }
+    }
+
+    fn fence(&self) -> std::sync::MutexGuard<'_, Fence> {
+        self.fence.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks a mutating call's token against the fence.
+    pub fn check_token(&self, token: Option<u64>) -> Result<(), ErrorBody> {
+        match (self.fence().current, token) {
+            (None, None) => Ok(()),
+            (Some(f), Some(t)) if f == t => Ok(()),
+            (Some(_), None) => Err(fail(ErrorCode::LeaseRequired, "sandbox is leased: token required")),
+            (_, Some(_)) => Err(fail(ErrorCode::StaleToken, "token is not the current lease fence")),
+        }
+    }
+
+    /// Moves the fence; refuses to go below the highest fence seen.
+    pub fn set_fence(&self, token: Option<u64>) -> Result<(), ErrorBody> {
+        let mut f = self.fence();
+        if let Some(t) = token {
+            if f.highest.is_some_and(|h| t < h) {
+                return Err(fail(
+                    ErrorCode::StaleToken,
+                    format!("fence {t} is below the highest fence seen"),
+                ));
+            }
+            f.highest = Some(t);
+        }
+        f.current = token;
+        Ok(())
+    }
+
+    pub fn exec_started(&self, pgid: i32) {
+        self.groups().insert(pgid);
+    }
+
+    pub fn exec_finished(&self, pgid: i32) {
+        self.groups().remove(&pgid);
+    }
+
+    fn groups(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
+        self.running_groups.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Kills the process groups of every running exec.
+    pub fn kill_running_groups(&self) {
+        for &g in self.groups().iter() {
+            sys::kill_group(g, libc::SIGKILL);
+        }
+    }
+
+    fn health(&self) -> Health {
+        let f = *self.fence();
+        Health {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            protocol: PROTOCOL_VERSION,
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            fence: f.current,
+            highest_fence: f.highest,
+            pid1: self.pid1,
+            running_execs: self.groups().len() as u64,
+        }
+    }
+
+    /// Reserves a connection slot; `None` when at the limit.
+    pub fn try_acquire_connection(self: &Arc<Self>) -> Option<ConnectionSlot> {
+        let prev = self.connections.fetch_add(1, Ordering::AcqRel);
+        if prev >= MAX_CONNECTIONS {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(ConnectionSlot(Arc::clone(self)))
+    }
+}
+
+/// A reserved connection slot, released on drop.
+pub struct ConnectionSlot(Arc<Envd>);
+
+impl ConnectionSlot {
+    pub fn envd(&self) -> &Envd {
+        &self.0
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Sends an `Error` frame, ignoring a client that already went away.
+pub fn send_error(conn: &mut UnixStream, body: &ErrorBody) {
+    if let Ok(payload) = encode_json(body) {
+        let _ = write_frame(conn, FrameKind::Error, &payload);
+    }
+}
+
+fn send_response(conn: &mut UnixStream, r: &Response) {
+    match encode_json(r) {
+        Ok(payload) => {
+            let _ = write_frame(conn, FrameKind::Response, &payload);
+        }
+        Err(e) => send_error(conn, &fail(ErrorCode::Internal, e.to_string())),
+    }
+}
+
+/// Serves one connection: one request, then the connection is closed.
+pub fn handle_connection(envd: &Envd, mut conn: UnixStream) {
+    let _ = conn.set_read_timeout(Some(READ_TIMEOUT));
+    let req = match read_frame(&mut conn) {
+        Ok(None) => return,
+        Ok(Some(f)) if f.kind == FrameKind::Request => match decode_json::<Request>(&f.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                let detail = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default();
+                return send_error(&mut conn, &fail(ErrorCode::BadRequest, format!("{e}: {detail}")));
+            }
+        },
+        Ok(Some(f)) => {
+            return send_error(
+                &mut conn,
+                &fail(ErrorCode::BadRequest, format!("first frame must be a request, got {:?}", f.kind)),
+            )
+        }
+        Err(e) => return send_error(&mut conn, &fail(ErrorCode::BadRequest, e.to_string())),
+    };
+    if let Err(body) = dispatch(envd, &mut conn, req) {
+        send_error(&mut conn, &body);
+    }
+}
+
+fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), ErrorBody> {
+    match req {
+        Request::Health => send_response(conn, &Response::Health(envd.health())),
+        Request::SetFence { token } => {
+            let trusted = envd.trust_all_peers
+                || sys::peer_pid(conn.as_fd()).map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))? == 0;
+            if !trusted {
+                return Err(fail(
+                    ErrorCode::PermissionDenied,
+                    "set_fence is accepted only from outside the sandbox",
+                ));
+            }
+            envd.set_fence(token)?;
+            send_response(conn, &Response::Ok);
+        }
+        Request::Exec {
+            argv,
+            cwd,
+            env,
+            stdin,
+            timeout_ms,
+            token,
+        } => {
+            envd.check_token(token)?;
+            exec::run(
+                envd,
+                conn,
+                ExecRequest {
+                    argv,
+                    cwd,
+                    env,
+                    stdin,
+                    timeout: timeout_ms.map(Duration::from_millis),
+                },
+            )?;
+        }
+        Request::ReadFile { path } => read_file(envd, conn, &path)?,
+        Request::WriteFile { path, mode, token } => {
+            envd.check_token(token)?;
+            let n = envd.fs.write(&path, mode, |file| receive_data(conn, file, &path))?;
+            send_response(conn, &Response::Written { bytes: n });
+        }
+        Request::ListDir { path } => {
+            let entries = envd.fs.list(&path)?;
+            send_listing(conn, &entries);
+        }
+        Request::Stat { path } => {
+            let st = envd.fs.stat(&path)?;
+            send_response(conn, &Response::Stat(st));
+        }
+        Request::Mkdir { path, parents, token } => {
+            envd.check_token(token)?;
+            envd.fs.mkdir(&path, parents)?;
+            send_response(conn, &Response::Ok);
+        }
+        Request::Remove { path, recursive, token } => {
+            envd.check_token(token)?;
+            envd.fs.remove(&path, recursive)?;
+            send_response(conn, &Response::Ok);
+        }
+    }
+    Ok(())
+}
+
+fn read_file(envd: &Envd, conn: &mut UnixStream, path: &str) -> Result<(), ErrorBody> {
+    let (mut file, size) = envd.fs.open_read(path)?;
+    send_response(conn, &Response::Opened { size });
+    let mut buf = vec![0u8; CHUNK_SIZE];
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(map_io(path, &e)),
+        };
+        if write_frame(conn, FrameKind::Data, &buf[..n]).is_err() {
+            return Ok(()); // client gone
+        }
+    }
+    let _ = write_frame(conn, FrameKind::End, &[]);
+    Ok(())
+}
+
+/// Copies `Data` frames into `file` until `End`.
+fn receive_data(conn: &mut UnixStream, file: &mut std::fs::File, path: &str) -> Result<u64, ErrorBody> {
+    let mut total = 0u64;
+    loop {
+        match read_frame(conn) {
+            Ok(Some(f)) if f.kind == FrameKind::Data => {
+                file.write_all(&f.payload).map_err(|e| map_io(path, &e))?;
+                total += f.payload.len() as u64;
+            }
+            Ok(Some(f)) if f.kind == FrameKind::End => return Ok(total),
+            Ok(Some(f)) => {
+                return Err(fail(ErrorCode::BadRequest, format!("unexpected {:?} frame in file data", f.kind)))
+            }
+            Ok(None) => return Err(fail(ErrorCode::BadRequest, "connection closed before end of file data")),
+            Err(e) => return Err(fail(ErrorCode::BadRequest, e.to_string())),
+        }
+    }
+}
+
+/// Sends directory entries as JSON arrays in `Data` frames, each well below the
+/// JSON frame limit, then `Listed`.
+fn send_listing(conn: &mut UnixStream, entries: &[FileStat]) {
+    let budget = (MAX_JSON_FRAME as usize) / 2;
+    let mut start = 0;
+    let mut size = 0;
+    for (i, e) in entries.iter().enumerate() {
+        // name and path dominate an entry's encoded size; 128 covers the rest.
+        let est = e.name.len() * 2 + e.path.len() * 2 + 128;
+        if size + est > budget && i > start {
+            if send_chunk(conn, &entries[start..i]).is_err() {
+                return;
+            }
+            start = i;
+            size = 0;
+        }
+        size += est;
+    }
+    if start < entries.len() && send_chunk(conn, &entries[start..]).is_err() {
+        return;
+    }
+    send_response(conn, &Response::Listed {
+        count: entries.len() as u64,
+    });
+}
+
+fn send_chunk(conn: &mut UnixStream, chunk: &[FileStat]) -> Result<(), ()> {
+    let payload = serde_json::to_vec(chunk).map_err(|_| ())?;
+    write_frame(conn, FrameKind::Data, &payload).map_err(|_| ())
+}
