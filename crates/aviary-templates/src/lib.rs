@@ -36,6 +36,8 @@ mod error;
 mod extract;
 mod fsutil;
 mod prepare;
+#[cfg(test)]
+mod tests;
 
 use std::fs;
 use std::io;
