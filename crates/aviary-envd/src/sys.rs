@@ -134,13 +134,20 @@ pub fn kill_all(sig: libc::c_int) {
 }
 
 /// Makes the spawned child the leader of a new session (and process group), so
-/// that killing the group reaches every process it starts.
+/// that killing the group reaches every process it starts, and gives it an
+/// empty signal mask (envd blocks SIGCHLD/SIGTERM/SIGINT in all its threads,
+/// and a blocked mask is inherited across exec).
 pub fn spawn_in_new_session(cmd: &mut Command) {
-    // SAFETY: the closure runs between fork and exec and only calls setsid,
-    // which is async-signal-safe and allocates nothing.
+    let empty = sigset(&[]);
+    // SAFETY: the closure runs between fork and exec and only calls setsid and
+    // sigprocmask, both async-signal-safe; it allocates nothing (`empty` was
+    // built before the fork and is copied into the closure).
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) == -1 {
                 return Err(io::Error::last_os_error());
             }
             Ok(())
