@@ -1,0 +1,302 @@
+use super::*;
+use async_trait::async_trait;
+use aviary_core::{SandboxId, SandboxState};
+use aviary_leases::conformance::LeaseHarness;
+use aviary_registry::conformance::{sample_sandbox, RegistryHarness};
+use aviary_registry::{EventFilter, FenceCheck, TransitionCtx, MAX_LIMIT};
+use proptest::prelude::*;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// A database file in a temporary directory that lives as long as the harness.
+struct FileDb {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl FileDb {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("registry.db");
+        FileDb { _dir: dir, path }
+    }
+}
+
+#[async_trait]
+impl RegistryHarness for FileDb {
+    type Registry = SqliteRegistry;
+    async fn open(&self) -> SqliteRegistry {
+        SqliteRegistry::open(&self.path).await.unwrap()
+    }
+}
+
+#[async_trait]
+impl LeaseHarness for FileDb {
+    type Store = SqliteRegistry;
+    async fn open(&self) -> SqliteRegistry {
+        SqliteRegistry::open(&self.path).await.unwrap()
+    }
+    async fn create_sandbox(&self, store: &SqliteRegistry) -> SandboxId {
+        let new = sample_sandbox("lease-conformance");
+        store
+            .insert_sandbox(&new, TransitionCtx::default())
+            .await
+            .unwrap();
+        new.id
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_conformance() {
+    aviary_registry::conformance::run_all(&FileDb::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_conformance() {
+    aviary_leases::conformance::run_all(&FileDb::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reopen_keeps_schema_and_tokens() {
+    let db = FileDb::new();
+    let now = aviary_core::now();
+    let ttl = std::time::Duration::from_secs(30);
+    let new = sample_sandbox("t");
+    let mut last = 0;
+    for round in 0..4 {
+        let reg = SqliteRegistry::open(&db.path).await.unwrap();
+        assert_eq!(
+            reg.schema_version().await.unwrap(),
+            1,
+            "migrations run once"
+        );
+        if round == 0 {
+            reg.insert_sandbox(&new, TransitionCtx::default())
+                .await
+                .unwrap();
+        }
+        assert_eq!(reg.get_sandbox(&new.id).await.unwrap().id, new.id);
+        let l = reg.acquire(&new.id, "o", ttl, now).await.unwrap();
+        assert!(l.token.0 > last, "round {round}: {} <= {last}", l.token);
+        last = l.token.0;
+        // alternate the ways a lease ends; neither may lower the counter
+        if round % 2 == 0 {
+            reg.release(&new.id, l.token, now).await.unwrap();
+        } else {
+            reg.revoke(&new.id).await.unwrap();
+        }
+        reg.close().await;
+        // a closed registry refuses work instead of silently reopening
+        reg.get_sandbox(&new.id).await.unwrap_err();
+    }
+    assert_eq!(last, 4, "one step per grant");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newer_schema_is_refused() {
+    let db = FileDb::new();
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    sqlx::raw_sql("PRAGMA user_version = 99")
+        .execute(&reg.writer)
+        .await
+        .unwrap();
+    reg.close().await;
+    let e = SqliteRegistry::open(&db.path).await.unwrap_err();
+    assert!(
+        matches!(&e, RegistryError::Storage(m) if m.contains("newer")),
+        "{e:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_handles_on_one_file_race_fairly() {
+    // Two independent registries (as two processes would have) on one file:
+    // BEGIN IMMEDIATE + busy_timeout make exactly one acquire win.
+    let db = FileDb::new();
+    let a = std::sync::Arc::new(SqliteRegistry::open(&db.path).await.unwrap());
+    let b = std::sync::Arc::new(SqliteRegistry::open(&db.path).await.unwrap());
+    let new = sample_sandbox("t");
+    a.insert_sandbox(&new, TransitionCtx::default())
+        .await
+        .unwrap();
+    let now = aviary_core::now();
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let reg = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let id = new.id.clone();
+            tokio::spawn(async move {
+                reg.acquire(
+                    &id,
+                    &format!("o{i}"),
+                    std::time::Duration::from_secs(30),
+                    now,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut wins = 0;
+    for h in handles {
+        match h.await.unwrap() {
+            Ok(l) => {
+                wins += 1;
+                assert_eq!(l.token.0, 1);
+            }
+            Err(LeaseError::Held { .. }) => {}
+            Err(e) => panic!("acquire failed: {e:?}"),
+        }
+    }
+    assert_eq!(wins, 1);
+}
+
+fn median_us(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Measures; asserts only behaviour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measure_latency() {
+    const N: usize = 300;
+    let db = FileDb::new();
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    let mut inserts = Vec::with_capacity(N);
+    let mut ids = Vec::with_capacity(N);
+    for _ in 0..N {
+        let new = sample_sandbox("bench");
+        let t = Instant::now();
+        reg.insert_sandbox(&new, TransitionCtx::default())
+            .await
+            .unwrap();
+        inserts.push(t.elapsed().as_secs_f64() * 1e6);
+        ids.push(new.id);
+    }
+    let id = &ids[0];
+    let mut rec = reg
+        .transition(
+            id,
+            0,
+            &[
+                SandboxState::Planning,
+                SandboxState::Allocating,
+                SandboxState::Locking,
+                SandboxState::Idle,
+            ],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    let mut transitions = Vec::with_capacity(N);
+    for i in 0..N {
+        let to = if i % 2 == 0 {
+            SandboxState::Leased
+        } else {
+            SandboxState::Idle
+        };
+        let t = Instant::now();
+        rec = reg
+            .transition(
+                id,
+                rec.version,
+                &[to],
+                FenceCheck::Require(None),
+                TransitionCtx::default(),
+            )
+            .await
+            .unwrap();
+        transitions.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let mut acquires = Vec::with_capacity(N);
+    let now = aviary_core::now();
+    for _ in 0..N {
+        let t = Instant::now();
+        let l = reg
+            .acquire(id, "bench", std::time::Duration::from_secs(30), now)
+            .await
+            .unwrap();
+        acquires.push(t.elapsed().as_secs_f64() * 1e6);
+        reg.release(id, l.token, now).await.unwrap();
+    }
+    eprintln!(
+        "sqlite registry latency (median of {N}): insert_sandbox {:.0} us, transition {:.0} us, acquire {:.0} us",
+        median_us(inserts),
+        median_us(transitions),
+        median_us(acquires)
+    );
+    assert_eq!(rec.version, 4 + i64::try_from(N).unwrap());
+}
+
+fn any_state() -> impl Strategy<Value = SandboxState> {
+    (0..SandboxState::ALL.len()).prop_map(|i| SandboxState::ALL[i])
+}
+
+/// Random paths either succeed exactly when the state machine allows every
+/// step, or fail with IllegalTransition and leave state, version and the
+/// event log untouched.
+#[test]
+fn random_transitions_follow_the_state_machine() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = FileDb::new();
+    let reg = rt.block_on(SqliteRegistry::open(&db.path)).unwrap();
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(48));
+    let strategy = proptest::collection::vec(proptest::collection::vec(any_state(), 1..4), 1..16);
+    runner
+        .run(&strategy, |paths| {
+            rt.block_on(async {
+                let new = sample_sandbox("prop");
+                let mut rec = reg
+                    .insert_sandbox(&new, TransitionCtx::default())
+                    .await
+                    .unwrap();
+                let events = |reg: &SqliteRegistry| {
+                    let filter = EventFilter {
+                        sandbox_id: Some(new.id.clone()),
+                        limit: MAX_LIMIT,
+                        ..EventFilter::default()
+                    };
+                    let reg = reg.clone();
+                    async move { reg.list_events(&filter).await.unwrap().len() }
+                };
+                let mut n_events = events(&reg).await;
+                for path in paths {
+                    let model = aviary_registry::validate_path(rec.state, &path);
+                    let got = reg
+                        .transition(
+                            &new.id,
+                            rec.version,
+                            &path,
+                            FenceCheck::Skip,
+                            TransitionCtx::default(),
+                        )
+                        .await;
+                    match (model, got) {
+                        (Ok(()), Ok(next)) => {
+                            prop_assert_eq!(next.state, *path.last().unwrap());
+                            prop_assert_eq!(next.version, rec.version + path.len() as i64);
+                            n_events += path.len();
+                            rec = next;
+                        }
+                        (Err(want), Err(got)) => {
+                            prop_assert_eq!(got, want);
+                            let now = reg.get_sandbox(&new.id).await.unwrap();
+                            prop_assert_eq!(now.state, rec.state);
+                            prop_assert_eq!(now.version, rec.version);
+                        }
+                        (model, got) => {
+                            return Err(TestCaseError::fail(format!(
+                                "{:?} via {path:?}: model {model:?}, registry {got:?}",
+                                rec.state
+                            )));
+                        }
+                    }
+                    prop_assert_eq!(events(&reg).await, n_events);
+                }
+                Ok(())
+            })
+        })
+        .unwrap();
+}

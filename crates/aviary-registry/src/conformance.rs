@@ -1,0 +1,749 @@
+//! The conformance suite every [`Registry`] backend runs (SQLite now,
+//! PostgreSQL later).
+//!
+//! A backend provides a [`RegistryHarness`] that opens a registry which is
+//! also the [`LeaseStore`] on the same storage (the fencing check of
+//! [`Registry::transition`] reads that lease table). Each check works in a
+//! fresh random tenant, so checks can share one database; they panic with a
+//! message naming the broken rule. Timestamps the caller supplies are whole
+//! seconds, so backends with microsecond precision round-trip them exactly.
+
+use crate::*;
+use aviary_core::{new_id, NetworkProfile, ResourceLimits, Scope};
+use aviary_leases::LeaseStore;
+use std::sync::Arc;
+use std::time::Duration;
+use time::macros::datetime;
+
+/// How the suite reaches a backend.
+#[async_trait]
+pub trait RegistryHarness: Send + Sync {
+    type Registry: Registry + LeaseStore + 'static;
+    /// Opens a registry on this harness's storage.
+    async fn open(&self) -> Self::Registry;
+}
+
+/// Runs every check, in order, printing each name.
+pub async fn run_all<H: RegistryHarness>(h: &H) {
+    let r = Arc::new(h.open().await);
+    macro_rules! run {
+        ($($check:ident),* $(,)?) => {$(
+            eprintln!("registry conformance: {}", stringify!($check));
+            $check(&*r).await;
+        )*};
+    }
+    run!(
+        insert_then_get,
+        list_filters_tenant_and_terminated,
+        transition_walks_a_path,
+        transition_refuses_stale_version,
+        transition_refuses_illegal_steps,
+        transition_checks_the_fence,
+        field_updates_bump_version,
+        touch_keeps_version,
+        events_filter_and_page,
+        templates_upsert,
+        nodes_upsert,
+        api_keys_map_to_tenants,
+        allocations_record_usage,
+        environments_upsert,
+    );
+    eprintln!("registry conformance: spawned_transitions_have_one_winner");
+    spawned_transitions_have_one_winner(r, 10).await;
+}
+
+/// A sandbox to insert for `tenant`, with every optional field set.
+pub fn sample_sandbox(tenant: &str) -> NewSandbox {
+    NewSandbox {
+        id: SandboxId::generate(),
+        tenant: tenant.to_owned(),
+        user_id: Some("user-1".into()),
+        session_id: Some("session-1".into()),
+        agent: Some("agent-1".into()),
+        scope: Scope::User,
+        resource_class: "python-small".into(),
+        resources: ResourceLimits {
+            cpu: 1.5,
+            memory_mb: 2048,
+            disk_mb: 4096,
+            pids: 256,
+        },
+        template: "debian-12".into(),
+        template_digest: "sha256:0123abcd".into(),
+        runtime: "crun".into(),
+        runtime_instance_id: None,
+        node: "local".into(),
+        network_profile: NetworkProfile::None,
+        expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
+        tainted: false,
+    }
+}
+
+fn tenant() -> String {
+    new_id("tenant")
+}
+
+async fn events_of<R: Registry>(r: &R, id: &SandboxId) -> Vec<aviary_core::api::Event> {
+    r.list_events(&EventFilter {
+        sandbox_id: Some(id.clone()),
+        limit: MAX_LIMIT,
+        ..EventFilter::default()
+    })
+    .await
+    .unwrap()
+}
+
+async fn insert<R: Registry>(r: &R, tenant: &str) -> SandboxRecord {
+    r.insert_sandbox(&sample_sandbox(tenant), TransitionCtx::default())
+        .await
+        .unwrap()
+}
+
+pub async fn insert_then_get<R: Registry>(r: &R) {
+    let t = tenant();
+    let new = sample_sandbox(&t);
+    let before = aviary_core::now() - time::Duration::seconds(1);
+    let rec = r
+        .insert_sandbox(&new, TransitionCtx::request("req-1"))
+        .await
+        .unwrap();
+    assert_eq!(rec.state, SandboxState::Requested);
+    assert_eq!(rec.version, 0);
+    assert_eq!(rec.id, new.id);
+    assert_eq!(rec.tenant, t);
+    assert_eq!(rec.user_id, new.user_id);
+    assert_eq!(rec.session_id, new.session_id);
+    assert_eq!(rec.agent, new.agent);
+    assert_eq!(rec.scope, new.scope);
+    assert_eq!(rec.resource_class, new.resource_class);
+    assert_eq!(rec.resources, new.resources);
+    assert_eq!(rec.template, new.template);
+    assert_eq!(rec.template_digest, new.template_digest);
+    assert_eq!(rec.runtime, new.runtime);
+    assert_eq!(rec.runtime_instance_id, None);
+    assert_eq!(rec.node, new.node);
+    assert_eq!(rec.network_profile, new.network_profile);
+    assert_eq!(rec.expires_at, new.expires_at);
+    assert!(!rec.tainted);
+    assert!(rec.created_at >= before, "created_at is now");
+    assert_eq!(rec.last_active_at, rec.created_at);
+    assert_eq!(r.get_sandbox(&new.id).await.unwrap(), rec, "get = insert");
+
+    let events = events_of(r, &new.id).await;
+    assert_eq!(events.len(), 1, "one created event");
+    assert_eq!(events[0].event_type, "created");
+    assert_eq!(events[0].tenant, t);
+    assert_eq!(events[0].old_state, None);
+    assert_eq!(events[0].new_state, Some(SandboxState::Requested));
+    assert_eq!(events[0].request_id.as_deref(), Some("req-1"));
+
+    let e = r
+        .insert_sandbox(&new, TransitionCtx::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::Duplicate, "same id twice");
+    assert_eq!(events_of(r, &new.id).await.len(), 1, "no event on failure");
+
+    let e = r.get_sandbox(&SandboxId::generate()).await.unwrap_err();
+    assert_eq!(e, RegistryError::NotFound);
+
+    let api = rec.to_api(Some("owner".into()));
+    assert_eq!(api.id, rec.id);
+    assert_eq!(api.lease_owner.as_deref(), Some("owner"));
+}
+
+pub async fn list_filters_tenant_and_terminated<R: Registry>(r: &R) {
+    let (t1, t2) = (tenant(), tenant());
+    let a = insert(r, &t1).await;
+    let b = insert(r, &t1).await;
+    let c = insert(r, &t2).await;
+    r.transition(
+        &b.id,
+        0,
+        &[SandboxState::Terminated],
+        FenceCheck::Skip,
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap();
+
+    let ids = |v: Vec<SandboxRecord>| v.into_iter().map(|s| s.id).collect::<Vec<_>>();
+    let live = ids(r.list_sandboxes(Some(&t1), false).await.unwrap());
+    assert_eq!(live, vec![a.id.clone()], "terminated hidden");
+    let all = ids(r.list_sandboxes(Some(&t1), true).await.unwrap());
+    assert_eq!(all, vec![a.id.clone(), b.id.clone()], "oldest first");
+    let everyone = ids(r.list_sandboxes(None, true).await.unwrap());
+    for id in [&a.id, &b.id, &c.id] {
+        assert!(everyone.contains(id), "unfiltered list has {id}");
+    }
+    assert!(r
+        .list_sandboxes(Some(&tenant()), true)
+        .await
+        .unwrap()
+        .is_empty());
+}
+
+pub async fn transition_walks_a_path<R: Registry>(r: &R) {
+    use SandboxState::*;
+    let s = insert(r, &tenant()).await;
+    let ctx = TransitionCtx {
+        request_id: Some("req-2".into()),
+        event_type: None,
+        metadata: serde_json::json!({"why": "create"}),
+    };
+    let path = [Planning, Allocating, Provisioning, Locking];
+    let rec = r
+        .transition(&s.id, 0, &path, FenceCheck::Skip, ctx)
+        .await
+        .unwrap();
+    assert_eq!(rec.state, Locking);
+    assert_eq!(rec.version, 4, "one bump per step");
+    assert!(rec.last_active_at >= s.last_active_at);
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap(), rec);
+
+    let events = events_of(r, &s.id).await;
+    assert_eq!(events.len(), 5, "created + one per step");
+    let mut from = Requested;
+    for (ev, &to) in events[1..].iter().zip(&path) {
+        assert_eq!(ev.event_type, "state_changed");
+        assert_eq!(ev.old_state, Some(from));
+        assert_eq!(ev.new_state, Some(to));
+        assert_eq!(ev.request_id.as_deref(), Some("req-2"));
+        assert_eq!(ev.metadata, serde_json::json!({"why": "create"}));
+        assert_eq!(ev.sandbox_id.as_ref(), Some(&s.id));
+        from = to;
+    }
+    assert!(events.windows(2).all(|w| w[0].id < w[1].id), "ids increase");
+
+    let ctx = TransitionCtx {
+        event_type: Some("lease_granted".into()),
+        ..TransitionCtx::default()
+    };
+    let rec = r
+        .transition(&s.id, 4, &[Leased], FenceCheck::Skip, ctx)
+        .await
+        .unwrap();
+    assert_eq!((rec.state, rec.version), (Leased, 5));
+    let last = events_of(r, &s.id).await.pop().unwrap();
+    assert_eq!(last.event_type, "lease_granted");
+    assert_eq!(
+        last.metadata,
+        serde_json::json!({}),
+        "null metadata is {{}}"
+    );
+
+    // an empty path only checks
+    let same = r
+        .transition(&s.id, 5, &[], FenceCheck::Skip, TransitionCtx::default())
+        .await
+        .unwrap();
+    assert_eq!(same.version, 5);
+    assert_eq!(events_of(r, &s.id).await.len(), 6);
+
+    let e = r
+        .transition(
+            &SandboxId::generate(),
+            0,
+            &[Planning],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::NotFound);
+}
+
+pub async fn transition_refuses_stale_version<R: Registry>(r: &R) {
+    let s = insert(r, &tenant()).await;
+    for wrong in [-1, 1, 7] {
+        let e = r
+            .transition(
+                &s.id,
+                wrong,
+                &[SandboxState::Planning],
+                FenceCheck::Skip,
+                TransitionCtx::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e, RegistryError::Conflict, "expected version {wrong}");
+    }
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap(), s, "unchanged");
+    assert_eq!(events_of(r, &s.id).await.len(), 1, "no event on conflict");
+}
+
+pub async fn transition_refuses_illegal_steps<R: Registry>(r: &R) {
+    use SandboxState::*;
+    let s = insert(r, &tenant()).await;
+    // the third step is illegal: nothing of the path may stick
+    let e = r
+        .transition(
+            &s.id,
+            0,
+            &[Planning, Allocating, Running],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e,
+        RegistryError::IllegalTransition(StateError::IllegalTransition {
+            from: Allocating,
+            to: Running
+        })
+    );
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap(), s, "unchanged");
+    assert_eq!(events_of(r, &s.id).await.len(), 1, "no event");
+
+    let t = r
+        .transition(
+            &s.id,
+            0,
+            &[Terminated],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    for to in SandboxState::ALL {
+        let e = r
+            .transition(
+                &s.id,
+                t.version,
+                &[to],
+                FenceCheck::Skip,
+                TransitionCtx::default(),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, RegistryError::IllegalTransition(_)),
+            "Terminated -> {to} gave {e:?}"
+        );
+    }
+}
+
+pub async fn transition_checks_the_fence<R: Registry + LeaseStore>(r: &R) {
+    use SandboxState::*;
+    let s = insert(r, &tenant()).await;
+    let mut rec = r
+        .transition(
+            &s.id,
+            0,
+            &[Planning, Allocating, Locking, Idle],
+            FenceCheck::Require(None),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    let e = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased],
+            FenceCheck::Require(Some(LeaseToken(1))),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::StaleToken, "token on an unleased sandbox");
+
+    let now = aviary_core::now();
+    let lease = r
+        .acquire(&s.id, "agent-1", Duration::from_secs(300), now)
+        .await
+        .unwrap();
+    let e = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased],
+            FenceCheck::Require(None),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::LeaseRequired);
+    let stale = LeaseToken(lease.token.0 + 1);
+    let e = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased],
+            FenceCheck::Require(Some(stale)),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::StaleToken);
+    assert_eq!(
+        r.get_sandbox(&s.id).await.unwrap(),
+        rec,
+        "fenced out: unchanged"
+    );
+
+    rec = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased, Running],
+            FenceCheck::Require(Some(lease.token)),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rec.state, Running);
+    // the system bypasses the fence
+    rec = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Idle],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+
+    r.release(&s.id, lease.token, aviary_core::now())
+        .await
+        .unwrap();
+    let e = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Sanitizing],
+            FenceCheck::Require(Some(lease.token)),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::StaleToken, "token of a released lease");
+    r.transition(
+        &s.id,
+        rec.version,
+        &[Sanitizing],
+        FenceCheck::Require(None),
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap();
+}
+
+pub async fn field_updates_bump_version<R: Registry>(r: &R) {
+    let s = insert(r, &tenant()).await;
+    let rec = r
+        .set_runtime_instance(&s.id, 0, "ctr-123", "node-7")
+        .await
+        .unwrap();
+    assert_eq!(rec.runtime_instance_id.as_deref(), Some("ctr-123"));
+    assert_eq!(rec.node, "node-7");
+    assert_eq!(rec.version, 1);
+    let e = r
+        .set_runtime_instance(&s.id, 0, "ctr-999", "node-8")
+        .await
+        .unwrap_err();
+    assert_eq!(e, RegistryError::Conflict);
+    let rec = r.set_tainted(&s.id, 1, true).await.unwrap();
+    assert!(rec.tainted);
+    assert_eq!(rec.version, 2);
+    assert_eq!(
+        r.set_tainted(&s.id, 1, false).await.unwrap_err(),
+        RegistryError::Conflict
+    );
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap(), rec);
+    let ghost = SandboxId::generate();
+    assert_eq!(
+        r.set_runtime_instance(&ghost, 0, "x", "y")
+            .await
+            .unwrap_err(),
+        RegistryError::NotFound
+    );
+    assert_eq!(
+        r.set_tainted(&ghost, 0, true).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+}
+
+pub async fn touch_keeps_version<R: Registry>(r: &R) {
+    let s = insert(r, &tenant()).await;
+    let later = datetime!(2032-06-01 12:00 UTC);
+    r.touch(&s.id, later).await.unwrap();
+    let rec = r.get_sandbox(&s.id).await.unwrap();
+    assert_eq!(rec.last_active_at, later);
+    assert_eq!(rec.version, 0, "touch is not a version bump");
+    assert_eq!(events_of(r, &s.id).await.len(), 1, "touch writes no event");
+    let e = r.touch(&SandboxId::generate(), later).await.unwrap_err();
+    assert_eq!(e, RegistryError::NotFound);
+}
+
+pub async fn events_filter_and_page<R: Registry>(r: &R) {
+    let (t1, t2) = (tenant(), tenant());
+    let s = insert(r, &t1).await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let id = r
+            .append_event(NewEvent {
+                sandbox_id: if i % 2 == 0 { Some(s.id.clone()) } else { None },
+                tenant: t1.clone(),
+                event_type: format!("custom_{i}"),
+                old_state: None,
+                new_state: None,
+                request_id: Some(format!("req-{i}")),
+                metadata: serde_json::json!({"i": i, "nested": {"ok": true}}),
+            })
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "append ids increase");
+    r.append_event(NewEvent {
+        sandbox_id: None,
+        tenant: t2.clone(),
+        event_type: "other_tenant".into(),
+        old_state: Some(SandboxState::Idle),
+        new_state: Some(SandboxState::Lost),
+        request_id: None,
+        metadata: serde_json::Value::Null,
+    })
+    .await
+    .unwrap();
+
+    let by_tenant = |after_id, limit| EventFilter {
+        tenant: Some(t1.clone()),
+        sandbox_id: None,
+        after_id,
+        limit,
+    };
+    let all = r.list_events(&by_tenant(None, 0)).await.unwrap();
+    assert_eq!(all.len(), 6, "created + 5 appended, other tenant excluded");
+    assert_eq!(all[0].event_type, "created");
+    let custom = &all[1..];
+    for (i, ev) in custom.iter().enumerate() {
+        assert_eq!(ev.id, ids[i]);
+        assert_eq!(ev.event_type, format!("custom_{i}"));
+        assert_eq!(
+            ev.metadata,
+            serde_json::json!({"i": i, "nested": {"ok": true}})
+        );
+        assert_eq!(ev.request_id, Some(format!("req-{i}")));
+    }
+    let page = r.list_events(&by_tenant(Some(ids[1]), 2)).await.unwrap();
+    let page_ids: Vec<i64> = page.iter().map(|e| e.id).collect();
+    assert_eq!(page_ids, vec![ids[2], ids[3]], "after_id + limit");
+
+    let mine = events_of(r, &s.id).await;
+    assert_eq!(mine.len(), 4, "created + 3 with this sandbox");
+    let other = r
+        .list_events(&EventFilter {
+            tenant: Some(t2.clone()),
+            ..EventFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(other.len(), 1);
+    assert_eq!(other[0].old_state, Some(SandboxState::Idle));
+    assert_eq!(other[0].new_state, Some(SandboxState::Lost));
+    assert_eq!(other[0].sandbox_id, None);
+    let newest = r
+        .list_events(&EventFilter {
+            after_id: Some(other[0].id),
+            tenant: Some(t2),
+            ..EventFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(newest.is_empty(), "nothing after the newest");
+}
+
+pub async fn templates_upsert<R: Registry>(r: &R) {
+    let name = new_id("tpl");
+    let mut t = TemplateRecord {
+        name: name.clone(),
+        digest: "sha256:aa".into(),
+        size_bytes: 123_456_789_012,
+        source: "debootstrap".into(),
+        created_at: datetime!(2030-02-03 4:05:06 UTC),
+    };
+    r.upsert_template(&t).await.unwrap();
+    t.digest = "sha256:bb".into();
+    t.source = "oci-archive:x.tar".into();
+    r.upsert_template(&t).await.unwrap();
+    let mine: Vec<_> = r
+        .list_templates()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|x| x.name == name)
+        .collect();
+    assert_eq!(mine, vec![t], "upsert replaces");
+}
+
+pub async fn nodes_upsert<R: Registry>(r: &R) {
+    let id = new_id("node");
+    let mut n = NodeRecord {
+        id: id.clone(),
+        address: "127.0.0.1:7401".into(),
+        runtimes: vec!["crun".into(), "runc".into()],
+        cpu: 2.0,
+        memory_mb: 3900,
+        healthy: true,
+        last_seen: datetime!(2030-02-03 4:05:06 UTC),
+    };
+    r.upsert_node(&n).await.unwrap();
+    n.healthy = false;
+    n.runtimes = vec![];
+    n.last_seen = datetime!(2030-02-03 4:06:00 UTC);
+    r.upsert_node(&n).await.unwrap();
+    let mine: Vec<_> = r
+        .list_nodes()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|x| x.id == id)
+        .collect();
+    assert_eq!(mine, vec![n], "upsert replaces");
+}
+
+pub async fn api_keys_map_to_tenants<R: Registry>(r: &R) {
+    let t = tenant();
+    let hash = new_id("hash");
+    r.insert_api_key(&hash, &t, false).await.unwrap();
+    let admin_hash = new_id("hash");
+    r.insert_api_key(&admin_hash, &t, true).await.unwrap();
+    let k = r.find_api_key(&hash).await.unwrap().unwrap();
+    assert_eq!(
+        (k.key_hash.as_str(), k.tenant.as_str(), k.admin),
+        (hash.as_str(), t.as_str(), false)
+    );
+    assert!(r.find_api_key(&admin_hash).await.unwrap().unwrap().admin);
+    assert_eq!(r.find_api_key("no-such-hash").await.unwrap(), None);
+    assert_eq!(
+        r.insert_api_key(&hash, &tenant(), true).await.unwrap_err(),
+        RegistryError::Duplicate
+    );
+    assert!(!format!("{k:?}").contains(&hash), "Debug redacts the hash");
+}
+
+pub async fn allocations_record_usage<R: Registry>(r: &R) {
+    let t = tenant();
+    let s = insert(r, &t).await;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let a = AllocationRecord {
+            id: None,
+            task_id: format!("task-{i}"),
+            tenant: t.clone(),
+            sandbox_id: (i == 0).then(|| s.id.clone()),
+            planner_input_hash: format!("hash-{i}"),
+            workload_signature: "python+pip".into(),
+            recommended_class: "python-medium".into(),
+            actual_class: "python-small".into(),
+            reason: "quota clamp".into(),
+            confidence: 0.75,
+            source: "heuristic".into(),
+            cpu: 1.0,
+            memory_mb: 2048,
+            created_at: datetime!(2030-01-01 0:00 UTC) + time::Duration::seconds(i),
+            usage: Some(AllocationUsage {
+                duration_s: 99.0,
+                peak_cpu: 9.0,
+                peak_memory_mb: 9,
+                oom: true,
+                timed_out: true,
+            }),
+        };
+        ids.push(r.insert_allocation(&a).await.unwrap());
+    }
+    let listed = r.list_allocations(Some(&t), 0).await.unwrap();
+    assert_eq!(listed.len(), 3);
+    assert_eq!(listed[0].id, Some(ids[2]), "newest first");
+    assert_eq!(listed[2].sandbox_id.as_ref(), Some(&s.id));
+    assert!(
+        listed.iter().all(|a| a.usage.is_none()),
+        "usage ignored on insert"
+    );
+    assert_eq!(listed[1].reason, "quota clamp");
+    assert_eq!(listed[1].confidence, 0.75);
+
+    let usage = AllocationUsage {
+        duration_s: 12.5,
+        peak_cpu: 0.8,
+        peak_memory_mb: 1500,
+        oom: false,
+        timed_out: true,
+    };
+    r.update_allocation_usage(ids[0], &usage).await.unwrap();
+    let listed = r.list_allocations(Some(&t), 2).await.unwrap();
+    assert_eq!(listed.len(), 2, "limit");
+    let all = r.list_allocations(Some(&t), 10).await.unwrap();
+    assert_eq!(all[2].usage.as_ref(), Some(&usage));
+    assert_eq!(
+        r.update_allocation_usage(i64::MAX, &usage)
+            .await
+            .unwrap_err(),
+        RegistryError::NotFound
+    );
+    assert!(r.list_allocations(None, 1).await.unwrap().len() == 1);
+}
+
+pub async fn environments_upsert<R: Registry>(r: &R) {
+    let s = insert(r, &tenant()).await;
+    assert_eq!(r.get_environment(&s.id).await.unwrap(), None);
+    let mut e = EnvironmentRecord {
+        sandbox_id: s.id.clone(),
+        base_image_digest: "sha256:base".into(),
+        dependency_hash: "deps-1".into(),
+        workspace_id: Some("ws-1".into()),
+        snapshot_id: None,
+        environment_version: 1,
+        dirty_level: 0,
+    };
+    r.upsert_environment(&e).await.unwrap();
+    assert_eq!(r.get_environment(&s.id).await.unwrap(), Some(e.clone()));
+    e.dependency_hash = "deps-2".into();
+    e.snapshot_id = Some("snap-1".into());
+    e.environment_version = 2;
+    e.dirty_level = 2;
+    r.upsert_environment(&e).await.unwrap();
+    assert_eq!(r.get_environment(&s.id).await.unwrap(), Some(e.clone()));
+    e.sandbox_id = SandboxId::generate();
+    assert_eq!(
+        r.upsert_environment(&e).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+}
+
+/// Races `tasks` spawned transitions holding the same version on a shared
+/// registry: exactly one wins, the rest get `Conflict`.
+pub async fn spawned_transitions_have_one_winner<R: Registry + 'static>(r: Arc<R>, tasks: usize) {
+    let s = insert(&*r, &tenant()).await;
+    let handles: Vec<_> = (0..tasks)
+        .map(|i| {
+            let r = Arc::clone(&r);
+            let id = s.id.clone();
+            tokio::spawn(async move {
+                r.transition(
+                    &id,
+                    0,
+                    &[SandboxState::Planning],
+                    FenceCheck::Skip,
+                    TransitionCtx::request(format!("racer-{i}")),
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut wins = 0;
+    for h in handles {
+        match h.await.expect("transition task panicked") {
+            Ok(_) => wins += 1,
+            Err(RegistryError::Conflict) => {}
+            Err(e) => panic!("racing transition failed with {e:?}"),
+        }
+    }
+    assert_eq!(wins, 1, "one writer wins");
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap().version, 1);
+    assert_eq!(events_of(&*r, &s.id).await.len(), 2);
+}

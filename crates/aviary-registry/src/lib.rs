@@ -1,0 +1,251 @@
+//! Aviary's registry seam: the source of record (DESIGN §3 "Registry",
+//! principle 6).
+//!
+//! This crate owns the [`Registry`] trait and its record types: sandboxes
+//! (`sandbox_instance`), their environments (`sandbox_environment`), the event
+//! log (`sandbox_event`), planner allocations (`sandbox_allocation`),
+//! templates, nodes, tenants and API keys. Backends live in their own crates
+//! (`aviary-registry-sqlite` today, PostgreSQL later) and must pass
+//! [`conformance::run_all`]; callers depend only on this crate.
+//!
+//! Invariants every backend keeps:
+//! - A sandbox's state only moves along [`SandboxState::can_transition_to`];
+//!   every move bumps `version` by one and writes one event row, in the same
+//!   transaction as the optimistic `version` check and (for client calls) the
+//!   fencing check against the lease table.
+//! - A failed call changes nothing: no state, no version, no event.
+//! - Event ids are strictly increasing in commit order, so `after_id` paging
+//!   (and `events --follow`) never skips a row.
+//!
+//! Concurrency: backends are `Send + Sync` and safe to call from many tasks;
+//! lost updates are prevented by `expected_version` ([`RegistryError::Conflict`]),
+//! not by locks held across calls.
+#![forbid(unsafe_code)]
+
+pub mod conformance;
+mod records;
+
+pub use records::*;
+
+use async_trait::async_trait;
+use aviary_core::{ErrorCode, LeaseToken, SandboxId, SandboxState, StateError};
+use aviary_leases::LeaseError;
+use time::OffsetDateTime;
+
+/// Whether a transition is fenced by the sandbox's lease.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum FenceCheck {
+    /// System-initiated (reconciler, expiry, pool manager): no fencing.
+    Skip,
+    /// Client-initiated: the call's token must pass the lease check
+    /// ([`aviary_leases::LeaseStore::check`] rules, against the wall clock).
+    Require(Option<LeaseToken>),
+}
+
+/// What a state change records besides the states themselves.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TransitionCtx {
+    pub request_id: Option<String>,
+    /// Event type of the rows written; `"state_changed"` when `None`
+    /// (`"created"` for [`Registry::insert_sandbox`]).
+    pub event_type: Option<String>,
+    /// Stored on every event row written; `Null` is stored as `{}`.
+    pub metadata: serde_json::Value,
+}
+
+impl TransitionCtx {
+    pub fn request(request_id: impl Into<String>) -> Self {
+        TransitionCtx {
+            request_id: Some(request_id.into()),
+            ..Self::default()
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RegistryError {
+    #[error("not found")]
+    NotFound,
+    /// `expected_version` did not match the row; re-read and retry.
+    #[error("version conflict")]
+    Conflict,
+    #[error(transparent)]
+    IllegalTransition(StateError),
+    #[error("sandbox is leased; the call needs its token")]
+    LeaseRequired,
+    #[error("stale lease token")]
+    StaleToken,
+    /// A row with this key already exists.
+    #[error("already exists")]
+    Duplicate,
+    /// The backing store failed; the message is for the server log.
+    #[error("registry storage: {0}")]
+    Storage(String),
+}
+
+impl RegistryError {
+    /// The stable API error code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            RegistryError::NotFound => ErrorCode::NotFound,
+            RegistryError::Conflict | RegistryError::Duplicate => ErrorCode::Conflict,
+            RegistryError::IllegalTransition(_) => ErrorCode::InvalidState,
+            RegistryError::LeaseRequired => ErrorCode::LeaseRequired,
+            RegistryError::StaleToken => ErrorCode::StaleToken,
+            RegistryError::Storage(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+impl From<LeaseError> for RegistryError {
+    fn from(e: LeaseError) -> Self {
+        match e {
+            LeaseError::NotFound => RegistryError::NotFound,
+            LeaseError::LeaseRequired => RegistryError::LeaseRequired,
+            LeaseError::StaleToken => RegistryError::StaleToken,
+            // a held lease or a bad ttl never comes out of a fencing check
+            LeaseError::Held { .. } | LeaseError::InvalidTtl => {
+                RegistryError::Storage(e.to_string())
+            }
+            LeaseError::Storage(m) => RegistryError::Storage(m),
+        }
+    }
+}
+
+/// Default and maximum of a `limit` argument (`0` means the default).
+pub const DEFAULT_LIMIT: u32 = 100;
+pub const MAX_LIMIT: u32 = 10_000;
+
+/// `limit` as backends apply it: `0` → [`DEFAULT_LIMIT`], capped at [`MAX_LIMIT`].
+pub fn effective_limit(limit: u32) -> u32 {
+    match limit {
+        0 => DEFAULT_LIMIT,
+        n => n.min(MAX_LIMIT),
+    }
+}
+
+/// Checks that `path`, walked from `from`, only takes legal steps.
+pub fn validate_path(from: SandboxState, path: &[SandboxState]) -> Result<(), RegistryError> {
+    let mut cur = from;
+    for &next in path {
+        cur = cur
+            .transition(next)
+            .map_err(RegistryError::IllegalTransition)?;
+    }
+    Ok(())
+}
+
+#[async_trait]
+pub trait Registry: Send + Sync {
+    /// Inserts a sandbox in state `Requested`, version 0, and writes its
+    /// `"created"` event (`ctx.event_type` overrides the name). A second
+    /// insert with the same id is `Duplicate`.
+    async fn insert_sandbox(
+        &self,
+        new: &NewSandbox,
+        ctx: TransitionCtx,
+    ) -> Result<SandboxRecord, RegistryError>;
+
+    async fn get_sandbox(&self, id: &SandboxId) -> Result<SandboxRecord, RegistryError>;
+
+    /// Sandboxes oldest first, of one tenant or all; `Terminated` ones only
+    /// when `include_terminated`.
+    async fn list_sandboxes(
+        &self,
+        tenant: Option<&str>,
+        include_terminated: bool,
+    ) -> Result<Vec<SandboxRecord>, RegistryError>;
+
+    /// Walks `path` (each step must be legal per
+    /// [`SandboxState::can_transition_to`], starting from the current state)
+    /// in ONE transaction: checks `version == expected_version` (else
+    /// `Conflict`), checks the fence against the lease table in the same
+    /// transaction when [`FenceCheck::Require`], writes one event row per
+    /// step (`"state_changed"` unless `ctx` says otherwise), bumps `version`
+    /// once per step, sets `last_active_at`, and returns the new record. An
+    /// empty path only performs the checks. Errors are checked in the order
+    /// `NotFound`, `Conflict`, fence, `IllegalTransition`.
+    async fn transition(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        path: &[SandboxState],
+        fence: FenceCheck,
+        ctx: TransitionCtx,
+    ) -> Result<SandboxRecord, RegistryError>;
+
+    /// Records where the sandbox's compute runs; bumps `version`.
+    async fn set_runtime_instance(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        runtime_instance_id: &str,
+        node: &str,
+    ) -> Result<SandboxRecord, RegistryError>;
+
+    /// Marks the sandbox tainted (never reused again) or clears the mark;
+    /// bumps `version`.
+    async fn set_tainted(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        tainted: bool,
+    ) -> Result<SandboxRecord, RegistryError>;
+
+    /// Sets `last_active_at`; no version bump, no event.
+    async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError>;
+
+    /// Appends an event (any kind: lease grants, planner decisions, policy
+    /// denials…) and returns its id.
+    async fn append_event(&self, ev: NewEvent) -> Result<i64, RegistryError>;
+
+    /// Events in id order matching the filter.
+    async fn list_events(
+        &self,
+        filter: &EventFilter,
+    ) -> Result<Vec<aviary_core::api::Event>, RegistryError>;
+
+    /// Inserts or replaces the template of this name.
+    async fn upsert_template(&self, t: &TemplateRecord) -> Result<(), RegistryError>;
+    /// Templates by name.
+    async fn list_templates(&self) -> Result<Vec<TemplateRecord>, RegistryError>;
+
+    /// Inserts or replaces the node of this id.
+    async fn upsert_node(&self, n: &NodeRecord) -> Result<(), RegistryError>;
+    /// Nodes by id.
+    async fn list_nodes(&self) -> Result<Vec<NodeRecord>, RegistryError>;
+
+    /// Stores a key (by hash) for a tenant, creating the tenant row if
+    /// missing. The same hash twice is `Duplicate`.
+    async fn insert_api_key(
+        &self,
+        key_hash: &str,
+        tenant: &str,
+        admin: bool,
+    ) -> Result<(), RegistryError>;
+    async fn find_api_key(&self, key_hash: &str) -> Result<Option<ApiKeyRecord>, RegistryError>;
+
+    /// Records a planner decision; `a.id` and `a.usage` are ignored. Returns
+    /// the new id.
+    async fn insert_allocation(&self, a: &AllocationRecord) -> Result<i64, RegistryError>;
+    /// Stores what the sandbox really used (at release).
+    async fn update_allocation_usage(
+        &self,
+        id: i64,
+        usage: &AllocationUsage,
+    ) -> Result<(), RegistryError>;
+    /// Allocations newest first.
+    async fn list_allocations(
+        &self,
+        tenant: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<AllocationRecord>, RegistryError>;
+
+    /// Inserts or replaces the environment manifest of a sandbox (which must
+    /// exist, else `NotFound`).
+    async fn upsert_environment(&self, e: &EnvironmentRecord) -> Result<(), RegistryError>;
+    async fn get_environment(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<EnvironmentRecord>, RegistryError>;
+}

@@ -1,0 +1,224 @@
+//! The rows of the registry, as plain serde-serializable structs.
+
+use aviary_core::api;
+use aviary_core::{NetworkProfile, ResourceLimits, SandboxId, SandboxState, Scope};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+
+/// One `sandbox_instance` row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: SandboxId,
+    pub tenant: String,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
+    pub agent: Option<String>,
+    pub scope: Scope,
+    pub resource_class: String,
+    pub resources: ResourceLimits,
+    /// Template name.
+    pub template: String,
+    pub template_digest: String,
+    /// Runtime provider (`crun`, `runc`, `docker`, …).
+    pub runtime: String,
+    /// The runtime's own id of the compute (container id, pod name, …).
+    pub runtime_instance_id: Option<String>,
+    /// Node id; empty until placed.
+    pub node: String,
+    pub network_profile: NetworkProfile,
+    pub state: SandboxState,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    pub last_active_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub expires_at: Option<OffsetDateTime>,
+    /// Optimistic-concurrency version; +1 per state step or field update.
+    pub version: i64,
+    /// Never reused once set (a policy violation, a suspicious exec, …).
+    pub tainted: bool,
+}
+
+impl SandboxRecord {
+    /// The API view; `lease_owner` is the owner of the live lease, if any.
+    pub fn to_api(&self, lease_owner: Option<String>) -> api::Sandbox {
+        api::Sandbox {
+            id: self.id.clone(),
+            state: self.state,
+            tenant: self.tenant.clone(),
+            user_id: self.user_id.clone(),
+            session_id: self.session_id.clone(),
+            agent: self.agent.clone(),
+            scope: self.scope,
+            resource_class: self.resource_class.clone(),
+            resources: self.resources,
+            template: self.template.clone(),
+            template_digest: self.template_digest.clone(),
+            runtime: self.runtime.clone(),
+            node: self.node.clone(),
+            network_profile: self.network_profile,
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+            tainted: self.tainted,
+            version: self.version,
+            lease_owner,
+        }
+    }
+}
+
+/// A sandbox to insert: a [`SandboxRecord`] without state, version and
+/// timestamps the registry sets (`Requested`, 0, now).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NewSandbox {
+    pub id: SandboxId,
+    pub tenant: String,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
+    pub agent: Option<String>,
+    pub scope: Scope,
+    pub resource_class: String,
+    pub resources: ResourceLimits,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    pub runtime_instance_id: Option<String>,
+    pub node: String,
+    pub network_profile: NetworkProfile,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub expires_at: Option<OffsetDateTime>,
+    pub tainted: bool,
+}
+
+/// An event to append. `tenant` is the tenant the event belongs to (`""`
+/// for system-wide events).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NewEvent {
+    pub sandbox_id: Option<SandboxId>,
+    pub tenant: String,
+    pub event_type: String,
+    pub old_state: Option<SandboxState>,
+    pub new_state: Option<SandboxState>,
+    pub request_id: Option<String>,
+    pub metadata: serde_json::Value,
+}
+
+/// Which events to list. `limit` 0 means [`crate::DEFAULT_LIMIT`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EventFilter {
+    pub tenant: Option<String>,
+    pub sandbox_id: Option<SandboxId>,
+    /// Only events with an id greater than this (paging, `--follow`).
+    pub after_id: Option<i64>,
+    pub limit: u32,
+}
+
+/// An immutable root filesystem.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    pub name: String,
+    pub digest: String,
+    pub size_bytes: u64,
+    /// Where it came from (`debootstrap`, `oci-archive:…`, …).
+    pub source: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+impl TemplateRecord {
+    pub fn to_api(&self) -> api::Template {
+        api::Template {
+            name: self.name.clone(),
+            digest: self.digest.clone(),
+            size_bytes: self.size_bytes,
+            source: self.source.clone(),
+            created_at: self.created_at,
+        }
+    }
+}
+
+/// A host that runs sandboxes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub id: String,
+    pub address: String,
+    /// Runtimes available on the node (`crun`, `runc`, …).
+    pub runtimes: Vec<String>,
+    pub cpu: f64,
+    pub memory_mb: u64,
+    pub healthy: bool,
+    #[serde(with = "time::serde::rfc3339")]
+    pub last_seen: OffsetDateTime,
+}
+
+/// An API key, stored by hash only.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiKeyRecord {
+    pub key_hash: String,
+    pub tenant: String,
+    pub admin: bool,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+impl std::fmt::Debug for ApiKeyRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiKeyRecord")
+            .field("key_hash", &"<redacted>")
+            .field("tenant", &self.tenant)
+            .field("admin", &self.admin)
+            .field("created_at", &self.created_at)
+            .finish()
+    }
+}
+
+/// One planner decision (`sandbox_allocation`), the input of telemetry
+/// right-sizing.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllocationRecord {
+    /// Set by the registry; ignored on insert.
+    pub id: Option<i64>,
+    pub task_id: String,
+    pub tenant: String,
+    pub sandbox_id: Option<SandboxId>,
+    /// Hash of the planner's input (the task context).
+    pub planner_input_hash: String,
+    /// Groups similar work for right-sizing (e.g. tools + languages).
+    pub workload_signature: String,
+    pub recommended_class: String,
+    pub actual_class: String,
+    pub reason: String,
+    pub confidence: f64,
+    /// `llm | telemetry | heuristic | request`
+    pub source: String,
+    /// Granted limits.
+    pub cpu: f64,
+    pub memory_mb: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// What the sandbox really used; `None` until it is released.
+    pub usage: Option<AllocationUsage>,
+}
+
+/// Measured usage of one allocation.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllocationUsage {
+    pub duration_s: f64,
+    pub peak_cpu: f64,
+    pub peak_memory_mb: u64,
+    pub oom: bool,
+    pub timed_out: bool,
+}
+
+/// A sandbox's environment manifest (`sandbox_environment`), what the reuse
+/// checker compares.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EnvironmentRecord {
+    pub sandbox_id: SandboxId,
+    pub base_image_digest: String,
+    pub dependency_hash: String,
+    pub workspace_id: Option<String>,
+    pub snapshot_id: Option<String>,
+    pub environment_version: i64,
+    /// 0 = clean; higher = more state left behind by earlier work.
+    pub dirty_level: i32,
+}
