@@ -382,6 +382,13 @@ impl Registry for SqliteRegistry {
         insert_events(&mut *tx, &events).await?;
         let record = sandbox_row(&updated)?;
         tx.commit().await.map_err(storage)?;
+        tracing::debug!(
+            sandbox.id = %id,
+            from = %from,
+            to = %last,
+            version = record.version,
+            "sandbox transitioned"
+        );
         Ok(record)
     }
 

@@ -218,11 +218,19 @@ async fn measure_latency() {
         acquires.push(t.elapsed().as_secs_f64() * 1e6);
         reg.release(id, l.token, now).await.unwrap();
     }
+    let mut gets = Vec::with_capacity(N);
+    for _ in 0..N {
+        let t = Instant::now();
+        reg.get_sandbox(id).await.unwrap();
+        gets.push(t.elapsed().as_secs_f64() * 1e6);
+    }
     eprintln!(
-        "sqlite registry latency (median of {N}): insert_sandbox {:.0} us, transition {:.0} us, acquire {:.0} us",
+        "sqlite registry latency (median of {N}): insert_sandbox {:.0} us, transition {:.0} us, \
+         acquire {:.0} us, get_sandbox {:.0} us",
         median_us(inserts),
         median_us(transitions),
-        median_us(acquires)
+        median_us(acquires),
+        median_us(gets)
     );
     assert_eq!(rec.version, 4 + i64::try_from(N).unwrap());
 }

@@ -249,3 +249,132 @@ pub trait Registry: Send + Sync {
         id: &SandboxId,
     ) -> Result<Option<EnvironmentRecord>, RegistryError>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aviary_core::SandboxState::*;
+
+    #[test]
+    fn validate_path_names_the_first_illegal_step() {
+        validate_path(Requested, &[Planning, Allocating, Provisioning, Locking]).unwrap();
+        validate_path(Idle, &[]).unwrap();
+        assert_eq!(
+            validate_path(Requested, &[Planning, Running, Idle]).unwrap_err(),
+            RegistryError::IllegalTransition(StateError::IllegalTransition {
+                from: Planning,
+                to: Running
+            })
+        );
+        assert_eq!(
+            validate_path(Idle, &[Idle]).unwrap_err(),
+            RegistryError::IllegalTransition(StateError::IllegalTransition {
+                from: Idle,
+                to: Idle
+            })
+        );
+    }
+
+    #[test]
+    fn limits_default_and_cap() {
+        assert_eq!(effective_limit(0), DEFAULT_LIMIT);
+        assert_eq!(effective_limit(7), 7);
+        assert_eq!(effective_limit(u32::MAX), MAX_LIMIT);
+    }
+
+    #[test]
+    fn lease_errors_map_to_registry_errors() {
+        assert_eq!(
+            RegistryError::from(LeaseError::NotFound),
+            RegistryError::NotFound
+        );
+        assert_eq!(
+            RegistryError::from(LeaseError::LeaseRequired),
+            RegistryError::LeaseRequired
+        );
+        assert_eq!(
+            RegistryError::from(LeaseError::StaleToken),
+            RegistryError::StaleToken
+        );
+        assert_eq!(
+            RegistryError::from(LeaseError::Storage("disk".into())),
+            RegistryError::Storage("disk".into())
+        );
+    }
+
+    #[test]
+    fn error_codes_are_stable() {
+        assert_eq!(RegistryError::Conflict.code(), ErrorCode::Conflict);
+        assert_eq!(RegistryError::StaleToken.code(), ErrorCode::StaleToken);
+        assert_eq!(
+            RegistryError::LeaseRequired.code(),
+            ErrorCode::LeaseRequired
+        );
+        assert_eq!(
+            RegistryError::IllegalTransition(StateError::IllegalTransition {
+                from: Terminated,
+                to: Idle
+            })
+            .code(),
+            ErrorCode::InvalidState
+        );
+        assert_eq!(
+            RegistryError::Storage("x".into()).code(),
+            ErrorCode::Internal
+        );
+    }
+
+    #[test]
+    fn sandbox_record_round_trips_and_maps_to_api() {
+        let new = conformance::sample_sandbox("acme");
+        let now = time::macros::datetime!(2030-01-01 0:00 UTC);
+        let rec = SandboxRecord {
+            id: new.id.clone(),
+            tenant: new.tenant,
+            user_id: new.user_id,
+            session_id: new.session_id,
+            agent: new.agent,
+            scope: new.scope,
+            resource_class: new.resource_class,
+            resources: new.resources,
+            template: new.template,
+            template_digest: new.template_digest,
+            runtime: new.runtime,
+            runtime_instance_id: Some("ctr-1".into()),
+            node: new.node,
+            network_profile: new.network_profile,
+            state: Leased,
+            created_at: now,
+            last_active_at: now,
+            expires_at: None,
+            version: 3,
+            tainted: true,
+        };
+        let json = serde_json::to_string(&rec).unwrap();
+        let back: SandboxRecord = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, rec);
+        let api = rec.to_api(Some("agent-1".into()));
+        assert_eq!(api.id, rec.id);
+        assert_eq!(api.state, Leased);
+        assert_eq!(api.version, 3);
+        assert!(api.tainted);
+        assert_eq!(api.resources, rec.resources);
+        assert_eq!(api.lease_owner.as_deref(), Some("agent-1"));
+        let api_json = serde_json::to_value(rec.to_api(None)).unwrap();
+        assert!(api_json.get("lease_owner").is_none());
+        assert_eq!(api_json["created_at"], "2030-01-01T00:00:00Z");
+    }
+
+    #[test]
+    fn api_key_debug_hides_the_hash() {
+        let k = ApiKeyRecord {
+            key_hash: "deadbeef".into(),
+            tenant: "acme".into(),
+            admin: true,
+            created_at: time::macros::datetime!(2030-01-01 0:00 UTC),
+        };
+        let shown = format!("{k:?}");
+        assert!(!shown.contains("deadbeef"), "{shown}");
+        assert!(shown.contains("acme"));
+    }
+}
