@@ -1,0 +1,562 @@
+//! Aviary's local OCI runtime: sandboxes as `crun` (default) or `runc`
+//! containers on this host.
+//!
+//! This crate owns, per sandbox, everything under `<state_dir>/<id>/`:
+//! `upper/` + `work/` + `rootfs/` (an overlayfs whose read-only lower layer is
+//! the shared template rootfs, which is never written), `control/` (bind-mounted
+//! at `/run/aviary`), `workspace/` (at `/workspace`), `bundle/config.json`
+//! (generated with `oci-spec`, see [`config`]), `runtime.log` and `init.pid`;
+//! plus the container in the runtime's own state dir
+//! (`<state_dir>/crun-state` or `<state_dir>/runc-state`) and its cgroups at
+//! `/aviary/<id>` in every hierarchy.
+//!
+//! Invariants: `destroy` removes all of the above (killing leftover processes
+//! through the cgroups, unmounting, removing dirs) even when the runtime lost
+//! its state in a crash; `list` is the union of sandbox dirs and runtime state,
+//! so half-created sandboxes are visible to the reconciler.
+//!
+//! crun 1.8 refuses hybrid cgroup hosts (v1 controllers plus a cgroup2 mount
+//! at `/sys/fs/cgroup/unified`); the runtime is therefore started in a private
+//! mount namespace in which that cgroup2 mount is detached (see [`spawn`]).
+//!
+//! Limits: cpu (CFS quota), memory (+swap = memory) and pids are enforced by
+//! cgroups. `disk_mb` is **not enforced yet**: overlay upper dirs and
+//! workspaces share the host file system (a loop-mounted image or an XFS
+//! project quota would bound them). No user namespace yet: root inside is
+//! host root, contained by dropped capabilities, seccomp and no-new-privs.
+//!
+//! Concurrency: `OciRuntime` is `Send + Sync`; calls for different sandboxes
+//! run concurrently; calls for one sandbox must be serialised by the caller.
+
+pub mod config;
+mod host;
+pub mod seccomp;
+mod spawn;
+
+pub use spawn::ProcessSpawner;
+
+use aviary_core::SandboxId;
+use aviary_runtime::conformance::Inspector;
+use aviary_runtime::{
+    validate_spec, Pausable, ResourceUsage, Runtime, RuntimeError, RuntimeStatus, SandboxHandle,
+    SandboxSpec, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
+};
+use async_trait::async_trait;
+use host::CgroupLayout;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::instrument;
+
+/// Which OCI runtime binary drives the sandboxes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OciBinary {
+    Crun,
+    Runc,
+}
+
+impl OciBinary {
+    pub fn name(self) -> &'static str {
+        match self {
+            OciBinary::Crun => "crun",
+            OciBinary::Runc => "runc",
+        }
+    }
+}
+
+/// Configuration of an [`OciRuntime`].
+#[derive(Clone, Debug)]
+pub struct OciConfig {
+    pub binary: OciBinary,
+    /// Path of the binary; `None` looks `crun`/`runc` up in `PATH`.
+    pub binary_path: Option<PathBuf>,
+    /// Root of all per-sandbox state; created if missing. Must not contain
+    /// `,` `:` or `\` (overlay option syntax).
+    pub state_dir: PathBuf,
+    /// Parent of every sandbox cgroup (`/<parent>/<id>` in each hierarchy).
+    pub cgroup_parent: String,
+    /// Size of each sandbox's private `/tmp` tmpfs (charged to its memory).
+    pub tmp_size_mb: u64,
+    /// Longest a single runtime command may take before it is killed.
+    pub command_timeout: Duration,
+}
+
+impl OciConfig {
+    pub fn new(binary: OciBinary, state_dir: impl Into<PathBuf>) -> Self {
+        OciConfig {
+            binary,
+            binary_path: None,
+            state_dir: state_dir.into(),
+            cgroup_parent: "aviary".into(),
+            tmp_size_mb: 256,
+            command_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What [`OciRuntime::probe`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeReport {
+    /// First line of `<binary> --version`.
+    pub version: String,
+    /// `"v1"`, `"hybrid"` or `"v2"`.
+    pub cgroup_mode: &'static str,
+}
+
+/// The crun/runc runtime.
+pub struct OciRuntime {
+    config: OciConfig,
+    program: PathBuf,
+    spawner: Arc<dyn Spawner>,
+    cgroups: CgroupLayout,
+    /// cgroup2 mount crun must not see on hybrid hosts.
+    hide_for_crun: Vec<PathBuf>,
+}
+
+/// Host paths of one sandbox.
+struct SandboxDirs {
+    root: PathBuf,
+}
+
+impl SandboxDirs {
+    fn upper(&self) -> PathBuf {
+        self.root.join("upper")
+    }
+    fn work(&self) -> PathBuf {
+        self.root.join("work")
+    }
+    fn rootfs(&self) -> PathBuf {
+        self.root.join("rootfs")
+    }
+    fn control(&self) -> PathBuf {
+        self.root.join("control")
+    }
+    fn workspace(&self) -> PathBuf {
+        self.root.join("workspace")
+    }
+    fn bundle(&self) -> PathBuf {
+        self.root.join("bundle")
+    }
+    fn log(&self) -> PathBuf {
+        self.root.join("runtime.log")
+    }
+    fn pid_file(&self) -> PathBuf {
+        self.root.join("init.pid")
+    }
+}
+
+impl OciRuntime {
+    /// A runtime that spawns real processes. Creates the state dir.
+    pub fn new(config: OciConfig) -> Result<Self, RuntimeError> {
+        Self::with_spawner(config, Arc::new(ProcessSpawner))
+    }
+
+    /// A runtime that spawns through `spawner` (tests pass a recording fake).
+    pub fn with_spawner(mut config: OciConfig, spawner: Arc<dyn Spawner>) -> Result<Self, RuntimeError> {
+        if !config.state_dir.is_absolute() {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!("state dir {:?} must be absolute", config.state_dir),
+            });
+        }
+        std::fs::create_dir_all(&config.state_dir).map_err(|source| RuntimeError::CreateDir {
+            path: config.state_dir.clone(),
+            source,
+        })?;
+        // A stable, symlink-free path: it ends up in mount options and mountinfo.
+        config.state_dir = config
+            .state_dir
+            .canonicalize()
+            .map_err(|source| RuntimeError::ReadFile {
+                path: config.state_dir.clone(),
+                source,
+            })?;
+        if config.state_dir.to_str().is_none_or(|s| s.contains([',', ':', '\\', '\n', ' '])) {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!("state dir {:?} cannot be used in mount options", config.state_dir),
+            });
+        }
+        let hierarchies = host::cgroup_hierarchies().map_err(|source| RuntimeError::ReadFile {
+            path: "/proc/self/mountinfo".into(),
+            source,
+        })?;
+        let hybrid = hierarchies.iter().any(|h| !h.unified) && hierarchies.iter().any(|h| h.unified);
+        let hide_for_crun = if hybrid && config.binary == OciBinary::Crun {
+            hierarchies.iter().filter(|h| h.unified).map(|h| h.mount.clone()).collect()
+        } else {
+            Vec::new()
+        };
+        let program = config
+            .binary_path
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(config.binary.name()));
+        Ok(OciRuntime {
+            cgroups: CgroupLayout {
+                hierarchies,
+                parent: config.cgroup_parent.clone(),
+            },
+            config,
+            program,
+            spawner,
+            hide_for_crun,
+        })
+    }
+
+    pub fn config(&self) -> &OciConfig {
+        &self.config
+    }
+
+    /// The runtime binary's own state dir (`--root`).
+    pub fn runtime_root(&self) -> PathBuf {
+        self.config
+            .state_dir
+            .join(format!("{}-state", self.config.binary.name()))
+    }
+
+    fn dirs(&self, id: &SandboxId) -> SandboxDirs {
+        SandboxDirs {
+            root: self.config.state_dir.join(id.as_str()),
+        }
+    }
+
+    fn cgroups_path(&self, id: &SandboxId) -> String {
+        format!("/{}/{}", self.config.cgroup_parent, id)
+    }
+
+    /// Whether the runtime binary has state for this container.
+    fn runtime_knows(&self, id: &SandboxId) -> bool {
+        self.runtime_root().join(id.as_str()).exists()
+    }
+
+    fn request(&self, args: Vec<String>, stdio: SpawnStdio) -> SpawnRequest {
+        let mut full = vec!["--root".to_string(), self.runtime_root().display().to_string()];
+        full.extend(args);
+        SpawnRequest {
+            program: self.program.clone(),
+            args: full,
+            stdio,
+            isolation: if self.hide_for_crun.is_empty() {
+                SpawnIsolation::None
+            } else {
+                SpawnIsolation::PrivateMountNamespace {
+                    detach: self.hide_for_crun.clone(),
+                }
+            },
+            timeout: self.config.command_timeout,
+        }
+    }
+
+    /// Runs the runtime binary; a non-zero exit becomes `InvokeRuntime`.
+    async fn invoke(&self, action: &str, args: Vec<String>) -> Result<SpawnOutput, RuntimeError> {
+        let req = self.request(args, SpawnStdio::Capture);
+        let out = self.spawner.run(&req).await.map_err(|source| RuntimeError::Spawn {
+            program: self.program.display().to_string(),
+            source,
+        })?;
+        if out.success() {
+            Ok(out)
+        } else {
+            Err(self.failure(action, &out, None))
+        }
+    }
+
+    fn failure(&self, action: &str, out: &SpawnOutput, log: Option<&Path>) -> RuntimeError {
+        let mut detail = if out.timed_out {
+            format!("timed out after {:?}", self.config.command_timeout)
+        } else {
+            format!("exit {:?}", out.code)
+        };
+        let mut text = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if let Some(log) = log {
+            if let Ok(l) = std::fs::read_to_string(log) {
+                text.push_str(l.trim());
+            }
+        }
+        if !text.is_empty() {
+            // Keep the tail: the last lines carry the reason.
+            let start = text.len().saturating_sub(1500);
+            let start = (start..text.len()).find(|i| text.is_char_boundary(*i)).unwrap_or(0);
+            detail = format!("{detail}: {}", &text[start..]);
+        }
+        RuntimeError::InvokeRuntime {
+            action: format!("{} {action}", self.config.binary.name()),
+            detail,
+        }
+    }
+
+    /// Checks that the binary runs, the state dir takes an overlay mount whose
+    /// lower layer stays untouched, and a cgroup memory controller exists.
+    pub async fn probe(&self) -> Result<ProbeReport, RuntimeError> {
+        let probe_err = |reason: String| RuntimeError::ProbeRuntime { reason };
+        let mut req = SpawnRequest::new(self.program.clone(), vec!["--version".into()]);
+        req.timeout = self.config.command_timeout;
+        let out = self.spawner.run(&req).await.map_err(|e| {
+            probe_err(format!("cannot run {:?}: {e} (is {} installed?)", self.program, self.config.binary.name()))
+        })?;
+        if !out.success() {
+            return Err(probe_err(format!("{:?} --version exited with {:?}", self.program, out.code)));
+        }
+        let version = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string();
+
+        let has_v1 = self.cgroups.hierarchies.iter().any(|h| !h.unified);
+        let has_v2 = self.cgroups.hierarchies.iter().any(|h| h.unified);
+        let has_memory = self
+            .cgroups
+            .hierarchies
+            .iter()
+            .any(|h| h.unified || h.controllers.iter().any(|c| c == "memory"));
+        if !has_memory {
+            return Err(probe_err("no memory cgroup controller is mounted".into()));
+        }
+        let cgroup_mode = match (has_v1, has_v2) {
+            (true, true) => "hybrid",
+            (true, false) => "v1",
+            _ => "v2",
+        };
+
+        let dir = self.config.state_dir.join(format!(".probe-{}", std::process::id()));
+        let result = probe_overlay(&dir);
+        let _ = host::unmount_all_under(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        result.map_err(|e| probe_err(format!("overlayfs does not work in {:?}: {e}", self.config.state_dir)))?;
+        Ok(ProbeReport { version, cgroup_mode })
+    }
+
+    /// Runs `argv` inside a running sandbox with `<binary> exec` (always with
+    /// `--no-new-privs`, which crun 1.8 does not take from the bundle) and
+    /// captures its output. A diagnostics path: the control plane runs
+    /// commands through envd instead.
+    pub async fn exec(&self, id: &SandboxId, argv: &[&str]) -> Result<SpawnOutput, RuntimeError> {
+        if !self.runtime_knows(id) {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        let mut args = vec!["exec".to_string(), "--no-new-privs".to_string(), id.to_string()];
+        args.extend(argv.iter().map(|s| s.to_string()));
+        let req = self.request(args, SpawnStdio::Capture);
+        self.spawner.run(&req).await.map_err(|source| RuntimeError::Spawn {
+            program: self.program.display().to_string(),
+            source,
+        })
+    }
+
+    async fn create_inner(&self, spec: &SandboxSpec, dirs: &SandboxDirs) -> Result<SandboxHandle, RuntimeError> {
+        for d in [dirs.upper(), dirs.work(), dirs.rootfs(), dirs.control(), dirs.workspace(), dirs.bundle()] {
+            std::fs::create_dir(&d).map_err(|source| RuntimeError::CreateDir { path: d.clone(), source })?;
+        }
+        host::mount_overlay(&spec.template_rootfs, &dirs.upper(), &dirs.work(), &dirs.rootfs())?;
+        let rootfs = dirs.rootfs();
+        let control = dirs.control();
+        let workspace = dirs.workspace();
+        let inputs = config::BundleInputs {
+            rootfs: &rootfs,
+            control_dir: &control,
+            workspace_dir: &workspace,
+            cgroups_path: self.cgroups_path(&spec.id),
+            tmp_size_mb: self.config.tmp_size_mb,
+        };
+        let oci = config::build_spec(spec, &inputs).map_err(|e| RuntimeError::BuildConfig { source: Box::new(e) })?;
+        let config_path = dirs.bundle().join("config.json");
+        let json = serde_json::to_vec_pretty(&oci).map_err(|e| RuntimeError::BuildConfig { source: Box::new(e) })?;
+        std::fs::write(&config_path, json).map_err(|source| RuntimeError::WriteFile { path: config_path, source })?;
+
+        // PID 1 inherits the runtime's stdio: /dev/null, never a host file or a
+        // pipe we would wait on. Errors come back through --log.
+        let req = self.request(
+            vec![
+                "--log".into(),
+                dirs.log().display().to_string(),
+                "run".into(),
+                "--detach".into(),
+                "--bundle".into(),
+                dirs.bundle().display().to_string(),
+                "--pid-file".into(),
+                dirs.pid_file().display().to_string(),
+                spec.id.to_string(),
+            ],
+            SpawnStdio::Null,
+        );
+        let out = self.spawner.run(&req).await.map_err(|source| RuntimeError::Spawn {
+            program: self.program.display().to_string(),
+            source,
+        })?;
+        if !out.success() {
+            return Err(self.failure("run", &out, Some(&dirs.log())));
+        }
+        let pid_text = std::fs::read_to_string(dirs.pid_file()).map_err(|source| RuntimeError::ReadFile {
+            path: dirs.pid_file(),
+            source,
+        })?;
+        let init_pid = pid_text.trim().parse::<u32>().map_err(|_| RuntimeError::ParseState {
+            detail: format!("pid file holds {:?}", pid_text.trim()),
+        })?;
+        Ok(SandboxHandle {
+            id: spec.id.clone(),
+            runtime: self.config.binary.name().to_string(),
+            runtime_instance_id: spec.id.to_string(),
+            control_dir: control,
+            workspace_dir: workspace,
+            init_pid,
+        })
+    }
+}
+
+fn probe_overlay(dir: &Path) -> std::io::Result<()> {
+    let (lower, upper, work, merged) = (dir.join("l"), dir.join("u"), dir.join("w"), dir.join("m"));
+    for d in [&lower, &upper, &work, &merged] {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::write(lower.join("f"), "lower")?;
+    host::mount_overlay(&lower, &upper, &work, &merged).map_err(std::io::Error::other)?;
+    std::fs::write(merged.join("f"), "upper")?;
+    let lower_after = std::fs::read_to_string(lower.join("f"))?;
+    let merged_after = std::fs::read_to_string(merged.join("f"))?;
+    if lower_after != "lower" || merged_after != "upper" {
+        return Err(std::io::Error::other("overlay copy-up did not behave"));
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Runtime for OciRuntime {
+    fn name(&self) -> &str {
+        self.config.binary.name()
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
+    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        validate_spec(spec)?;
+        if !spec.template_rootfs.is_dir() {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!("template rootfs {:?} is not a directory", spec.template_rootfs),
+            });
+        }
+        let dirs = self.dirs(&spec.id);
+        if self.runtime_knows(&spec.id) {
+            return Err(RuntimeError::AlreadyExists { id: spec.id.clone() });
+        }
+        // create_dir (not _all) is the atomic claim on the id.
+        match std::fs::create_dir(&dirs.root) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(RuntimeError::AlreadyExists { id: spec.id.clone() })
+            }
+            Err(source) => return Err(RuntimeError::CreateDir { path: dirs.root.clone(), source }),
+        }
+        match self.create_inner(spec, &dirs).await {
+            Ok(h) => Ok(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "create failed, tearing down");
+                Err(e.with_cleanup(self.destroy(&spec.id).await))
+            }
+        }
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %id, runtime = self.config.binary.name()))]
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let dirs = self.dirs(id);
+        let mut errors: Vec<RuntimeError> = Vec::new();
+        if self.runtime_knows(id) {
+            // A frozen sandbox cannot die; thaw first (no-op otherwise).
+            self.cgroups.thaw(id);
+            if let Err(e) = self.invoke("delete", vec!["delete".into(), "--force".into(), id.to_string()]).await {
+                // Carry on: the steps below kill and remove by hand.
+                tracing::warn!(error = %e, "runtime delete failed");
+                errors.push(e);
+            }
+        }
+        let mut residue: Vec<RuntimeError> = Vec::new();
+        if let Err(e) = self.cgroups.kill_and_remove(id).await {
+            residue.push(e);
+        }
+        if let Err(e) = host::unmount_all_under(&dirs.root) {
+            residue.push(e);
+        }
+        for dir in [dirs.root.clone(), self.runtime_root().join(id.as_str())] {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(source) => residue.push(RuntimeError::RemoveDir { path: dir, source }),
+            }
+        }
+        // A failed `delete` whose leftovers were then removed by hand is fine.
+        let mut all = residue.into_iter();
+        match all.next() {
+            None => Ok(()),
+            Some(first) => Err(all.fold(first, |acc, e| acc.with_cleanup(Err(e)))),
+        }
+        .map_err(|e| match errors.pop() {
+            Some(delete_err) => e.with_cleanup(Err(delete_err)),
+            None => e,
+        })
+    }
+
+    async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError> {
+        if !self.runtime_knows(id) {
+            return Ok(if self.dirs(id).root.exists() {
+                // Half-created or half-destroyed: there is something to destroy.
+                RuntimeStatus::Stopped
+            } else {
+                RuntimeStatus::NotFound
+            });
+        }
+        let out = self.invoke("state", vec!["state".into(), id.to_string()]).await?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| RuntimeError::ParseState {
+            detail: format!("state output is not JSON: {e}"),
+        })?;
+        Ok(match v["status"].as_str() {
+            Some("running") => RuntimeStatus::Running,
+            Some("paused") => RuntimeStatus::Paused,
+            Some("created") | Some("creating") | Some("stopped") => RuntimeStatus::Stopped,
+            other => {
+                return Err(RuntimeError::ParseState {
+                    detail: format!("unknown container status {other:?}"),
+                })
+            }
+        })
+    }
+
+    async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
+        if !self.dirs(id).root.exists() {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        self.cgroups.usage(id)
+    }
+
+    async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError> {
+        let mut ids = Vec::new();
+        for dir in [self.config.state_dir.clone(), self.runtime_root()] {
+            let rd = match std::fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(source) => return Err(RuntimeError::ReadFile { path: dir, source }),
+            };
+            ids.extend(rd.flatten().filter_map(|e| e.file_name().to_str()?.parse::<SandboxId>().ok()));
+        }
+        ids.sort();
+        ids.dedup();
+        Ok(ids)
+    }
+}
+
+#[async_trait]
+impl Pausable for OciRuntime {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        if !self.runtime_knows(id) {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        self.invoke("pause", vec!["pause".into(), id.to_string()]).await.map(drop)
+    }
+
+    async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        if !self.runtime_knows(id) {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        self.invoke("resume", vec!["resume".into(), id.to_string()]).await.map(drop)
+    }
+}
+
+#[async_trait]
+impl Inspector for OciRuntime {
+    async fn run_inside(&self, handle: &SandboxHandle, argv: &[&str]) -> Result<SpawnOutput, RuntimeError> {
+        self.exec(&handle.id, argv).await
+    }
+}

@@ -1,0 +1,140 @@
+//! The real [`Spawner`]: runs programs with tokio, optionally inside a private
+//! mount namespace prepared between fork and exec.
+//!
+//! This module holds the crate's only `unsafe` code (`pre_exec`).
+
+use aviary_runtime::{SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner};
+use async_trait::async_trait;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::process::Stdio;
+
+/// Runs [`SpawnRequest`]s as host processes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ProcessSpawner;
+
+#[async_trait]
+impl Spawner for ProcessSpawner {
+    async fn run(&self, request: &SpawnRequest) -> std::io::Result<SpawnOutput> {
+        let mut cmd = tokio::process::Command::new(&request.program);
+        cmd.args(&request.args).stdin(Stdio::null()).kill_on_drop(true);
+        match request.stdio {
+            SpawnStdio::Capture => cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+            SpawnStdio::Null => cmd.stdout(Stdio::null()).stderr(Stdio::null()),
+        };
+        if let SpawnIsolation::PrivateMountNamespace { detach } = &request.isolation {
+            // Allocate before fork: only async-signal-safe calls may run in the child.
+            let targets: Vec<CString> = detach
+                .iter()
+                .map(|p| CString::new(p.as_os_str().as_bytes()))
+                .collect::<Result<_, _>>()
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            let root = c"/";
+            // SAFETY: the closure runs in the forked child before exec and only
+            // calls unshare(2), mount(2) and umount2(2) through libc, which are
+            // async-signal-safe system calls; it touches no locks and does not
+            // allocate (the C strings were built before fork and are only read).
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::mount(
+                        std::ptr::null(),
+                        root.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    for t in &targets {
+                        // EINVAL / ENOENT: not a mount point here, nothing to hide.
+                        libc::umount2(t.as_ptr(), libc::MNT_DETACH);
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn()?;
+        match tokio::time::timeout(request.timeout, child.wait_with_output()).await {
+            Ok(out) => {
+                let out = out?;
+                Ok(SpawnOutput {
+                    code: out.status.code(),
+                    timed_out: false,
+                    stdout: out.stdout,
+                    stderr: out.stderr,
+                })
+            }
+            // Dropping the future drops the child, which kill_on_drop kills.
+            Err(_) => Ok(SpawnOutput {
+                code: None,
+                timed_out: true,
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn captures_output_and_exit_code() {
+        let out = ProcessSpawner
+            .run(&SpawnRequest::new(
+                "/bin/sh",
+                vec!["-c".into(), "echo out; echo err >&2; exit 3".into()],
+            ))
+            .await
+            .unwrap();
+        assert_eq!(out.code, Some(3));
+        assert_eq!(out.stdout, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+    }
+
+    #[tokio::test]
+    async fn times_out() {
+        let mut req = SpawnRequest::new("/bin/sleep", vec!["5".into()]);
+        req.timeout = Duration::from_millis(100);
+        let out = ProcessSpawner.run(&req).await.unwrap();
+        assert!(out.timed_out);
+        assert_eq!(out.code, None);
+    }
+
+    #[tokio::test]
+    async fn private_mount_namespace_hides_detached_mounts() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIP private_mount_namespace_hides_detached_mounts: needs root for unshare(CLONE_NEWNS)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("m");
+        std::fs::create_dir(&target).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &target,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=1m"),
+        )
+        .unwrap();
+        let mut req = SpawnRequest::new(
+            "/bin/sh",
+            vec!["-c".into(), format!("grep -c ' {} ' /proc/self/mountinfo", target.display())],
+        );
+        req.isolation = SpawnIsolation::PrivateMountNamespace {
+            detach: vec![target.clone(), "/no/such/mount".into()],
+        };
+        let inside = ProcessSpawner.run(&req).await.unwrap();
+        req.isolation = SpawnIsolation::None;
+        let outside = ProcessSpawner.run(&req).await.unwrap();
+        nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        assert_eq!(String::from_utf8_lossy(&inside.stdout).trim(), "0");
+        assert_eq!(String::from_utf8_lossy(&outside.stdout).trim(), "1");
+    }
+}
