@@ -321,7 +321,9 @@ impl EnvdClient {
         loop {
             match self.health().await {
                 Ok(_) => return Ok(()),
-                Err(EnvdError::Connect(_) | EnvdError::Transport(_)) if Instant::now() < deadline => {
+                Err(EnvdError::Connect(_) | EnvdError::Transport(_))
+                    if Instant::now() < deadline =>
+                {
                     tokio::time::sleep(Duration::from_micros(500)).await;
                 }
                 Err(EnvdError::Connect(_) | EnvdError::Transport(_)) => {
@@ -396,7 +398,11 @@ impl EnvdClient {
 
     /// Opens a file for streaming. Reads are not fenced; `_token` is accepted for
     /// symmetry with the mutating calls and ignored.
-    pub async fn read_file(&self, path: &str, _token: Option<u64>) -> Result<FileReader, EnvdError> {
+    pub async fn read_file(
+        &self,
+        path: &str,
+        _token: Option<u64>,
+    ) -> Result<FileReader, EnvdError> {
         let mut conn = self
             .connect(&Request::ReadFile {
                 path: path.to_owned(),
@@ -448,7 +454,9 @@ impl EnvdClient {
         match read_response(&mut conn).await {
             Ok(Response::Written { bytes }) => Ok(bytes),
             Ok(_) => Err(EnvdError::unexpected(FrameKind::Response)),
-            Err(e @ (EnvdError::Transport(_) | EnvdError::Protocol(_))) => Err(sent.err().unwrap_or(e)),
+            Err(e @ (EnvdError::Transport(_) | EnvdError::Protocol(_))) => {
+                Err(sent.err().unwrap_or(e))
+            }
             Err(e) => Err(e),
         }
     }
@@ -464,7 +472,8 @@ impl EnvdClient {
             let (kind, payload) = read_frame(&mut conn).await?;
             match kind {
                 FrameKind::Data => {
-                    let chunk: Vec<FileStat> = decode_json(&payload).map_err(EnvdError::Protocol)?;
+                    let chunk: Vec<FileStat> =
+                        decode_json(&payload).map_err(EnvdError::Protocol)?;
                     entries.extend(chunk);
                 }
                 FrameKind::Response => {
@@ -492,7 +501,12 @@ impl EnvdClient {
         }
     }
 
-    pub async fn mkdir(&self, path: &str, parents: bool, token: Option<u64>) -> Result<(), EnvdError> {
+    pub async fn mkdir(
+        &self,
+        path: &str,
+        parents: bool,
+        token: Option<u64>,
+    ) -> Result<(), EnvdError> {
         expect_ok(
             self.call(&Request::Mkdir {
                 path: path.to_owned(),
@@ -503,7 +517,12 @@ impl EnvdClient {
         )
     }
 
-    pub async fn remove(&self, path: &str, recursive: bool, token: Option<u64>) -> Result<(), EnvdError> {
+    pub async fn remove(
+        &self,
+        path: &str,
+        recursive: bool,
+        token: Option<u64>,
+    ) -> Result<(), EnvdError> {
         expect_ok(
             self.call(&Request::Remove {
                 path: path.to_owned(),
@@ -560,13 +579,21 @@ async fn read_frame(conn: &mut UnixStream) -> Result<(FrameKind, Vec<u8>), EnvdE
     Ok((kind, payload))
 }
 
-async fn write_frame(conn: &mut UnixStream, kind: FrameKind, payload: &[u8]) -> Result<(), EnvdError> {
+async fn write_frame(
+    conn: &mut UnixStream,
+    kind: FrameKind,
+    payload: &[u8],
+) -> Result<(), EnvdError> {
     write_raw_frame(conn, kind, payload)
         .await
         .map_err(EnvdError::Transport)
 }
 
-async fn write_raw_frame<W: AsyncWrite + Unpin>(w: &mut W, kind: FrameKind, payload: &[u8]) -> io::Result<()> {
+async fn write_raw_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    kind: FrameKind,
+    payload: &[u8],
+) -> io::Result<()> {
     let mut buf = Vec::with_capacity(FRAME_HEADER_LEN + payload.len());
     buf.extend_from_slice(&encode_header(kind, payload.len()));
     buf.extend_from_slice(payload);

@@ -127,7 +127,11 @@ impl fmt::Display for ProtoError {
             ProtoError::UnexpectedEof => write!(f, "connection closed before the expected frame"),
             ProtoError::UnknownKind(k) => write!(f, "unknown frame kind {k}"),
             ProtoError::FrameTooLarge { kind, len } => {
-                write!(f, "{kind:?} frame of {len} bytes exceeds {}", kind.max_len())
+                write!(
+                    f,
+                    "{kind:?} frame of {len} bytes exceeds {}",
+                    kind.max_len()
+                )
             }
             ProtoError::UnexpectedFrame(k) => write!(f, "unexpected {k:?} frame"),
             ProtoError::DecodeJson(_) => write!(f, "decode json message"),
@@ -495,7 +499,10 @@ mod tests {
         };
         let j = encode_json(&r).unwrap();
         let s = std::str::from_utf8(&j).unwrap();
-        assert!(s.starts_with(r#"{"op":"exec","argv":["/bin/sh","-c","exit 7"]"#), "{s}");
+        assert!(
+            s.starts_with(r#"{"op":"exec","argv":["/bin/sh","-c","exit 7"]"#),
+            "{s}"
+        );
         assert_eq!(decode_json::<Request>(&j).unwrap(), r);
         let minimal: Request = decode_json(br#"{"op":"mkdir","path":"/a"}"#).unwrap();
         assert_eq!(

@@ -107,8 +107,15 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
         .env("HOME", "/root")
         .env("LANG", "C.UTF-8")
         .envs(req.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(req.cwd.as_deref().map(std::path::Path::new).unwrap_or(envd.root.as_path()))
-        .stdin(if req.stdin { Stdio::piped() } else { Stdio::null() })
+        .current_dir(
+            req.cwd
+                .as_deref()
+                .map(std::path::Path::new)
+                .unwrap_or(envd.root.as_path()),
+        )
+        // Always a pipe: without stdin its write end is closed at once (EOF), which
+        // unlike Stdio::null() does not need /dev/null in the sandbox.
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     sys::spawn_in_new_session(&mut cmd);
@@ -132,7 +139,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     });
 
     let deadline = req.timeout.map(|t| started + t);
-    let stdin = child.stdin.take().map(OwnedFd::from);
+    let stdin = child.stdin.take().map(OwnedFd::from).filter(|_| req.stdin);
     let ctl_shared = Arc::clone(&shared);
     let controller = std::thread::Builder::new()
         .name("envd-exec-ctl".into())
@@ -189,7 +196,8 @@ fn pump(
     exit_rx: &Receiver<libc::c_int>,
     shared: &ExecShared,
 ) -> (Option<libc::c_int>, bool) {
-    let mut pipes: [(Option<File>, FrameKind); 2] = [(stdout, FrameKind::Stdout), (stderr, FrameKind::Stderr)];
+    let mut pipes: [(Option<File>, FrameKind); 2] =
+        [(stdout, FrameKind::Stdout), (stderr, FrameKind::Stderr)];
     let mut buf = vec![0u8; FRAME_HEADER_LEN + CHUNK_SIZE];
     let mut status = None;
     let mut grace_end: Option<Instant> = None;

@@ -25,7 +25,9 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use aviary_envd_proto::{join_components, normalize_path, ErrorBody, ErrorCode, FileKind, FileStat};
+use aviary_envd_proto::{
+    join_components, normalize_path, ErrorBody, ErrorCode, FileKind, FileStat,
+};
 
 use crate::sys::{self, Stat};
 
@@ -48,9 +50,14 @@ pub fn map_io(path: &str, e: &io::Error) -> ErrorBody {
         Some(libc::EEXIST) => ErrorCode::AlreadyExists,
         Some(libc::ENOTEMPTY) => ErrorCode::NotEmpty,
         Some(libc::EACCES | libc::EPERM | libc::EROFS) => ErrorCode::PermissionDenied,
-        Some(libc::EXDEV | libc::ELOOP | libc::ENOTDIR | libc::EISDIR | libc::ENAMETOOLONG | libc::EINVAL) => {
-            ErrorCode::InvalidPath
-        }
+        Some(
+            libc::EXDEV
+            | libc::ELOOP
+            | libc::ENOTDIR
+            | libc::EISDIR
+            | libc::ENAMETOOLONG
+            | libc::EINVAL,
+        ) => ErrorCode::InvalidPath,
         _ => ErrorCode::Internal,
     };
     err(code, format!("{path}: {e}"))
@@ -104,7 +111,11 @@ impl SandboxFs {
     /// Opens the object at `comps` (following symlinks inside the root) with `flags`.
     fn resolve(&self, comps: &[String], flags: libc::c_int) -> io::Result<OwnedFd> {
         if self.use_openat2.load(Ordering::Relaxed) {
-            let rel = if comps.is_empty() { ".".to_owned() } else { comps.join("/") };
+            let rel = if comps.is_empty() {
+                ".".to_owned()
+            } else {
+                comps.join("/")
+            };
             match sys::openat2(
                 self.root.as_fd(),
                 &rel,
@@ -141,7 +152,9 @@ impl SandboxFs {
                 }
                 continue;
             }
-            let cur = stack.last().ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+            let cur = stack
+                .last()
+                .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
             let fd = sys::openat(cur.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
             let st = sys::fstatat(fd.as_fd(), "")?;
             if st.is_symlink() {
@@ -151,7 +164,8 @@ impl SandboxFs {
                 }
                 // Read the link through the descriptor we hold: no race with a rename.
                 let target = sys::readlink_fd(fd.as_fd())?;
-                let target = String::from_utf8(target).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+                let target = String::from_utf8(target)
+                    .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
                 if target.starts_with('/') {
                     stack.truncate(1);
                 }
@@ -170,14 +184,19 @@ impl SandboxFs {
             }
             stack.push(fd);
         }
-        let top = stack.last().ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let top = stack
+            .last()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
         sys::openat(top.as_fd(), ".", flags, 0)
     }
 
     /// Opens the parent directory of `comps` and returns it with the final name.
     fn resolve_parent(&self, path: &str, comps: &[String]) -> FsResult<(OwnedFd, String)> {
         let Some((name, parent)) = comps.split_last() else {
-            return Err(err(ErrorCode::InvalidPath, format!("{path}: is the sandbox root")));
+            return Err(err(
+                ErrorCode::InvalidPath,
+                format!("{path}: is the sandbox root"),
+            ));
         };
         let dir = self
             .resolve(parent, libc::O_PATH | libc::O_DIRECTORY)
@@ -188,10 +207,15 @@ impl SandboxFs {
     /// Opens a regular file for reading; returns it with its size.
     pub fn open_read(&self, path: &str) -> FsResult<(File, u64)> {
         let comps = parse(path)?;
-        let fd = self.resolve(&comps, libc::O_RDONLY).map_err(|e| map_io(path, &e))?;
+        let fd = self
+            .resolve(&comps, libc::O_RDONLY)
+            .map_err(|e| map_io(path, &e))?;
         let st = sys::fstatat(fd.as_fd(), "").map_err(|e| map_io(path, &e))?;
         if st.is_dir() {
-            return Err(err(ErrorCode::InvalidPath, format!("{path}: is a directory")));
+            return Err(err(
+                ErrorCode::InvalidPath,
+                format!("{path}: is a directory"),
+            ));
         }
         Ok((File::from(fd), st.size))
     }
@@ -208,7 +232,10 @@ impl SandboxFs {
         let (dir, name) = self.resolve_parent(path, &comps)?;
         let existing_mode = match sys::fstatat(dir.as_fd(), &name) {
             Ok(st) if st.is_dir() => {
-                return Err(err(ErrorCode::InvalidPath, format!("{path}: is a directory")))
+                return Err(err(
+                    ErrorCode::InvalidPath,
+                    format!("{path}: is a directory"),
+                ))
             }
             Ok(st) if st.is_file() => Some(st.mode & 0o7777),
             _ => None,
@@ -284,7 +311,9 @@ impl SandboxFs {
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                     let (dir, name) = self.resolve_parent(path, prefix)?;
                     match sys::mkdirat(dir.as_fd(), &name, 0o755) {
-                        Err(e) if e.raw_os_error() != Some(libc::EEXIST) => return Err(map_io(path, &e)),
+                        Err(e) if e.raw_os_error() != Some(libc::EEXIST) => {
+                            return Err(map_io(path, &e))
+                        }
                         _ => {}
                     }
                 }
@@ -317,7 +346,12 @@ fn remove_tree(parent: OwnedFd, name: OsString) -> io::Result<()> {
         name_in_parent: OsString,
         pending: Vec<OsString>,
     }
-    let fd = sys::openat(parent.as_fd(), &name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0)?;
+    let fd = sys::openat(
+        parent.as_fd(),
+        &name,
+        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+        0,
+    )?;
     let pending = sys::read_dir_names(fd.as_fd())?;
     let mut stack = vec![Level {
         fd,
@@ -349,7 +383,9 @@ fn remove_tree(parent: OwnedFd, name: OsString) -> io::Result<()> {
             }
             continue;
         }
-        let done = stack.pop().ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let done = stack
+            .pop()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
         let parent_fd = stack.last().map(|l| l.fd.as_fd()).unwrap_or(parent.as_fd());
         sys::unlinkat(parent_fd, &done.name_in_parent, true)?;
     }
@@ -363,7 +399,10 @@ mod tests {
     use std::os::unix::fs::symlink;
 
     fn both(root: &Path) -> [SandboxFs; 2] {
-        [SandboxFs::open(root, true).unwrap(), SandboxFs::open(root, false).unwrap()]
+        [
+            SandboxFs::open(root, true).unwrap(),
+            SandboxFs::open(root, false).unwrap(),
+        ]
     }
 
     fn read_all(fs: &SandboxFs, p: &str) -> FsResult<Vec<u8>> {
@@ -390,13 +429,28 @@ mod tests {
             // Absolute and climbing symlinks land in ROOT/etc, never in the host's /etc.
             assert_eq!(read_all(&fs, "/abs/hostname").unwrap(), b"inside");
             assert_eq!(read_all(&fs, "/a/rel/hostname").unwrap(), b"inside");
-            assert_eq!(read_all(&fs, "/abs/passwd").unwrap_err().code, ErrorCode::NotFound);
+            assert_eq!(
+                read_all(&fs, "/abs/passwd").unwrap_err().code,
+                ErrorCode::NotFound
+            );
             assert_eq!(read_all(&fs, "/a/lb/f").unwrap(), b"f");
             assert_eq!(read_all(&fs, "/a/lb/../b/f").unwrap(), b"f");
-            assert_eq!(read_all(&fs, "/loop1").unwrap_err().code, ErrorCode::InvalidPath);
-            assert_eq!(read_all(&fs, "/../etc/passwd").unwrap_err().code, ErrorCode::InvalidPath);
-            assert_eq!(read_all(&fs, "etc/hostname").unwrap_err().code, ErrorCode::InvalidPath);
-            assert_eq!(read_all(&fs, "/a/b/f/x").unwrap_err().code, ErrorCode::InvalidPath);
+            assert_eq!(
+                read_all(&fs, "/loop1").unwrap_err().code,
+                ErrorCode::InvalidPath
+            );
+            assert_eq!(
+                read_all(&fs, "/../etc/passwd").unwrap_err().code,
+                ErrorCode::InvalidPath
+            );
+            assert_eq!(
+                read_all(&fs, "etc/hostname").unwrap_err().code,
+                ErrorCode::InvalidPath
+            );
+            assert_eq!(
+                read_all(&fs, "/a/b/f/x").unwrap_err().code,
+                ErrorCode::InvalidPath
+            );
             assert_eq!(fs.list("/abs").unwrap()[0].name, "hostname");
             assert_eq!(fs.stat("/abs").unwrap().kind, FileKind::Symlink);
         }
@@ -408,8 +462,14 @@ mod tests {
         for fs in both(dir.path()) {
             fs.mkdir("/x/y/z", true).unwrap();
             fs.mkdir("/x/y/z", true).unwrap();
-            assert_eq!(fs.mkdir("/x/y/z", false).unwrap_err().code, ErrorCode::AlreadyExists);
-            assert_eq!(fs.mkdir("/q/r", false).unwrap_err().code, ErrorCode::NotFound);
+            assert_eq!(
+                fs.mkdir("/x/y/z", false).unwrap_err().code,
+                ErrorCode::AlreadyExists
+            );
+            assert_eq!(
+                fs.mkdir("/q/r", false).unwrap_err().code,
+                ErrorCode::NotFound
+            );
             let n = fs
                 .write("/x/y/file", Some(0o600), |f| {
                     f.write_all(b"hello").unwrap();
@@ -418,7 +478,10 @@ mod tests {
                 .unwrap();
             assert_eq!(n, 5);
             let st = fs.stat("/x/y/file").unwrap();
-            assert_eq!((st.kind, st.size, st.mode, st.path.as_str()), (FileKind::File, 5, 0o600, "/x/y/file"));
+            assert_eq!(
+                (st.kind, st.size, st.mode, st.path.as_str()),
+                (FileKind::File, 5, 0o600, "/x/y/file")
+            );
             // A failing writer leaves neither a temp file nor a changed target.
             let e = fs
                 .write("/x/y/file", None, |f| {
@@ -428,10 +491,21 @@ mod tests {
                 .unwrap_err();
             assert_eq!(e.message, "source failed");
             assert_eq!(read_all(&fs, "/x/y/file").unwrap(), b"hello");
-            let names: Vec<_> = fs.list("/x/y").unwrap().into_iter().map(|s| s.name).collect();
+            let names: Vec<_> = fs
+                .list("/x/y")
+                .unwrap()
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
             assert_eq!(names, vec!["file", "z"]);
-            assert_eq!(fs.remove("/x", false).unwrap_err().code, ErrorCode::NotEmpty);
-            assert_eq!(fs.remove("/", true).unwrap_err().code, ErrorCode::InvalidPath);
+            assert_eq!(
+                fs.remove("/x", false).unwrap_err().code,
+                ErrorCode::NotEmpty
+            );
+            assert_eq!(
+                fs.remove("/", true).unwrap_err().code,
+                ErrorCode::InvalidPath
+            );
             fs.remove("/x", true).unwrap();
             assert_eq!(fs.stat("/x").unwrap_err().code, ErrorCode::NotFound);
         }

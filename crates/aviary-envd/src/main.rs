@@ -33,7 +33,8 @@ use aviary_envd_proto::{ErrorBody, ErrorCode};
 use crate::files::SandboxFs;
 use crate::server::Envd;
 
-const USAGE: &str = "usage: aviary-envd --socket PATH [--root DIR] [--trust-all-peers] [--no-openat2]
+const USAGE: &str =
+    "usage: aviary-envd --socket PATH [--root DIR] [--trust-all-peers] [--no-openat2]
 
   --socket PATH       unix socket to serve (a stale socket file is replaced)
   --root DIR          root of the file API and default exec cwd (default /);
@@ -60,7 +61,9 @@ fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args_os().skip(1);
     while let Some(a) = it.next() {
         match a.to_str() {
-            Some("--socket") => socket = Some(PathBuf::from(it.next().ok_or("--socket needs a value")?)),
+            Some("--socket") => {
+                socket = Some(PathBuf::from(it.next().ok_or("--socket needs a value")?))
+            }
             Some("--root") => root = PathBuf::from(it.next().ok_or("--root needs a value")?),
             Some("--trust-all-peers") => trust_all_peers = true,
             Some("--no-openat2") => openat2 = false,
@@ -147,7 +150,10 @@ fn main() {
                 &mut conn,
                 &ErrorBody {
                     code: ErrorCode::Busy,
-                    message: format!("envd serves at most {} connections", server::MAX_CONNECTIONS),
+                    message: format!(
+                        "envd serves at most {} connections",
+                        server::MAX_CONNECTIONS
+                    ),
                 },
             );
             continue;

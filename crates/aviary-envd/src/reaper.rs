@@ -74,14 +74,19 @@ mod tests {
         sys::set_child_subreaper().unwrap();
         let reaper = Reaper::default();
         // Exits (very likely) before spawn returns: must still be reported.
-        let (_c, rx) = reaper.spawn(Command::new("/bin/sh").args(["-c", "exit 3"])).unwrap();
+        let (_c, rx) = reaper
+            .spawn(Command::new("/bin/sh").args(["-c", "exit 3"]))
+            .unwrap();
         // Leaves an orphan that is re-parented to us (subreaper) and must be reaped.
         let (_c2, rx2) = reaper
             .spawn(Command::new("/bin/sh").args(["-c", "sleep 0.2 & exit 0"]))
             .unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(sys::decode_wait_status(reap_until(&reaper, &rx)), (3, None));
-        assert_eq!(sys::decode_wait_status(reap_until(&reaper, &rx2)), (0, None));
+        assert_eq!(
+            sys::decode_wait_status(reap_until(&reaper, &rx2)),
+            (0, None)
+        );
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut orphans = 0;
         while orphans == 0 {
@@ -90,7 +95,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         // A spawn that fails in the child (exec error) is reported as an error, not stolen.
-        let err = reaper.spawn(&mut Command::new("/nonexistent/prog")).unwrap_err();
+        let err = reaper
+            .spawn(&mut Command::new("/nonexistent/prog"))
+            .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
     }
 }

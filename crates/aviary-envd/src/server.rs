@@ -86,8 +86,14 @@ impl Envd {
         match (self.fence().current, token) {
             (None, None) => Ok(()),
             (Some(f), Some(t)) if f == t => Ok(()),
-            (Some(_), None) => Err(fail(ErrorCode::LeaseRequired, "sandbox is leased: token required")),
-            (_, Some(_)) => Err(fail(ErrorCode::StaleToken, "token is not the current lease fence")),
+            (Some(_), None) => Err(fail(
+                ErrorCode::LeaseRequired,
+                "sandbox is leased: token required",
+            )),
+            (_, Some(_)) => Err(fail(
+                ErrorCode::StaleToken,
+                "token is not the current lease fence",
+            )),
         }
     }
 
@@ -116,7 +122,9 @@ impl Envd {
     }
 
     fn groups(&self) -> std::sync::MutexGuard<'_, HashSet<i32>> {
-        self.running_groups.lock().unwrap_or_else(|p| p.into_inner())
+        self.running_groups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Kills the process groups of every running exec.
@@ -189,14 +197,22 @@ pub fn handle_connection(envd: &Envd, mut conn: UnixStream) {
         Ok(Some(f)) if f.kind == FrameKind::Request => match decode_json::<Request>(&f.payload) {
             Ok(r) => r,
             Err(e) => {
-                let detail = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default();
-                return send_error(&mut conn, &fail(ErrorCode::BadRequest, format!("{e}: {detail}")));
+                let detail = std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                return send_error(
+                    &mut conn,
+                    &fail(ErrorCode::BadRequest, format!("{e}: {detail}")),
+                );
             }
         },
         Ok(Some(f)) => {
             return send_error(
                 &mut conn,
-                &fail(ErrorCode::BadRequest, format!("first frame must be a request, got {:?}", f.kind)),
+                &fail(
+                    ErrorCode::BadRequest,
+                    format!("first frame must be a request, got {:?}", f.kind),
+                ),
             )
         }
         Err(e) => return send_error(&mut conn, &fail(ErrorCode::BadRequest, e.to_string())),
@@ -211,7 +227,9 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
         Request::Health => send_response(conn, &Response::Health(envd.health())),
         Request::SetFence { token } => {
             let trusted = envd.trust_all_peers
-                || sys::peer_pid(conn.as_fd()).map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))? == 0;
+                || sys::peer_pid(conn.as_fd())
+                    .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?
+                    == 0;
             if !trusted {
                 return Err(fail(
                     ErrorCode::PermissionDenied,
@@ -245,7 +263,9 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
         Request::ReadFile { path } => read_file(envd, conn, &path)?,
         Request::WriteFile { path, mode, token } => {
             envd.check_token(token)?;
-            let n = envd.fs.write(&path, mode, |file| receive_data(conn, file, &path))?;
+            let n = envd
+                .fs
+                .write(&path, mode, |file| receive_data(conn, file, &path))?;
             send_response(conn, &Response::Written { bytes: n });
         }
         Request::ListDir { path } => {
@@ -256,12 +276,20 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             let st = envd.fs.stat(&path)?;
             send_response(conn, &Response::Stat(st));
         }
-        Request::Mkdir { path, parents, token } => {
+        Request::Mkdir {
+            path,
+            parents,
+            token,
+        } => {
             envd.check_token(token)?;
             envd.fs.mkdir(&path, parents)?;
             send_response(conn, &Response::Ok);
         }
-        Request::Remove { path, recursive, token } => {
+        Request::Remove {
+            path,
+            recursive,
+            token,
+        } => {
             envd.check_token(token)?;
             envd.fs.remove(&path, recursive)?;
             send_response(conn, &Response::Ok);
@@ -290,7 +318,11 @@ fn read_file(envd: &Envd, conn: &mut UnixStream, path: &str) -> Result<(), Error
 }
 
 /// Copies `Data` frames into `file` until `End`.
-fn receive_data(conn: &mut UnixStream, file: &mut std::fs::File, path: &str) -> Result<u64, ErrorBody> {
+fn receive_data(
+    conn: &mut UnixStream,
+    file: &mut std::fs::File,
+    path: &str,
+) -> Result<u64, ErrorBody> {
     let mut total = 0u64;
     loop {
         match read_frame(conn) {
@@ -300,9 +332,17 @@ fn receive_data(conn: &mut UnixStream, file: &mut std::fs::File, path: &str) -> 
             }
             Ok(Some(f)) if f.kind == FrameKind::End => return Ok(total),
             Ok(Some(f)) => {
-                return Err(fail(ErrorCode::BadRequest, format!("unexpected {:?} frame in file data", f.kind)))
+                return Err(fail(
+                    ErrorCode::BadRequest,
+                    format!("unexpected {:?} frame in file data", f.kind),
+                ))
             }
-            Ok(None) => return Err(fail(ErrorCode::BadRequest, "connection closed before end of file data")),
+            Ok(None) => {
+                return Err(fail(
+                    ErrorCode::BadRequest,
+                    "connection closed before end of file data",
+                ))
+            }
             Err(e) => return Err(fail(ErrorCode::BadRequest, e.to_string())),
         }
     }
@@ -329,9 +369,12 @@ fn send_listing(conn: &mut UnixStream, entries: &[FileStat]) {
     if start < entries.len() && send_chunk(conn, &entries[start..]).is_err() {
         return;
     }
-    send_response(conn, &Response::Listed {
-        count: entries.len() as u64,
-    });
+    send_response(
+        conn,
+        &Response::Listed {
+            count: entries.len() as u64,
+        },
+    );
 }
 
 fn send_chunk(conn: &mut UnixStream, chunk: &[FileStat]) -> Result<(), ()> {

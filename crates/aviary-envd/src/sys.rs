@@ -21,7 +21,8 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 fn cstr(s: impl AsRef<OsStr>) -> io::Result<CString> {
-    CString::new(s.as_ref().as_bytes()).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))
+    CString::new(s.as_ref().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))
 }
 
 pub fn getpid() -> i32 {
@@ -231,7 +232,12 @@ pub const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
 pub const RESOLVE_IN_ROOT: u64 = 0x10;
 
 /// openat2(2). Errors with `ENOSYS` on kernels older than 5.6.
-pub fn openat2(dir: BorrowedFd<'_>, path: &str, flags: libc::c_int, resolve: u64) -> io::Result<OwnedFd> {
+pub fn openat2(
+    dir: BorrowedFd<'_>,
+    path: &str,
+    flags: libc::c_int,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
     let p = cstr(path)?;
     let how = OpenHow {
         flags: (flags | libc::O_CLOEXEC) as u64,
@@ -256,10 +262,22 @@ pub fn openat2(dir: BorrowedFd<'_>, path: &str, flags: libc::c_int, resolve: u64
 }
 
 /// openat(2) of one name relative to `dir`.
-pub fn openat(dir: BorrowedFd<'_>, name: impl AsRef<OsStr>, flags: libc::c_int, mode: u32) -> io::Result<OwnedFd> {
+pub fn openat(
+    dir: BorrowedFd<'_>,
+    name: impl AsRef<OsStr>,
+    flags: libc::c_int,
+    mode: u32,
+) -> io::Result<OwnedFd> {
     let p = cstr(name)?;
     // SAFETY: `p` is NUL-terminated; mode is passed as the variadic argument.
-    let fd = cvt(unsafe { libc::openat(dir.as_raw_fd(), p.as_ptr(), flags | libc::O_CLOEXEC, mode as libc::c_uint) })?;
+    let fd = cvt(unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            p.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
+    })?;
     // SAFETY: openat returned a new descriptor that nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -288,7 +306,12 @@ impl Stat {
 pub fn fstatat(dir: BorrowedFd<'_>, name: impl AsRef<OsStr>) -> io::Result<Stat> {
     let p = cstr(name.as_ref())?;
     let mut st = MaybeUninit::<libc::stat>::zeroed();
-    let flags = libc::AT_SYMLINK_NOFOLLOW | if name.as_ref().is_empty() { libc::AT_EMPTY_PATH } else { 0 };
+    let flags = libc::AT_SYMLINK_NOFOLLOW
+        | if name.as_ref().is_empty() {
+            libc::AT_EMPTY_PATH
+        } else {
+            0
+        };
     // SAFETY: `p` is NUL-terminated and `st` is a live stat buffer.
     cvt(unsafe { libc::fstatat(dir.as_raw_fd(), p.as_ptr(), st.as_mut_ptr(), flags) })?;
     // SAFETY: fstatat succeeded and filled `st`.
@@ -315,7 +338,11 @@ pub fn unlinkat(dir: BorrowedFd<'_>, name: impl AsRef<OsStr>, remove_dir: bool) 
     Ok(())
 }
 
-pub fn renameat(dir: BorrowedFd<'_>, from: impl AsRef<OsStr>, to: impl AsRef<OsStr>) -> io::Result<()> {
+pub fn renameat(
+    dir: BorrowedFd<'_>,
+    from: impl AsRef<OsStr>,
+    to: impl AsRef<OsStr>,
+) -> io::Result<()> {
     let (f, t) = (cstr(from)?, cstr(to)?);
     // SAFETY: both names are NUL-terminated; the same live dirfd is used twice.
     cvt(unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) })?;
@@ -335,7 +362,12 @@ pub fn readlink_fd(link: BorrowedFd<'_>) -> io::Result<Vec<u8>> {
     // SAFETY: `buf` is writable for `buf.len()` bytes; the empty path makes the
     // kernel read the link the descriptor refers to.
     let n = unsafe {
-        libc::readlinkat(link.as_raw_fd(), empty.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+        libc::readlinkat(
+            link.as_raw_fd(),
+            empty.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
     };
     if n < 0 {
         return Err(io::Error::last_os_error());
