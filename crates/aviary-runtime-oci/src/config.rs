@@ -10,8 +10,7 @@ use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroup,
     LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder,
     LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, Mount, MountBuilder,
-    ProcessBuilder, RootBuilder, Spec, SpecBuilder,
-    UserBuilder,
+    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
 };
 use oci_spec::OciSpecError;
 use std::collections::HashSet;
@@ -95,20 +94,56 @@ fn mounts(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Vec<Mount>, O
     let tmp_size = format!("size={}m", inputs.tmp_size_mb);
     let mut m = vec![
         mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"])?,
-        mount("/dev", "tmpfs", "tmpfs", &["nosuid", "strictatime", "mode=755", "size=65536k"])?,
+        mount(
+            "/dev",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        )?,
         mount(
             "/dev/pts",
             "devpts",
             "devpts",
-            &["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            &[
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+            ],
         )?,
-        mount("/dev/shm", "tmpfs", "shm", &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"])?,
-        mount("/dev/mqueue", "mqueue", "mqueue", &["nosuid", "noexec", "nodev"])?,
-        mount("/sys", "sysfs", "sysfs", &["nosuid", "noexec", "nodev", "ro"])?,
-        mount("/sys/fs/cgroup", "cgroup", "cgroup", &["nosuid", "noexec", "nodev", "relatime", "ro"])?,
+        mount(
+            "/dev/shm",
+            "tmpfs",
+            "shm",
+            &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        )?,
+        mount(
+            "/dev/mqueue",
+            "mqueue",
+            "mqueue",
+            &["nosuid", "noexec", "nodev"],
+        )?,
+        mount(
+            "/sys",
+            "sysfs",
+            "sysfs",
+            &["nosuid", "noexec", "nodev", "ro"],
+        )?,
+        mount(
+            "/sys/fs/cgroup",
+            "cgroup",
+            "cgroup",
+            &["nosuid", "noexec", "nodev", "relatime", "ro"],
+        )?,
         // Exec allowed: pip and compilers run build helpers from /tmp. Pages
         // are charged to the sandbox's memory cgroup.
-        mount("/tmp", "tmpfs", "tmpfs", &["nosuid", "nodev", "mode=1777", &tmp_size])?,
+        mount(
+            "/tmp",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "nodev", "mode=1777", &tmp_size],
+        )?,
         bind(WORKSPACE_MOUNT, inputs.workspace_dir, false)?,
         bind(CONTROL_MOUNT, inputs.control_dir, false)?,
     ];
@@ -118,7 +153,11 @@ fn mounts(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Vec<Mount>, O
     Ok(m)
 }
 
-fn char_device(major: i64, minor: Option<i64>, access: &str) -> Result<LinuxDeviceCgroup, OciSpecError> {
+fn char_device(
+    major: i64,
+    minor: Option<i64>,
+    access: &str,
+) -> Result<LinuxDeviceCgroup, OciSpecError> {
     let mut b = LinuxDeviceCgroupBuilder::default()
         .allow(true)
         .typ(LinuxDeviceType::C)
@@ -176,7 +215,8 @@ pub fn build_spec(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Spec,
         .build()?;
 
     let limits = spec.resources;
-    let memory_bytes = i64::try_from(limits.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
+    let memory_bytes =
+        i64::try_from(limits.memory_mb.saturating_mul(1024 * 1024)).unwrap_or(i64::MAX);
     // Quota of at least 1 ms per period: the kernel refuses less.
     let quota_us = ((limits.cpu * CPU_PERIOD_US as f64).round() as i64).max(1000);
     let resources = LinuxResourcesBuilder::default()
@@ -194,7 +234,11 @@ pub fn build_spec(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Spec,
                 .period(CPU_PERIOD_US)
                 .build()?,
         )
-        .pids(LinuxPidsBuilder::default().limit(i64::from(limits.pids)).build()?)
+        .pids(
+            LinuxPidsBuilder::default()
+                .limit(i64::from(limits.pids))
+                .build()?,
+        )
         .build()?;
 
     let namespaces = [
@@ -233,10 +277,16 @@ pub fn build_spec(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Spec,
             .collect::<Vec<_>>(),
         )
         .readonly_paths(
-            ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>(),
+            [
+                "/proc/bus",
+                "/proc/fs",
+                "/proc/irq",
+                "/proc/sys",
+                "/proc/sysrq-trigger",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>(),
         )
         .rootfs_propagation("private".to_string())
         .build()?;
@@ -268,7 +318,12 @@ mod tests {
         let spec = SandboxSpec {
             id: SandboxId::generate(),
             template_rootfs: "/t".into(),
-            resources: ResourceLimits { cpu: 0.5, memory_mb: 256, disk_mb: 1024, pids: 64 },
+            resources: ResourceLimits {
+                cpu: 0.5,
+                memory_mb: 256,
+                disk_mb: 1024,
+                pids: 64,
+            },
             network: NetworkProfile::None,
             hostname: "box".into(),
             init: vec!["/.aviary/envd".into()],
@@ -322,28 +377,66 @@ mod tests {
             .map(|v| v.as_str().unwrap())
             .collect();
         assert_eq!(eff.len(), CAPABILITIES.len());
-        for banned in ["CAP_NET_RAW", "CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_MKNOD"] {
+        for banned in [
+            "CAP_NET_RAW",
+            "CAP_SYS_ADMIN",
+            "CAP_SYS_PTRACE",
+            "CAP_MKNOD",
+        ] {
             assert!(!eff.contains(&banned), "{banned} granted");
         }
         assert!(eff.contains(&"CAP_CHOWN"));
-        assert_eq!(p["capabilities"]["inheritable"].as_array().unwrap().len(), 0);
-        assert!(p["env"].as_array().unwrap().iter().any(|e| e.as_str().unwrap().starts_with("PATH=")));
-        assert!(c["linux"]["maskedPaths"].as_array().unwrap().iter().any(|m| m == "/proc/kcore"));
-        assert!(c["linux"]["readonlyPaths"].as_array().unwrap().iter().any(|m| m == "/proc/sys"));
+        assert_eq!(
+            p["capabilities"]["inheritable"].as_array().unwrap().len(),
+            0
+        );
+        assert!(p["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e.as_str().unwrap().starts_with("PATH=")));
+        assert!(c["linux"]["maskedPaths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == "/proc/kcore"));
+        assert!(c["linux"]["readonlyPaths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == "/proc/sys"));
     }
 
     #[test]
     fn mounts_cover_tmp_workspace_control_and_binds() {
         let c = config();
         let mounts = c["mounts"].as_array().unwrap();
-        let find = |d: &str| mounts.iter().find(|m| m["destination"] == d).unwrap().clone();
+        let find = |d: &str| {
+            mounts
+                .iter()
+                .find(|m| m["destination"] == d)
+                .unwrap()
+                .clone()
+        };
         assert_eq!(find("/tmp")["type"], "tmpfs");
-        assert!(find("/tmp")["options"].as_array().unwrap().iter().any(|o| o == "size=100m"));
+        assert!(find("/tmp")["options"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|o| o == "size=100m"));
         assert_eq!(find("/workspace")["source"], "/s/x/workspace");
         assert_eq!(find("/run/aviary")["source"], "/s/x/control");
-        assert!(find("/sys")["options"].as_array().unwrap().iter().any(|o| o == "ro"));
+        assert!(find("/sys")["options"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|o| o == "ro"));
         let envd = find("/.aviary/envd");
-        assert!(envd["options"].as_array().unwrap().iter().any(|o| o == "ro"));
+        assert!(envd["options"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|o| o == "ro"));
         assert_eq!(c["root"]["readonly"], false);
     }
 }

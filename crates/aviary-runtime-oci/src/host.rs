@@ -27,8 +27,13 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
-            let v = b[i + 1..i + 4].iter().fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
+        if b[i] == b'\\'
+            && i + 4 <= b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = b[i + 1..i + 4]
+                .iter()
+                .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
             if let Ok(v) = u8::try_from(v) {
                 out.push(v);
                 i += 4;
@@ -61,7 +66,9 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
 }
 
 pub fn mounts() -> io::Result<Vec<MountEntry>> {
-    Ok(parse_mountinfo(&std::fs::read_to_string("/proc/self/mountinfo")?))
+    Ok(parse_mountinfo(&std::fs::read_to_string(
+        "/proc/self/mountinfo",
+    )?))
 }
 
 /// Mount points at or below `dir`, deepest first.
@@ -83,7 +90,12 @@ fn overlay_safe(p: &Path) -> bool {
 }
 
 /// Mounts `lower` (read-only) + `upper`/`work` as an overlay on `target`.
-pub fn mount_overlay(lower: &Path, upper: &Path, work: &Path, target: &Path) -> Result<(), RuntimeError> {
+pub fn mount_overlay(
+    lower: &Path,
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+) -> Result<(), RuntimeError> {
     for p in [lower, upper, work] {
         if !overlay_safe(p) {
             return Err(RuntimeError::InvalidSpec {
@@ -120,12 +132,11 @@ pub fn unmount_all_under(dir: &Path) -> Result<(), RuntimeError> {
     for m in list {
         match nix::mount::umount2(&m, MntFlags::empty()) {
             Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
-            Err(nix::errno::Errno::EBUSY) => {
-                nix::mount::umount2(&m, MntFlags::MNT_DETACH).map_err(|e| RuntimeError::Unmount {
+            Err(nix::errno::Errno::EBUSY) => nix::mount::umount2(&m, MntFlags::MNT_DETACH)
+                .map_err(|e| RuntimeError::Unmount {
                     path: m.clone(),
                     source: e.into(),
-                })?
-            }
+                })?,
             Err(e) => {
                 return Err(RuntimeError::Unmount {
                     path: m,
@@ -415,7 +426,10 @@ mod tests {
         assert_eq!(h[1].controllers, vec!["memory".to_string()]);
         assert_eq!(h[2].controllers, vec!["name=systemd".to_string()]);
         assert!(h[3].unified);
-        let layout = CgroupLayout { hierarchies: h, parent: "aviary".into() };
+        let layout = CgroupLayout {
+            hierarchies: h,
+            parent: "aviary".into(),
+        };
         let id: SandboxId = "sbx-abcdefghijklmnopqrst".parse().unwrap();
         assert_eq!(
             layout.dirs(&id)[1],

@@ -195,11 +195,32 @@ mod tests {
             .map(|v| v.as_str().unwrap().to_string())
             .collect();
         for must in [
-            "io_uring_setup", "keyctl", "add_key", "request_key", "bpf", "perf_event_open",
-            "userfaultfd", "kexec_load", "init_module", "finit_module", "delete_module", "mount",
-            "umount2", "pivot_root", "unshare", "setns", "ptrace", "process_vm_readv",
-            "process_vm_writev", "open_by_handle_at", "reboot", "swapon", "swapoff", "acct",
-            "clock_settime", "settimeofday",
+            "io_uring_setup",
+            "keyctl",
+            "add_key",
+            "request_key",
+            "bpf",
+            "perf_event_open",
+            "userfaultfd",
+            "kexec_load",
+            "init_module",
+            "finit_module",
+            "delete_module",
+            "mount",
+            "umount2",
+            "pivot_root",
+            "unshare",
+            "setns",
+            "ptrace",
+            "process_vm_readv",
+            "process_vm_writev",
+            "open_by_handle_at",
+            "reboot",
+            "swapon",
+            "swapoff",
+            "acct",
+            "clock_settime",
+            "settimeofday",
         ] {
             assert!(denied.iter().any(|d| d == must), "{must} not denied");
         }

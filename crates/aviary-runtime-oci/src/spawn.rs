@@ -3,8 +3,8 @@
 //!
 //! This module holds the crate's only `unsafe` code (`pre_exec`).
 
-use aviary_runtime::{SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner};
 use async_trait::async_trait;
+use aviary_runtime::{SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner};
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::process::Stdio;
@@ -17,7 +17,9 @@ pub struct ProcessSpawner;
 impl Spawner for ProcessSpawner {
     async fn run(&self, request: &SpawnRequest) -> std::io::Result<SpawnOutput> {
         let mut cmd = tokio::process::Command::new(&request.program);
-        cmd.args(&request.args).stdin(Stdio::null()).kill_on_drop(true);
+        cmd.args(&request.args)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
         match request.stdio {
             SpawnStdio::Capture => cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
             SpawnStdio::Null => cmd.stdout(Stdio::null()).stderr(Stdio::null()),
@@ -125,7 +127,10 @@ mod tests {
         .unwrap();
         let mut req = SpawnRequest::new(
             "/bin/sh",
-            vec!["-c".into(), format!("grep -c ' {} ' /proc/self/mountinfo", target.display())],
+            vec![
+                "-c".into(),
+                format!("grep -c ' {} ' /proc/self/mountinfo", target.display()),
+            ],
         );
         req.isolation = SpawnIsolation::PrivateMountNamespace {
             detach: vec![target.clone(), "/no/such/mount".into()],

@@ -15,9 +15,40 @@ mod oci {
     static LOCK: Mutex<()> = Mutex::const_new(());
 
     const APPLETS: &[&str] = &[
-        "sh", "sleep", "cat", "ls", "ip", "hostname", "grep", "wc", "echo", "true", "false", "id",
-        "touch", "mkdir", "rm", "head", "tail", "dd", "mount", "unshare", "nc", "ping", "stat",
-        "sed", "awk", "env", "kill", "seq", "chown", "df", "find", "sha256sum", "tr", "cut",
+        "sh",
+        "sleep",
+        "cat",
+        "ls",
+        "ip",
+        "hostname",
+        "grep",
+        "wc",
+        "echo",
+        "true",
+        "false",
+        "id",
+        "touch",
+        "mkdir",
+        "rm",
+        "head",
+        "tail",
+        "dd",
+        "mount",
+        "unshare",
+        "nc",
+        "ping",
+        "stat",
+        "sed",
+        "awk",
+        "env",
+        "kill",
+        "seq",
+        "chown",
+        "df",
+        "find",
+        "sha256sum",
+        "tr",
+        "cut",
     ];
 
     struct Fixture {
@@ -34,7 +65,9 @@ mod oci {
             return None;
         }
         let bin = binary.name();
-        if !Path::new("/usr/bin").join(bin).exists() && !Path::new("/usr/local/bin").join(bin).exists() {
+        if !Path::new("/usr/bin").join(bin).exists()
+            && !Path::new("/usr/local/bin").join(bin).exists()
+        {
             eprintln!("SKIP: {bin} is not installed (apt-get install {bin})");
             return None;
         }
@@ -42,14 +75,21 @@ mod oci {
             eprintln!("SKIP: /bin/busybox missing (apt-get install busybox-static)");
             return None;
         }
-        let dir = tempfile::Builder::new().prefix("aviary-rt-").tempdir_in("/var/tmp").unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("aviary-rt-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
         let template = dir.path().join("template");
         let b = template.join("bin");
         std::fs::create_dir_all(&b).unwrap();
         for d in ["etc", "proc", "sys", "dev", "tmp", "root"] {
             std::fs::create_dir_all(template.join(d)).unwrap();
         }
-        std::fs::write(template.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+        std::fs::write(
+            template.join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\n",
+        )
+        .unwrap();
         std::fs::copy("/bin/busybox", b.join("busybox")).unwrap();
         for a in APPLETS {
             std::os::unix::fs::symlink("busybox", b.join(a)).unwrap();
@@ -57,7 +97,12 @@ mod oci {
         let envd = dir.path().join("fake-envd");
         std::fs::write(&envd, "#!/bin/sh\necho envd\n").unwrap();
         let state = dir.path().join("state");
-        Some(Fixture { template, state, envd, _dir: dir })
+        Some(Fixture {
+            template,
+            state,
+            envd,
+            _dir: dir,
+        })
     }
 
     impl Drop for Fixture {
@@ -66,7 +111,10 @@ mod oci {
         fn drop(&mut self) {
             let state = self.state.clone();
             std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
                 rt.block_on(async {
                     for binary in [OciBinary::Crun, OciBinary::Runc] {
                         if !state.exists() {
@@ -94,7 +142,12 @@ mod oci {
         SandboxSpec {
             id: SandboxId::generate(),
             template_rootfs: f.template.clone(),
-            resources: ResourceLimits { cpu: 0.5, memory_mb: 128, disk_mb: 1024, pids: 64 },
+            resources: ResourceLimits {
+                cpu: 0.5,
+                memory_mb: 128,
+                disk_mb: 1024,
+                pids: 64,
+            },
             network: NetworkProfile::None,
             hostname: "sbx-test".into(),
             init: vec![
@@ -103,7 +156,11 @@ mod oci {
                 "trap 'exit 0' TERM; while :; do sleep 1; done".into(),
             ],
             env: vec!["AVIARY_TEST=1".into()],
-            binds: vec![BindMount { host: f.envd.clone(), sandbox: "/.aviary/envd".into(), read_only: true }],
+            binds: vec![BindMount {
+                host: f.envd.clone(),
+                sandbox: "/.aviary/envd".into(),
+                read_only: true,
+            }],
         }
     }
 
@@ -118,7 +175,10 @@ mod oci {
         );
         fp.insert(
             "overlay mounts".into(),
-            mountinfo.lines().filter(|l| l.contains(" - overlay ")).count() as u64,
+            mountinfo
+                .lines()
+                .filter(|l| l.contains(" - overlay "))
+                .count() as u64,
         );
         let mut cgroup_dirs = 0;
         for h in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
@@ -130,16 +190,25 @@ mod oci {
         let mut in_aviary = 0;
         let mut mentioning_state = 0;
         for p in std::fs::read_dir("/proc").unwrap().flatten() {
-            if !p.file_name().to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            if !p
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+            {
                 continue;
             }
             // Zombies wait for the host's init to reap them; they hold no
             // resources but their pid, and are not ours to reap.
             let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
-            if stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')) {
+            if stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            {
                 continue;
             }
-            if std::fs::read_to_string(p.path().join("cgroup")).is_ok_and(|c| c.contains("/aviary/")) {
+            if std::fs::read_to_string(p.path().join("cgroup"))
+                .is_ok_and(|c| c.contains("/aviary/"))
+            {
                 in_aviary += 1;
             }
             if std::fs::read(p.path().join("cmdline"))
@@ -152,8 +221,14 @@ mod oci {
         fp.insert("processes naming the state dir".into(), mentioning_state);
         let entries = |d: &Path| std::fs::read_dir(d).map(|r| r.count() as u64).unwrap_or(0);
         fp.insert("state dir entries".into(), entries(state));
-        fp.insert("crun-state entries".into(), entries(&state.join("crun-state")));
-        fp.insert("runc-state entries".into(), entries(&state.join("runc-state")));
+        fp.insert(
+            "crun-state entries".into(),
+            entries(&state.join("crun-state")),
+        );
+        fp.insert(
+            "runc-state entries".into(),
+            entries(&state.join("runc-state")),
+        );
         fp
     }
 
@@ -187,7 +262,12 @@ mod oci {
         let Some(f) = fixture(binary) else { return };
         let rt = runtime(&f, binary);
         let report = rt.probe().await.unwrap();
-        eprintln!("{}: {} (cgroups {})", binary.name(), report.version, report.cgroup_mode);
+        eprintln!(
+            "{}: {} (cgroups {})",
+            binary.name(),
+            report.version,
+            report.cgroup_mode
+        );
         let make = || spec_for(&f);
         conformance::check_unknown_ids(&rt).await;
         conformance::check_lifecycle(&rt, &make).await;
@@ -241,7 +321,9 @@ mod oci {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn inside_view_is_isolated() {
         let _g = LOCK.lock().await;
-        let Some(f) = fixture(OciBinary::Crun) else { return };
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
         let rt = runtime(&f, OciBinary::Crun);
         let before_template = tree_digest(&f.template);
         let spec = spec_for(&f);
@@ -250,12 +332,25 @@ mod oci {
 
         assert_eq!(sh(&rt, id, "hostname").await, (0, "sbx-test\n".into()));
         // Only loopback, and it is up.
-        let (_, dev) = sh(&rt, id, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").await;
+        let (_, dev) = sh(
+            &rt,
+            id,
+            "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '",
+        )
+        .await;
         assert_eq!(dev, "lo\n");
-        let (code, out) = sh(&rt, id, "nc -l -p 8080 -e echo hi & sleep 0.3; nc 127.0.0.1 8080 </dev/null").await;
+        let (code, out) = sh(
+            &rt,
+            id,
+            "nc -l -p 8080 -e echo hi & sleep 0.3; nc 127.0.0.1 8080 </dev/null",
+        )
+        .await;
         assert_eq!((code, out.trim()), (0, "hi"), "loopback TCP works");
         // /workspace writable and shared, /tmp a private tmpfs.
-        assert_eq!(sh(&rt, id, "echo x > /workspace/a && cat /workspace/a").await, (0, "x\n".into()));
+        assert_eq!(
+            sh(&rt, id, "echo x > /workspace/a && cat /workspace/a").await,
+            (0, "x\n".into())
+        );
         assert!(h.workspace_dir.join("a").exists());
         let (_, tmp) = sh(&rt, id, "grep ' /tmp ' /proc/self/mountinfo").await;
         assert!(tmp.contains(" - tmpfs "), "/tmp: {tmp}");
@@ -263,20 +358,35 @@ mod oci {
         let (_, sys) = sh(&rt, id, "grep ' /sys ' /proc/self/mountinfo").await;
         assert!(sys.contains(" ro,"), "/sys read-only: {sys}");
         // The envd bind is there and read-only.
-        assert_eq!(sh(&rt, id, "cat /.aviary/envd | head -1").await.1, "#!/bin/sh\n");
+        assert_eq!(
+            sh(&rt, id, "cat /.aviary/envd | head -1").await.1,
+            "#!/bin/sh\n"
+        );
         let (code, _) = sh(&rt, id, "echo x > /.aviary/envd").await;
         assert_ne!(code, 0, "read-only bind is writable");
         // PID 1: no new privileges, only the granted capabilities.
         let (_, status) = sh(&rt, id, "cat /proc/1/status").await;
         assert!(status.contains("NoNewPrivs:\t1"), "{status}");
         // CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE SYS_CHROOT AUDIT_WRITE
-        let expected = (1u64 << 0) | (1 << 1) | (1 << 3) | (1 << 4) | (1 << 5) | (1 << 6) | (1 << 7) | (1 << 8)
-            | (1 << 10) | (1 << 18) | (1 << 29);
+        let expected = (1u64 << 0)
+            | (1 << 1)
+            | (1 << 3)
+            | (1 << 4)
+            | (1 << 5)
+            | (1 << 6)
+            | (1 << 7)
+            | (1 << 8)
+            | (1 << 10)
+            | (1 << 18)
+            | (1 << 29);
         let cap_line = status.lines().find(|l| l.starts_with("CapEff:")).unwrap();
         let cap = u64::from_str_radix(cap_line.split_whitespace().nth(1).unwrap(), 16).unwrap();
         assert_eq!(cap, expected, "{cap_line}");
         let bnd = status.lines().find(|l| l.starts_with("CapBnd:")).unwrap();
-        assert_eq!(u64::from_str_radix(bnd.split_whitespace().nth(1).unwrap(), 16).unwrap(), expected);
+        assert_eq!(
+            u64::from_str_radix(bnd.split_whitespace().nth(1).unwrap(), 16).unwrap(),
+            expected
+        );
         let (_, exec_status) = sh(&rt, id, "grep NoNewPrivs /proc/self/status").await;
         assert_eq!(exec_status, "NoNewPrivs:\t1\n", "exec'd processes too");
         // Seccomp and capabilities stop mounts, namespaces and raw sockets.
@@ -291,13 +401,26 @@ mod oci {
             assert_eq!(out.trim(), "0", "{masked} masked");
         }
         // Writes to the rootfs go to the upper dir, never the template.
-        assert_eq!(sh(&rt, id, "echo changed > /etc/passwd && rm /bin/true && touch /new && echo ok").await.0, 0);
+        assert_eq!(
+            sh(
+                &rt,
+                id,
+                "echo changed > /etc/passwd && rm /bin/true && touch /new && echo ok"
+            )
+            .await
+            .0,
+            0
+        );
         rt.pause(id).await.unwrap();
         assert_eq!(rt.status(id).await.unwrap(), RuntimeStatus::Paused);
         rt.resume(id).await.unwrap();
         assert_eq!(sh(&rt, id, "cat /etc/passwd").await.1, "changed\n");
         rt.destroy(id).await.unwrap();
-        assert_eq!(tree_digest(&f.template), before_template, "template changed");
+        assert_eq!(
+            tree_digest(&f.template),
+            before_template,
+            "template changed"
+        );
         assert_eq!(
             std::fs::read_to_string(f.template.join("etc/passwd")).unwrap(),
             "root:x:0:0:root:/root:/bin/sh\n"
@@ -307,26 +430,39 @@ mod oci {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn oom_kill_is_counted() {
         let _g = LOCK.lock().await;
-        let Some(f) = fixture(OciBinary::Crun) else { return };
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
         let rt = runtime(&f, OciBinary::Crun);
         let mut spec = spec_for(&f);
         spec.resources.memory_mb = 32;
         rt.create(&spec).await.unwrap();
         assert_eq!(rt.usage(&spec.id).await.unwrap().oom_kills, 0);
         // 64 MiB into a shell variable: well over the limit.
-        let (code, _) = sh(&rt, &spec.id, "x=$(head -c 67108864 /dev/zero | tr '\\0' a); echo ${#x}").await;
+        let (code, _) = sh(
+            &rt,
+            &spec.id,
+            "x=$(head -c 67108864 /dev/zero | tr '\\0' a); echo ${#x}",
+        )
+        .await;
         assert_eq!(code, 137, "the allocating process is SIGKILLed");
         let usage = rt.usage(&spec.id).await.unwrap();
         assert!(usage.oom_kills >= 1, "{usage:?}");
         assert!(usage.memory_peak_bytes >= 30 * 1024 * 1024, "{usage:?}");
-        assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::Running, "PID 1 survives");
+        assert_eq!(
+            rt.status(&spec.id).await.unwrap(),
+            RuntimeStatus::Running,
+            "PID 1 survives"
+        );
         rt.destroy(&spec.id).await.unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fork_bomb_is_capped() {
         let _g = LOCK.lock().await;
-        let Some(f) = fixture(OciBinary::Crun) else { return };
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
         let rt = runtime(&f, OciBinary::Crun);
         let mut spec = spec_for(&f);
         spec.resources.pids = 32;
@@ -343,7 +479,9 @@ mod oci {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn destroy_cleans_up_after_a_crash() {
         let _g = LOCK.lock().await;
-        let Some(f) = fixture(OciBinary::Crun) else { return };
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
         let rt = runtime(&f, OciBinary::Crun);
         let before = footprint(&f.state);
         let spec = spec_for(&f);
@@ -353,12 +491,19 @@ mod oci {
         // processes, overlay, cgroups and sandbox dir are still there.
         std::fs::remove_dir_all(rt.runtime_root().join(spec.id.as_str())).unwrap();
         assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::Stopped);
-        assert!(rt.list().await.unwrap().contains(&spec.id), "reconciler sees the leftover");
+        assert!(
+            rt.list().await.unwrap().contains(&spec.id),
+            "reconciler sees the leftover"
+        );
         assert!(Path::new(&format!("/proc/{}", h.init_pid)).exists());
         rt.destroy(&spec.id).await.unwrap();
         // Dead, possibly not yet reaped by the host's init.
-        let state = std::fs::read_to_string(format!("/proc/{}/stat", h.init_pid)).unwrap_or_default();
-        assert!(state.is_empty() || state.contains(") Z "), "init killed: {state}");
+        let state =
+            std::fs::read_to_string(format!("/proc/{}/stat", h.init_pid)).unwrap_or_default();
+        assert!(
+            state.is_empty() || state.contains(") Z "),
+            "init killed: {state}"
+        );
         assert_eq!(footprint(&f.state), before);
         assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::NotFound);
     }
@@ -366,7 +511,9 @@ mod oci {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_sandboxes_are_independent() {
         let _g = LOCK.lock().await;
-        let Some(f) = fixture(OciBinary::Crun) else { return };
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
         let rt = runtime(&f, OciBinary::Crun);
         let specs: Vec<SandboxSpec> = (0..4).map(|_| spec_for(&f)).collect();
         let handles = futures_join(specs.iter().map(|s| rt.create(s))).await;
@@ -376,7 +523,11 @@ mod oci {
         let ids = rt.list().await.unwrap();
         assert_eq!(ids.len(), 4);
         sh(&rt, &specs[0].id, "echo one > /workspace/f").await;
-        assert_eq!(sh(&rt, &specs[1].id, "cat /workspace/f").await.0, 1, "workspaces are separate");
+        assert_eq!(
+            sh(&rt, &specs[1].id, "cat /workspace/f").await.0,
+            1,
+            "workspaces are separate"
+        );
         for r in futures_join(specs.iter().map(|s| rt.destroy(&s.id))).await {
             r.unwrap();
         }

@@ -8,9 +8,11 @@
 //! expects the template to have a POSIX `sh` and `cat` for the checks that
 //! look inside through an [`Inspector`].
 
-use crate::{Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, SpawnOutput};
-use aviary_core::{NetworkProfile, SandboxId};
+use crate::{
+    Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, SpawnOutput,
+};
 use async_trait::async_trait;
+use aviary_core::{NetworkProfile, SandboxId};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -41,19 +43,34 @@ pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     assert_eq!(handle.id, id, "handle carries the spec's id");
     assert_eq!(handle.runtime, rt.name(), "handle names the runtime");
     assert!(handle.init_pid > 0, "init pid is set");
-    assert!(handle.control_dir.is_dir(), "control dir exists on the host");
-    assert!(handle.workspace_dir.is_dir(), "workspace dir exists on the host");
-    assert_eq!(rt.status(&id).await.expect("status"), RuntimeStatus::Running);
+    assert!(
+        handle.control_dir.is_dir(),
+        "control dir exists on the host"
+    );
+    assert!(
+        handle.workspace_dir.is_dir(),
+        "workspace dir exists on the host"
+    );
+    assert_eq!(
+        rt.status(&id).await.expect("status"),
+        RuntimeStatus::Running
+    );
     assert!(
         rt.list().await.expect("list").contains(&id),
         "list contains a created sandbox"
     );
     let usage = rt.usage(&id).await.expect("usage");
     assert!(usage.pids_current >= 1, "PID 1 is counted: {usage:?}");
-    assert!(usage.memory_current_bytes > 0, "memory is charged: {usage:?}");
+    assert!(
+        usage.memory_current_bytes > 0,
+        "memory is charged: {usage:?}"
+    );
     assert_eq!(usage.oom_kills, 0, "no OOM kill yet: {usage:?}");
 
-    let again = rt.create(&spec).await.expect_err("second create with the same id");
+    let again = rt
+        .create(&spec)
+        .await
+        .expect_err("second create with the same id");
     assert!(
         matches!(again, RuntimeError::AlreadyExists { .. }),
         "second create must be AlreadyExists, got {again:?}"
@@ -65,10 +82,19 @@ pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     );
 
     rt.destroy(&id).await.expect("destroy");
-    assert_eq!(rt.status(&id).await.expect("status"), RuntimeStatus::NotFound);
-    assert!(!rt.list().await.expect("list").contains(&id), "destroyed sandbox listed");
+    assert_eq!(
+        rt.status(&id).await.expect("status"),
+        RuntimeStatus::NotFound
+    );
+    assert!(
+        !rt.list().await.expect("list").contains(&id),
+        "destroyed sandbox listed"
+    );
     let err = rt.usage(&id).await.expect_err("usage after destroy");
-    assert!(matches!(err, RuntimeError::NotFound { .. }), "usage: {err:?}");
+    assert!(
+        matches!(err, RuntimeError::NotFound { .. }),
+        "usage: {err:?}"
+    );
     rt.destroy(&id).await.expect("destroy is idempotent");
     assert!(!handle.control_dir.exists(), "control dir removed");
     assert!(!handle.workspace_dir.exists(), "workspace dir removed");
@@ -77,9 +103,15 @@ pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
 /// Unknown ids: status NotFound, usage NotFound, destroy Ok.
 pub async fn check_unknown_ids(rt: &dyn Runtime) {
     let id = SandboxId::generate();
-    assert_eq!(rt.status(&id).await.expect("status"), RuntimeStatus::NotFound);
+    assert_eq!(
+        rt.status(&id).await.expect("status"),
+        RuntimeStatus::NotFound
+    );
     let err = rt.usage(&id).await.expect_err("usage of unknown id");
-    assert!(matches!(err, RuntimeError::NotFound { .. }), "usage: {err:?}");
+    assert!(
+        matches!(err, RuntimeError::NotFound { .. }),
+        "usage: {err:?}"
+    );
     rt.destroy(&id).await.expect("destroy of unknown id");
 }
 
@@ -88,13 +120,24 @@ pub async fn check_unknown_ids(rt: &dyn Runtime) {
 pub async fn check_refusals(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     let mut spec = make_spec();
     spec.network = NetworkProfile::Open;
-    let err = rt.create(&spec).await.expect_err("create with open network");
-    assert!(matches!(err, RuntimeError::Unsupported { .. }), "got {err:?}");
-    assert_eq!(rt.status(&spec.id).await.expect("status"), RuntimeStatus::NotFound);
+    let err = rt
+        .create(&spec)
+        .await
+        .expect_err("create with open network");
+    assert!(
+        matches!(err, RuntimeError::Unsupported { .. }),
+        "got {err:?}"
+    );
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::NotFound
+    );
 
     let mut spec = make_spec();
     spec.init = vec!["/does/not/exist".into()];
-    rt.create(&spec).await.expect_err("create with a missing init");
+    rt.create(&spec)
+        .await
+        .expect_err("create with a missing init");
     assert_eq!(
         rt.status(&spec.id).await.expect("status"),
         RuntimeStatus::NotFound,
@@ -115,12 +158,18 @@ pub async fn check_limits_visible(
     let run = |argv: &'static [&'static str]| {
         let handle = handle.clone();
         async move {
-            let out = inspector.run_inside(&handle, argv).await.expect("run inside");
+            let out = inspector
+                .run_inside(&handle, argv)
+                .await
+                .expect("run inside");
             assert!(out.success(), "{argv:?} failed: {out:?}");
             String::from_utf8_lossy(&out.stdout).trim().to_string()
         }
     };
-    assert_eq!(run(&["cat", "/proc/sys/kernel/hostname"]).await, spec.hostname);
+    assert_eq!(
+        run(&["cat", "/proc/sys/kernel/hostname"]).await,
+        spec.hostname
+    );
 
     let mem = run(&[
         "sh",
@@ -128,7 +177,11 @@ pub async fn check_limits_visible(
         "cat /sys/fs/cgroup/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory/memory.limit_in_bytes",
     ])
     .await;
-    assert_eq!(mem, (spec.resources.memory_mb * 1024 * 1024).to_string(), "memory limit");
+    assert_eq!(
+        mem,
+        (spec.resources.memory_mb * 1024 * 1024).to_string(),
+        "memory limit"
+    );
 
     let pids = run(&[
         "sh",
@@ -144,7 +197,10 @@ pub async fn check_limits_visible(
         "cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo $(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us) $(cat /sys/fs/cgroup/cpu/cpu.cfs_period_us)",
     ])
     .await;
-    let nums: Vec<f64> = cpu.split_whitespace().filter_map(|n| n.parse().ok()).collect();
+    let nums: Vec<f64> = cpu
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
     assert_eq!(nums.len(), 2, "cpu quota and period: {cpu:?}");
     let cores = nums[0] / nums[1];
     assert!(
@@ -170,12 +226,23 @@ pub async fn check_pause_resume<R: Pausable>(rt: &R, make_spec: MakeSpec<'_>) {
     let spec = make_spec();
     rt.create(&spec).await.expect("create");
     rt.pause(&spec.id).await.expect("pause");
-    assert_eq!(rt.status(&spec.id).await.expect("status"), RuntimeStatus::Paused);
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::Paused
+    );
     rt.resume(&spec.id).await.expect("resume");
-    assert_eq!(rt.status(&spec.id).await.expect("status"), RuntimeStatus::Running);
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::Running
+    );
     rt.pause(&spec.id).await.expect("pause again");
-    rt.destroy(&spec.id).await.expect("destroy a paused sandbox");
-    assert_eq!(rt.status(&spec.id).await.expect("status"), RuntimeStatus::NotFound);
+    rt.destroy(&spec.id)
+        .await
+        .expect("destroy a paused sandbox");
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::NotFound
+    );
     let err = rt.pause(&spec.id).await.expect_err("pause after destroy");
     assert!(matches!(err, RuntimeError::NotFound { .. }), "got {err:?}");
 }

@@ -98,7 +98,9 @@ impl RuntimeError {
             RuntimeError::Unsupported { .. } | RuntimeError::InvalidSpec { .. } => {
                 ErrorCode::InvalidRequest
             }
-            RuntimeError::ProbeRuntime { .. } | RuntimeError::Spawn { .. } => ErrorCode::Unavailable,
+            RuntimeError::ProbeRuntime { .. } | RuntimeError::Spawn { .. } => {
+                ErrorCode::Unavailable
+            }
             RuntimeError::Cleanup { original, .. } => original.code(),
             _ => ErrorCode::Internal,
         }

@@ -27,8 +27,8 @@ pub use spawner::{
     RecordingSpawner, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
 };
 
-use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
 use async_trait::async_trait;
+use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -146,7 +146,9 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
     let h = &spec.hostname;
     if h.is_empty()
         || h.len() > 63
-        || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        || !h
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
     {
         return invalid(format!("hostname {h:?} is not a valid host name"));
     }
@@ -185,9 +187,7 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
 }
 
 fn is_clean_absolute(p: &str) -> bool {
-    p.starts_with('/')
-        && !p.contains('\0')
-        && p.split('/').all(|c| c != ".." && c != ".")
+    p.starts_with('/') && !p.contains('\0') && p.split('/').all(|c| c != ".." && c != ".")
 }
 
 fn is_reserved_target(p: &str) -> bool {
@@ -235,11 +235,21 @@ mod tests {
 
     #[test]
     fn bind_targets_must_not_escape_or_shadow() {
-        for bad in ["relative", "/a/../etc", "/workspace", "/run/aviary/x", "/proc", "/"] {
+        for bad in [
+            "relative",
+            "/a/../etc",
+            "/workspace",
+            "/run/aviary/x",
+            "/proc",
+            "/",
+        ] {
             let mut s = spec();
             s.binds[0].sandbox = bad.into();
             assert!(
-                matches!(validate_spec(&s).unwrap_err(), RuntimeError::InvalidSpec { .. }),
+                matches!(
+                    validate_spec(&s).unwrap_err(),
+                    RuntimeError::InvalidSpec { .. }
+                ),
                 "{bad} accepted"
             );
         }

@@ -26,7 +26,9 @@ pub enum SpawnIsolation {
     None,
     /// Run the child in a new, recursively private mount namespace in which
     /// these mount points are lazily unmounted (missing ones are skipped).
-    PrivateMountNamespace { detach: Vec<PathBuf> },
+    PrivateMountNamespace {
+        detach: Vec<PathBuf>,
+    },
 }
 
 /// One program to run to completion.
@@ -116,11 +118,17 @@ impl RecordingSpawner {
     }
     /// Queues the answer to the next unanswered request.
     pub fn push(&self, answer: std::io::Result<SpawnOutput>) {
-        self.script.lock().unwrap_or_else(|e| e.into_inner()).push_back(answer);
+        self.script
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(answer);
     }
     /// Every request seen so far, in order.
     pub fn requests(&self) -> Vec<SpawnRequest> {
-        self.requests.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
