@@ -24,7 +24,9 @@
 //! - `health`, `set_fence`, `stat`, `mkdir`, `remove`: `Request` → `Response | Error`.
 //! - `exec`: `Request` [→ `Data`* `End` when `stdin` is true] ; envd answers
 //!   `Stdout|Stderr`* then `Response::Exit`, or `Error`. Closing the connection
-//!   before the final frame kills the process group.
+//!   (or shutting down its write side) before the final frame kills the process
+//!   group. Processes that the command leaves running in the background after a
+//!   normal exit keep running; their output is forwarded for 100 ms after the exit.
 //! - `read_file`: `Request` → `Response::Opened` `Data`* `End` (or `Error` at any point).
 //! - `write_file`: `Request` `Data`* `End` → `Response::Written` or `Error`.
 //! - `list_dir`: `Request` → `Data`* (each a JSON array of [`FileStat`]) `Response::Listed`.

@@ -74,7 +74,7 @@ fn bad(message: impl Into<String>) -> ErrorBody {
     }
 }
 
-fn spawn_error(argv0: &str, e: &io::Error) -> ErrorBody {
+fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
     let code = match e.kind() {
         io::ErrorKind::NotFound => ErrorCode::NotFound,
         io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
@@ -82,7 +82,10 @@ fn spawn_error(argv0: &str, e: &io::Error) -> ErrorBody {
     };
     ErrorBody {
         code,
-        message: format!("spawn {argv0}: {e}"),
+        message: match cwd {
+            Some(cwd) => format!("spawn {argv0} in {cwd}: {e}"),
+            None => format!("spawn {argv0}: {e}"),
+        },
     }
 }
 
@@ -128,7 +131,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     let (mut child, exit_rx) = envd
         .reaper
         .spawn(&mut cmd)
-        .map_err(|e| spawn_error(argv0, &e))?;
+        .map_err(|e| spawn_error(argv0, req.cwd.as_deref(), &e))?;
     let started = Instant::now();
     let pgid = child.id() as i32;
     envd.exec_started(pgid);

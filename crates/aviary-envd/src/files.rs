@@ -230,17 +230,21 @@ impl SandboxFs {
     ) -> FsResult<u64> {
         let comps = parse(path)?;
         let (dir, name) = self.resolve_parent(path, &comps)?;
-        let existing_mode = match sys::fstatat(dir.as_fd(), &name) {
+        // A replaced regular file keeps its permissions (unless `mode` is given) and owner.
+        let existing = match sys::fstatat(dir.as_fd(), &name) {
             Ok(st) if st.is_dir() => {
                 return Err(err(
                     ErrorCode::InvalidPath,
                     format!("{path}: is a directory"),
                 ))
             }
-            Ok(st) if st.is_file() => Some(st.mode & 0o7777),
+            Ok(st) if st.is_file() => Some(st),
             _ => None,
         };
-        let mode = mode.or(existing_mode).unwrap_or(0o644) & 0o7777;
+        let mode = mode
+            .or(existing.map(|st| st.mode & 0o7777))
+            .unwrap_or(0o644)
+            & 0o7777;
         let tmp = format!(
             ".aviary-tmp-{}-{}",
             sys::getpid(),
@@ -255,6 +259,11 @@ impl SandboxFs {
         .map_err(|e| map_io(path, &e))?;
         let mut file = File::from(fd);
         let result = fill(&mut file).and_then(|n| {
+            if let Some(st) = existing {
+                // Best effort: only root may give a file away; envd normally is root.
+                let _ = sys::fchown(file.as_fd(), st.uid, st.gid);
+            }
+            // After fchown, which clears set-id bits.
             sys::fchmod(file.as_fd(), mode).map_err(|e| map_io(path, &e))?;
             sys::renameat(dir.as_fd(), &tmp, &name).map_err(|e| map_io(path, &e))?;
             Ok(n)
@@ -509,6 +518,28 @@ mod tests {
             fs.remove("/x", true).unwrap();
             assert_eq!(fs.stat("/x").unwrap_err().code, ErrorCode::NotFound);
         }
+    }
+
+    #[test]
+    fn replacing_a_file_keeps_owner_and_mode() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("owned");
+        std::fs::write(&f, b"old").unwrap();
+        std::os::unix::fs::chown(&f, Some(1234), Some(4321)).unwrap();
+        std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o751)).unwrap();
+        let fs = SandboxFs::open(dir.path(), true).unwrap();
+        fs.write("/owned", None, |w| {
+            w.write_all(b"new").unwrap();
+            Ok(3)
+        })
+        .unwrap();
+        let meta = std::fs::metadata(&f).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.gid(), meta.mode() & 0o7777),
+            (1234, 4321, 0o751)
+        );
+        assert_eq!(std::fs::read(&f).unwrap(), b"new");
     }
 
     #[test]

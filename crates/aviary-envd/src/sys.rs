@@ -286,6 +286,8 @@ pub fn openat(
 #[derive(Debug, Clone, Copy)]
 pub struct Stat {
     pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
     pub size: u64,
     pub mtime: i64,
 }
@@ -318,6 +320,8 @@ pub fn fstatat(dir: BorrowedFd<'_>, name: impl AsRef<OsStr>) -> io::Result<Stat>
     let st = unsafe { st.assume_init() };
     Ok(Stat {
         mode: st.st_mode,
+        uid: st.st_uid,
+        gid: st.st_gid,
         size: st.st_size as u64,
         mtime: st.st_mtime,
     })
@@ -346,6 +350,12 @@ pub fn renameat(
     let (f, t) = (cstr(from)?, cstr(to)?);
     // SAFETY: both names are NUL-terminated; the same live dirfd is used twice.
     cvt(unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) })?;
+    Ok(())
+}
+
+pub fn fchown(fd: BorrowedFd<'_>, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: plain syscall on a descriptor the caller keeps open.
+    cvt(unsafe { libc::fchown(fd.as_raw_fd(), uid, gid) })?;
     Ok(())
 }
 

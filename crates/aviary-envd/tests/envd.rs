@@ -270,6 +270,42 @@ mod e2e {
     }
 
     #[tokio::test]
+    async fn background_processes_outlive_a_normal_exit() {
+        let d = Daemon::start(&[]).await;
+        let c = d.client();
+        // The background process keeps stdout open; the exec still completes.
+        let out = c
+            .exec_collect(sh("sleep 100 & echo $!"), None)
+            .await
+            .unwrap();
+        assert_eq!(out.exit.exit_code, 0);
+        let bg: i32 = String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(process_exists(bg));
+        kill_pid(bg);
+        assert!(wait_gone(bg), "background process {bg} was not reaped");
+
+        let mut spec = sh("true");
+        spec.cwd = Some("/no/such/dir".into());
+        let e = c.exec_collect(spec, None).await.unwrap_err();
+        assert!(
+            matches!(&e, EnvdError::NotFound(m) if m.contains("/no/such/dir")),
+            "{e:?}"
+        );
+    }
+
+    fn kill_pid(pid: i32) {
+        let status = Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    #[tokio::test]
     async fn timeout_kills_the_whole_process_group() {
         let d = Daemon::start(&[]).await;
         let pidfile = d.root.join("bg.pid");
