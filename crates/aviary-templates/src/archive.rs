@@ -162,7 +162,8 @@ impl Outer {
             .get(name)
             .ok_or_else(|| TemplateError::invalid(format!("archive has no member {name:?}")))?;
         let mut f = File::open(&self.path).ctx(read_archive_err, &self.path)?;
-        f.seek(SeekFrom::Start(offset)).ctx(read_archive_err, &self.path)?;
+        f.seek(SeekFrom::Start(offset))
+            .ctx(read_archive_err, &self.path)?;
         Ok(f.take(size))
     }
 
@@ -209,7 +210,9 @@ fn sha256_hex(digest: &str) -> Result<String, TemplateError> {
         .strip_prefix("sha256:")
         .ok_or_else(|| TemplateError::invalid(format!("unsupported digest {digest:?}")))?;
     if hex.len() != 64 || !hex.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f')) {
-        return Err(TemplateError::invalid(format!("malformed digest {digest:?}")));
+        return Err(TemplateError::invalid(format!(
+            "malformed digest {digest:?}"
+        )));
     }
     Ok(hex.to_owned())
 }
@@ -251,8 +254,9 @@ fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
     };
     let config_name = norm_member(str_field(image, "Config", "manifest.json")?)?;
     let config = outer.read_json(&config_name, member_hex(&config_name).as_deref())?;
-    let diffs = diff_ids(&config)
-        .ok_or_else(|| TemplateError::invalid(format!("{config_name}: no valid rootfs.diff_ids")))?;
+    let diffs = diff_ids(&config).ok_or_else(|| {
+        TemplateError::invalid(format!("{config_name}: no valid rootfs.diff_ids"))
+    })?;
     let layers = image
         .get("Layers")
         .and_then(Value::as_array)
@@ -268,10 +272,10 @@ fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
         .iter()
         .zip(diffs)
         .map(|(l, diff)| {
-            let member = norm_member(
-                l.as_str()
-                    .ok_or_else(|| TemplateError::invalid("manifest.json: layer is not a string"))?,
-            )?;
+            let member =
+                norm_member(l.as_str().ok_or_else(|| {
+                    TemplateError::invalid("manifest.json: layer is not a string")
+                })?)?;
             Ok(LayerRef {
                 blob_hex: member
                     .starts_with("blobs/sha256/")
@@ -310,7 +314,9 @@ fn choose_descriptor<'v>(list: &'v [Value], ctx: &str) -> Result<&'v Value, Temp
         .filter(|d| {
             let p = d.get("platform");
             p.and_then(|p| p.get("os")).and_then(Value::as_str) == Some(os)
-                && p.and_then(|p| p.get("architecture")).and_then(Value::as_str) == Some(arch)
+                && p.and_then(|p| p.get("architecture"))
+                    .and_then(Value::as_str)
+                    == Some(arch)
         })
         .collect();
     match matching.as_slice() {
@@ -329,7 +335,9 @@ fn is_index(media_type: &str) -> bool {
 fn oci_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
     let layout = outer.read_json("oci-layout", None)?;
     if layout.get("imageLayoutVersion").and_then(Value::as_str) != Some("1.0.0") {
-        return Err(TemplateError::invalid("oci-layout: unsupported imageLayoutVersion"));
+        return Err(TemplateError::invalid(
+            "oci-layout: unsupported imageLayoutVersion",
+        ));
     }
     let mut doc = outer.read_json("index.json", None)?;
     let mut ctx = "index.json".to_owned();
@@ -349,7 +357,9 @@ fn oci_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
             .and_then(Value::as_str)
             .unwrap_or(media)
             .to_owned();
-        if is_index(&next_media) || (next.get("manifests").is_some() && next.get("layers").is_none()) {
+        if is_index(&next_media)
+            || (next.get("manifests").is_some() && next.get("layers").is_none())
+        {
             doc = next;
             ctx = member;
             continue;
@@ -359,7 +369,11 @@ fn oci_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
     Err(TemplateError::invalid("image indexes nested too deeply"))
 }
 
-fn manifest_layers(outer: &Outer, manifest: &Value, ctx: &str) -> Result<Vec<LayerRef>, TemplateError> {
+fn manifest_layers(
+    outer: &Outer,
+    manifest: &Value,
+    ctx: &str,
+) -> Result<Vec<LayerRef>, TemplateError> {
     let config_desc = manifest
         .get("config")
         .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing config")))?;

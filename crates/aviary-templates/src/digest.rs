@@ -71,7 +71,9 @@ pub fn digest_tree(root: &Path) -> Result<TreeDigest, TemplateError> {
     let mut nodes = Vec::new();
     collect(root, &mut Vec::new(), &mut nodes)?;
 
-    let files: Vec<usize> = (0..nodes.len()).filter(|&i| nodes[i].kind == b'f').collect();
+    let files: Vec<usize> = (0..nodes.len())
+        .filter(|&i| nodes[i].kind == b'f')
+        .collect();
     let hashes = hash_files(root, &nodes, &files)?;
 
     let mut outer = Sha256::new();
@@ -178,7 +180,11 @@ fn collect(root: &Path, rel: &mut Vec<u8>, out: &mut Vec<Node>) -> Result<(), Te
     Ok(())
 }
 
-fn hash_files(root: &Path, nodes: &[Node], files: &[usize]) -> Result<Vec<[u8; 32]>, TemplateError> {
+fn hash_files(
+    root: &Path,
+    nodes: &[Node],
+    files: &[usize],
+) -> Result<Vec<[u8; 32]>, TemplateError> {
     let results: Vec<Mutex<[u8; 32]>> = files.iter().map(|_| Mutex::new([0u8; 32])).collect();
     let next = AtomicUsize::new(0);
     let first_error: Mutex<Option<TemplateError>> = Mutex::new(None);
@@ -288,7 +294,10 @@ mod tests {
         // A symlink target.
         fs::remove_file(b.path().join("link")).unwrap();
         symlink("/etc/passwe", b.path().join("link")).unwrap();
-        assert_ne!(digest_tree(b.path()).unwrap().digest, digest_tree(a.path()).unwrap().digest);
+        assert_ne!(
+            digest_tree(b.path()).unwrap().digest,
+            digest_tree(a.path()).unwrap().digest
+        );
     }
 
     #[test]

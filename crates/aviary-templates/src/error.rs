@@ -11,7 +11,9 @@ use aviary_core::ErrorCode;
 /// the underlying error is the `#[source]` and is not repeated in the message.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
-    #[error("invalid template name {0:?}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit")]
+    #[error(
+        "invalid template name {0:?}: use 1-128 of [A-Za-z0-9._-], starting with a letter or digit"
+    )]
     InvalidName(String),
     #[error("template {0:?} not found")]
     NotFound(String),
@@ -20,7 +22,10 @@ pub enum TemplateError {
     #[error("invalid archive: {0}")]
     InvalidArchive(String),
     #[error("{tool} not found: {hint}")]
-    MissingTool { tool: &'static str, hint: &'static str },
+    MissingTool {
+        tool: &'static str,
+        hint: &'static str,
+    },
     #[error("busybox at {0} is not statically linked; install busybox-static (apt-get install busybox-static)")]
     CheckBusybox(PathBuf),
     #[error("no debian mirror: set AVIARY_DEBIAN_MIRROR or add a deb source to /etc/apt/sources.list(.d)")]

@@ -264,7 +264,10 @@ pub(crate) fn apply_layer(
                     .link_name()
                     .map_err(bad)?
                     .ok_or_else(|| {
-                        TemplateError::invalid(format!("symlink {} has no target", raw_path.display()))
+                        TemplateError::invalid(format!(
+                            "symlink {} has no target",
+                            raw_path.display()
+                        ))
                     })?
                     .into_owned();
                 if target.as_os_str().is_empty() {
@@ -286,7 +289,10 @@ pub(crate) fn apply_layer(
                     .link_name()
                     .map_err(bad)?
                     .ok_or_else(|| {
-                        TemplateError::invalid(format!("hard link {} has no target", raw_path.display()))
+                        TemplateError::invalid(format!(
+                            "hard link {} has no target",
+                            raw_path.display()
+                        ))
                     })?
                     .into_owned();
                 let target_rel = normalize(&raw_target, "hard link target")?;
@@ -450,7 +456,10 @@ fn clear_lower(
         let path = child.path();
         if !written.contains(&rel) {
             remove_any(&path)?;
-        } else if fs::symlink_metadata(&path).map(|m| m.is_dir()).unwrap_or(false) {
+        } else if fs::symlink_metadata(&path)
+            .map(|m| m.is_dir())
+            .unwrap_or(false)
+        {
             clear_lower(&rel, &path, written)?;
         }
     }
@@ -463,7 +472,10 @@ mod tests {
 
     #[test]
     fn normalize_accepts_relative_and_rejects_escapes() {
-        assert_eq!(normalize(Path::new("./a/./b"), "entry").unwrap(), PathBuf::from("a/b"));
+        assert_eq!(
+            normalize(Path::new("./a/./b"), "entry").unwrap(),
+            PathBuf::from("a/b")
+        );
         assert_eq!(normalize(Path::new("./"), "entry").unwrap(), PathBuf::new());
         let e = normalize(Path::new("a/../../evil"), "entry").unwrap_err();
         assert!(matches!(e, TemplateError::InvalidArchive(_)), "{e}");

@@ -70,7 +70,11 @@ impl Staging {
         loop {
             let id = format!("build-{:016x}", rand::random::<u64>());
             let lock_path = tmp.join(format!("{id}.lock"));
-            match OpenOptions::new().write(true).create_new(true).open(&lock_path) {
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&lock_path)
+            {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(lock_err(lock_path, e)),
@@ -206,7 +210,9 @@ pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let tmp = dir.join(format!(
         ".{}.{:016x}.tmp",
-        path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
+        path.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
         rand::random::<u64>()
     ));
     let result = (|| {

@@ -295,7 +295,11 @@ impl TemplateStore {
     /// Imports a `docker save` tarball or an OCI image-layout tarball as
     /// template `name` (see the `archive` and `extract` modules for the
     /// accepted formats and the safety rules). On any error nothing is stored.
-    pub fn import_archive(&self, name: &str, archive: &Path) -> Result<TemplateInfo, TemplateError> {
+    pub fn import_archive(
+        &self,
+        name: &str,
+        archive: &Path,
+    ) -> Result<TemplateInfo, TemplateError> {
         validate_name(name)?;
         let staging = Staging::create(&self.root.join("tmp"))?;
         let rootfs = staging.dir().join("rootfs");
@@ -379,7 +383,12 @@ impl TemplateStore {
     /// Digests the finished tree at `rootfs` (inside a staging dir), moves it
     /// to `rootfs/<hex>` unless that content is already stored, and points
     /// `name` at it.
-    fn commit(&self, rootfs: &Path, name: &str, source: &str) -> Result<TemplateInfo, TemplateError> {
+    fn commit(
+        &self,
+        rootfs: &Path,
+        name: &str,
+        source: &str,
+    ) -> Result<TemplateInfo, TemplateError> {
         let tree = digest_tree(rootfs)?;
         // Flush the tree's data before it becomes visible under its digest,
         // so a crash cannot leave a complete-looking tree with lost contents.
@@ -406,10 +415,11 @@ impl TemplateStore {
                 return self.info(old);
             }
         }
-        let json = serde_json::to_vec_pretty(&rec).map_err(|source| TemplateError::ParseMetadata {
-            path: path.clone(),
-            source,
-        })?;
+        let json =
+            serde_json::to_vec_pretty(&rec).map_err(|source| TemplateError::ParseMetadata {
+                path: path.clone(),
+                source,
+            })?;
         fsutil::write_atomic(&path, &json).ctx(write_meta_err, &path)?;
         self.info(rec)
     }

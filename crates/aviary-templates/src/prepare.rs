@@ -79,7 +79,17 @@ pub(crate) fn busybox(rootfs: &Path) -> Result<(), TemplateError> {
     }
     mkdir_mode(rootfs, 0o755)?;
     for d in [
-        "bin", "sbin", "usr/bin", "usr/sbin", "etc", "dev", "proc", "sys", "run", "var", "home",
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        "etc",
+        "dev",
+        "proc",
+        "sys",
+        "run",
+        "var",
+        "home",
         "workspace",
     ] {
         mkdir_mode(&rootfs.join(d), 0o755)?;
@@ -155,10 +165,7 @@ pub(crate) fn debian_mirror() -> Result<String, TemplateError> {
     if let Ok(dir) = fs::read_dir("/etc/apt/sources.list.d") {
         let mut files: Vec<PathBuf> = dir
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.extension()
-                    .is_some_and(|e| e == "sources" || e == "list")
-            })
+            .filter(|p| p.extension().is_some_and(|e| e == "sources" || e == "list"))
             .collect();
         files.sort();
         texts.extend(files.iter().filter_map(|p| fs::read_to_string(p).ok()));
@@ -213,8 +220,14 @@ fn run_streaming(
     let (tx, rx) = mpsc::channel::<String>();
     let mut readers = Vec::new();
     let pipes: Vec<Box<dyn Read + Send>> = [
-        child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
-        child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>),
+        child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn Read + Send>),
     ]
     .into_iter()
     .flatten()
@@ -259,13 +272,15 @@ fn run_streaming(
 /// Builds Debian bookworm minbase + python3 at `rootfs` with debootstrap,
 /// cleans caches and logs, adds `/workspace` and `/tmp`, and checks that
 /// python3 runs in it.
-pub(crate) fn debootstrap(rootfs: &Path, progress: &mut dyn FnMut(&str)) -> Result<(), TemplateError> {
-    let tool = find_in_path("debootstrap", &["/usr/sbin", "/sbin"]).ok_or(
-        TemplateError::MissingTool {
+pub(crate) fn debootstrap(
+    rootfs: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), TemplateError> {
+    let tool =
+        find_in_path("debootstrap", &["/usr/sbin", "/sbin"]).ok_or(TemplateError::MissingTool {
             tool: "debootstrap",
             hint: "install it with `apt-get install debootstrap` (as root)",
-        },
-    )?;
+        })?;
     let mirror = debian_mirror()?;
     progress(&format!(
         "debootstrap: building {SUITE} minbase + python3 from {mirror} (takes a minute or two)"
@@ -334,10 +349,11 @@ fn clean_debian(rootfs: &Path) -> Result<(), TemplateError> {
 }
 
 fn check_python(rootfs: &Path) -> Result<(), TemplateError> {
-    let chroot = find_in_path("chroot", &["/usr/sbin", "/sbin"]).ok_or(TemplateError::MissingTool {
-        tool: "chroot",
-        hint: "install coreutils",
-    })?;
+    let chroot =
+        find_in_path("chroot", &["/usr/sbin", "/sbin"]).ok_or(TemplateError::MissingTool {
+            tool: "chroot",
+            hint: "install coreutils",
+        })?;
     let out = Command::new(chroot)
         .arg(rootfs)
         .args(["python3", "-c", "print(1)"])
@@ -387,7 +403,11 @@ mod tests {
             eprintln!("SKIPPED host_busybox_is_recognized_as_static: no busybox on this host (apt-get install busybox-static)");
             return;
         };
-        assert!(is_static_elf(&bin).unwrap(), "{} should be static", bin.display());
+        assert!(
+            is_static_elf(&bin).unwrap(),
+            "{} should be static",
+            bin.display()
+        );
         // A dynamically linked binary has PT_INTERP.
         assert!(!is_static_elf(Path::new("/bin/sh")).unwrap());
     }

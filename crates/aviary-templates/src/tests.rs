@@ -128,7 +128,10 @@ fn docker_archive(layers: &[Layer]) -> Vec<u8> {
         "RepoTags": ["test:latest"],
         "Layers": names,
     }]);
-    members.push(("manifest.json".into(), serde_json::to_vec(&manifest).unwrap()));
+    members.push((
+        "manifest.json".into(),
+        serde_json::to_vec(&manifest).unwrap(),
+    ));
     outer_tar(&members)
 }
 
@@ -156,12 +159,18 @@ fn oci_archive(layers: &[(Layer, &str)]) -> Vec<u8> {
         "layers": descs,
     }))
     .unwrap();
-    members.push((format!("blobs/sha256/{}", sha_hex(&manifest)), manifest.clone()));
+    members.push((
+        format!("blobs/sha256/{}", sha_hex(&manifest)),
+        manifest.clone(),
+    ));
     let index = serde_json::json!({
         "schemaVersion": 2,
         "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": format!("sha256:{}", sha_hex(&manifest)), "size": manifest.len()}],
     });
-    members.push(("oci-layout".into(), br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()));
+    members.push((
+        "oci-layout".into(),
+        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+    ));
     members.push(("index.json".into(), serde_json::to_vec(&index).unwrap()));
     outer_tar(&members)
 }
@@ -221,25 +230,42 @@ fn top_layer() -> Vec<u8> {
 
 fn check_final_tree(root: &Path) {
     assert_eq!(fs::read(root.join("etc/keep")).unwrap(), b"v2\n");
-    assert_eq!(fs::metadata(root.join("etc/keep")).unwrap().mode() & 0o7777, 0o640);
+    assert_eq!(
+        fs::metadata(root.join("etc/keep")).unwrap().mode() & 0o7777,
+        0o640
+    );
     assert!(!root.join("etc/gone").exists());
     let a = fs::metadata(root.join("etc/keep")).unwrap();
     let b = fs::metadata(root.join("etc/keep-link")).unwrap();
-    assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()), "hard link shares the inode");
+    assert_eq!(
+        (a.dev(), a.ino()),
+        (b.dev(), b.ino()),
+        "hard link shares the inode"
+    );
     let mut opq: Vec<_> = fs::read_dir(root.join("opq"))
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect();
     opq.sort();
     assert_eq!(opq, ["new", "sub2"]);
-    assert_eq!(fs::metadata(root.join("opq")).unwrap().mode() & 0o7777, 0o751);
-    assert_eq!(fs::metadata(root.join("bin/su")).unwrap().mode() & 0o7777, 0o4755, "setuid kept");
+    assert_eq!(
+        fs::metadata(root.join("opq")).unwrap().mode() & 0o7777,
+        0o751
+    );
+    assert_eq!(
+        fs::metadata(root.join("bin/su")).unwrap().mode() & 0o7777,
+        0o4755,
+        "setuid kept"
+    );
     let sh = fs::symlink_metadata(root.join("bin/sh")).unwrap();
     assert!(sh.is_file());
     assert_eq!(fs::read(root.join("bin/sh")).unwrap(), b"#!real");
     assert!(!root.join("dev/null").exists(), "device nodes are skipped");
     assert!(root.join("dev").is_dir());
-    assert!(fs::symlink_metadata(root.join("run-fifo")).unwrap().file_type().is_fifo());
+    assert!(fs::symlink_metadata(root.join("run-fifo"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
     assert_eq!(fs::read(root.join("usr/share/doc/x")).unwrap(), b"doc");
     assert_eq!(fs::metadata(root).unwrap().mode() & 0o7777, 0o755);
 }
@@ -260,7 +286,10 @@ fn docker_archive_applies_layers_with_whiteouts() {
     assert_eq!(info.name, "img");
     check_final_tree(&info.rootfs);
     assert_eq!(info.digest, digest_tree(&info.rootfs).unwrap().digest);
-    assert_eq!(info.rootfs, store.root().join("rootfs").join(&info.digest[7..]));
+    assert_eq!(
+        info.rootfs,
+        store.root().join("rootfs").join(&info.digest[7..])
+    );
     assert_eq!(store.get("img").unwrap().unwrap(), info);
     assert_eq!(count(&store.root().join("tmp")), 0);
 }
@@ -279,14 +308,25 @@ fn oci_layout_with_gzip_and_zstd_layers_imports_same_tree() {
     #[cfg(feature = "zstd")]
     let top = {
         let plain = top_layer();
-        let stored =
-            ruzstd::encoding::compress_to_vec(plain.as_slice(), ruzstd::encoding::CompressionLevel::Fastest);
-        (Layer { stored, plain }, "application/vnd.oci.image.layer.v1.tar+zstd")
+        let stored = ruzstd::encoding::compress_to_vec(
+            plain.as_slice(),
+            ruzstd::encoding::CompressionLevel::Fastest,
+        );
+        (
+            Layer { stored, plain },
+            "application/vnd.oci.image.layer.v1.tar+zstd",
+        )
     };
     #[cfg(not(feature = "zstd"))]
-    let top = (gz(top_layer()), "application/vnd.oci.image.layer.v1.tar+gzip");
+    let top = (
+        gz(top_layer()),
+        "application/vnd.oci.image.layer.v1.tar+gzip",
+    );
     let oci = oci_archive(&[
-        (gz(base_layer()), "application/vnd.oci.image.layer.v1.tar+gzip"),
+        (
+            gz(base_layer()),
+            "application/vnd.oci.image.layer.v1.tar+gzip",
+        ),
         top,
     ]);
     // The whole outer tarball gzip-compressed, as `docker save | gzip` gives.
@@ -294,7 +334,10 @@ fn oci_layout_with_gzip_and_zstd_layers_imports_same_tree() {
     let from_oci = store.import_archive("from-oci", &oci_path).unwrap();
     assert_eq!(from_oci.source, "oci-layout");
     check_final_tree(&from_oci.rootfs);
-    assert_eq!(from_oci.digest, from_docker.digest, "same content, same digest");
+    assert_eq!(
+        from_oci.digest, from_docker.digest,
+        "same content, same digest"
+    );
     assert_eq!(from_oci.rootfs, from_docker.rootfs);
     assert_eq!(count(&store.root().join("rootfs")), 1, "stored once");
 }
@@ -317,9 +360,13 @@ fn tampered_blob_or_diff_id_is_rejected_and_nothing_is_stored() {
         "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": format!("sha256:{hex}")}],
     }))
     .unwrap();
-    let index = serde_json::json!({"manifests": [{"digest": format!("sha256:{}", sha_hex(&manifest))}]});
+    let index =
+        serde_json::json!({"manifests": [{"digest": format!("sha256:{}", sha_hex(&manifest))}]});
     let tar = outer_tar(&[
-        ("oci-layout".into(), br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()),
+        (
+            "oci-layout".into(),
+            br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+        ),
         ("index.json".into(), serde_json::to_vec(&index).unwrap()),
         (format!("blobs/sha256/{}", sha_hex(&manifest)), manifest),
         (format!("blobs/sha256/{}", sha_hex(&config)), config),
@@ -367,11 +414,17 @@ fn malicious_layers_fail_cleanly_and_write_nothing_outside() {
         ),
         (
             "absolute",
-            layer(&[E::File(&unique, b"x", 0o644), E::File(&abs_target, b"x", 0o644)]),
+            layer(&[
+                E::File(&unique, b"x", 0o644),
+                E::File(&abs_target, b"x", 0o644),
+            ]),
         ),
         (
             "symlink-then-write-through",
-            layer(&[E::Sym("link", &outside_s), E::File("link/passwd", b"x", 0o644)]),
+            layer(&[
+                E::Sym("link", &outside_s),
+                E::File("link/passwd", b"x", 0o644),
+            ]),
         ),
         (
             "symlink-to-etc-then-write",
@@ -379,7 +432,10 @@ fn malicious_layers_fail_cleanly_and_write_nothing_outside() {
         ),
         (
             "relative-symlink-escape",
-            layer(&[E::Sym("up", "../../../../.."), E::File("up/evil", b"x", 0o644)]),
+            layer(&[
+                E::Sym("up", "../../../../.."),
+                E::File("up/evil", b"x", 0o644),
+            ]),
         ),
         (
             "hardlink-to-etc-shadow",
@@ -449,7 +505,11 @@ fn decompression_bomb_and_entry_count_are_bounded() {
 
     let names: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
     let many: Vec<E> = names.iter().map(|n| E::File(n, b"x", 0o644)).collect();
-    let p = write_archive(dir.path(), "many.tar", &docker_archive(&[plain(layer(&many))]));
+    let p = write_archive(
+        dir.path(),
+        "many.tar",
+        &docker_archive(&[plain(layer(&many))]),
+    );
     let err = store.import_archive("many", &p).unwrap_err();
     assert!(err.to_string().contains("more than 10 entries"), "{err}");
     assert_store_empty(&store);
@@ -462,7 +522,10 @@ fn import_is_idempotent_and_content_is_stored_once() {
     let p = write_archive(dir.path(), "a.tar", &docker_archive(&[plain(base_layer())]));
     let first = store.import_archive("a", &p).unwrap();
     let again = store.import_archive("a", &p).unwrap();
-    assert_eq!(first, again, "re-import returns the existing template unchanged");
+    assert_eq!(
+        first, again,
+        "re-import returns the existing template unchanged"
+    );
     let other = store.import_archive("b", &p).unwrap();
     assert_eq!(other.digest, first.digest);
     assert_eq!(count(&store.root().join("rootfs")), 1);
@@ -483,14 +546,20 @@ fn import_is_idempotent_and_content_is_stored_once() {
     assert!(store.get("a").unwrap().is_none());
     store.remove("b").unwrap();
     assert!(!first.rootfs.exists());
-    assert!(matches!(store.remove("b").unwrap_err(), TemplateError::NotFound(_)));
+    assert!(matches!(
+        store.remove("b").unwrap_err(),
+        TemplateError::NotFound(_)
+    ));
     assert_eq!(count(&store.root().join("tmp")), 0);
 
     // Re-pointing a name keeps the old tree (sandboxes may mount it) until pruned.
     let a2 = store.import_archive("c", &p).unwrap();
     assert_eq!(a2.digest, first.digest);
     assert!(c.rootfs.is_dir(), "old content of `c` is kept");
-    assert_eq!(store.prune(std::slice::from_ref(&c.digest)).unwrap(), Vec::<String>::new());
+    assert_eq!(
+        store.prune(std::slice::from_ref(&c.digest)).unwrap(),
+        Vec::<String>::new()
+    );
     assert_eq!(store.prune(&[]).unwrap(), vec![c.digest.clone()]);
     assert!(!c.rootfs.exists());
     assert!(a2.rootfs.is_dir());
@@ -532,7 +601,11 @@ fn chroot_echo(rootfs: &Path) -> String {
         .env("PATH", "/bin:/usr/bin:/sbin:/usr/sbin")
         .output()
         .unwrap();
-    assert!(out.status.success(), "chroot: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "chroot: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -561,7 +634,10 @@ fn busybox_template_runs_and_is_deterministic() {
     let a = store.build_busybox("bb").unwrap();
     assert_eq!(a.source, "busybox");
     assert!(a.size_bytes > 500_000, "size {}", a.size_bytes);
-    assert_eq!(fs::metadata(a.rootfs.join("tmp")).unwrap().mode() & 0o7777, 0o1777);
+    assert_eq!(
+        fs::metadata(a.rootfs.join("tmp")).unwrap().mode() & 0o7777,
+        0o1777
+    );
     assert!(a.rootfs.join("workspace").is_dir());
     if nix::unistd::geteuid().is_root() {
         assert_eq!(chroot_echo(&a.rootfs), "ok\n");
@@ -573,7 +649,10 @@ fn busybox_template_runs_and_is_deterministic() {
     let b = store.build_busybox("bb2").unwrap();
     assert_eq!(a.digest, b.digest);
     assert_eq!(count(&dir.path().join("rootfs")), 1);
-    assert_eq!(fs::metadata(dir.path().join("rootfs")).unwrap().mode() & 0o777, 0o700);
+    assert_eq!(
+        fs::metadata(dir.path().join("rootfs")).unwrap().mode() & 0o777,
+        0o700
+    );
 }
 
 #[test]
@@ -592,13 +671,17 @@ fn concurrent_ensure_builds_once() {
                 s.spawn(move || {
                     let mut lines = Vec::new();
                     store
-                        .ensure_with("shared", &mut |l| lines.push(l.to_owned()), |st, staging, _| {
-                            builds.fetch_add(1, Ordering::SeqCst);
-                            std::thread::sleep(std::time::Duration::from_millis(300));
-                            let rootfs = staging.join("rootfs");
-                            prepare::busybox(&rootfs)?;
-                            st.commit(&rootfs, "shared", "busybox")
-                        })
+                        .ensure_with(
+                            "shared",
+                            &mut |l| lines.push(l.to_owned()),
+                            |st, staging, _| {
+                                builds.fetch_add(1, Ordering::SeqCst);
+                                std::thread::sleep(std::time::Duration::from_millis(300));
+                                let rootfs = staging.join("rootfs");
+                                prepare::busybox(&rootfs)?;
+                                st.commit(&rootfs, "shared", "busybox")
+                            },
+                        )
                         .unwrap()
                 })
             })
@@ -618,7 +701,9 @@ fn ensure_default_builds_debian_with_python() {
         return;
     }
     if std::env::var_os("AVIARY_SKIP_DEBOOTSTRAP").is_some() {
-        eprintln!("SKIPPED ensure_default_builds_debian_with_python: AVIARY_SKIP_DEBOOTSTRAP is set");
+        eprintln!(
+            "SKIPPED ensure_default_builds_debian_with_python: AVIARY_SKIP_DEBOOTSTRAP is set"
+        );
         return;
     }
     let cache = std::env::var_os("AVIARY_TEST_TEMPLATE_CACHE")
@@ -648,14 +733,20 @@ fn ensure_default_builds_debian_with_python() {
     assert_eq!(info.name, DEFAULT_TEMPLATE);
     assert_eq!(info.source, "debootstrap:bookworm");
     assert!(info.rootfs.join("workspace").is_dir());
-    assert_eq!(fs::metadata(info.rootfs.join("tmp")).unwrap().mode() & 0o7777, 0o1777);
+    assert_eq!(
+        fs::metadata(info.rootfs.join("tmp")).unwrap().mode() & 0o7777,
+        0o1777
+    );
     let lists: Vec<_> = fs::read_dir(info.rootfs.join("var/lib/apt/lists"))
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(lists, ["partial"]);
     assert_eq!(count(&info.rootfs.join("dev")), 0);
-    assert_eq!(fs::read(info.rootfs.join("etc/hostname")).unwrap(), b"aviary\n");
+    assert_eq!(
+        fs::read(info.rootfs.join("etc/hostname")).unwrap(),
+        b"aviary\n"
+    );
     let out = Command::new("chroot")
         .arg(&info.rootfs)
         .args(["python3", "-c", "import sys; print(sys.version_info[0])"])
@@ -665,7 +756,9 @@ fn ensure_default_builds_debian_with_python() {
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "3\n");
     // Second call is a lookup.
-    let again = store.ensure_default(&mut |_| panic!("no progress on a cached template")).unwrap();
+    let again = store
+        .ensure_default(&mut |_| panic!("no progress on a cached template"))
+        .unwrap();
     assert_eq!(again, info);
 }
 
@@ -716,7 +809,10 @@ impl Dockerd {
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
         let log = fs::read_to_string(dir.join("dockerd.log")).unwrap_or_default();
-        Err(format!("dockerd not ready after 10s: {}", log.lines().last().unwrap_or("")))
+        Err(format!(
+            "dockerd not ready after 10s: {}",
+            log.lines().last().unwrap_or("")
+        ))
     }
 
     fn docker(&self, args: &[&str]) -> std::process::Output {
@@ -746,13 +842,23 @@ fn real_docker_save_archive_imports() {
     if !busybox_available() {
         return;
     }
-    let which = |t: &str| Command::new("sh").args(["-c", &format!("command -v {t}")]).output();
-    if !which("dockerd").map(|o| o.status.success()).unwrap_or(false) {
+    let which = |t: &str| {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {t}")])
+            .output()
+    };
+    if !which("dockerd")
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+    {
         eprintln!("SKIPPED real_docker_save_archive_imports: dockerd not installed (apt-get install docker.io)");
         return;
     }
     // Short path: the docker socket path must fit in sun_path.
-    let dir = tempfile::Builder::new().prefix("avd").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("avd")
+        .tempdir_in("/tmp")
+        .unwrap();
     let dockerd = match Dockerd::start(dir.path()) {
         Ok(d) => d,
         Err(why) => {
@@ -781,11 +887,12 @@ fn real_docker_save_archive_imports() {
     let info = store.import_archive("from-docker", &saved).unwrap();
     eprintln!(
         "docker save archive imported as {} from {} ({} bytes)",
-        info.digest,
-        info.source,
-        info.size_bytes
+        info.digest, info.source, info.size_bytes
     );
-    assert_eq!(fs::read(info.rootfs.join("etc/passwd")).unwrap(), fs::read(bb.rootfs.join("etc/passwd")).unwrap());
+    assert_eq!(
+        fs::read(info.rootfs.join("etc/passwd")).unwrap(),
+        fs::read(bb.rootfs.join("etc/passwd")).unwrap()
+    );
     assert_eq!(chroot_echo(&info.rootfs), "ok\n");
     assert_eq!(
         info.digest, bb.digest,
