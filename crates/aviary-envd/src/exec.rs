@@ -155,12 +155,13 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
 
     let stdout = child.stdout.take().map(|p| File::from(OwnedFd::from(p)));
     let stderr = child.stderr.take().map(|p| File::from(OwnedFd::from(p)));
-    let (status, client_gone) = pump(conn, stdout, stderr, &exit_rx, &shared);
+    let (exit, client_gone) = pump(conn, stdout, stderr, &exit_rx, &shared);
     // The reaper never drops a registered waiter, so recv only fails if envd is
     // shutting down; report that as a kill.
-    let status = status.unwrap_or_else(|| exit_rx.recv().unwrap_or(libc::SIGKILL));
+    let (status, exited_at) =
+        exit.unwrap_or_else(|| (exit_rx.recv().unwrap_or(libc::SIGKILL), Instant::now()));
     *shared.exited.lock().unwrap_or_else(|p| p.into_inner()) = true;
-    let duration = started.elapsed();
+    let duration = exited_at.saturating_duration_since(started);
     drop(wake_w);
     if let Ok(handle) = controller {
         let _ = handle.join();
@@ -191,14 +192,15 @@ fn internal(what: &str, e: &io::Error) -> ErrorBody {
 }
 
 /// Forwards output until both pipes close (or the grace after the exit ends).
-/// Returns the wait status if it arrived meanwhile, and whether the client is gone.
+/// Returns the wait status and when it arrived, if it did meanwhile, and whether
+/// the client is gone.
 fn pump(
     conn: &mut UnixStream,
     stdout: Option<File>,
     stderr: Option<File>,
     exit_rx: &Receiver<libc::c_int>,
     shared: &ExecShared,
-) -> (Option<libc::c_int>, bool) {
+) -> (Option<(libc::c_int, Instant)>, bool) {
     let mut pipes: [(Option<File>, FrameKind); 2] =
         [(stdout, FrameKind::Stdout), (stderr, FrameKind::Stderr)];
     let mut buf = vec![0u8; FRAME_HEADER_LEN + CHUNK_SIZE];
@@ -212,7 +214,7 @@ fn pump(
         if status.is_none() {
             match exit_rx.try_recv() {
                 Ok(s) => {
-                    status = Some(s);
+                    status = Some((s, Instant::now()));
                     grace_end = Some(Instant::now() + EXIT_DRAIN_GRACE);
                 }
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}

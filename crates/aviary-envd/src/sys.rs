@@ -61,7 +61,7 @@ pub fn wait_signal(signals: &[libc::c_int], timeout: Duration) -> Option<(libc::
     let set = sigset(signals);
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
     };
     let mut info = MaybeUninit::<libc::siginfo_t>::zeroed();
     // SAFETY: all pointers are to live, properly typed locals.
