@@ -1,0 +1,683 @@
+//! Command-line definitions and their implementations.
+
+use crate::output;
+use aviary_client::{Client, ClientError, StreamItem};
+use aviary_core::api::*;
+use aviary_core::{LeaseToken, NetworkProfile, Scope};
+use clap::{Args, Parser, Subcommand};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+const AFTER_HELP: &str = "\
+Environment:
+  AVIARY_URL        server address for client commands (default http://127.0.0.1:7400)
+  AVIARY_API_KEY    API key (default: the admin key in <data dir>/admin.key)
+  AVIARY_DATA_DIR   data directory (default /var/lib/aviary)
+
+Exit codes: `run` and `sandbox exec` exit with the command's exit code (124 when it
+timed out). Otherwise: 0 ok, 2 usage, 64 invalid request, 66 not found, 69 server
+unavailable, 70 internal error, 75 lease/state conflict, 77 unauthorized/forbidden.";
+
+#[derive(Parser, Debug)]
+#[command(name = "aviary", version, about = "Aviary: a sandbox control plane for AI agents", after_help = AFTER_HELP)]
+pub struct Cli {
+    /// Print machine-readable JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the control plane (embedded default: SQLite registry, local crun runtime).
+    Serve(ServeArgs),
+    /// Create a sandbox, run one command in it, destroy it; exits with the command's code.
+    Run(RunArgs),
+    /// Manage sandboxes.
+    #[command(subcommand)]
+    Sandbox(SandboxCmd),
+    /// Acquire, renew and release leases (fencing tokens).
+    #[command(subcommand)]
+    Lease(LeaseCmd),
+    /// Show the event log (state changes, decisions, lease grants).
+    Events(EventsArgs),
+    /// List and import templates.
+    #[command(subcommand)]
+    Template(TemplateCmd),
+    /// Manage API keys (admin).
+    #[command(subcommand)]
+    Key(KeyCmd),
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// Data directory (registry, templates, sandboxes, admin.key).
+    #[arg(long, env = "AVIARY_DATA_DIR", default_value = "/var/lib/aviary")]
+    data_dir: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7400")]
+    listen: SocketAddr,
+    /// OCI runtime: crun (default) or runc.
+    #[arg(long, default_value = "crun")]
+    runtime: String,
+    /// Static envd binary (default: aviary-envd next to this binary).
+    #[arg(long, env = "AVIARY_ENVD")]
+    envd: Option<PathBuf>,
+    /// Template store directory (default <data dir>/templates).
+    #[arg(long, env = "AVIARY_TEMPLATES_DIR")]
+    templates_dir: Option<PathBuf>,
+    /// How to build the default template when missing: debootstrap (Debian + python3) or busybox.
+    #[arg(long, default_value = "debootstrap")]
+    default_template_source: String,
+}
+
+#[derive(Args, Debug, Clone, Default)]
+struct CreateArgs {
+    /// Template name (default: "default").
+    #[arg(long)]
+    template: Option<String>,
+    /// Resource class (python-small, python-ds, build-medium, browser-medium, compute-large).
+    #[arg(long)]
+    class: Option<String>,
+    #[arg(long)]
+    user: Option<String>,
+    #[arg(long)]
+    session: Option<String>,
+    #[arg(long)]
+    agent: Option<String>,
+    /// Isolation scope: session, user, agent or global.
+    #[arg(long)]
+    scope: Option<Scope>,
+    /// Network profile (only "none", loopback only, on the local node).
+    #[arg(long)]
+    network: Option<NetworkProfile>,
+    /// Lifetime in seconds.
+    #[arg(long)]
+    ttl: Option<u64>,
+}
+
+impl CreateArgs {
+    fn request(&self) -> CreateSandboxRequest {
+        CreateSandboxRequest {
+            template: self.template.clone(),
+            class: self.class.clone(),
+            user_id: self.user.clone(),
+            session_id: self.session.clone(),
+            agent: self.agent.clone(),
+            scope: self.scope,
+            network: self.network,
+            ttl_s: self.ttl,
+            lease: None,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct ExecOpts {
+    /// Kill the command's whole process group after this many seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Working directory inside the sandbox.
+    #[arg(long)]
+    cwd: Option<String>,
+    /// Environment variable KEY=VALUE (repeatable).
+    #[arg(long = "env", value_parser = parse_kv)]
+    env: Vec<(String, String)>,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    create: CreateArgs,
+    #[command(flatten)]
+    exec: ExecOpts,
+    /// Command and arguments (after `--`). A single argument containing spaces is run with /bin/sh -c.
+    #[arg(required = true, last = true)]
+    cmd: Vec<String>,
+}
+
+#[derive(Subcommand, Debug)]
+enum SandboxCmd {
+    /// Create a sandbox (prints its id; --json for the whole answer).
+    Create {
+        #[command(flatten)]
+        create: CreateArgs,
+        /// Take a lease at create for this owner (the token is printed).
+        #[arg(long)]
+        lease_owner: Option<String>,
+        /// Lease ttl in seconds (with --lease-owner).
+        #[arg(long)]
+        lease_ttl: Option<u64>,
+    },
+    /// List your sandboxes.
+    Ls {
+        /// Include terminated sandboxes.
+        #[arg(long, short)]
+        all: bool,
+    },
+    /// Show one sandbox.
+    Get { id: String },
+    /// Destroy a sandbox (needs --token while it is leased).
+    Rm {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// Run a command in a sandbox; output streams live; exits with its code.
+    Exec {
+        id: String,
+        /// Lease token (required while the sandbox is leased).
+        #[arg(long)]
+        token: Option<u64>,
+        #[command(flatten)]
+        exec: ExecOpts,
+        #[arg(required = true, last = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy a file in or out: one side is written ID:/path.
+    Cp {
+        src: String,
+        dst: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum LeaseCmd {
+    /// Acquire the sandbox's lease; prints the fencing token.
+    Acquire {
+        id: String,
+        #[arg(long)]
+        owner: String,
+        /// Seconds until the lease expires unless renewed (default 60).
+        #[arg(long)]
+        ttl: Option<u64>,
+    },
+    /// Renew (heartbeat) a lease.
+    Renew {
+        id: String,
+        #[arg(long)]
+        token: u64,
+        #[arg(long)]
+        ttl: Option<u64>,
+    },
+    /// Release a lease.
+    Release {
+        id: String,
+        #[arg(long)]
+        token: u64,
+    },
+}
+
+#[derive(Args, Debug)]
+struct EventsArgs {
+    /// Only this sandbox's events.
+    #[arg(long)]
+    sandbox: Option<String>,
+    /// Keep printing new events as they happen.
+    #[arg(long, short)]
+    follow: bool,
+    /// How many events (most recent last; default 100).
+    #[arg(long)]
+    limit: Option<u32>,
+}
+
+#[derive(Subcommand, Debug)]
+enum TemplateCmd {
+    /// List templates.
+    Ls,
+    /// Import a `docker save` or OCI image-layout tarball as template NAME (admin).
+    Import { name: String, archive: PathBuf },
+}
+
+#[derive(Subcommand, Debug)]
+enum KeyCmd {
+    /// Create an API key for a tenant (admin); the key is printed once.
+    Create {
+        #[arg(long)]
+        tenant: String,
+        #[arg(long)]
+        admin: bool,
+    },
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .filter(|(k, _)| !k.is_empty())
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))
+}
+
+fn data_dir() -> PathBuf {
+    std::env::var_os("AVIARY_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/lib/aviary"))
+}
+
+fn client() -> Result<Client, Failure> {
+    let url = std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into());
+    let key = match std::env::var("AVIARY_API_KEY") {
+        Ok(k) if !k.is_empty() => k,
+        _ => {
+            let p = data_dir().join("admin.key");
+            std::fs::read_to_string(&p)
+                .map(|s| s.trim().to_owned())
+                .map_err(|e| {
+                    Failure::usage(
+                        77,
+                        format!(
+                            "no API key: set AVIARY_API_KEY or make {} readable ({e})",
+                            p.display()
+                        ),
+                    )
+                })?
+        }
+    };
+    Ok(Client::new(&url, &key))
+}
+
+/// A failed command: message for stderr and the exit code.
+struct Failure {
+    code: i32,
+    message: String,
+}
+
+impl Failure {
+    fn usage(code: i32, message: String) -> Self {
+        Failure { code, message }
+    }
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        let code = match &e {
+            ClientError::Api { code, .. } => code.cli_exit_code(),
+            ClientError::Connect { .. } => 69,
+            ClientError::Io(_) => 74,
+            _ => 70,
+        };
+        let message = match &e {
+            ClientError::Connect { url, .. } => format!(
+                "cannot reach the aviary server at {url} (is `aviary serve` running? AVIARY_URL selects another)"
+            ),
+            ClientError::Api { code, message, .. } => format!("{message} [{}]", code.as_str()),
+            other => error_chain(other),
+        };
+        Failure { code, message }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+pub async fn run(cli: Cli) -> i32 {
+    let json = cli.json;
+    let res = match cli.cmd {
+        Command::Serve(a) => serve(a).await,
+        Command::Run(a) => run_cmd(a, json).await,
+        Command::Sandbox(c) => sandbox(c, json).await,
+        Command::Lease(c) => lease(c, json).await,
+        Command::Events(a) => events(a, json).await,
+        Command::Template(c) => template(c, json).await,
+        Command::Key(c) => key(c, json).await,
+    };
+    match res {
+        Ok(code) => code,
+        Err(f) => {
+            eprintln!("aviary: {}", f.message);
+            f.code
+        }
+    }
+}
+
+fn find_envd(explicit: Option<PathBuf>) -> PathBuf {
+    if let Some(p) = explicit {
+        return p;
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            for cand in [
+                dir.join("aviary-envd"),
+                dir.join("../libexec/aviary/aviary-envd"),
+            ] {
+                if cand.exists() {
+                    return cand;
+                }
+            }
+        }
+    }
+    PathBuf::from("/usr/local/bin/aviary-envd")
+}
+
+async fn serve(a: ServeArgs) -> Result<i32, Failure> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let mut cfg = aviary_server::config::ServerConfig::new(a.data_dir.clone(), find_envd(a.envd));
+    cfg.listen = a.listen;
+    cfg.runtime = a.runtime.parse().map_err(|e| Failure::usage(64, e))?;
+    cfg.templates_dir = a.templates_dir;
+    cfg.default_template_source = match a.default_template_source.as_str() {
+        "debootstrap" => aviary_server::config::DefaultTemplateSource::Debootstrap,
+        "busybox" => aviary_server::config::DefaultTemplateSource::Busybox,
+        other => {
+            return Err(Failure::usage(
+                64,
+                format!("unknown template source {other:?} (debootstrap|busybox)"),
+            ))
+        }
+    };
+    let server = aviary_server::start(cfg, |line| eprintln!("aviary: {line}"))
+        .await
+        .map_err(|e| Failure::usage(70, format!("{e:#}")))?;
+    eprintln!(
+        "aviary: listening on http://{} (data dir {}, admin key in {})",
+        server.addr,
+        a.data_dir.display(),
+        a.data_dir.join("admin.key").display()
+    );
+    let cp = server.control_plane.clone();
+    tokio::spawn(async move {
+        match cp.wait_ready().await {
+            aviary_server::ops::Readiness::Ready => eprintln!("aviary: ready"),
+            aviary_server::ops::Readiness::Failed(w) => eprintln!("aviary: NOT ready: {w}"),
+            aviary_server::ops::Readiness::Preparing(_) => {}
+        }
+    });
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| Failure::usage(70, e.to_string()))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    eprintln!(
+        "aviary: shutting down (sandboxes keep running and are re-attached on the next start)"
+    );
+    server
+        .stop()
+        .await
+        .map_err(|e| Failure::usage(70, format!("{e:#}")))?;
+    Ok(0)
+}
+
+fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<u64>) -> ExecRequest {
+    let (cmd, shell) = if cmd.len() == 1 && cmd[0].contains(' ') {
+        (None, Some(cmd[0].clone()))
+    } else {
+        (Some(cmd), None)
+    };
+    ExecRequest {
+        cmd,
+        shell,
+        cwd: opts.cwd.clone(),
+        env: opts.env.iter().cloned().collect(),
+        stdin: None,
+        timeout_s: opts.timeout,
+        token: token.map(LeaseToken),
+    }
+}
+
+/// Streams a command's output live; returns its exit status as an exit code.
+async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Result<i32, Failure> {
+    let mut s = c.exec_stream(id, req).await?;
+    let mut out = std::io::stdout();
+    let mut err = std::io::stderr();
+    while let Some(item) = s.next().await? {
+        match item {
+            StreamItem::Stdout(d) => {
+                let _ = out.write_all(&d);
+                let _ = out.flush();
+            }
+            StreamItem::Stderr(d) => {
+                let _ = err.write_all(&d);
+                let _ = err.flush();
+            }
+            StreamItem::Exit(r) => {
+                if json {
+                    output::json(&r);
+                }
+                if r.timed_out {
+                    eprintln!("aviary: command timed out; its process group was killed");
+                    return Ok(124);
+                }
+                if r.oom_killed {
+                    eprintln!("aviary: command was killed: sandbox out of memory");
+                }
+                return Ok(r.exit_code);
+            }
+        }
+    }
+    Err(Failure::usage(
+        70,
+        "exec stream ended without an exit status".into(),
+    ))
+}
+
+async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    let mut req = a.create.request();
+    req.lease = Some(AcquireLeaseRequest {
+        owner: format!("aviary-run-{}", std::process::id()),
+        ttl_s: Some(3600),
+    });
+    let created = c.create_sandbox(&req).await?;
+    let id = created.sandbox.id.to_string();
+    let token = created.lease.as_ref().map(|l| l.token);
+    let ereq = exec_request(a.cmd, &a.exec, token.map(|t| t.0));
+    let res = tokio::select! {
+        r = stream_exec(&c, &id, &ereq, json) => r,
+        _ = tokio::signal::ctrl_c() => Ok(130),
+    };
+    if let Err(e) = c.delete_sandbox(&id, token).await {
+        eprintln!(
+            "aviary: could not destroy sandbox {id}: {}",
+            Failure::from(e).message
+        );
+    }
+    res
+}
+
+fn parse_remote(s: &str) -> Option<(&str, &str)> {
+    let (id, path) = s.split_once(':')?;
+    if id.starts_with("sbx-") && path.starts_with('/') {
+        Some((id, path))
+    } else {
+        None
+    }
+}
+
+async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        SandboxCmd::Create {
+            create,
+            lease_owner,
+            lease_ttl,
+        } => {
+            let mut req = create.request();
+            req.lease = lease_owner.map(|owner| AcquireLeaseRequest {
+                owner,
+                ttl_s: lease_ttl,
+            });
+            let r = c.create_sandbox(&req).await?;
+            if json {
+                output::json(&r);
+            } else {
+                println!("{}", r.sandbox.id);
+                if let Some(l) = &r.lease {
+                    eprintln!(
+                        "lease token {} (owner {}), expires {}",
+                        l.token, l.owner, l.expires_at
+                    );
+                }
+            }
+        }
+        SandboxCmd::Ls { all } => {
+            let l = c.list_sandboxes(all).await?;
+            if json {
+                output::json(&l);
+            } else {
+                output::sandbox_table(&l.sandboxes);
+            }
+        }
+        SandboxCmd::Get { id } => {
+            let s = c.get_sandbox(&id).await?;
+            if json {
+                output::json(&s);
+            } else {
+                output::sandbox_detail(&s);
+            }
+        }
+        SandboxCmd::Rm { id, token } => {
+            let s = c.delete_sandbox(&id, token.map(LeaseToken)).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{}", s.id);
+            }
+        }
+        SandboxCmd::Exec {
+            id,
+            token,
+            exec,
+            cmd,
+        } => {
+            let req = exec_request(cmd, &exec, token);
+            return stream_exec(&c, &id, &req, json).await;
+        }
+        SandboxCmd::Cp { src, dst, token } => {
+            let token = token.map(LeaseToken);
+            let n = match (parse_remote(&src), parse_remote(&dst)) {
+                (None, Some((id, path))) => c.upload(id, Path::new(&src), path, token).await?,
+                (Some((id, path)), None) => {
+                    let local = if Path::new(&dst).is_dir() {
+                        Path::new(&dst).join(Path::new(path).file_name().unwrap_or_default())
+                    } else {
+                        PathBuf::from(&dst)
+                    };
+                    c.download(id, path, &local).await?
+                }
+                _ => {
+                    return Err(Failure::usage(
+                        64,
+                        "exactly one of SRC and DST must be ID:/absolute/path".into(),
+                    ))
+                }
+            };
+            if json {
+                output::json(&serde_json::json!({"bytes": n}));
+            } else {
+                eprintln!("{n} bytes copied");
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn lease(cmd: LeaseCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        LeaseCmd::Acquire { id, owner, ttl } => {
+            let l = c.acquire_lease(&id, &owner, ttl).await?;
+            if json {
+                output::json(&l);
+            } else {
+                println!("{}", l.token);
+            }
+        }
+        LeaseCmd::Renew { id, token, ttl } => {
+            let l = c.renew_lease(&id, LeaseToken(token), ttl).await?;
+            if json {
+                output::json(&l);
+            } else {
+                println!("{}", l.token);
+            }
+        }
+        LeaseCmd::Release { id, token } => {
+            c.release_lease(&id, LeaseToken(token)).await?;
+            if json {
+                output::json(&serde_json::json!({"released": true}));
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn events(a: EventsArgs, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    let mut after = None;
+    loop {
+        let list = c.events(a.sandbox.as_deref(), after, a.limit).await?;
+        for e in &list.events {
+            if json {
+                match serde_json::to_string(e) {
+                    Ok(s) => println!("{s}"),
+                    Err(err) => eprintln!("aviary: {err}"),
+                }
+            } else {
+                output::event_line(e);
+            }
+            after = Some(e.id);
+        }
+        let _ = std::io::stdout().flush();
+        if !a.follow {
+            return Ok(0);
+        }
+        if list.events.is_empty() {
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+    }
+}
+
+async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        TemplateCmd::Ls => {
+            let l = c.templates().await?;
+            if json {
+                output::json(&l);
+            } else {
+                output::template_table(&l.templates);
+            }
+        }
+        TemplateCmd::Import { name, archive } => {
+            let t = c.import_template(&name, &archive).await?;
+            if json {
+                output::json(&t);
+            } else {
+                println!("{} {}", t.name, t.digest);
+            }
+        }
+    }
+    Ok(0)
+}
+
+async fn key(cmd: KeyCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        KeyCmd::Create { tenant, admin } => {
+            let k = c.create_key(&tenant, admin).await?;
+            if json {
+                output::json(&k);
+            } else {
+                println!("{}", k.key);
+            }
+        }
+    }
+    Ok(0)
+}

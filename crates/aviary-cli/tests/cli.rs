@@ -1,0 +1,276 @@
+//! The README's quick start, for real: `aviary serve` as a process on the
+//! default (Debian + python3) template, driven by the `aviary` binary.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_aviary");
+
+struct Server {
+    child: Child,
+    url: String,
+    data: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn envd() -> PathBuf {
+    if let Some(p) = std::env::var_os("AVIARY_ENVD") {
+        return PathBuf::from(p);
+    }
+    let out = Command::new(workspace_root().join("scripts/build-envd.sh"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn serve() -> Server {
+    let dir = tempfile::Builder::new()
+        .prefix("avc")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let data = dir.path().join("data");
+    let cache = std::env::var_os("AVIARY_TEST_TEMPLATE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/aviary-test-templates"));
+    std::fs::create_dir_all(&cache).unwrap();
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let log = std::fs::File::create(dir.path().join("serve.log")).unwrap();
+    let child = Command::new(BIN)
+        .args(["serve", "--data-dir"])
+        .arg(&data)
+        .args(["--listen", url.trim_start_matches("http://")])
+        .arg("--templates-dir")
+        .arg(&cache)
+        .arg("--envd")
+        .arg(envd())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let s = Server {
+        child,
+        url,
+        data,
+        _dir: dir,
+    };
+    // the first run on a fresh machine builds the Debian template (~1-2 min)
+    let start = Instant::now();
+    loop {
+        let out = Command::new("curl")
+            .args(["-s", &format!("{}/readyz", s.url)])
+            .output()
+            .unwrap();
+        let body = String::from_utf8_lossy(&out.stdout);
+        if body.contains("\"ready\"") {
+            break;
+        }
+        assert!(!body.contains("\"failed\""), "server failed: {body}");
+        assert!(
+            start.elapsed() < Duration::from_secs(900),
+            "server not ready: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    s
+}
+
+fn aviary(s: &Server, args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("AVIARY_URL", &s.url)
+        .env("AVIARY_DATA_DIR", &s.data)
+        .env_remove("AVIARY_API_KEY")
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn quick_start_works_end_to_end() {
+    let s = serve();
+
+    let o = aviary(&s, &["run", "--", "python3", "-c", "print(6*7)"]);
+    assert_eq!(
+        (o.status.code(), stdout(&o).as_str()),
+        (Some(0), "42\n"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["run", "--", "sh", "-c", "exit 7"]);
+    assert_eq!(o.status.code(), Some(7), "{o:?}");
+    let o = aviary(&s, &["run", "--timeout", "0.5", "--", "sleep", "10"]);
+    assert_eq!(o.status.code(), Some(124), "{o:?}");
+
+    let o = aviary(&s, &["--json", "sandbox", "create"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let id = v["id"].as_str().unwrap().to_owned();
+    assert_eq!(v["state"], "Idle");
+
+    let local = s._dir.path().join("data.csv");
+    std::fs::write(&local, "a\nb\nc\n").unwrap();
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "cp",
+            local.to_str().unwrap(),
+            &format!("{id}:/workspace/data.csv"),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "wc",
+            "-l",
+            "/workspace/data.csv",
+        ],
+    );
+    assert_eq!(stdout(&o), "3 /workspace/data.csv\n", "{o:?}");
+    let back = s._dir.path().join("back.csv");
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/workspace/data.csv"),
+            back.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(std::fs::read_to_string(&back).unwrap(), "a\nb\nc\n");
+
+    // leases through the CLI
+    let o = aviary(&s, &["lease", "acquire", &id, "--owner", "cli-test"]);
+    assert!(o.status.success(), "{o:?}");
+    let token = stdout(&o).trim().to_owned();
+    let o = aviary(&s, &["sandbox", "exec", &id, "--", "true"]);
+    assert_eq!(o.status.code(), Some(75), "no token while leased: {o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("lease_required"));
+    let o = aviary(
+        &s,
+        &["sandbox", "exec", &id, "--token", &token, "--", "true"],
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let o = aviary(&s, &["lease", "renew", &id, "--token", &token]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["lease", "release", &id, "--token", &token]);
+    assert!(o.status.success(), "{o:?}");
+
+    let o = aviary(&s, &["sandbox", "ls"]);
+    assert!(stdout(&o).contains(&id));
+    let o = aviary(&s, &["--json", "sandbox", "get", &id]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["resource_class"], "python-small");
+    let o = aviary(&s, &["sandbox", "rm", &id]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["sandbox", "exec", &id, "--", "true"]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    let o = aviary(&s, &["sandbox", "get", "sbx-aaaaaaaaaaaaaaaaaaaa"]);
+    assert_eq!(o.status.code(), Some(66), "{o:?}");
+
+    let o = aviary(&s, &["--json", "events", "--sandbox", &id]);
+    assert!(stdout(&o).contains("Terminated"), "{o:?}");
+    let o = aviary(&s, &["template", "ls"]);
+    assert!(stdout(&o).contains("default"), "{o:?}");
+}
+
+#[test]
+fn template_import_from_a_docker_save_archive() {
+    let s = serve();
+    // a docker-save style archive: one layer with a static busybox
+    let work = s._dir.path().join("img");
+    let layer = work.join("layer");
+    std::fs::create_dir_all(layer.join("bin")).unwrap();
+    std::fs::copy("/bin/busybox", layer.join("bin/busybox")).unwrap();
+    std::os::unix::fs::symlink("busybox", layer.join("bin/sh")).unwrap();
+    std::os::unix::fs::symlink("busybox", layer.join("bin/echo")).unwrap();
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(&layer)
+        .args(["-cf"])
+        .arg(work.join("layer.tar"))
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    std::fs::write(
+        work.join("manifest.json"),
+        r#"[{"Config":"config.json","RepoTags":["mini:latest"],"Layers":["layer.tar"]}]"#,
+    )
+    .unwrap();
+    std::fs::write(
+        work.join("config.json"),
+        r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#,
+    )
+    .unwrap();
+    let archive = s._dir.path().join("mini.tar");
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(&work)
+        .arg("-cf")
+        .arg(&archive)
+        .args(["manifest.json", "config.json", "layer.tar"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+
+    let o = aviary(
+        &s,
+        &["template", "import", "mini", archive.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).starts_with("mini sha256:"));
+    let o = aviary(
+        &s,
+        &["run", "--template", "mini", "--", "echo", "from-mini"],
+    );
+    assert_eq!(stdout(&o), "from-mini\n", "{o:?}");
+
+    // garbage is refused with a clear error
+    let junk = s._dir.path().join("junk.tar");
+    std::fs::write(&junk, b"this is not a tarball").unwrap();
+    let o = aviary(&s, &["template", "import", "junk", junk.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("invalid_archive"),
+        "{o:?}"
+    );
+}

@@ -1,0 +1,137 @@
+//! The control plane's error type and the one place that maps errors to HTTP
+//! status codes and stable error codes. 5xx bodies never carry internals: the
+//! cause is logged with the request id and the client gets `internal`.
+
+use aviary_core::{ErrorBody, ErrorCode, ErrorDetail, SandboxState};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    #[error("missing or unknown API key")]
+    Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("{0}")]
+    InvalidPath(String),
+    #[error("sandbox is leased: this call needs the current lease token")]
+    LeaseRequired,
+    #[error("lease token is stale: it is not the sandbox's current lease")]
+    StaleToken,
+    #[error("sandbox is leased by {owner:?} until {expires_at}")]
+    LeaseHeld { owner: String, expires_at: String },
+    #[error("sandbox is {state}: {what}")]
+    InvalidState { state: SandboxState, what: String },
+    #[error("concurrent modification of the sandbox, retry")]
+    Conflict,
+    #[error("{0}")]
+    InvalidArchive(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("internal error")]
+    Internal(#[source] anyhow::Error),
+}
+
+impl OpError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            OpError::InvalidRequest(_) => ErrorCode::InvalidRequest,
+            OpError::PayloadTooLarge(_) => ErrorCode::PayloadTooLarge,
+            OpError::Unauthorized => ErrorCode::Unauthorized,
+            OpError::Forbidden(_) => ErrorCode::Forbidden,
+            OpError::NotFound(_) => ErrorCode::NotFound,
+            OpError::InvalidPath(_) => ErrorCode::InvalidPath,
+            OpError::LeaseRequired => ErrorCode::LeaseRequired,
+            OpError::StaleToken => ErrorCode::StaleToken,
+            OpError::LeaseHeld { .. } => ErrorCode::LeaseHeld,
+            OpError::InvalidState { .. } => ErrorCode::InvalidState,
+            OpError::Conflict => ErrorCode::Conflict,
+            OpError::InvalidArchive(_) => ErrorCode::InvalidArchive,
+            OpError::Unavailable(_) => ErrorCode::Unavailable,
+            OpError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    pub fn internal(e: impl Into<anyhow::Error>) -> Self {
+        OpError::Internal(e.into())
+    }
+
+    /// The message a client may see.
+    pub fn public_message(&self) -> String {
+        match self {
+            OpError::Internal(_) => "internal error; see the server log".to_owned(),
+            other => other.to_string(),
+        }
+    }
+
+    pub fn body(&self, request_id: Option<String>) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                code: self.code(),
+                message: self.public_message(),
+                request_id,
+            },
+        }
+    }
+}
+
+impl IntoResponse for OpError {
+    fn into_response(self) -> Response {
+        if let OpError::Internal(e) = &self {
+            tracing::error!(error = format!("{e:#}"), "internal error");
+        }
+        let status = StatusCode::from_u16(self.code().http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, axum::Json(self.body(None))).into_response()
+    }
+}
+
+impl From<aviary_registry::RegistryError> for OpError {
+    fn from(e: aviary_registry::RegistryError) -> Self {
+        use aviary_registry::RegistryError as R;
+        match e {
+            R::NotFound => OpError::NotFound("sandbox".into()),
+            R::Conflict => OpError::Conflict,
+            R::LeaseRequired => OpError::LeaseRequired,
+            R::StaleToken => OpError::StaleToken,
+            R::IllegalTransition(s) => OpError::InvalidRequest(s.to_string()),
+            other => OpError::internal(other),
+        }
+    }
+}
+
+impl From<aviary_leases::LeaseError> for OpError {
+    fn from(e: aviary_leases::LeaseError) -> Self {
+        use aviary_leases::LeaseError as L;
+        match e {
+            L::NotFound => OpError::NotFound("sandbox".into()),
+            L::Held { owner, expires_at } => OpError::LeaseHeld {
+                owner,
+                expires_at: crate::ops::rfc3339(expires_at),
+            },
+            L::LeaseRequired => OpError::LeaseRequired,
+            L::StaleToken => OpError::StaleToken,
+            L::InvalidTtl => OpError::InvalidRequest("invalid lease ttl".into()),
+            other => OpError::internal(other),
+        }
+    }
+}
+
+impl From<aviary_envd_proto::EnvdError> for OpError {
+    fn from(e: aviary_envd_proto::EnvdError) -> Self {
+        use aviary_envd_proto::EnvdError as E;
+        match e {
+            E::NotFound(p) => OpError::NotFound(format!("path {p}")),
+            E::InvalidPath(r) => OpError::InvalidPath(r),
+            E::LeaseRequired => OpError::LeaseRequired,
+            E::StaleToken => OpError::StaleToken,
+            other => OpError::internal(other),
+        }
+    }
+}

@@ -1,0 +1,646 @@
+//! The HTTP API v1 (axum). Handlers are thin: extract, call one
+//! [`ControlPlane`] operation, map the error (in `error.rs`). The OpenAPI
+//! document is generated from the handler annotations.
+
+use crate::error::OpError;
+use crate::ops::{Caller, ControlPlane, Readiness};
+use aviary_core::api::*;
+use aviary_core::{ErrorBody, LeaseToken};
+use axum::body::Body;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use futures_util::{Stream, TryStreamExt};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use std::convert::Infallible;
+use std::sync::Arc;
+use utoipa::OpenApi;
+
+pub type AppState = Arc<ControlPlane>;
+
+pub const LEASE_TOKEN_HEADER: &str = "x-aviary-lease-token";
+
+/// The authenticated caller.
+pub struct Auth(pub Caller);
+
+impl FromRequestParts<AppState> for Auth {
+    type Rejection = OpError;
+    async fn from_request_parts(parts: &mut Parts, cp: &AppState) -> Result<Self, OpError> {
+        let key = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        cp.authenticate(key).await.map(Auth)
+    }
+}
+
+/// JSON body with our error mapping (413 / 400 with a stable code).
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = OpError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, OpError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(ApiJson(v)),
+            Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(OpError::PayloadTooLarge(
+                    "request body is larger than the limit for this route".into(),
+                ))
+            }
+            Err(rej) => Err(OpError::InvalidRequest(rej.body_text())),
+        }
+    }
+}
+
+/// Query string with our error mapping.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = OpError;
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, OpError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| ApiQuery(q.0))
+            .map_err(|rej| OpError::InvalidRequest(rej.body_text()))
+    }
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_owned)
+        .unwrap_or_else(|| aviary_core::new_id("req"))
+}
+
+fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, OpError> {
+    match headers.get(LEASE_TOKEN_HEADER) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(|t| Some(LeaseToken(t)))
+            .ok_or_else(|| {
+                OpError::InvalidRequest(format!("{LEASE_TOKEN_HEADER} must be an unsigned integer"))
+            }),
+    }
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    /// Include terminated sandboxes.
+    #[serde(default)]
+    all: bool,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct PathQuery {
+    /// Absolute path inside the sandbox.
+    path: String,
+    #[serde(default)]
+    recursive: bool,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct EventsQuery {
+    sandbox: Option<String>,
+    /// Only events with a larger id (for following).
+    after: Option<i64>,
+    limit: Option<u32>,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxEventsQuery {
+    after: Option<i64>,
+    limit: Option<u32>,
+}
+
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "process is up")))]
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+#[utoipa::path(get, path = "/readyz", responses((status = 200, description = "ready to run sandboxes"), (status = 503, description = "not ready yet", body = ErrorBody)))]
+async fn readyz(State(cp): State<AppState>) -> Response {
+    match cp.readiness() {
+        Readiness::Ready => Json(serde_json::json!({"status": "ready"})).into_response(),
+        Readiness::Preparing(w) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "preparing", "detail": w})),
+        )
+            .into_response(),
+        Readiness::Failed(w) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "failed", "detail": w})),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(cp): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        cp.metrics.render(cp.live_count()),
+    )
+        .into_response()
+}
+
+async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
+    responses((status = 201, body = CreateSandboxResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 503, body = ErrorBody)),
+    security(("api_key" = [])))]
+async fn create_sandbox(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<CreateSandboxRequest>,
+) -> Result<(StatusCode, Json<CreateSandboxResponse>), OpError> {
+    let rid = request_id(&headers);
+    Ok((
+        StatusCode::CREATED,
+        Json(cp.create(&c, req, Some(&rid)).await?),
+    ))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList)), security(("api_key" = [])))]
+async fn list_sandboxes(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Json<SandboxList>, OpError> {
+    Ok(Json(SandboxList {
+        sandboxes: cp.list(&c, q.all).await?,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn get_sandbox(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    Ok(Json(cp.get(&c, &id).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<u64>, Header, description = "lease token, required while leased")),
+    responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn delete_sandbox(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.delete(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+fn body_token(req: &ExecRequest, headers: &HeaderMap) -> Result<ExecRequest, OpError> {
+    let mut req = req.clone();
+    if req.token.is_none() {
+        req.token = header_token(headers)?;
+    }
+    Ok(req)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecRequest,
+    responses((status = 200, body = ExecResult), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn exec(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> Result<Json<ExecResult>, OpError> {
+    let req = body_token(&req, &headers)?;
+    Ok(Json(cp.exec(&c, &id, &req).await?))
+}
+
+/// Streaming exec: `text/event-stream`; each event's data is an `ExecEvent`
+/// (stdout/stderr chunks base64-encoded), the last one `exit`.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
+    responses((status = 200, description = "server-sent events, data = ExecEvent", body = ExecEvent), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn exec_stream(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ExecRequest>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, OpError> {
+    let req = body_token(&req, &headers)?;
+    let run = cp.exec_start(&c, &id, &req).await?;
+    let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let (cp, mut run) = st?;
+        let ev = match run.stream.next().await {
+            Ok(aviary_envd_proto::ExecEvent::Stdout(d)) => (
+                ExecEvent::Stdout {
+                    data: b64.encode(d),
+                },
+                false,
+            ),
+            Ok(aviary_envd_proto::ExecEvent::Stderr(d)) => (
+                ExecEvent::Stderr {
+                    data: b64.encode(d),
+                },
+                false,
+            ),
+            Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => {
+                let oom = cp.exec_finish(&run.id, run.oom_before, &exit).await;
+                let _ = cp.registry.touch(&run.id, aviary_core::now()).await;
+                (
+                    ExecEvent::Exit {
+                        result: ExecResult {
+                            exit_code: exit.exit_code,
+                            stdout: String::new(),
+                            stderr: String::new(),
+                            duration_ms: exit.duration.as_secs_f64() * 1000.0,
+                            timed_out: exit.timed_out,
+                            oom_killed: oom,
+                            truncated: false,
+                        },
+                    },
+                    true,
+                )
+            }
+            Err(e) => {
+                let e = OpError::from(e);
+                (
+                    ExecEvent::Error {
+                        code: e.code(),
+                        message: e.public_message(),
+                    },
+                    true,
+                )
+            }
+        };
+        let name = match &ev.0 {
+            ExecEvent::Stdout { .. } => "stdout",
+            ExecEvent::Stderr { .. } => "stderr",
+            ExecEvent::Exit { .. } => "exit",
+            ExecEvent::Error { .. } => "error",
+        };
+        let sse = SseEvent::default()
+            .event(name)
+            .json_data(&ev.0)
+            .unwrap_or_else(|_| SseEvent::default().event("error"));
+        Some((Ok(sse), if ev.1 { None } else { Some((cp, run)) }))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file content (streamed)", content_type = "application/octet-stream"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn read_file(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Response, OpError> {
+    let reader = cp.read_file(&c, &id, &q.path).await?;
+    let body = Body::from_stream(tokio_util::io::ReaderStream::new(reader));
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<u64>, Header, description = "lease token, required while leased")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, description = "{\"bytes\": N}"), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
+async fn write_file(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+    body: Body,
+) -> Result<Json<serde_json::Value>, OpError> {
+    let max = cp.cfg.max_upload_bytes;
+    check_content_length(&headers, max)?;
+    let (reader, exceeded) = limited_reader(body, max);
+    let res = cp
+        .write_file(&c, &id, &q.path, header_token(&headers)?, reader)
+        .await;
+    if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(OpError::PayloadTooLarge(format!(
+            "upload larger than {max} bytes"
+        )));
+    }
+    Ok(Json(serde_json::json!({"bytes": res?})))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn remove_file(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<StatusCode, OpError> {
+    cp.remove(&c, &id, &q.path, q.recursive, header_token(&headers)?)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery), responses((status = 200, body = FileList), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn list_files(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Json<FileList>, OpError> {
+    Ok(Json(cp.list_files(&c, &id, &q.path).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(PathQuery), responses((status = 200, body = FileInfo), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn stat_file(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<PathQuery>,
+) -> Result<Json<FileInfo>, OpError> {
+    Ok(Json(cp.stat(&c, &id, &q.path).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", request_body = MkdirRequest, responses((status = 204), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn mkdir(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<MkdirRequest>,
+) -> Result<StatusCode, OpError> {
+    let token = match req.token {
+        Some(t) => Some(t),
+        None => header_token(&headers)?,
+    };
+    cp.mkdir(&c, &id, &req.path, token).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/lease", request_body = AcquireLeaseRequest, responses((status = 201, body = Lease), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn lease_acquire(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<AcquireLeaseRequest>,
+) -> Result<(StatusCode, Json<Lease>), OpError> {
+    let rid = request_id(&headers);
+    Ok((
+        StatusCode::CREATED,
+        Json(cp.lease_acquire(&c, &id, req, Some(&rid)).await?),
+    ))
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/lease", request_body = RenewLeaseRequest, responses((status = 200, body = Lease), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn lease_renew(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<RenewLeaseRequest>,
+) -> Result<Json<Lease>, OpError> {
+    Ok(Json(cp.lease_renew(&c, &id, req).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/lease", request_body = ReleaseLeaseRequest, responses((status = 204), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn lease_release(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ReleaseLeaseRequest>,
+) -> Result<StatusCode, OpError> {
+    let rid = request_id(&headers);
+    cp.lease_release(&c, &id, req, Some(&rid)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList)), security(("api_key" = [])))]
+async fn events(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiQuery(q): ApiQuery<EventsQuery>,
+) -> Result<Json<EventList>, OpError> {
+    Ok(Json(EventList {
+        events: cp
+            .events(&c, q.sandbox.as_deref(), q.after, q.limit)
+            .await?,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/events", params(SandboxEventsQuery), responses((status = 200, body = EventList), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn sandbox_events(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<SandboxEventsQuery>,
+) -> Result<Json<EventList>, OpError> {
+    Ok(Json(EventList {
+        events: cp.events(&c, Some(&id), q.after, q.limit).await?,
+    }))
+}
+
+#[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = TemplateList)), security(("api_key" = [])))]
+async fn templates(
+    State(cp): State<AppState>,
+    Auth(_c): Auth,
+) -> Result<Json<TemplateList>, OpError> {
+    Ok(Json(TemplateList {
+        templates: cp.templates().await?,
+    }))
+}
+
+/// Imports a `docker save` or OCI image-layout tarball (admin only).
+#[utoipa::path(post, path = "/v1/templates/{name}", request_body(content = Vec<u8>, content_type = "application/x-tar"),
+    responses((status = 201, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
+async fn import_template(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    body: Body,
+) -> Result<(StatusCode, Json<Template>), OpError> {
+    if !c.admin {
+        return Err(OpError::Forbidden(
+            "importing templates needs an admin key".into(),
+        ));
+    }
+    let max = cp.cfg.max_archive_bytes;
+    check_content_length(&headers, max)?;
+    let dir = cp.spool_dir();
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(OpError::internal)?;
+    let path = dir.join(aviary_core::new_id("upload"));
+    let (mut reader, exceeded) = limited_reader(body, max);
+    let copy = async {
+        let mut f = tokio::fs::File::create(&path).await?;
+        tokio::io::copy(&mut reader, &mut f).await?;
+        tokio::io::AsyncWriteExt::flush(&mut f).await
+    }
+    .await;
+    if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
+        let _ = tokio::fs::remove_file(&path).await;
+        return Err(OpError::PayloadTooLarge(format!(
+            "archive larger than {max} bytes"
+        )));
+    }
+    if let Err(e) = copy {
+        let _ = tokio::fs::remove_file(&path).await;
+        return Err(OpError::InvalidRequest(format!("upload interrupted: {e}")));
+    }
+    Ok((
+        StatusCode::CREATED,
+        Json(cp.import_template(&c, &name, path).await?),
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn create_key(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiJson(req): ApiJson<CreateKeyRequest>,
+) -> Result<(StatusCode, Json<CreatedKey>), OpError> {
+    Ok((StatusCode::CREATED, Json(cp.create_key(&c, req).await?)))
+}
+
+fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), OpError> {
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        if len > max {
+            return Err(OpError::PayloadTooLarge(format!(
+                "body of {len} bytes is larger than {max}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A reader over a request body that fails once more than `max` bytes came.
+fn limited_reader(
+    body: Body,
+    max: u64,
+) -> (
+    impl tokio::io::AsyncRead + Unpin + Send,
+    Arc<std::sync::atomic::AtomicBool>,
+) {
+    let exceeded = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = exceeded.clone();
+    let mut seen = 0u64;
+    let stream = body
+        .into_data_stream()
+        .map_err(std::io::Error::other)
+        .and_then(move |chunk| {
+            seen += chunk.len() as u64;
+            let over = seen > max;
+            if over {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            async move {
+                if over {
+                    Err(std::io::Error::other("body too large"))
+                } else {
+                    Ok(chunk)
+                }
+            }
+        });
+    (
+        tokio_util::io::StreamReader::new(Box::pin(stream)),
+        exceeded,
+    )
+}
+
+async fn not_found() -> OpError {
+    OpError::NotFound("route".into())
+}
+
+async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        Json(OpError::InvalidRequest("method not allowed on this route".into()).body(None)),
+    )
+        .into_response()
+}
+
+struct SecurityAddon;
+
+impl utoipa::Modify for SecurityAddon {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
+    paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
+          read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
+          events, sandbox_events, templates, import_template, create_key),
+    modifiers(&SecurityAddon)
+)]
+pub struct ApiDoc;
+
+pub fn router(cp: AppState) -> Router {
+    use axum::extract::DefaultBodyLimit;
+    let json_limit = cp.cfg.max_json_bytes;
+    let streamed = Router::new()
+        .route(
+            "/v1/sandboxes/{id}/files",
+            get(read_file).put(write_file).delete(remove_file),
+        )
+        .route("/v1/templates/{name}", post(import_template))
+        .layer(DefaultBodyLimit::disable());
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi_json))
+        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route(
+            "/v1/sandboxes/{id}",
+            get(get_sandbox).delete(delete_sandbox),
+        )
+        .route("/v1/sandboxes/{id}/exec", post(exec))
+        .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
+        .route("/v1/sandboxes/{id}/files/list", get(list_files))
+        .route("/v1/sandboxes/{id}/files/stat", get(stat_file))
+        .route("/v1/sandboxes/{id}/files/mkdir", post(mkdir))
+        .route(
+            "/v1/sandboxes/{id}/lease",
+            post(lease_acquire).put(lease_renew).delete(lease_release),
+        )
+        .route("/v1/sandboxes/{id}/events", get(sandbox_events))
+        .route("/v1/events", get(events))
+        .route("/v1/templates", get(templates))
+        .route("/v1/keys", post(create_key))
+        .layer(DefaultBodyLimit::max(json_limit))
+        .merge(streamed)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(cp)
+}

@@ -1,0 +1,183 @@
+//! Aviary's control plane.
+//!
+//! Owns the lifecycle of sandboxes: it turns API calls into registry
+//! transitions, runtime actions and envd calls ([`ops::ControlPlane`]),
+//! serves them over HTTP ([`http`]), and runs the background sweep that
+//! expires leases and TTLs. Concurrency: one tokio runtime; per-sandbox
+//! ordering comes from the registry's optimistic versions and the lease
+//! store's fencing tokens, not from in-process locks (except the per-sandbox
+//! fence-push lock, see `ops`).
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod error;
+pub mod http;
+pub mod metrics;
+pub mod ops;
+
+use anyhow::Context;
+use config::ServerConfig;
+use ops::ControlPlane;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Opens the registry, the runtime and the template store.
+pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
+    create_private_dir(&cfg.data_dir)?;
+    check_static_binary(&cfg.envd_binary)?;
+    let registry = Arc::new(
+        aviary_registry_sqlite::SqliteRegistry::open(&cfg.registry_path())
+            .await
+            .with_context(|| format!("opening registry {}", cfg.registry_path().display()))?,
+    );
+    let runtime = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
+        match cfg.runtime {
+            config::RuntimeKind::Crun => aviary_runtime_oci::OciBinary::Crun,
+            config::RuntimeKind::Runc => aviary_runtime_oci::OciBinary::Runc,
+        },
+        cfg.runtime_state_dir(),
+    ))
+    .context("setting up the OCI runtime")?;
+    runtime
+        .probe()
+        .await
+        .context("OCI runtime self-check failed")?;
+    let templates = Arc::new(
+        aviary_templates::TemplateStore::open(cfg.templates_root()).with_context(|| {
+            format!("opening template store {}", cfg.templates_root().display())
+        })?,
+    );
+    Ok(ControlPlane::new(
+        cfg,
+        registry.clone(),
+        registry,
+        Arc::new(runtime),
+        templates,
+    ))
+}
+
+/// A server started in this process (used by `aviary serve` and the tests).
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    pub admin_key: String,
+    pub control_plane: Arc<ControlPlane>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl RunningServer {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting requests and waits for the server task. Sandboxes keep
+    /// running; the next start re-attaches to them.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        (&mut self.task).await.context("server task panicked")?
+    }
+
+    /// Waits until the server task ends (e.g. on a signal).
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        (&mut self.task).await.context("server task panicked")?
+    }
+}
+
+/// Starts the server: binds, begins preparing templates in the background
+/// (`/readyz` says when done), and runs the lease/TTL sweep.
+pub async fn start(
+    cfg: ServerConfig,
+    progress: impl Fn(&str) + Send + Sync + 'static,
+) -> anyhow::Result<RunningServer> {
+    let listen = cfg.listen;
+    let sweep_every = Duration::from_millis(cfg.sweep_interval_ms.max(50));
+    let cp = build(cfg).await?;
+    let admin_key = cp
+        .ensure_admin_key()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("binding {listen}"))?;
+    let addr = listener.local_addr()?;
+    let prep = cp.clone();
+    tokio::spawn(async move {
+        if let Err(e) = prep.prepare(progress).await {
+            tracing::error!(error = %e, "server could not get ready");
+        }
+    });
+    let sweeper = cp.clone();
+    let sweep_task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(sweep_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if sweeper.readiness() != ops::Readiness::Ready {
+                continue;
+            }
+            if let Err(e) = sweeper.sweep().await {
+                tracing::warn!(error = %e, "sweep failed");
+            }
+        }
+    });
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let app = http::router(cp.clone());
+    let task = tokio::spawn(async move {
+        let res = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.await;
+            })
+            .await;
+        sweep_task.abort();
+        res.context("http server failed")
+    });
+    Ok(RunningServer {
+        addr,
+        admin_key,
+        control_plane: cp,
+        shutdown: Some(tx),
+        task,
+    })
+}
+
+fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("restricting data dir {}", dir.display()))?;
+    Ok(())
+}
+
+/// envd is bind-mounted into templates with any libc (or none), so it must be
+/// statically linked: refuse an ELF with a program interpreter.
+pub fn check_static_binary(path: &Path) -> anyhow::Result<()> {
+    let data = std::fs::read(path).with_context(|| {
+        format!(
+            "reading envd binary {} (build it with scripts/build-envd.sh, or set AVIARY_ENVD)",
+            path.display()
+        )
+    })?;
+    anyhow::ensure!(
+        data.len() > 64 && &data[..4] == b"\x7fELF" && data[4] == 2,
+        "{} is not a 64-bit ELF binary",
+        path.display()
+    );
+    let u16_at = |o: usize| u16::from_le_bytes([data[o], data[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(data[0x20..0x28].try_into()?) as usize;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    for i in 0..phnum {
+        let off = phoff + i * phentsize;
+        anyhow::ensure!(off + 4 <= data.len(), "truncated ELF program headers");
+        let p_type = u32::from_le_bytes(data[off..off + 4].try_into()?);
+        anyhow::ensure!(
+            p_type != 3,
+            "{} is dynamically linked; envd must be static (scripts/build-envd.sh)",
+            path.display()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,1374 @@
+//! The control plane's operations. Every HTTP handler calls exactly one
+//! method here; the tests drive the same methods through the real HTTP API.
+//!
+//! Invariants:
+//! - every state change goes through `Registry::transition` (legal moves only,
+//!   optimistic version, one event per step);
+//! - a sandbox is visible only to its tenant: another tenant's id is
+//!   `not_found`, never `forbidden`, so ids cannot be probed;
+//! - mutating calls are fenced twice: by the registry/lease store before the
+//!   call, and by the sandbox's envd, which holds the current fence and
+//!   refuses stale tokens on its own;
+//! - fence updates to an envd are serialized per sandbox and always push the
+//!   lease store's *current* view, so they cannot reorder into a stale state.
+
+use crate::config::{builtin_class, DefaultTemplateSource, ServerConfig};
+use crate::error::OpError;
+use aviary_core::api::*;
+use aviary_core::{LeaseToken, NetworkProfile, SandboxId, SandboxState, Scope};
+use aviary_envd_proto::{EnvdClient, ExecSpec};
+use aviary_leases::LeaseStore;
+use aviary_registry::{
+    EventFilter, FenceCheck, NewEvent, NewSandbox, Registry, SandboxRecord, TransitionCtx,
+};
+use aviary_runtime::{BindMount, Runtime, SandboxSpec};
+use aviary_templates::{TemplateInfo, TemplateStore};
+use sha2::Digest;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+use time::OffsetDateTime;
+use tokio::sync::{watch, Mutex};
+
+/// Where envd sits inside every sandbox, and where it listens.
+pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
+pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/aviary/envd.sock";
+
+/// Who is calling, resolved from the API key.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    pub tenant: String,
+    pub admin: bool,
+}
+
+/// The server's readiness.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Readiness {
+    Preparing(String),
+    Ready,
+    Failed(String),
+}
+
+/// A running sandbox the control plane can talk to.
+pub struct LiveSandbox {
+    pub envd: EnvdClient,
+    /// Serializes fence pushes to this sandbox's envd.
+    fence_lock: Mutex<()>,
+}
+
+pub struct ControlPlane {
+    pub cfg: ServerConfig,
+    pub registry: Arc<dyn Registry>,
+    pub leases: Arc<dyn LeaseStore>,
+    pub runtime: Arc<dyn Runtime>,
+    pub templates: Arc<TemplateStore>,
+    live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
+    key_cache: StdMutex<HashMap<String, Caller>>,
+    ready_tx: watch::Sender<Readiness>,
+    pub metrics: crate::metrics::Metrics,
+}
+
+pub fn rfc3339(t: OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| t.to_string())
+}
+
+pub fn hash_key(key: &str) -> String {
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+}
+
+fn ctx(
+    request_id: Option<&str>,
+    event_type: Option<&str>,
+    metadata: serde_json::Value,
+) -> TransitionCtx {
+    TransitionCtx {
+        request_id: request_id.map(str::to_owned),
+        event_type: event_type.map(str::to_owned),
+        metadata,
+    }
+}
+
+fn valid_name(what: &str, s: &str) -> Result<(), OpError> {
+    if s.is_empty() || s.len() > 128 || s.chars().any(|c| c.is_control()) {
+        return Err(OpError::InvalidRequest(format!(
+            "{what} must be 1-128 printable characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Validates a path given by a client: absolute, no NUL, bounded.
+/// (envd confines it again inside the sandbox; this is the early, clear error.)
+pub fn check_sandbox_path(p: &str) -> Result<(), OpError> {
+    if !p.starts_with('/') {
+        return Err(OpError::InvalidPath(format!("path {p:?} must be absolute")));
+    }
+    if p.len() > 4096 || p.contains('\0') {
+        return Err(OpError::InvalidPath("path too long or contains NUL".into()));
+    }
+    if p.split('/').any(|c| c == "..") {
+        return Err(OpError::InvalidPath(format!(
+            "path {p:?} must not contain '..'"
+        )));
+    }
+    Ok(())
+}
+
+impl ControlPlane {
+    pub fn new(
+        cfg: ServerConfig,
+        registry: Arc<dyn Registry>,
+        leases: Arc<dyn LeaseStore>,
+        runtime: Arc<dyn Runtime>,
+        templates: Arc<TemplateStore>,
+    ) -> Arc<Self> {
+        let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
+        Arc::new(ControlPlane {
+            cfg,
+            registry,
+            leases,
+            runtime,
+            templates,
+            live: StdMutex::new(HashMap::new()),
+            key_cache: StdMutex::new(HashMap::new()),
+            ready_tx,
+            metrics: crate::metrics::Metrics::default(),
+        })
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.ready_tx.borrow().clone()
+    }
+
+    pub fn set_readiness(&self, r: Readiness) {
+        self.ready_tx.send_replace(r);
+    }
+
+    pub async fn wait_ready(&self) -> Readiness {
+        let mut rx = self.ready_tx.subscribe();
+        loop {
+            let r = rx.borrow_and_update().clone();
+            if !matches!(r, Readiness::Preparing(_)) {
+                return r;
+            }
+            if rx.changed().await.is_err() {
+                return self.readiness();
+            }
+        }
+    }
+
+    fn ensure_ready(&self) -> Result<(), OpError> {
+        match self.readiness() {
+            Readiness::Ready => Ok(()),
+            Readiness::Preparing(what) => Err(OpError::Unavailable(format!(
+                "server is not ready yet: {what}"
+            ))),
+            Readiness::Failed(why) => Err(OpError::Unavailable(format!(
+                "server failed to get ready: {why}"
+            ))),
+        }
+    }
+
+    // ---- authentication -------------------------------------------------
+
+    /// Resolves an API key to its tenant. Keys are stored hashed.
+    pub async fn authenticate(&self, key: Option<&str>) -> Result<Caller, OpError> {
+        let key = key.ok_or(OpError::Unauthorized)?;
+        if key.is_empty() || key.len() > 256 {
+            return Err(OpError::Unauthorized);
+        }
+        let h = hash_key(key);
+        if let Some(c) = self.key_cache.lock().expect("key cache poisoned").get(&h) {
+            return Ok(c.clone());
+        }
+        let rec = self
+            .registry
+            .find_api_key(&h)
+            .await?
+            .ok_or(OpError::Unauthorized)?;
+        let caller = Caller {
+            tenant: rec.tenant,
+            admin: rec.admin,
+        };
+        self.key_cache
+            .lock()
+            .expect("key cache poisoned")
+            .insert(h, caller.clone());
+        Ok(caller)
+    }
+
+    /// Creates a key for a tenant (admin only). The plain key is returned once.
+    pub async fn create_key(
+        &self,
+        caller: &Caller,
+        req: CreateKeyRequest,
+    ) -> Result<CreatedKey, OpError> {
+        if !caller.admin {
+            return Err(OpError::Forbidden(
+                "creating keys needs an admin key".into(),
+            ));
+        }
+        valid_name("tenant", &req.tenant)?;
+        let key = new_api_key();
+        self.registry
+            .insert_api_key(&hash_key(&key), &req.tenant, req.admin)
+            .await?;
+        Ok(CreatedKey {
+            tenant: req.tenant,
+            admin: req.admin,
+            key,
+        })
+    }
+
+    /// Makes sure `<data dir>/admin.key` exists and is registered.
+    pub async fn ensure_admin_key(&self) -> Result<String, OpError> {
+        let path = self.cfg.admin_key_path();
+        if let Ok(existing) = std::fs::read_to_string(&path) {
+            let key = existing.trim().to_owned();
+            if self.registry.find_api_key(&hash_key(&key)).await?.is_some() {
+                return Ok(key);
+            }
+            self.registry
+                .insert_api_key(&hash_key(&key), "default", true)
+                .await?;
+            return Ok(key);
+        }
+        let key = new_api_key();
+        self.registry
+            .insert_api_key(&hash_key(&key), "default", true)
+            .await?;
+        write_secret_file(&path, &key).map_err(OpError::internal)?;
+        Ok(key)
+    }
+
+    // ---- startup ----------------------------------------------------------
+
+    /// Prepares the default template (building it when missing) and registers
+    /// every stored template; then marks the server ready.
+    pub async fn prepare(
+        self: &Arc<Self>,
+        progress: impl Fn(&str) + Send + 'static,
+    ) -> Result<(), OpError> {
+        let this = self.clone();
+        self.set_readiness(Readiness::Preparing("preparing default template".into()));
+        let name = self.cfg.default_template.clone();
+        let source = self.cfg.default_template_source;
+        let res = tokio::task::spawn_blocking(move || -> Result<TemplateInfo, OpError> {
+            if let Some(t) = this.templates.get(&name).map_err(OpError::internal)? {
+                return Ok(t);
+            }
+            match source {
+                DefaultTemplateSource::Debootstrap if name == "default" => {
+                    let mut p = |s: &str| progress(s);
+                    this.templates
+                        .ensure_default(&mut p)
+                        .map_err(OpError::internal)
+                }
+                _ => {
+                    progress(&format!("building busybox template {name:?}"));
+                    this.templates
+                        .build_busybox(&name)
+                        .map_err(OpError::internal)
+                }
+            }
+        })
+        .await
+        .map_err(OpError::internal)?;
+        match res {
+            Ok(_) => {
+                self.sync_templates().await?;
+                self.reconcile_on_start().await?;
+                self.set_readiness(Readiness::Ready);
+                Ok(())
+            }
+            Err(e) => {
+                self.set_readiness(Readiness::Failed(format!("{:#}", anyhow_of(&e))));
+                Err(e)
+            }
+        }
+    }
+
+    async fn sync_templates(&self) -> Result<(), OpError> {
+        let store = self.templates.clone();
+        let all = tokio::task::spawn_blocking(move || store.list())
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?;
+        for t in all {
+            self.registry.upsert_template(&template_record(&t)).await?;
+        }
+        Ok(())
+    }
+
+    /// Re-attaches to sandboxes that survived a restart; marks the ones the
+    /// runtime lost, and destroys runtime sandboxes the registry does not know.
+    pub async fn reconcile_on_start(&self) -> Result<(), OpError> {
+        let records = self.registry.list_sandboxes(None, false).await?;
+        let actual = self.runtime.list().await.map_err(OpError::internal)?;
+        for rec in &records {
+            let alive = actual.contains(&rec.id)
+                && matches!(
+                    self.runtime.status(&rec.id).await,
+                    Ok(aviary_runtime::RuntimeStatus::Running)
+                        | Ok(aviary_runtime::RuntimeStatus::Paused)
+                );
+            if rec.state.is_live() && alive {
+                let envd = EnvdClient::new(self.envd_socket(&rec.id));
+                if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
+                    let live = self.attach(&rec.id, envd);
+                    self.push_fence(&rec.id, &live).await?;
+                    continue;
+                }
+            }
+            if rec.state.is_terminal() {
+                continue;
+            }
+            // Lost: the runtime no longer has it (or it never finished starting).
+            let _ = self.runtime.destroy(&rec.id).await;
+            let _ = self.leases.revoke(&rec.id).await;
+            let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Lost) {
+                &[SandboxState::Lost, SandboxState::Terminated]
+            } else if rec.state.can_transition_to(SandboxState::Failed) {
+                &[SandboxState::Failed, SandboxState::Terminated]
+            } else {
+                &[SandboxState::Terminated]
+            };
+            self.registry
+                .transition(
+                    &rec.id,
+                    rec.version,
+                    path,
+                    FenceCheck::Skip,
+                    ctx(
+                        None,
+                        Some("reconciled"),
+                        serde_json::json!({"reason": "runtime has no such sandbox after restart"}),
+                    ),
+                )
+                .await?;
+        }
+        for id in actual {
+            if !records.iter().any(|r| r.id == id) {
+                tracing::warn!(sandbox.id = %id, "destroying runtime sandbox unknown to the registry");
+                let _ = self.runtime.destroy(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    fn envd_socket(&self, id: &SandboxId) -> PathBuf {
+        self.cfg
+            .runtime_state_dir()
+            .join(id.as_str())
+            .join("control")
+            .join("envd.sock")
+    }
+
+    fn attach(&self, id: &SandboxId, envd: EnvdClient) -> Arc<LiveSandbox> {
+        let live = Arc::new(LiveSandbox {
+            envd,
+            fence_lock: Mutex::new(()),
+        });
+        self.live
+            .lock()
+            .expect("live map poisoned")
+            .insert(id.clone(), live.clone());
+        live
+    }
+
+    fn live(&self, id: &SandboxId) -> Result<Arc<LiveSandbox>, OpError> {
+        self.live
+            .lock()
+            .expect("live map poisoned")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| OpError::Unavailable("sandbox runtime is not reachable".into()))
+    }
+
+    fn live_opt(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
+        self.live
+            .lock()
+            .expect("live map poisoned")
+            .get(id)
+            .cloned()
+    }
+
+    /// Pushes the lease store's current view of the lease to the sandbox's envd.
+    async fn push_fence(&self, id: &SandboxId, live: &LiveSandbox) -> Result<(), OpError> {
+        let _g = live.fence_lock.lock().await;
+        let current = self.leases.current(id, aviary_core::now()).await?;
+        live.envd
+            .set_fence(current.map(|l| l.token.0))
+            .await
+            .map_err(OpError::from)
+    }
+
+    // ---- sandboxes ------------------------------------------------------
+
+    /// The caller's sandbox, or `not_found` (also for other tenants' ids).
+    pub async fn sandbox_for(&self, caller: &Caller, id: &str) -> Result<SandboxRecord, OpError> {
+        let sid: SandboxId = id
+            .parse()
+            .map_err(|_| OpError::NotFound(format!("sandbox {id:?}")))?;
+        match self.registry.get_sandbox(&sid).await {
+            Ok(rec) if rec.tenant == caller.tenant => Ok(rec),
+            Ok(_) | Err(aviary_registry::RegistryError::NotFound) => {
+                Err(OpError::NotFound(format!("sandbox {id}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn view(&self, rec: &SandboxRecord) -> Result<Sandbox, OpError> {
+        let owner = if rec.state.is_terminal() {
+            None
+        } else {
+            self.leases
+                .current(&rec.id, aviary_core::now())
+                .await?
+                .map(|l| l.owner)
+        };
+        Ok(rec.to_api(owner))
+    }
+
+    pub async fn get(&self, caller: &Caller, id: &str) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        self.view(&rec).await
+    }
+
+    pub async fn list(
+        &self,
+        caller: &Caller,
+        include_terminated: bool,
+    ) -> Result<Vec<Sandbox>, OpError> {
+        let recs = self
+            .registry
+            .list_sandboxes(Some(&caller.tenant), include_terminated)
+            .await?;
+        let mut out = Vec::with_capacity(recs.len());
+        for r in &recs {
+            out.push(self.view(r).await?);
+        }
+        Ok(out)
+    }
+
+    #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+    pub async fn create(
+        &self,
+        caller: &Caller,
+        req: CreateSandboxRequest,
+        request_id: Option<&str>,
+    ) -> Result<CreateSandboxResponse, OpError> {
+        self.ensure_ready()?;
+        let class = req
+            .class
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_class.clone());
+        let resources = builtin_class(&class).ok_or_else(|| {
+            OpError::InvalidRequest(format!(
+                "unknown resource class {class:?} (known: {})",
+                crate::config::BUILTIN_CLASSES.join(", ")
+            ))
+        })?;
+        let network = req.network.unwrap_or_default();
+        if network != NetworkProfile::None {
+            return Err(OpError::InvalidRequest(format!(
+                "network profile {:?} is not available on this node (only \"none\")",
+                network.as_str()
+            )));
+        }
+        for (what, v) in [
+            ("user_id", &req.user_id),
+            ("session_id", &req.session_id),
+            ("agent", &req.agent),
+        ] {
+            if let Some(v) = v {
+                valid_name(what, v)?;
+            }
+        }
+        let ttl_s = req.ttl_s.unwrap_or(24 * 3600);
+        if ttl_s == 0 || ttl_s > self.cfg.max_sandbox_ttl_s {
+            return Err(OpError::InvalidRequest(format!(
+                "ttl_s must be between 1 and {}",
+                self.cfg.max_sandbox_ttl_s
+            )));
+        }
+        let lease_req = match &req.lease {
+            Some(l) => {
+                valid_name("lease owner", &l.owner)?;
+                Some((l.owner.clone(), self.lease_ttl(l.ttl_s)?))
+            }
+            None => None,
+        };
+        let template_name = req
+            .template
+            .clone()
+            .unwrap_or_else(|| self.cfg.default_template.clone());
+        valid_name("template", &template_name)?;
+        let store = self.templates.clone();
+        let tn = template_name.clone();
+        let template = tokio::task::spawn_blocking(move || store.get(&tn))
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?
+            .ok_or_else(|| {
+                OpError::InvalidRequest(format!("unknown template {template_name:?}"))
+            })?;
+        let scope = req.scope.unwrap_or(if req.user_id.is_some() {
+            Scope::User
+        } else {
+            Scope::Session
+        });
+
+        let id = SandboxId::generate();
+        let now = aviary_core::now();
+        let new = NewSandbox {
+            id: id.clone(),
+            tenant: caller.tenant.clone(),
+            user_id: req.user_id.clone(),
+            session_id: req.session_id.clone(),
+            agent: req.agent.clone(),
+            scope,
+            resource_class: class.clone(),
+            resources,
+            template: template.name.clone(),
+            template_digest: template.digest.clone(),
+            runtime: self.runtime.name().to_owned(),
+            runtime_instance_id: None,
+            node: "local".into(),
+            network_profile: network,
+            expires_at: Some(now + time::Duration::seconds(ttl_s as i64)),
+            tainted: false,
+        };
+        let rec = self
+            .registry
+            .insert_sandbox(
+                &new,
+                ctx(
+                    request_id,
+                    Some("created"),
+                    serde_json::json!({"class": class, "template": template.name}),
+                ),
+            )
+            .await?;
+        let rec = self
+            .registry
+            .transition(
+                &id,
+                rec.version,
+                &[SandboxState::Planning, SandboxState::Allocating, SandboxState::Provisioning],
+                FenceCheck::Skip,
+                ctx(request_id, None, serde_json::json!({
+                    "resource_class": class,
+                    "reason": if req.class.is_some() { "class requested by caller" } else { "default class" },
+                    "placement": "local",
+                })),
+            )
+            .await?;
+        self.metrics.inc_create();
+
+        let spec = SandboxSpec {
+            id: id.clone(),
+            template_rootfs: template.rootfs.clone(),
+            resources,
+            network,
+            hostname: "sandbox".into(),
+            init: vec![
+                ENVD_IN_SANDBOX.into(),
+                "--socket".into(),
+                ENVD_SOCKET_IN_SANDBOX.into(),
+            ],
+            env: vec![
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+                "HOME=/root".into(),
+                "LANG=C.UTF-8".into(),
+            ],
+            binds: vec![BindMount {
+                host: self.cfg.envd_binary.clone(),
+                sandbox: ENVD_IN_SANDBOX.into(),
+                read_only: true,
+            }],
+        };
+        match self.start_runtime(&spec, rec, lease_req, request_id).await {
+            Ok((rec, lease)) => {
+                let sandbox = self.view(&rec).await?;
+                Ok(CreateSandboxResponse {
+                    sandbox,
+                    decision: Decision {
+                        action: "new_sandbox".into(),
+                        branch: "D".into(),
+                        reason: "cold create: no reusable sandbox was requested".into(),
+                        score: 0.0,
+                    },
+                    lease,
+                })
+            }
+            Err(e) => {
+                self.fail_sandbox(&id, request_id, &e).await;
+                Err(e)
+            }
+        }
+    }
+
+    fn lease_ttl(&self, ttl_s: Option<u64>) -> Result<Duration, OpError> {
+        let t = ttl_s.unwrap_or(self.cfg.default_lease_ttl_s);
+        if t == 0 || t > self.cfg.max_lease_ttl_s {
+            return Err(OpError::InvalidRequest(format!(
+                "lease ttl_s must be between 1 and {}",
+                self.cfg.max_lease_ttl_s
+            )));
+        }
+        Ok(Duration::from_secs(t))
+    }
+
+    async fn start_runtime(
+        &self,
+        spec: &SandboxSpec,
+        rec: SandboxRecord,
+        lease_req: Option<(String, Duration)>,
+        request_id: Option<&str>,
+    ) -> Result<(SandboxRecord, Option<Lease>), OpError> {
+        let id = &spec.id;
+        let handle = self.runtime.create(spec).await.map_err(|e| {
+            OpError::Internal(anyhow::Error::new(e).context("runtime could not create the sandbox"))
+        })?;
+        let envd = EnvdClient::new(handle.control_dir.join("envd.sock"));
+        envd.wait_ready(Duration::from_secs(10))
+            .await
+            .map_err(|e| {
+                OpError::Internal(
+                    anyhow::Error::new(e).context("envd did not come up in the sandbox"),
+                )
+            })?;
+        let live = self.attach(id, envd);
+        let rec = self
+            .registry
+            .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, "local")
+            .await?;
+        match lease_req {
+            Some((owner, ttl)) => {
+                let lease = self
+                    .leases
+                    .acquire(id, &owner, ttl, aviary_core::now())
+                    .await?;
+                self.push_fence(id, &live).await?;
+                let rec = self
+                    .registry
+                    .transition(
+                        id,
+                        rec.version,
+                        &[SandboxState::Locking, SandboxState::Leased],
+                        FenceCheck::Skip,
+                        ctx(
+                            request_id,
+                            None,
+                            serde_json::json!({"lease_owner": owner, "token": lease.token}),
+                        ),
+                    )
+                    .await?;
+                Ok((rec, Some(lease)))
+            }
+            None => {
+                let rec = self
+                    .registry
+                    .transition(
+                        id,
+                        rec.version,
+                        &[SandboxState::Locking, SandboxState::Idle],
+                        FenceCheck::Skip,
+                        ctx(request_id, None, serde_json::json!({})),
+                    )
+                    .await?;
+                Ok((rec, None))
+            }
+        }
+    }
+
+    /// Records a failed create and removes whatever the runtime made.
+    async fn fail_sandbox(&self, id: &SandboxId, request_id: Option<&str>, cause: &OpError) {
+        tracing::warn!(sandbox.id = %id, error = format!("{:#}", anyhow_of(cause)), "create failed");
+        self.live.lock().expect("live map poisoned").remove(id);
+        let destroy = self.runtime.destroy(id).await;
+        let _ = self.leases.revoke(id).await;
+        if let Ok(rec) = self.registry.get_sandbox(id).await {
+            let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Failed) {
+                &[SandboxState::Failed, SandboxState::Terminated]
+            } else {
+                &[SandboxState::Terminated]
+            };
+            let mut meta = serde_json::json!({"error": cause.public_message()});
+            if let Err(d) = &destroy {
+                // cleanup failure is reported together with the original one
+                meta["cleanup_error"] = serde_json::Value::String(d.to_string());
+            }
+            let _ = self
+                .registry
+                .transition(
+                    id,
+                    rec.version,
+                    path,
+                    FenceCheck::Skip,
+                    ctx(request_id, Some("create_failed"), meta),
+                )
+                .await;
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(sandbox.id = %id))]
+    pub async fn delete(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        request_id: Option<&str>,
+    ) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        self.destroy(rec, FenceCheck::Require(token), request_id, "deleted")
+            .await
+    }
+
+    /// Sanitizing → runtime destroy → Terminated.
+    async fn destroy(
+        &self,
+        rec: SandboxRecord,
+        fence: FenceCheck,
+        request_id: Option<&str>,
+        why: &str,
+    ) -> Result<Sandbox, OpError> {
+        let id = rec.id.clone();
+        let rec = if rec.state.can_transition_to(SandboxState::Sanitizing) {
+            self.registry
+                .transition(
+                    &id,
+                    rec.version,
+                    &[SandboxState::Sanitizing],
+                    fence,
+                    ctx(request_id, None, serde_json::json!({"reason": why})),
+                )
+                .await?
+        } else if rec.state.can_transition_to(SandboxState::Terminated) {
+            if let FenceCheck::Require(t) = fence {
+                self.check_fence(&id, t).await?;
+            }
+            rec
+        } else {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it cannot be deleted".into(),
+            });
+        };
+        self.live.lock().expect("live map poisoned").remove(&id);
+        let destroyed = self.runtime.destroy(&id).await;
+        self.leases.revoke(&id).await?;
+        let mut meta = serde_json::json!({"reason": why});
+        if let Err(e) = &destroyed {
+            meta["cleanup_error"] = serde_json::Value::String(format!("{e}"));
+        }
+        let rec = self
+            .registry
+            .transition(
+                &id,
+                rec.version,
+                &[SandboxState::Terminated],
+                FenceCheck::Skip,
+                ctx(request_id, None, meta),
+            )
+            .await?;
+        self.metrics.inc_destroy();
+        if let Err(e) = destroyed {
+            return Err(OpError::Internal(
+                anyhow::Error::new(e).context("runtime teardown failed"),
+            ));
+        }
+        self.view(&rec).await
+    }
+
+    async fn check_fence(&self, id: &SandboxId, token: Option<LeaseToken>) -> Result<(), OpError> {
+        self.leases
+            .check(id, token, aviary_core::now())
+            .await
+            .map(|_| ())
+            .map_err(OpError::from)
+    }
+
+    /// A sandbox that can run commands, with its fence checked.
+    async fn writable(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        if !rec.state.is_live() {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it is not running".into(),
+            });
+        }
+        self.check_fence(&rec.id, token).await?;
+        let live = self.live(&rec.id)?;
+        Ok((rec, live))
+    }
+
+    async fn readable(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        if !rec.state.is_live() {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it is not running".into(),
+            });
+        }
+        let live = self.live(&rec.id)?;
+        Ok((rec, live))
+    }
+
+    // ---- exec -------------------------------------------------------------
+
+    fn exec_spec(req: &ExecRequest) -> Result<ExecSpec, OpError> {
+        let argv = match (&req.cmd, &req.shell) {
+            (Some(cmd), None) if !cmd.is_empty() => cmd.clone(),
+            (None, Some(sh)) => vec!["/bin/sh".into(), "-c".into(), sh.clone()],
+            _ => {
+                return Err(OpError::InvalidRequest(
+                    "exactly one of `cmd` (non-empty argv) and `shell` is required".into(),
+                ))
+            }
+        };
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(OpError::InvalidRequest(
+                "arguments must not contain NUL".into(),
+            ));
+        }
+        if let Some(cwd) = &req.cwd {
+            check_sandbox_path(cwd)?;
+        }
+        for k in req.env.keys() {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(OpError::InvalidRequest(format!("invalid env name {k:?}")));
+            }
+        }
+        let timeout = match req.timeout_s {
+            None => None,
+            Some(t) if t > 0.0 && t <= 86_400.0 => Some(Duration::from_secs_f64(t)),
+            Some(_) => {
+                return Err(OpError::InvalidRequest(
+                    "timeout_s must be > 0 and at most 86400".into(),
+                ))
+            }
+        };
+        Ok(ExecSpec {
+            argv,
+            cwd: req.cwd.clone(),
+            env: req
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            stdin: req.stdin.as_ref().map(|s| s.as_bytes().to_vec()),
+            timeout,
+        })
+    }
+
+    /// Starts a command; the caller drains the stream.
+    pub async fn exec_start(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: &ExecRequest,
+    ) -> Result<ExecRun, OpError> {
+        let spec = Self::exec_spec(req)?;
+        let (rec, live) = self.writable(caller, id, req.token).await?;
+        let oom_before = self.runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
+        let stream = live.envd.exec(spec, req.token.map(|t| t.0)).await?;
+        self.metrics.inc_exec();
+        Ok(ExecRun {
+            id: rec.id,
+            stream,
+            oom_before,
+        })
+    }
+
+    /// Finishes an exec: OOM attribution from the sandbox's cgroup.
+    pub async fn exec_finish(
+        &self,
+        run_id: &SandboxId,
+        oom_before: Option<u64>,
+        exit: &aviary_envd_proto::ExitInfo,
+    ) -> bool {
+        // A process the kernel OOM-kills dies of SIGKILL, but a shell running
+        // it reports 137 as a plain exit: trust the cgroup's counter instead.
+        if exit.exit_code == 0 {
+            return false;
+        }
+        match (oom_before, self.runtime.usage(run_id).await) {
+            (Some(b), Ok(u)) => u.oom_kills > b,
+            _ => false,
+        }
+    }
+
+    /// Runs a command to completion; output is capped at `exec_output_cap`
+    /// per stream (`truncated` says so), the rest is drained, not buffered.
+    pub async fn exec(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: &ExecRequest,
+    ) -> Result<ExecResult, OpError> {
+        let mut run = self.exec_start(caller, id, req).await?;
+        let cap = self.cfg.exec_output_cap;
+        let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
+        loop {
+            match run.stream.next().await? {
+                aviary_envd_proto::ExecEvent::Stdout(d) => {
+                    append_capped(&mut out, &d, cap, &mut truncated)
+                }
+                aviary_envd_proto::ExecEvent::Stderr(d) => {
+                    append_capped(&mut err, &d, cap, &mut truncated)
+                }
+                aviary_envd_proto::ExecEvent::Exit(exit) => {
+                    let oom = self.exec_finish(&run.id, run.oom_before, &exit).await;
+                    let _ = self.registry.touch(&run.id, aviary_core::now()).await;
+                    return Ok(ExecResult {
+                        exit_code: exit.exit_code,
+                        stdout: String::from_utf8_lossy(&out).into_owned(),
+                        stderr: String::from_utf8_lossy(&err).into_owned(),
+                        duration_ms: exit.duration.as_secs_f64() * 1000.0,
+                        timed_out: exit.timed_out,
+                        oom_killed: oom,
+                        truncated,
+                    });
+                }
+            }
+        }
+    }
+
+    // ---- files -------------------------------------------------------------
+
+    pub async fn read_file(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+    ) -> Result<aviary_envd_proto::FileReader, OpError> {
+        check_sandbox_path(path)?;
+        let (_, live) = self.readable(caller, id).await?;
+        Ok(live.envd.read_file(path, None).await?)
+    }
+
+    pub async fn write_file<R>(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        token: Option<LeaseToken>,
+        body: R,
+    ) -> Result<u64, OpError>
+    where
+        R: tokio::io::AsyncRead + Unpin + Send,
+    {
+        check_sandbox_path(path)?;
+        let (_, live) = self.writable(caller, id, token).await?;
+        Ok(live
+            .envd
+            .write_file(path, None, body, token.map(|t| t.0))
+            .await?)
+    }
+
+    pub async fn list_files(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+    ) -> Result<FileList, OpError> {
+        check_sandbox_path(path)?;
+        let (_, live) = self.readable(caller, id).await?;
+        let entries = live.envd.list_dir(path).await?;
+        Ok(FileList {
+            entries: entries.into_iter().map(file_info).collect(),
+        })
+    }
+
+    pub async fn stat(&self, caller: &Caller, id: &str, path: &str) -> Result<FileInfo, OpError> {
+        check_sandbox_path(path)?;
+        let (_, live) = self.readable(caller, id).await?;
+        Ok(file_info(live.envd.stat(path).await?))
+    }
+
+    pub async fn mkdir(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<(), OpError> {
+        check_sandbox_path(path)?;
+        let (_, live) = self.writable(caller, id, token).await?;
+        Ok(live.envd.mkdir(path, true, token.map(|t| t.0)).await?)
+    }
+
+    pub async fn remove(
+        &self,
+        caller: &Caller,
+        id: &str,
+        path: &str,
+        recursive: bool,
+        token: Option<LeaseToken>,
+    ) -> Result<(), OpError> {
+        check_sandbox_path(path)?;
+        if path.trim_end_matches('/').is_empty() {
+            return Err(OpError::InvalidPath("refusing to remove /".into()));
+        }
+        let (_, live) = self.writable(caller, id, token).await?;
+        Ok(live
+            .envd
+            .remove(path, recursive, token.map(|t| t.0))
+            .await?)
+    }
+
+    // ---- leases ------------------------------------------------------------
+
+    pub async fn lease_acquire(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: AcquireLeaseRequest,
+        request_id: Option<&str>,
+    ) -> Result<Lease, OpError> {
+        valid_name("lease owner", &req.owner)?;
+        let ttl = self.lease_ttl(req.ttl_s)?;
+        let rec = self.sandbox_for(caller, id).await?;
+        if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "only an idle sandbox can be leased".into(),
+            });
+        }
+        let live = self.live(&rec.id)?;
+        let lease = self
+            .leases
+            .acquire(&rec.id, &req.owner, ttl, aviary_core::now())
+            .await?;
+        self.push_fence(&rec.id, &live).await?;
+        let meta = serde_json::json!({"owner": lease.owner, "token": lease.token, "expires_at": rfc3339(lease.expires_at)});
+        if rec.state == SandboxState::Idle {
+            self.transition_fresh(
+                &rec.id,
+                SandboxState::Idle,
+                SandboxState::Leased,
+                request_id,
+                "lease_acquired",
+                meta,
+            )
+            .await?;
+        } else {
+            self.registry
+                .append_event(NewEvent {
+                    sandbox_id: Some(rec.id.clone()),
+                    tenant: rec.tenant.clone(),
+                    event_type: "lease_acquired".into(),
+                    old_state: Some(rec.state),
+                    new_state: Some(rec.state),
+                    request_id: request_id.map(str::to_owned),
+                    metadata: meta,
+                })
+                .await?;
+        }
+        Ok(lease)
+    }
+
+    pub async fn lease_renew(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: RenewLeaseRequest,
+    ) -> Result<Lease, OpError> {
+        let ttl = self.lease_ttl(req.ttl_s)?;
+        let rec = self.sandbox_for(caller, id).await?;
+        Ok(self
+            .leases
+            .renew(&rec.id, req.token, ttl, aviary_core::now())
+            .await?)
+    }
+
+    pub async fn lease_release(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: ReleaseLeaseRequest,
+        request_id: Option<&str>,
+    ) -> Result<(), OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        self.leases
+            .release(&rec.id, req.token, aviary_core::now())
+            .await?;
+        if let Some(live) = self.live_opt(&rec.id) {
+            self.push_fence(&rec.id, &live).await?;
+        }
+        self.transition_fresh(
+            &rec.id,
+            SandboxState::Leased,
+            SandboxState::Idle,
+            request_id,
+            "lease_released",
+            serde_json::json!({"token": req.token}),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Moves `from → to` if the sandbox is (still) in `from`, retrying on
+    /// version conflicts with a fresh read.
+    async fn transition_fresh(
+        &self,
+        id: &SandboxId,
+        from: SandboxState,
+        to: SandboxState,
+        request_id: Option<&str>,
+        event: &str,
+        meta: serde_json::Value,
+    ) -> Result<(), OpError> {
+        for _ in 0..8 {
+            let rec = self.registry.get_sandbox(id).await?;
+            if rec.state != from {
+                return Ok(());
+            }
+            match self
+                .registry
+                .transition(
+                    id,
+                    rec.version,
+                    &[to],
+                    FenceCheck::Skip,
+                    ctx(request_id, Some(event), meta.clone()),
+                )
+                .await
+            {
+                Err(aviary_registry::RegistryError::Conflict) => continue,
+                other => return other.map(|_| ()).map_err(OpError::from),
+            }
+        }
+        Err(OpError::Conflict)
+    }
+
+    // ---- background sweeps --------------------------------------------------
+
+    /// Expires leases and sandboxes whose time is up. Runs periodically.
+    pub async fn sweep(&self) -> Result<(), OpError> {
+        let now = aviary_core::now();
+        for lease in self.leases.expire_due(now).await? {
+            if let Some(live) = self.live_opt(&lease.sandbox_id) {
+                if let Err(e) = self.push_fence(&lease.sandbox_id, &live).await {
+                    tracing::warn!(sandbox.id = %lease.sandbox_id, error = %e, "could not push fence after lease expiry");
+                }
+            }
+            self.transition_fresh(
+                &lease.sandbox_id,
+                SandboxState::Leased,
+                SandboxState::Idle,
+                None,
+                "lease_expired",
+                serde_json::json!({"owner": lease.owner, "token": lease.token}),
+            )
+            .await?;
+        }
+        for rec in self.registry.list_sandboxes(None, false).await? {
+            if rec.expires_at.is_some_and(|t| t <= now) && !rec.state.is_terminal() {
+                if let Err(e) = self
+                    .destroy(rec.clone(), FenceCheck::Skip, None, "ttl expired")
+                    .await
+                {
+                    tracing::warn!(sandbox.id = %rec.id, error = %e, "ttl teardown failed");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ---- events and templates -----------------------------------------------
+
+    pub async fn events(
+        &self,
+        caller: &Caller,
+        sandbox: Option<&str>,
+        after: Option<i64>,
+        limit: Option<u32>,
+    ) -> Result<Vec<Event>, OpError> {
+        let sandbox_id = match sandbox {
+            Some(s) => Some(self.sandbox_for(caller, s).await?.id),
+            None => None,
+        };
+        let limit = limit.unwrap_or(100).clamp(1, 1000);
+        Ok(self
+            .registry
+            .list_events(&EventFilter {
+                tenant: Some(caller.tenant.clone()),
+                sandbox_id,
+                after_id: after,
+                limit,
+            })
+            .await?)
+    }
+
+    pub async fn templates(&self) -> Result<Vec<Template>, OpError> {
+        let store = self.templates.clone();
+        let all = tokio::task::spawn_blocking(move || store.list())
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?;
+        Ok(all.iter().map(template_api).collect())
+    }
+
+    /// Imports an archive already spooled to `archive` (removed afterwards).
+    pub async fn import_template(
+        &self,
+        caller: &Caller,
+        name: &str,
+        archive: PathBuf,
+    ) -> Result<Template, OpError> {
+        if !caller.admin {
+            let _ = std::fs::remove_file(&archive);
+            return Err(OpError::Forbidden(
+                "importing templates needs an admin key".into(),
+            ));
+        }
+        if name.is_empty()
+            || name.len() > 64
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+            || name.starts_with('.')
+        {
+            let _ = std::fs::remove_file(&archive);
+            return Err(OpError::InvalidRequest(
+                "template name must be 1-64 of [A-Za-z0-9._-], not starting with '.'".into(),
+            ));
+        }
+        let store = self.templates.clone();
+        let n = name.to_owned();
+        let a = archive.clone();
+        let res = tokio::task::spawn_blocking(move || store.import_archive(&n, &a))
+            .await
+            .map_err(OpError::internal)?;
+        let _ = std::fs::remove_file(&archive);
+        let info = res.map_err(|e| match e {
+            aviary_templates::TemplateError::InvalidArchive(msg) => OpError::InvalidArchive(msg),
+            other => OpError::internal(other),
+        })?;
+        self.registry
+            .upsert_template(&template_record(&info))
+            .await?;
+        self.registry
+            .append_event(NewEvent {
+                sandbox_id: None,
+                tenant: caller.tenant.clone(),
+                event_type: "template_imported".into(),
+                old_state: None,
+                new_state: None,
+                request_id: None,
+                metadata: serde_json::json!({"name": info.name, "digest": info.digest}),
+            })
+            .await?;
+        Ok(template_api(&info))
+    }
+
+    pub fn spool_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("spool")
+    }
+
+    /// Stops every background resource of the server; sandboxes keep running
+    /// and are re-attached on the next start.
+    pub fn live_count(&self) -> usize {
+        self.live.lock().expect("live map poisoned").len()
+    }
+}
+
+/// A started exec.
+pub struct ExecRun {
+    pub id: SandboxId,
+    pub stream: aviary_envd_proto::ExecStream,
+    pub oom_before: Option<u64>,
+}
+
+fn append_capped(buf: &mut Vec<u8>, data: &[u8], cap: usize, truncated: &mut bool) {
+    let room = cap.saturating_sub(buf.len());
+    if data.len() > room {
+        *truncated = true;
+    }
+    buf.extend_from_slice(&data[..data.len().min(room)]);
+}
+
+fn file_info(s: aviary_envd_proto::FileStat) -> FileInfo {
+    FileInfo {
+        name: s.name,
+        path: s.path,
+        kind: match s.kind {
+            aviary_envd_proto::FileKind::File => "file",
+            aviary_envd_proto::FileKind::Dir => "dir",
+            aviary_envd_proto::FileKind::Symlink => "symlink",
+            aviary_envd_proto::FileKind::Other => "other",
+        }
+        .to_owned(),
+        size: s.size,
+        mode: s.mode,
+        modified_unix: s.modified_unix,
+    }
+}
+
+fn template_record(t: &TemplateInfo) -> aviary_registry::TemplateRecord {
+    aviary_registry::TemplateRecord {
+        name: t.name.clone(),
+        digest: t.digest.clone(),
+        size_bytes: t.size_bytes,
+        source: t.source.clone(),
+        created_at: t.created_at,
+    }
+}
+
+fn template_api(t: &TemplateInfo) -> Template {
+    Template {
+        name: t.name.clone(),
+        digest: t.digest.clone(),
+        size_bytes: t.size_bytes,
+        source: t.source.clone(),
+        created_at: t.created_at,
+    }
+}
+
+fn new_api_key() -> String {
+    use rand::RngCore;
+    let mut b = [0u8; 24];
+    rand::thread_rng().fill_bytes(&mut b);
+    format!("avk_{}", hex::encode(b))
+}
+
+fn write_secret_file(path: &Path, content: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(content.as_bytes())?;
+    f.write_all(b"\n")?;
+    f.sync_all()?;
+    std::fs::rename(tmp, path)
+}
+
+fn anyhow_of(e: &OpError) -> anyhow::Error {
+    match e {
+        OpError::Internal(inner) => anyhow::anyhow!("{inner:#}"),
+        other => anyhow::anyhow!("{other}"),
+    }
+}

@@ -1,0 +1,867 @@
+//! API tests against the real server, real crun and the real envd.
+
+mod common;
+
+use aviary_client::ClientError;
+use aviary_core::api::*;
+use aviary_core::{ErrorCode, LeaseToken, SandboxState};
+use common::shell;
+use reqwest::Method;
+
+fn code(e: ClientError) -> ErrorCode {
+    e.code()
+        .unwrap_or_else(|| panic!("expected an API error, got {e:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_exec_and_delete() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let created = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(created.sandbox.state, SandboxState::Idle);
+    assert_eq!(created.sandbox.resource_class, "python-small");
+    assert!(created.sandbox.template_digest.starts_with("sha256:"));
+    assert_eq!(created.decision.action, "new_sandbox");
+    let id = created.sandbox.id.to_string();
+
+    let r = c.exec(&id, &shell("echo hi; echo err >&2")).await.unwrap();
+    assert_eq!(
+        (r.exit_code, r.stdout.as_str(), r.stderr.as_str()),
+        (0, "hi\n", "err\n")
+    );
+    assert!(!r.timed_out && !r.oom_killed);
+
+    let r = c.exec(&id, &shell("exit 7")).await.unwrap();
+    assert_eq!(r.exit_code, 7);
+
+    let mut req = ExecRequest {
+        cmd: Some(vec![
+            "sh".into(),
+            "-c".into(),
+            "cat; echo \"$FOO\"; pwd".into(),
+        ]),
+        cwd: Some("/workspace".into()),
+        stdin: Some("from stdin\n".into()),
+        ..Default::default()
+    };
+    req.env.insert("FOO".into(), "bar".into());
+    let r = c.exec(&id, &req).await.unwrap();
+    assert_eq!(r.stdout, "from stdin\nbar\n/workspace\n");
+
+    // the sandbox has its own hostname and only a loopback interface
+    let r = c
+        .exec(
+            &id,
+            &shell("hostname; cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "sandbox\nlo\n");
+
+    let gone = c.delete_sandbox(&id, None).await.unwrap();
+    assert_eq!(gone.state, SandboxState::Terminated);
+    assert_eq!(
+        code(c.exec(&id, &shell("true")).await.unwrap_err()),
+        ErrorCode::InvalidState
+    );
+    assert_eq!(
+        code(c.delete_sandbox(&id, None).await.unwrap_err()),
+        ErrorCode::InvalidState
+    );
+    // still visible with --all, with its history
+    let all = c.list_sandboxes(true).await.unwrap();
+    assert!(all.sandboxes.iter().any(|s| s.id.as_str() == id));
+    assert!(!c
+        .list_sandboxes(false)
+        .await
+        .unwrap()
+        .sandboxes
+        .iter()
+        .any(|s| s.id.as_str() == id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_kills_the_process_group() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let mut req = shell("sleep 300 & sleep 300; echo never");
+    req.timeout_s = Some(0.5);
+    let r = c.exec(&id, &req).await.unwrap();
+    assert!(r.timed_out);
+    assert_ne!(r.exit_code, 0);
+    assert!(!r.stdout.contains("never"));
+    // no sleep survives: only envd (PID 1) and this ps are left
+    let r = c
+        .exec(&id, &shell("ps -o pid,comm | grep -c sleep || true"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "0", "leftover processes: {}", r.stdout);
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_limit_oom_is_reported() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    // dd touches a 3000 MiB buffer: past the 2 GiB limit of the class
+    let r = c
+        .exec(&id, &shell("dd if=/dev/zero of=/dev/null bs=3000M count=1"))
+        .await
+        .unwrap();
+    assert!(r.oom_killed, "expected an OOM kill, got {r:?}");
+    // the sandbox survives its command's OOM
+    assert_eq!(
+        c.exec(&id, &shell("echo alive")).await.unwrap().stdout,
+        "alive\n"
+    );
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_exec_delivers_large_output_incrementally() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    // 64 MiB through the stream
+    let req = shell("head -c 67108864 /dev/zero; echo done >&2");
+    let mut s = c.exec_stream(&id, &req).await.unwrap();
+    let (mut out, mut err, mut chunks) = (0usize, Vec::new(), 0usize);
+    let exit = loop {
+        match s.next().await.unwrap().unwrap() {
+            aviary_client::StreamItem::Stdout(d) => {
+                out += d.len();
+                chunks += 1;
+            }
+            aviary_client::StreamItem::Stderr(d) => err.extend(d),
+            aviary_client::StreamItem::Exit(r) => break r,
+        }
+    };
+    assert_eq!(exit.exit_code, 0);
+    assert_eq!(out, 64 << 20);
+    assert!(chunks > 10, "output came in {chunks} chunks");
+    assert_eq!(err, b"done\n");
+    // the non-streaming answer is capped and says so
+    let r = c
+        .exec(&id, &shell("head -c 3000000 /dev/zero | tr '\\0' a"))
+        .await
+        .unwrap();
+    assert!(r.truncated);
+    assert_eq!(r.stdout.len(), 1 << 20);
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_round_trip_and_confinement() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let data = b"a,b\n1,2\n3,4\n".to_vec();
+    assert_eq!(
+        c.write_file(&id, "/workspace/data.csv", data.clone(), None)
+            .await
+            .unwrap(),
+        data.len() as u64
+    );
+    assert_eq!(c.read_file(&id, "/workspace/data.csv").await.unwrap(), data);
+    let r = c
+        .exec(&id, &shell("wc -l < /workspace/data.csv"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "3");
+    c.mkdir(&id, "/workspace/a/b", None).await.unwrap();
+    let st = c.stat(&id, "/workspace/a/b").await.unwrap();
+    assert_eq!(st.kind, "dir");
+    let ls = c.list_files(&id, "/workspace").await.unwrap();
+    let names: Vec<_> = ls.entries.iter().map(|e| e.name.as_str()).collect();
+    assert!(
+        names.contains(&"data.csv") && names.contains(&"a"),
+        "{names:?}"
+    );
+    c.remove(&id, "/workspace/a", true, None).await.unwrap();
+    assert_eq!(
+        code(c.stat(&id, "/workspace/a").await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+
+    // traversal and relative paths are refused before anything is touched
+    for bad in [
+        "../etc/passwd",
+        "/workspace/../../etc/passwd",
+        "workspace/x",
+        "",
+    ] {
+        let e = c.read_file(&id, bad).await.unwrap_err();
+        assert_eq!(code(e), ErrorCode::InvalidPath, "path {bad:?}");
+        let e = c
+            .write_file(&id, bad, b"x".to_vec(), None)
+            .await
+            .unwrap_err();
+        assert_eq!(code(e), ErrorCode::InvalidPath, "path {bad:?}");
+    }
+    // a symlink pointing "out" resolves inside the sandbox's own root:
+    // the host's files are unreachable
+    c.exec(
+        &id,
+        &shell("ln -s / /workspace/root && ln -s /../../../ /workspace/up"),
+    )
+    .await
+    .unwrap();
+    let host_hostname = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+    for p in ["/workspace/root/etc/hostname", "/workspace/up/etc/hostname"] {
+        match c.read_file(&id, p).await {
+            Ok(b) => assert_ne!(
+                String::from_utf8_lossy(&b),
+                host_hostname,
+                "{p} leaked the host file"
+            ),
+            Err(e) => assert!(matches!(
+                code(e),
+                ErrorCode::NotFound | ErrorCode::InvalidPath
+            )),
+        }
+    }
+    // the template is never written
+    let template_root = ts.cp().templates.get("busybox").unwrap().unwrap().rootfs;
+    c.write_file(&id, "/bin/evil", b"x".to_vec(), None)
+        .await
+        .unwrap();
+    assert!(!template_root.join("bin/evil").exists());
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_fence_every_mutating_call() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let l1 = c.acquire_lease(&id, "agent-a", Some(60)).await.unwrap();
+    assert_eq!(
+        c.get_sandbox(&id).await.unwrap().state,
+        SandboxState::Leased
+    );
+    // a second acquire is refused while the lease is live
+    assert_eq!(
+        code(c.acquire_lease(&id, "agent-b", None).await.unwrap_err()),
+        ErrorCode::LeaseHeld
+    );
+
+    // missing / wrong token refused on every mutating call
+    assert_eq!(
+        code(c.exec(&id, &shell("true")).await.unwrap_err()),
+        ErrorCode::LeaseRequired
+    );
+    let mut with = shell("echo ok");
+    with.token = Some(LeaseToken(l1.token.0 + 1));
+    assert_eq!(
+        code(c.exec(&id, &with).await.unwrap_err()),
+        ErrorCode::StaleToken
+    );
+    assert_eq!(
+        code(
+            c.write_file(&id, "/workspace/x", b"1".to_vec(), None)
+                .await
+                .unwrap_err()
+        ),
+        ErrorCode::LeaseRequired
+    );
+    assert_eq!(
+        code(c.mkdir(&id, "/workspace/d", None).await.unwrap_err()),
+        ErrorCode::LeaseRequired
+    );
+    assert_eq!(
+        code(c.remove(&id, "/workspace", true, None).await.unwrap_err()),
+        ErrorCode::LeaseRequired
+    );
+    assert_eq!(
+        code(c.delete_sandbox(&id, None).await.unwrap_err()),
+        ErrorCode::LeaseRequired
+    );
+    assert_eq!(
+        code(
+            c.delete_sandbox(&id, Some(LeaseToken(0)))
+                .await
+                .unwrap_err()
+        ),
+        ErrorCode::StaleToken
+    );
+    // reads need no token
+    c.list_files(&id, "/").await.unwrap();
+
+    with.token = Some(l1.token);
+    assert_eq!(c.exec(&id, &with).await.unwrap().stdout, "ok\n");
+    c.write_file(&id, "/workspace/x", b"1".to_vec(), Some(l1.token))
+        .await
+        .unwrap();
+
+    let renewed = c.renew_lease(&id, l1.token, Some(120)).await.unwrap();
+    assert_eq!(renewed.token, l1.token);
+    assert!(renewed.expires_at > l1.expires_at);
+    assert_eq!(
+        code(
+            c.renew_lease(&id, LeaseToken(l1.token.0 + 7), None)
+                .await
+                .unwrap_err()
+        ),
+        ErrorCode::StaleToken
+    );
+
+    c.release_lease(&id, l1.token).await.unwrap();
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, SandboxState::Idle);
+    // unleased: tokenless calls work again, the old token is stale
+    c.exec(&id, &shell("true")).await.unwrap();
+    assert_eq!(
+        code(c.exec(&id, &with).await.unwrap_err()),
+        ErrorCode::StaleToken
+    );
+
+    let l2 = c.acquire_lease(&id, "agent-b", Some(1)).await.unwrap();
+    assert!(l2.token > l1.token, "tokens must strictly increase");
+    // expiry frees the sandbox and fences the expired holder out
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    assert_eq!(c.get_sandbox(&id).await.unwrap().state, SandboxState::Idle);
+    let mut stale = shell("true");
+    stale.token = Some(l2.token);
+    assert_eq!(
+        code(c.exec(&id, &stale).await.unwrap_err()),
+        ErrorCode::StaleToken
+    );
+    let l3 = c.acquire_lease(&id, "agent-c", None).await.unwrap();
+    assert!(l3.token > l2.token);
+    c.delete_sandbox(&id, Some(l3.token)).await.unwrap();
+
+    let evs = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
+    let kinds: Vec<_> = evs.iter().map(|e| e.event_type.as_str()).collect();
+    for k in ["lease_acquired", "lease_released", "lease_expired"] {
+        assert!(kinds.contains(&k), "missing {k} in {kinds:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_at_create_and_fencing_inside_envd() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let created = c
+        .create_sandbox(&CreateSandboxRequest {
+            lease: Some(AcquireLeaseRequest {
+                owner: "me".into(),
+                ttl_s: Some(30),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let lease = created.lease.unwrap();
+    assert_eq!(created.sandbox.state, SandboxState::Leased);
+    assert_eq!(created.sandbox.lease_owner.as_deref(), Some("me"));
+    let id = created.sandbox.id;
+    // envd itself refuses a stale token, even if a caller got past the API
+    let live = ts.cp();
+    let sock = live
+        .cfg
+        .runtime_state_dir()
+        .join(id.as_str())
+        .join("control/envd.sock");
+    let envd = aviary_envd_proto::EnvdClient::new(sock);
+    let spec = aviary_envd_proto::ExecSpec {
+        argv: vec!["true".into()],
+        cwd: None,
+        env: vec![],
+        stdin: None,
+        timeout: None,
+    };
+    let e = envd
+        .exec_collect(spec.clone(), Some(lease.token.0 + 1))
+        .await
+        .err()
+        .expect("stale token must fail");
+    assert!(
+        matches!(e, aviary_envd_proto::EnvdError::StaleToken),
+        "{e:?}"
+    );
+    let e = envd
+        .exec_collect(spec.clone(), None)
+        .await
+        .err()
+        .expect("missing token must fail");
+    assert!(
+        matches!(e, aviary_envd_proto::EnvdError::LeaseRequired),
+        "{e:?}"
+    );
+    let ok = envd.exec_collect(spec, Some(lease.token.0)).await.unwrap();
+    assert_eq!(ok.exit.exit_code, 0);
+    c.delete_sandbox(id.as_str(), Some(lease.token))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_cannot_see_each_other() {
+    let ts = common::start().await;
+    let admin = &ts.client;
+    let k1 = admin.create_key("tenant-one", false).await.unwrap();
+    let k2 = admin.create_key("tenant-two", false).await.unwrap();
+    let one = aviary_client::Client::new(&ts.url(), &k1.key);
+    let two = aviary_client::Client::new(&ts.url(), &k2.key);
+    let id = one
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    assert_eq!(one.get_sandbox(&id).await.unwrap().tenant, "tenant-one");
+
+    assert_eq!(
+        code(two.get_sandbox(&id).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(two.exec(&id, &shell("true")).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(two.read_file(&id, "/etc/hostname").await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(
+            two.write_file(&id, "/workspace/x", b"x".to_vec(), None)
+                .await
+                .unwrap_err()
+        ),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(two.acquire_lease(&id, "thief", None).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(two.delete_sandbox(&id, None).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        code(two.events(Some(&id), None, None).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert!(two.list_sandboxes(true).await.unwrap().sandboxes.is_empty());
+    assert!(two
+        .events(None, None, None)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+    // non-admins cannot mint keys
+    assert_eq!(
+        code(two.create_key("tenant-one", true).await.unwrap_err()),
+        ErrorCode::Forbidden
+    );
+    // nothing changed for the owner
+    assert_eq!(
+        one.get_sandbox(&id).await.unwrap().state,
+        SandboxState::Idle
+    );
+    one.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_4xx_and_changes_nothing() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let key = ts.key.clone();
+    let before = c.list_sandboxes(true).await.unwrap().sandboxes.len();
+    let cases: Vec<(Method, &str, Option<Vec<u8>>, Option<&str>, u16, &str)> = vec![
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(b"{not json".to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"tempalte":"x"}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"ttl_s":"soon"}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"ttl_s":0}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"class":"gpu-huge"}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"template":"nope"}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(br#"{"network":"open"}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(format!("{{\"user_id\":\"{}\"}}", "u".repeat(3 << 20)).into_bytes()),
+            Some(&key),
+            413,
+            "payload_too_large",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(b"{}".to_vec()),
+            None,
+            401,
+            "unauthorized",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes",
+            Some(b"{}".to_vec()),
+            Some("avk_wrong"),
+            401,
+            "unauthorized",
+        ),
+        (
+            Method::GET,
+            "/v1/sandboxes",
+            None,
+            Some("x".repeat(10_000).as_str().to_owned().leak()),
+            401,
+            "unauthorized",
+        ),
+        (
+            Method::GET,
+            "/v1/sandboxes/sbx-aaaaaaaaaaaaaaaaaaaa",
+            None,
+            Some(&key),
+            404,
+            "not_found",
+        ),
+        (
+            Method::GET,
+            "/v1/sandboxes/..%2F..%2Fetc",
+            None,
+            Some(&key),
+            404,
+            "not_found",
+        ),
+        (
+            Method::GET,
+            "/v1/sandboxes?bogus=1",
+            None,
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (Method::GET, "/v1/nope", None, Some(&key), 404, "not_found"),
+        (
+            Method::POST,
+            "/v1/sandboxes/sbx-aaaaaaaaaaaaaaaaaaaa/exec",
+            Some(br#"{"shell":"true","cmd":["x"]}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/sandboxes/sbx-aaaaaaaaaaaaaaaaaaaa/lease",
+            Some(br#"{"owner":""}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+        (
+            Method::POST,
+            "/v1/keys",
+            Some(br#"{"tenant":"t","extra":1}"#.to_vec()),
+            Some(&key),
+            400,
+            "invalid_request",
+        ),
+    ];
+    for (m, path, body, auth, status, want) in cases {
+        let (got, v) = c.raw(m.clone(), path, body, auth).await.unwrap();
+        assert_eq!(got.as_u16(), status, "{m} {path}: {v}");
+        assert_eq!(v["error"]["code"], want, "{m} {path}: {v}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|s| !s.is_empty()));
+    }
+    assert_eq!(
+        c.list_sandboxes(true).await.unwrap().sandboxes.len(),
+        before
+    );
+
+    // bad exec bodies against a real sandbox change nothing in it
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    for body in [
+        br#"{"cmd":[]}"#.to_vec(),
+        br#"{"shell":"true","timeout_s":-1}"#.to_vec(),
+        br#"{"shell":"true","cwd":"relative"}"#.to_vec(),
+        br#"{"shell":"touch /workspace/should-not-exist","unknown":1}"#.to_vec(),
+    ] {
+        let (got, v) = c
+            .raw(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(body),
+                Some(&key),
+            )
+            .await
+            .unwrap();
+        assert_eq!(got.as_u16(), 400, "{v}");
+    }
+    assert_eq!(
+        code(
+            c.stat(&id, "/workspace/should-not-exist")
+                .await
+                .unwrap_err()
+        ),
+        ErrorCode::NotFound
+    );
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_record_every_transition() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.delete_sandbox(&id, None).await.unwrap();
+    let evs = c.events(Some(&id), None, None).await.unwrap().events;
+    let path: Vec<_> = evs.iter().filter_map(|e| e.new_state).collect();
+    use SandboxState::*;
+    assert_eq!(
+        path,
+        vec![
+            Requested,
+            Planning,
+            Allocating,
+            Provisioning,
+            Locking,
+            Idle,
+            Sanitizing,
+            Terminated
+        ]
+    );
+    for w in evs.windows(2) {
+        assert!(w[0].id < w[1].id);
+        if let (Some(a), Some(b)) = (w[1].old_state, w[1].new_state) {
+            assert!(a.can_transition_to(b) || a == b, "{a} -> {b}");
+        }
+    }
+    // following with `after` returns only newer events
+    let last = evs.last().unwrap().id;
+    assert!(c
+        .events(Some(&id), Some(last), None)
+        .await
+        .unwrap()
+        .events
+        .is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_health_and_metrics() {
+    let ts = common::start().await;
+    let http = reqwest::Client::new();
+    let doc: serde_json::Value = http
+        .get(format!("{}/openapi.json", ts.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let paths = doc["paths"].as_object().unwrap();
+    for p in [
+        "/v1/sandboxes",
+        "/v1/sandboxes/{id}/exec",
+        "/v1/sandboxes/{id}/lease",
+        "/v1/sandboxes/{id}/files",
+        "/v1/events",
+        "/v1/templates",
+    ] {
+        assert!(paths.contains_key(p), "openapi lacks {p}");
+    }
+    assert!(doc["components"]["schemas"]["CreateSandboxRequest"].is_object());
+    assert_eq!(
+        http.get(format!("{}/healthz", ts.url()))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    assert_eq!(
+        http.get(format!("{}/readyz", ts.url()))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let m = http
+        .get(format!("{}/metrics", ts.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("aviary_sandboxes_created_total"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_reattaches_and_keeps_tokens_monotonic() {
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let data = dir.path().join("d");
+    let mut ts = common::start_on(&data, "busybox").await;
+    let c = ts.client.clone();
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.write_file(&id, "/workspace/keep", b"kept".to_vec(), None)
+        .await
+        .unwrap();
+    let l1 = c.acquire_lease(&id, "a", None).await.unwrap();
+    c.release_lease(&id, l1.token).await.unwrap();
+    let doomed = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id;
+    ts.stop().await;
+    // the runtime loses one sandbox while the server is down
+    ts.cp_runtime_destroy(&doomed).await;
+
+    let ts2 = common::start_on(&data, "busybox").await;
+    let c2 = &ts2.client;
+    assert_eq!(ts2.key, ts.key, "admin key survives restarts");
+    assert_eq!(c2.read_file(&id, "/workspace/keep").await.unwrap(), b"kept");
+    let l2 = c2.acquire_lease(&id, "b", None).await.unwrap();
+    assert!(l2.token > l1.token);
+    let mut stale = shell("true");
+    stale.token = Some(l1.token);
+    assert_eq!(
+        code(c2.exec(&id, &stale).await.unwrap_err()),
+        ErrorCode::StaleToken
+    );
+    c2.delete_sandbox(&id, Some(l2.token)).await.unwrap();
+    let lost = c2.get_sandbox(doomed.as_str()).await.unwrap();
+    assert_eq!(lost.state, SandboxState::Terminated);
+    let evs = c2
+        .events(Some(doomed.as_str()), None, None)
+        .await
+        .unwrap()
+        .events;
+    assert!(evs.iter().any(|e| e.new_state == Some(SandboxState::Lost)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_expiry_destroys_the_sandbox() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest {
+            ttl_s: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let mut state = SandboxState::Idle;
+    for _ in 0..60 {
+        state = c.get_sandbox(&id).await.unwrap().state;
+        if state == SandboxState::Terminated {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, SandboxState::Terminated);
+}

@@ -1,0 +1,151 @@
+//! Test harness: a real server (real SQLite registry, real crun, real envd)
+//! on 127.0.0.1:0 with a private data dir, driven through the real client.
+#![allow(dead_code)]
+
+use aviary_client::Client;
+use aviary_server::config::{DefaultTemplateSource, ServerConfig};
+use aviary_server::RunningServer;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub struct TestServer {
+    pub server: Option<RunningServer>,
+    pub client: Client,
+    pub data: PathBuf,
+    pub key: String,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl TestServer {
+    pub fn url(&self) -> String {
+        self.server.as_ref().expect("server running").url()
+    }
+    pub fn cp(&self) -> &aviary_server::ops::ControlPlane {
+        &self.server.as_ref().expect("server running").control_plane
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// The static envd: `AVIARY_ENVD`, or built once with scripts/build-envd.sh.
+pub fn envd_binary() -> PathBuf {
+    static ENVD: OnceLock<PathBuf> = OnceLock::new();
+    ENVD.get_or_init(|| {
+        if let Some(p) = std::env::var_os("AVIARY_ENVD") {
+            return PathBuf::from(p);
+        }
+        let out = std::process::Command::new(workspace_root().join("scripts/build-envd.sh"))
+            .output()
+            .expect("run scripts/build-envd.sh");
+        assert!(
+            out.status.success(),
+            "building envd failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    })
+    .clone()
+}
+
+pub fn template_cache() -> PathBuf {
+    let p = std::env::var_os("AVIARY_TEST_TEMPLATE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/aviary-test-templates"));
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+pub fn config(data: &Path, default_template: &str) -> ServerConfig {
+    let mut cfg = ServerConfig::new(data.to_path_buf(), envd_binary());
+    cfg.listen = "127.0.0.1:0".parse().unwrap();
+    cfg.templates_dir = Some(template_cache());
+    cfg.default_template = default_template.into();
+    cfg.default_template_source = if default_template == "default" {
+        DefaultTemplateSource::Debootstrap
+    } else {
+        DefaultTemplateSource::Busybox
+    };
+    cfg.sweep_interval_ms = 100;
+    cfg
+}
+
+/// A ready server whose default template is the busybox one (fast).
+pub async fn start() -> TestServer {
+    start_with("busybox").await
+}
+
+pub async fn start_with(default_template: &str) -> TestServer {
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let data = dir.path().join("d");
+    let mut ts = start_on(&data, default_template).await;
+    ts._dir = Some(dir);
+    ts
+}
+
+pub async fn start_on(data: &Path, default_template: &str) -> TestServer {
+    let cfg = config(data, default_template);
+    start_cfg(cfg).await
+}
+
+pub async fn start_cfg(cfg: ServerConfig) -> TestServer {
+    let data = cfg.data_dir.clone();
+    let server = aviary_server::start(cfg, |line| eprintln!("prepare: {line}"))
+        .await
+        .unwrap();
+    let ready = server.control_plane.wait_ready().await;
+    assert_eq!(ready, aviary_server::ops::Readiness::Ready);
+    let client = Client::new(&server.url(), &server.admin_key);
+    TestServer {
+        key: server.admin_key.clone(),
+        server: Some(server),
+        client,
+        data,
+        _dir: None,
+    }
+}
+
+impl TestServer {
+    /// Stops the HTTP server (sandboxes keep running).
+    pub async fn stop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.stop().await.unwrap();
+        }
+    }
+
+    /// Destroys every sandbox this server still has (test cleanup).
+    pub async fn cleanup(&self) {
+        if let Ok(list) = self.client.list_sandboxes(false).await {
+            for s in list.sandboxes {
+                let _ = self.cp().runtime.destroy(&s.id).await;
+            }
+        }
+    }
+}
+
+pub fn shell(s: &str) -> aviary_core::api::ExecRequest {
+    aviary_core::api::ExecRequest {
+        shell: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+impl TestServer {
+    /// Destroys a sandbox behind the server's back (simulates runtime loss).
+    pub async fn cp_runtime_destroy(&self, id: &aviary_core::SandboxId) {
+        let cfg = config(&self.data, "busybox");
+        let rt = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            cfg.runtime_state_dir(),
+        ))
+        .unwrap();
+        aviary_runtime::Runtime::destroy(&rt, id).await.unwrap();
+    }
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what Aviary needs on Debian 12, idempotently. Sourced or run.
+#   scripts/deps.sh            runtime + build dependencies
+#   scripts/deps.sh test       plus what the test suite and benchmarks use
+set -euo pipefail
+
+want=(crun runc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file)
+if [[ "${1:-}" == test || "${1:-}" == bench ]]; then
+  want+=(docker.io procps)
+fi
+
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  if [[ $EUID -ne 0 ]]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+  else
+    echo "deps: cargo not found; install a Rust toolchain (rustup) first" >&2
+    exit 1
+  fi
+fi

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set-up command 2: installs what the tests need and runs the whole suite
+# (format, lints, unit, property, conformance and integration tests against
+# real crun/runc, overlayfs, cgroups and sockets). Run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh test
+
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+export AVIARY_TEST_TEMPLATE_CACHE=${AVIARY_TEST_TEMPLATE_CACHE:-/var/tmp/aviary-test-templates}
+mkdir -p "$AVIARY_TEST_TEMPLATE_CACHE"
+
+echo "== fmt"
+cargo fmt --all -- --check
+echo "== static envd"
+AVIARY_ENVD=$(scripts/build-envd.sh)
+export AVIARY_ENVD
+echo "== clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== tests"
+cargo test --workspace --locked -- --test-threads="${AVIARY_TEST_THREADS:-4}"
