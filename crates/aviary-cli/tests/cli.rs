@@ -236,9 +236,19 @@ fn template_import_from_a_docker_save_archive() {
         r#"[{"Config":"config.json","RepoTags":["mini:latest"],"Layers":["layer.tar"]}]"#,
     )
     .unwrap();
+    let sum = Command::new("sha256sum")
+        .arg(work.join("layer.tar"))
+        .output()
+        .unwrap();
+    let diff_id = String::from_utf8(sum.stdout)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
     std::fs::write(
         work.join("config.json"),
-        r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#,
+        format!(r#"{{"architecture":"amd64","os":"linux","rootfs":{{"type":"layers","diff_ids":["sha256:{diff_id}"]}}}}"#),
     )
     .unwrap();
     let archive = s._dir.path().join("mini.tar");
