@@ -1,0 +1,425 @@
+//! Aviary's configuration file (`aviary serve --config aviary.toml`).
+//!
+//! This crate owns the shape of the file, its built-in defaults and its
+//! validation. The defaults are documented, option by option, in
+//! `aviary.example.toml` at the repository root; a test keeps
+//! [`Config::default()`] equal to that file.
+//!
+//! Invariants of a [`Config`] returned by [`Config::load`] / [`Config::from_str`]
+//! (and of the default): names are unique per section; every class has
+//! positive limits and at least one runtime and network profile, all of them
+//! defined; every tenant, pool and `server.default_class` refers only to
+//! defined classes, profiles and runtimes; pool bounds are ordered. Anything
+//! else is a [`ConfigError`] naming `file:line:column` and the key, so a
+//! server with a bad file never starts.
+//!
+//! Section rules: every top-level section may be left out, and then takes its
+//! built-in default as a whole. A section that is present replaces the default
+//! entirely (a file with one `[[class]]` has one class). Within `[server]`,
+//! `[planner]` and `[overcommit]` each key defaults on its own.
+//!
+//! No I/O besides [`Config::load`] reading the file; no global state.
+#![forbid(unsafe_code)]
+
+mod error;
+mod raw;
+
+pub use error::{ConfigError, LineCol};
+
+use aviary_core::{NetworkProfile, ResourceLimits};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// The example file, which documents every option; it equals the defaults.
+pub const EXAMPLE_TOML: &str = include_str!("../../../aviary.example.toml");
+
+/// The whole configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub server: ServerSettings,
+    /// `[[class]]` tables, in file order.
+    pub classes: Vec<ResourceClass>,
+    /// `[[network_profile]]` tables, in file order.
+    pub network_profiles: Vec<NetworkProfileDef>,
+    /// `[[tenant]]` tables, in file order.
+    pub tenants: Vec<Tenant>,
+    /// `[[pool]]` tables, in file order.
+    pub pools: Vec<PoolSettings>,
+    pub planner: PlannerSettings,
+    pub overcommit: Overcommit,
+}
+
+/// `[server]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServerSettings {
+    /// Registry, templates, sandboxes and `admin.key` live here.
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    /// OCI runtime of the local node.
+    pub runtime: Runtime,
+    /// Template used when a create names none.
+    pub default_template: String,
+    /// Class used when a create names neither a class nor an intent.
+    pub default_class: String,
+}
+
+/// An OCI runtime a sandbox can run on.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Runtime {
+    Crun,
+    Runc,
+}
+
+impl Runtime {
+    pub const ALL: [Runtime; 2] = [Runtime::Crun, Runtime::Runc];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Runtime::Crun => "crun",
+            Runtime::Runc => "runc",
+        }
+    }
+}
+
+impl fmt::Display for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Runtime {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "crun" => Ok(Runtime::Crun),
+            "runc" => Ok(Runtime::Runc),
+            other => Err(format!("unknown runtime {other:?} (crun|runc)")),
+        }
+    }
+}
+
+/// `[[class]]`: a named resource class. A sandbox always runs with exactly one
+/// class's limits.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResourceClass {
+    pub name: String,
+    /// CPU cores, fractional allowed (CFS quota).
+    pub cpu: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u32,
+    pub gpu: bool,
+    pub runtimes: Vec<Runtime>,
+    /// Names of [`NetworkProfileDef`]s this class may use.
+    pub network_profiles: Vec<String>,
+}
+
+impl ResourceClass {
+    /// The limits a sandbox of this class runs under.
+    pub fn limits(&self) -> ResourceLimits {
+        ResourceLimits {
+            cpu: self.cpu,
+            memory_mb: self.memory_mb,
+            disk_mb: self.disk_mb,
+            pids: self.pids,
+        }
+    }
+
+    pub fn supports_runtime(&self, runtime: Runtime) -> bool {
+        self.runtimes.contains(&runtime)
+    }
+
+    pub fn supports_network_profile(&self, profile: &str) -> bool {
+        self.network_profiles.iter().any(|p| p == profile)
+    }
+}
+
+/// `[[network_profile]]`: a named network policy of one kind.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NetworkProfileDef {
+    pub name: String,
+    pub kind: NetworkProfile,
+    /// For `allowlist`: the domains egress may reach (`example.org` exactly,
+    /// `*.example.org` any subdomain). Empty for the other kinds.
+    pub allow: Vec<String>,
+}
+
+/// A tenant's list of allowed names, or `"*"` for everything configured.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Allowed<T> {
+    All,
+    Only(Vec<T>),
+}
+
+impl<T: PartialEq> Allowed<T> {
+    pub fn allows(&self, item: &T) -> bool {
+        match self {
+            Allowed::All => true,
+            Allowed::Only(items) => items.contains(item),
+        }
+    }
+}
+
+impl Allowed<String> {
+    pub fn allows_name(&self, name: &str) -> bool {
+        match self {
+            Allowed::All => true,
+            Allowed::Only(items) => items.iter().any(|i| i == name),
+        }
+    }
+}
+
+/// `[[tenant]]`: quotas and allow-lists. Quotas count the limits of the
+/// tenant's live sandboxes (their classes' limits, not measured use).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tenant {
+    pub name: String,
+    /// Live sandboxes at once; 0 suspends the tenant.
+    pub max_sandboxes: u32,
+    /// Sum of the classes' CPU limits over live sandboxes.
+    pub max_cpu: f64,
+    /// Sum of the classes' memory limits over live sandboxes.
+    pub max_memory_mb: u64,
+    pub allowed_classes: Allowed<String>,
+    pub allowed_network_profiles: Allowed<String>,
+    pub allowed_runtimes: Allowed<Runtime>,
+}
+
+/// `[[pool]]`: a warm pool for one (class, template, runtime).
+///
+/// `pool_min`/`pool_max` bound the pool's total (warm idle plus handed out
+/// and not yet returned); `buffer_min`/`buffer_max` bound its warm idle
+/// sandboxes. The pool manager refills while idle < `buffer_min` (and total <
+/// `pool_max`) or total < `pool_min`, and destroys returned sandboxes beyond
+/// `buffer_max` idle.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolSettings {
+    pub class: String,
+    pub template: String,
+    pub runtime: Runtime,
+    pub pool_min: u32,
+    pub pool_max: u32,
+    pub buffer_min: u32,
+    pub buffer_max: u32,
+}
+
+/// `[planner]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlannerSettings {
+    /// How many most recent allocation records per workload signature the
+    /// telemetry right-sizer reads.
+    pub history_window: u32,
+    /// `[planner.llm]`; absent means no LLM planner.
+    pub llm: Option<LlmSettings>,
+}
+
+/// `[planner.llm]`: an OpenAI-compatible chat-completions endpoint.
+#[derive(Clone, PartialEq)]
+pub struct LlmSettings {
+    /// `POST {base_url}/chat/completions`.
+    pub base_url: String,
+    pub model: String,
+    /// The key itself (prefer `api_key_env`); never printed by `Debug`.
+    pub api_key: Option<String>,
+    /// Name of the environment variable holding the key, read at use time.
+    pub api_key_env: Option<String>,
+    pub timeout_ms: u64,
+}
+
+impl LlmSettings {
+    /// The key to send, from `api_key` or the `api_key_env` variable; `None`
+    /// when neither gives one (endpoints without auth).
+    pub fn resolve_api_key(&self) -> Option<String> {
+        if let Some(k) = &self.api_key {
+            return Some(k.clone());
+        }
+        self.api_key_env
+            .as_ref()
+            .and_then(|var| std::env::var(var).ok())
+            .filter(|k| !k.is_empty())
+    }
+}
+
+impl fmt::Debug for LlmSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmSettings")
+            .field("base_url", &self.base_url)
+            .field("model", &self.model)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("api_key_env", &self.api_key_env)
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
+}
+
+/// `[overcommit]`: how far the sum of the limits committed on one node may
+/// exceed its real capacity.
+///
+/// Every sandbox's own limits are real (cgroup CPU quota, memory limit, pids
+/// limit), whatever the host has: a class may ask for more CPUs than the host
+/// has, and then its quota simply never binds. What over-commit bounds is the
+/// *sum* over a node: the scheduler admits a sandbox only while
+/// `committed_cpu + class.cpu <= host_cpus * cpu_ratio` and likewise for
+/// memory. CPU is compressible (over-committed sandboxes get slower, nothing
+/// is killed), so a ratio well above 1 is safe. Memory is not: if sandboxes
+/// together really use more than the host has, the kernel OOM killer picks
+/// victims outside their cgroups' limits; keep `memory_ratio` near 1 unless
+/// workloads are known to stay far below their limits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Overcommit {
+    pub cpu_ratio: f64,
+    pub memory_ratio: f64,
+}
+
+impl Overcommit {
+    /// CPU a node with `host_cpus` cores may commit.
+    pub fn cpu_capacity(&self, host_cpus: f64) -> f64 {
+        host_cpus * self.cpu_ratio
+    }
+
+    /// Memory (MiB) a node with `host_memory_mb` may commit.
+    pub fn memory_capacity_mb(&self, host_memory_mb: u64) -> u64 {
+        // Float rounding is irrelevant at MiB granularity; saturates on overflow.
+        (host_memory_mb as f64 * self.memory_ratio) as u64
+    }
+}
+
+impl Config {
+    /// Reads and validates the file at `path`; errors name the path as origin.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::from_str(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates `text`; `origin` names it in errors (usually the
+    /// file name).
+    #[allow(clippy::should_implement_trait)]
+    pub fn from_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        raw::parse(text, origin)
+    }
+
+    pub fn class(&self, name: &str) -> Option<&ResourceClass> {
+        self.classes.iter().find(|c| c.name == name)
+    }
+
+    pub fn tenant(&self, name: &str) -> Option<&Tenant> {
+        self.tenants.iter().find(|t| t.name == name)
+    }
+
+    pub fn network_profile(&self, name: &str) -> Option<&NetworkProfileDef> {
+        self.network_profiles.iter().find(|p| p.name == name)
+    }
+}
+
+/// The seed's five classes (seed 002 §4): name, cpu, memory GiB, disk GiB, pids.
+const SEED_CLASSES: [(&str, f64, u64, u64, u32); 5] = [
+    ("python-small", 1.0, 2, 10, 512),
+    ("python-ds", 2.0, 4, 20, 1024),
+    ("build-medium", 4.0, 8, 30, 4096),
+    ("browser-medium", 4.0, 8, 30, 4096),
+    ("compute-large", 8.0, 16, 50, 4096),
+];
+
+pub(crate) fn default_server() -> ServerSettings {
+    ServerSettings {
+        data_dir: PathBuf::from("/var/lib/aviary"),
+        listen: SocketAddr::from(([127, 0, 0, 1], 7400)),
+        runtime: Runtime::Crun,
+        default_template: "default".into(),
+        default_class: "python-small".into(),
+    }
+}
+
+pub(crate) fn default_classes() -> Vec<ResourceClass> {
+    SEED_CLASSES
+        .iter()
+        .map(|&(name, cpu, mem_gib, disk_gib, pids)| ResourceClass {
+            name: name.into(),
+            cpu,
+            memory_mb: mem_gib * 1024,
+            disk_mb: disk_gib * 1024,
+            pids,
+            gpu: false,
+            runtimes: Runtime::ALL.to_vec(),
+            network_profiles: vec!["none".into(), "pypi-readonly".into(), "open".into()],
+        })
+        .collect()
+}
+
+pub(crate) fn default_network_profiles() -> Vec<NetworkProfileDef> {
+    vec![
+        NetworkProfileDef {
+            name: "none".into(),
+            kind: NetworkProfile::None,
+            allow: vec![],
+        },
+        NetworkProfileDef {
+            name: "pypi-readonly".into(),
+            kind: NetworkProfile::Allowlist,
+            allow: vec!["pypi.org".into(), "files.pythonhosted.org".into()],
+        },
+        NetworkProfileDef {
+            name: "open".into(),
+            kind: NetworkProfile::Open,
+            allow: vec![],
+        },
+    ]
+}
+
+pub(crate) fn default_tenants() -> Vec<Tenant> {
+    vec![Tenant {
+        name: "default".into(),
+        max_sandboxes: 64,
+        max_cpu: 128.0,
+        max_memory_mb: 256 * 1024,
+        allowed_classes: Allowed::All,
+        allowed_network_profiles: Allowed::All,
+        allowed_runtimes: Allowed::All,
+    }]
+}
+
+pub(crate) fn default_pools() -> Vec<PoolSettings> {
+    vec![PoolSettings {
+        class: "python-small".into(),
+        template: "default".into(),
+        runtime: Runtime::Crun,
+        pool_min: 0,
+        pool_max: 8,
+        buffer_min: 0,
+        buffer_max: 2,
+    }]
+}
+
+pub(crate) const DEFAULT_HISTORY_WINDOW: u32 = 50;
+pub(crate) const DEFAULT_LLM_TIMEOUT_MS: u64 = 5000;
+
+pub(crate) fn default_overcommit() -> Overcommit {
+    Overcommit {
+        cpu_ratio: 4.0,
+        memory_ratio: 1.5,
+    }
+}
+
+impl Default for Config {
+    /// The built-in configuration; equal to `aviary.example.toml`.
+    fn default() -> Self {
+        Config {
+            server: default_server(),
+            classes: default_classes(),
+            network_profiles: default_network_profiles(),
+            tenants: default_tenants(),
+            pools: default_pools(),
+            planner: PlannerSettings {
+                history_window: DEFAULT_HISTORY_WINDOW,
+                llm: None,
+            },
+            overcommit: default_overcommit(),
+        }
+    }
+}

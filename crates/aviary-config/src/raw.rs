@@ -1,0 +1,782 @@
+//! The file as written (with byte spans on every validated value), and its
+//! validation into a [`Config`]. Spans are byte ranges into the text; a span
+//! of `0..0` marks a built-in default that the file left out.
+
+use crate::{
+    Allowed, Config, ConfigError, LlmSettings, NetworkProfileDef, Overcommit, PlannerSettings,
+    PoolSettings, ResourceClass, Runtime, ServerSettings, Tenant,
+};
+use aviary_core::NetworkProfile;
+use serde::de::{self, Deserializer, SeqAccess, Unexpected, Visitor};
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::PathBuf;
+use toml::Spanned;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    #[serde(rename = "class")]
+    classes: Option<Vec<RawClass>>,
+    #[serde(rename = "network_profile")]
+    network_profiles: Option<Vec<RawNetworkProfile>>,
+    #[serde(rename = "tenant")]
+    tenants: Option<Vec<RawTenant>>,
+    #[serde(rename = "pool")]
+    pools: Option<Vec<RawPool>>,
+    planner: Option<RawPlanner>,
+    overcommit: Option<RawOvercommit>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    data_dir: Option<Spanned<String>>,
+    listen: Option<Spanned<String>>,
+    runtime: Option<Runtime>,
+    default_template: Option<Spanned<String>>,
+    default_class: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClass {
+    name: Spanned<String>,
+    cpu: Spanned<f64>,
+    memory_mb: Spanned<u64>,
+    disk_mb: Spanned<u64>,
+    pids: Spanned<u32>,
+    #[serde(default)]
+    gpu: bool,
+    runtimes: Option<Spanned<Vec<Runtime>>>,
+    network_profiles: Option<Spanned<Vec<Spanned<String>>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetworkProfile {
+    name: Spanned<String>,
+    kind: Spanned<NetworkProfile>,
+    #[serde(default)]
+    allow: Vec<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    name: Spanned<String>,
+    max_sandboxes: u32,
+    max_cpu: Spanned<f64>,
+    max_memory_mb: Spanned<u64>,
+    allowed_classes: RawAllowed,
+    allowed_network_profiles: RawAllowed,
+    allowed_runtimes: RawAllowed,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPool {
+    class: Spanned<String>,
+    template: Spanned<String>,
+    runtime: Spanned<Runtime>,
+    pool_min: Spanned<u32>,
+    pool_max: Spanned<u32>,
+    buffer_min: Spanned<u32>,
+    buffer_max: Spanned<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlanner {
+    history_window: Option<Spanned<u32>>,
+    llm: Option<RawLlm>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLlm {
+    base_url: Spanned<String>,
+    model: Spanned<String>,
+    api_key: Option<Spanned<String>>,
+    api_key_env: Option<Spanned<String>>,
+    timeout_ms: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOvercommit {
+    cpu_ratio: Option<Spanned<f64>>,
+    memory_ratio: Option<Spanned<f64>>,
+}
+
+/// `"*"` or a list of names, each with its span.
+enum RawAllowed {
+    All,
+    Only(Vec<Spanned<String>>),
+}
+
+impl<'de> Deserialize<'de> for RawAllowed {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct AllowedVisitor;
+        impl<'de> Visitor<'de> for AllowedVisitor {
+            type Value = RawAllowed;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(r#""*" or a list of names"#)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawAllowed, E> {
+                if v == "*" {
+                    Ok(RawAllowed::All)
+                } else {
+                    Err(E::invalid_value(Unexpected::Str(v), &self))
+                }
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawAllowed, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<Spanned<String>>()? {
+                    items.push(item);
+                }
+                Ok(RawAllowed::Only(items))
+            }
+        }
+        d.deserialize_any(AllowedVisitor)
+    }
+}
+
+/// Span of a value the file left out.
+const DEFAULTED: Range<usize> = 0..0;
+
+struct Checker<'a> {
+    text: &'a str,
+    origin: &'a str,
+}
+
+impl Checker<'_> {
+    fn fail(&self, span: &Range<usize>, key: String, message: String) -> ConfigError {
+        ConfigError::invalid(self.text, self.origin, span, key, message)
+    }
+
+    fn check(
+        &self,
+        ok: bool,
+        span: &Range<usize>,
+        key: impl FnOnce() -> String,
+        message: impl FnOnce() -> String,
+    ) -> Result<(), ConfigError> {
+        if ok {
+            Ok(())
+        } else {
+            Err(self.fail(span, key(), message()))
+        }
+    }
+
+    fn check_name(&self, what: &str, key: String, name: &Spanned<String>) -> Result<(), ConfigError> {
+        let n = name.get_ref();
+        self.check(
+            valid_name(n),
+            &name.span(),
+            || key,
+            || {
+                format!(
+                    "{what} name {n:?} is invalid: use 1-64 characters a-z, A-Z, 0-9, '-', '_', '.', starting with a letter or digit"
+                )
+            },
+        )
+    }
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && n
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// `example.org` or `*.example.org`: dot-separated labels of a-z, 0-9, '-'.
+fn valid_domain(d: &str) -> bool {
+    let host = d.strip_prefix("*.").unwrap_or(d);
+    !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        })
+}
+
+pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+    let raw: RawConfig =
+        toml::from_str(text).map_err(|e| ConfigError::from_toml(text, origin, &e))?;
+    let ck = Checker { text, origin };
+
+    let network_profiles = match raw.network_profiles {
+        Some(list) => check_profiles(&ck, list)?,
+        None => crate::default_network_profiles(),
+    };
+    let profile_names: HashSet<&str> = network_profiles.iter().map(|p| p.name.as_str()).collect();
+
+    let classes = match raw.classes {
+        Some(list) => check_classes(&ck, list, &profile_names)?,
+        None => crate::default_classes(),
+    };
+    let class_names: HashSet<&str> = classes.iter().map(|c| c.name.as_str()).collect();
+
+    let server = check_server(&ck, raw.server, &class_names)?;
+
+    let tenants = match raw.tenants {
+        Some(list) => check_tenants(&ck, list, &class_names, &profile_names)?,
+        None => crate::default_tenants(),
+    };
+
+    let pools = match raw.pools {
+        Some(list) => check_pools(&ck, list, &classes)?,
+        None => {
+            let pools = crate::default_pools();
+            for p in &pools {
+                let usable = classes
+                    .iter()
+                    .any(|c| c.name == p.class && c.supports_runtime(p.runtime));
+                ck.check(
+                    usable,
+                    &DEFAULTED,
+                    || "pool".into(),
+                    || {
+                        format!(
+                            "the built-in pool is for class {:?} on {}, which this file does not define; \
+                             add [[pool]] tables, or `pool = []` for none",
+                            p.class, p.runtime
+                        )
+                    },
+                )?;
+            }
+            pools
+        }
+    };
+
+    let planner = check_planner(&ck, raw.planner)?;
+    let overcommit = check_overcommit(&ck, raw.overcommit)?;
+
+    Ok(Config {
+        server,
+        classes,
+        network_profiles,
+        tenants,
+        pools,
+        planner,
+        overcommit,
+    })
+}
+
+fn check_server(
+    ck: &Checker<'_>,
+    raw: Option<RawServer>,
+    classes: &HashSet<&str>,
+) -> Result<ServerSettings, ConfigError> {
+    let mut s = crate::default_server();
+    let mut class_span = DEFAULTED;
+    if let Some(raw) = raw {
+        if let Some(dir) = raw.data_dir {
+            ck.check(
+                !dir.get_ref().trim().is_empty(),
+                &dir.span(),
+                || "server.data_dir".into(),
+                || "server: data_dir must not be empty".into(),
+            )?;
+            s.data_dir = PathBuf::from(dir.into_inner());
+        }
+        if let Some(listen) = raw.listen {
+            s.listen = listen.get_ref().parse::<SocketAddr>().map_err(|_| {
+                ck.fail(
+                    &listen.span(),
+                    "server.listen".into(),
+                    format!(
+                        "server: listen {:?} is not an address (ip:port, e.g. 127.0.0.1:7400)",
+                        listen.get_ref()
+                    ),
+                )
+            })?;
+        }
+        if let Some(rt) = raw.runtime {
+            s.runtime = rt;
+        }
+        if let Some(t) = raw.default_template {
+            ck.check_name("template", "server.default_template".into(), &t)?;
+            s.default_template = t.into_inner();
+        }
+        if let Some(c) = raw.default_class {
+            class_span = c.span();
+            s.default_class = c.into_inner();
+        }
+    }
+    ck.check(
+        classes.contains(s.default_class.as_str()),
+        &class_span,
+        || "server.default_class".into(),
+        || {
+            format!(
+                "server: default_class {:?} is not a configured class",
+                s.default_class
+            )
+        },
+    )?;
+    Ok(s)
+}
+
+fn check_profiles(
+    ck: &Checker<'_>,
+    list: Vec<RawNetworkProfile>,
+) -> Result<Vec<NetworkProfileDef>, ConfigError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, p) in list.into_iter().enumerate() {
+        let key = |field: &str| format!("network_profile[{i}].{field}");
+        ck.check_name("network profile", key("name"), &p.name)?;
+        let name = p.name.get_ref().clone();
+        ck.check(
+            seen.insert(name.clone()),
+            &p.name.span(),
+            || key("name"),
+            || format!("network profile {name:?} is defined twice"),
+        )?;
+        let kind = *p.kind.get_ref();
+        match kind {
+            NetworkProfile::Allowlist => ck.check(
+                !p.allow.is_empty(),
+                &p.kind.span(),
+                || key("allow"),
+                || format!("network profile {name:?}: kind \"allowlist\" needs a non-empty allow list"),
+            )?,
+            NetworkProfile::None | NetworkProfile::Open => {
+                if let Some(first) = p.allow.first() {
+                    return Err(ck.fail(
+                        &first.span(),
+                        key("allow"),
+                        format!(
+                            "network profile {name:?}: allow is only for kind \"allowlist\", not {:?}",
+                            kind.as_str()
+                        ),
+                    ));
+                }
+            }
+        }
+        for d in &p.allow {
+            ck.check(
+                valid_domain(d.get_ref()),
+                &d.span(),
+                || key("allow"),
+                || {
+                    format!(
+                        "network profile {name:?}: {:?} is not a domain (lowercase example.org or *.example.org)",
+                        d.get_ref()
+                    )
+                },
+            )?;
+        }
+        out.push(NetworkProfileDef {
+            name,
+            kind,
+            allow: p.allow.into_iter().map(Spanned::into_inner).collect(),
+        });
+    }
+    Ok(out)
+}
+
+fn check_classes(
+    ck: &Checker<'_>,
+    list: Vec<RawClass>,
+    profiles: &HashSet<&str>,
+) -> Result<Vec<ResourceClass>, ConfigError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, c) in list.into_iter().enumerate() {
+        let key = |field: &str| format!("class[{i}].{field}");
+        ck.check_name("class", key("name"), &c.name)?;
+        let name = c.name.get_ref().clone();
+        ck.check(
+            seen.insert(name.clone()),
+            &c.name.span(),
+            || key("name"),
+            || format!("class {name:?} is defined twice"),
+        )?;
+        let cpu = *c.cpu.get_ref();
+        ck.check(
+            cpu.is_finite() && cpu > 0.0 && cpu <= 1024.0,
+            &c.cpu.span(),
+            || key("cpu"),
+            || format!("class {name:?}: cpu must be > 0 and <= 1024, got {cpu}"),
+        )?;
+        ck.check(
+            *c.memory_mb.get_ref() > 0,
+            &c.memory_mb.span(),
+            || key("memory_mb"),
+            || format!("class {name:?}: memory_mb must be > 0"),
+        )?;
+        ck.check(
+            *c.disk_mb.get_ref() > 0,
+            &c.disk_mb.span(),
+            || key("disk_mb"),
+            || format!("class {name:?}: disk_mb must be > 0"),
+        )?;
+        ck.check(
+            *c.pids.get_ref() > 0,
+            &c.pids.span(),
+            || key("pids"),
+            || format!("class {name:?}: pids must be > 0"),
+        )?;
+        let runtimes = match c.runtimes {
+            Some(r) => {
+                ck.check(
+                    !r.get_ref().is_empty(),
+                    &r.span(),
+                    || key("runtimes"),
+                    || format!("class {name:?}: runtimes must not be empty"),
+                )?;
+                let mut rts = r.into_inner();
+                rts.dedup();
+                rts
+            }
+            None => Runtime::ALL.to_vec(),
+        };
+        let network_profiles = match c.network_profiles {
+            Some(list) => {
+                ck.check(
+                    !list.get_ref().is_empty(),
+                    &list.span(),
+                    || key("network_profiles"),
+                    || format!("class {name:?}: network_profiles must not be empty"),
+                )?;
+                let mut names = Vec::new();
+                for p in list.into_inner() {
+                    ck.check(
+                        profiles.contains(p.get_ref().as_str()),
+                        &p.span(),
+                        || key("network_profiles"),
+                        || {
+                            format!(
+                                "class {name:?}: network profile {:?} is not defined",
+                                p.get_ref()
+                            )
+                        },
+                    )?;
+                    names.push(p.into_inner());
+                }
+                names
+            }
+            None => vec!["none".to_owned()],
+        };
+        if !profiles.contains("none") && network_profiles == ["none"] {
+            return Err(ck.fail(
+                &c.name.span(),
+                key("network_profiles"),
+                format!(
+                    "class {name:?}: no network_profiles given and the default \"none\" is not defined"
+                ),
+            ));
+        }
+        out.push(ResourceClass {
+            name,
+            cpu,
+            memory_mb: c.memory_mb.into_inner(),
+            disk_mb: c.disk_mb.into_inner(),
+            pids: c.pids.into_inner(),
+            gpu: c.gpu,
+            runtimes,
+            network_profiles,
+        });
+    }
+    ck.check(
+        !out.is_empty(),
+        &DEFAULTED,
+        || "class".into(),
+        || "at least one [[class]] is needed".into(),
+    )?;
+    Ok(out)
+}
+
+fn check_allowed_names(
+    ck: &Checker<'_>,
+    raw: RawAllowed,
+    key: String,
+    tenant: &str,
+    what: &str,
+    known: &dyn Fn(&str) -> bool,
+) -> Result<Allowed<String>, ConfigError> {
+    match raw {
+        RawAllowed::All => Ok(Allowed::All),
+        RawAllowed::Only(items) => {
+            let mut out = Vec::with_capacity(items.len());
+            for item in items {
+                ck.check(
+                    known(item.get_ref()),
+                    &item.span(),
+                    || key.clone(),
+                    || format!("tenant {tenant:?}: {what} {:?} is not defined", item.get_ref()),
+                )?;
+                out.push(item.into_inner());
+            }
+            Ok(Allowed::Only(out))
+        }
+    }
+}
+
+fn check_tenants(
+    ck: &Checker<'_>,
+    list: Vec<RawTenant>,
+    classes: &HashSet<&str>,
+    profiles: &HashSet<&str>,
+) -> Result<Vec<Tenant>, ConfigError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, t) in list.into_iter().enumerate() {
+        let key = |field: &str| format!("tenant[{i}].{field}");
+        ck.check_name("tenant", key("name"), &t.name)?;
+        let name = t.name.get_ref().clone();
+        ck.check(
+            seen.insert(name.clone()),
+            &t.name.span(),
+            || key("name"),
+            || format!("tenant {name:?} is defined twice"),
+        )?;
+        let max_cpu = *t.max_cpu.get_ref();
+        ck.check(
+            max_cpu.is_finite() && max_cpu > 0.0,
+            &t.max_cpu.span(),
+            || key("max_cpu"),
+            || format!("tenant {name:?}: max_cpu must be > 0, got {max_cpu}"),
+        )?;
+        ck.check(
+            *t.max_memory_mb.get_ref() > 0,
+            &t.max_memory_mb.span(),
+            || key("max_memory_mb"),
+            || format!("tenant {name:?}: max_memory_mb must be > 0"),
+        )?;
+        let allowed_classes = check_allowed_names(
+            ck,
+            t.allowed_classes,
+            key("allowed_classes"),
+            &name,
+            "class",
+            &|n| classes.contains(n),
+        )?;
+        let allowed_network_profiles = check_allowed_names(
+            ck,
+            t.allowed_network_profiles,
+            key("allowed_network_profiles"),
+            &name,
+            "network profile",
+            &|n| profiles.contains(n),
+        )?;
+        let allowed_runtimes = match t.allowed_runtimes {
+            RawAllowed::All => Allowed::All,
+            RawAllowed::Only(items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for item in items {
+                    let rt = item.get_ref().parse::<Runtime>().map_err(|e| {
+                        ck.fail(
+                            &item.span(),
+                            key("allowed_runtimes"),
+                            format!("tenant {name:?}: {e}"),
+                        )
+                    })?;
+                    out.push(rt);
+                }
+                Allowed::Only(out)
+            }
+        };
+        out.push(Tenant {
+            name,
+            max_sandboxes: t.max_sandboxes,
+            max_cpu,
+            max_memory_mb: t.max_memory_mb.into_inner(),
+            allowed_classes,
+            allowed_network_profiles,
+            allowed_runtimes,
+        });
+    }
+    Ok(out)
+}
+
+fn check_pools(
+    ck: &Checker<'_>,
+    list: Vec<RawPool>,
+    classes: &[ResourceClass],
+) -> Result<Vec<PoolSettings>, ConfigError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, p) in list.into_iter().enumerate() {
+        let key = |field: &str| format!("pool[{i}].{field}");
+        let class_name = p.class.get_ref().clone();
+        let class = classes
+            .iter()
+            .find(|c| c.name == class_name)
+            .ok_or_else(|| {
+                ck.fail(
+                    &p.class.span(),
+                    key("class"),
+                    format!("pool: class {class_name:?} is not defined"),
+                )
+            })?;
+        ck.check_name("template", key("template"), &p.template)?;
+        let runtime = *p.runtime.get_ref();
+        ck.check(
+            class.supports_runtime(runtime),
+            &p.runtime.span(),
+            || key("runtime"),
+            || format!("pool for class {class_name:?}: the class does not allow runtime {runtime}"),
+        )?;
+        let template = p.template.get_ref().clone();
+        ck.check(
+            seen.insert((class_name.clone(), template.clone(), runtime)),
+            &p.class.span(),
+            || key("class"),
+            || format!("pool ({class_name}, {template}, {runtime}) is defined twice"),
+        )?;
+        let (pool_min, pool_max) = (*p.pool_min.get_ref(), *p.pool_max.get_ref());
+        let (buffer_min, buffer_max) = (*p.buffer_min.get_ref(), *p.buffer_max.get_ref());
+        ck.check(
+            pool_min <= pool_max,
+            &p.pool_min.span(),
+            || key("pool_min"),
+            || format!("pool for class {class_name:?}: pool_min ({pool_min}) > pool_max ({pool_max})"),
+        )?;
+        ck.check(
+            buffer_min <= buffer_max,
+            &p.buffer_min.span(),
+            || key("buffer_min"),
+            || {
+                format!(
+                    "pool for class {class_name:?}: buffer_min ({buffer_min}) > buffer_max ({buffer_max})"
+                )
+            },
+        )?;
+        ck.check(
+            buffer_max <= pool_max,
+            &p.buffer_max.span(),
+            || key("buffer_max"),
+            || {
+                format!(
+                    "pool for class {class_name:?}: buffer_max ({buffer_max}) > pool_max ({pool_max})"
+                )
+            },
+        )?;
+        out.push(PoolSettings {
+            class: class_name,
+            template,
+            runtime,
+            pool_min,
+            pool_max,
+            buffer_min,
+            buffer_max,
+        });
+    }
+    Ok(out)
+}
+
+fn check_planner(ck: &Checker<'_>, raw: Option<RawPlanner>) -> Result<PlannerSettings, ConfigError> {
+    let mut planner = PlannerSettings {
+        history_window: crate::DEFAULT_HISTORY_WINDOW,
+        llm: None,
+    };
+    let Some(raw) = raw else {
+        return Ok(planner);
+    };
+    if let Some(w) = raw.history_window {
+        let n = *w.get_ref();
+        ck.check(
+            (1..=10_000).contains(&n),
+            &w.span(),
+            || "planner.history_window".into(),
+            || format!("planner: history_window must be 1..=10000, got {n}"),
+        )?;
+        planner.history_window = n;
+    }
+    if let Some(llm) = raw.llm {
+        let url = llm.base_url.get_ref();
+        ck.check(
+            (url.starts_with("http://") || url.starts_with("https://"))
+                && url.len() > "https://".len()
+                && !url.contains(char::is_whitespace),
+            &llm.base_url.span(),
+            || "planner.llm.base_url".into(),
+            || format!("planner.llm: base_url {url:?} must be an http:// or https:// URL"),
+        )?;
+        ck.check(
+            !llm.model.get_ref().trim().is_empty(),
+            &llm.model.span(),
+            || "planner.llm.model".into(),
+            || "planner.llm: model must not be empty".into(),
+        )?;
+        if let (Some(_), Some(env)) = (&llm.api_key, &llm.api_key_env) {
+            return Err(ck.fail(
+                &env.span(),
+                "planner.llm.api_key_env".into(),
+                "planner.llm: give api_key or api_key_env, not both".into(),
+            ));
+        }
+        if let Some(env) = &llm.api_key_env {
+            let v = env.get_ref();
+            ck.check(
+                !v.is_empty() && !v.contains('=') && !v.contains('\0'),
+                &env.span(),
+                || "planner.llm.api_key_env".into(),
+                || format!("planner.llm: api_key_env {v:?} is not an environment variable name"),
+            )?;
+        }
+        let timeout_ms = match llm.timeout_ms {
+            Some(t) => {
+                let ms = *t.get_ref();
+                ck.check(
+                    (1..=600_000).contains(&ms),
+                    &t.span(),
+                    || "planner.llm.timeout_ms".into(),
+                    || format!("planner.llm: timeout_ms must be 1..=600000, got {ms}"),
+                )?;
+                ms
+            }
+            None => crate::DEFAULT_LLM_TIMEOUT_MS,
+        };
+        planner.llm = Some(LlmSettings {
+            base_url: llm.base_url.into_inner().trim_end_matches('/').to_owned(),
+            model: llm.model.into_inner(),
+            api_key: llm.api_key.map(Spanned::into_inner),
+            api_key_env: llm.api_key_env.map(Spanned::into_inner),
+            timeout_ms,
+        });
+    }
+    Ok(planner)
+}
+
+fn check_overcommit(
+    ck: &Checker<'_>,
+    raw: Option<RawOvercommit>,
+) -> Result<Overcommit, ConfigError> {
+    let mut o = crate::default_overcommit();
+    let Some(raw) = raw else {
+        return Ok(o);
+    };
+    for (field, value, slot) in [
+        ("cpu_ratio", raw.cpu_ratio, &mut o.cpu_ratio),
+        ("memory_ratio", raw.memory_ratio, &mut o.memory_ratio),
+    ] {
+        if let Some(v) = value {
+            let r = *v.get_ref();
+            ck.check(
+                r.is_finite() && r > 0.0 && r <= 100.0,
+                &v.span(),
+                || format!("overcommit.{field}"),
+                || format!("overcommit: {field} must be > 0 and <= 100, got {r}"),
+            )?;
+            *slot = r;
+        }
+    }
+    Ok(o)
+}

@@ -1,0 +1,2 @@
+//! Aviary's policy guard (being written).
+#![forbid(unsafe_code)]
