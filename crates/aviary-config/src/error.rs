@@ -89,8 +89,11 @@ impl ConfigError {
     pub(crate) fn from_toml(text: &str, origin: &str, err: &toml::de::Error) -> ConfigError {
         let span = err.span().unwrap_or(0..0);
         let pos = LineCol::of_offset(text, span.start);
-        let key = key_at(text, span.start);
         let table = table_at(text, span.start);
+        let key = key_at(text, span.start).map(|k| match &table {
+            Some(t) => format!("{}.{k}", t.trim_matches(['[', ']'])),
+            None => k,
+        });
         let message = match (&table, &key) {
             (_, Some(k)) => format!("{k}: {}", err.message()),
             (Some(t), None) => format!("in {t}: {}", err.message()),
@@ -99,10 +102,7 @@ impl ConfigError {
         ConfigError::ParseToml {
             origin: origin.to_owned(),
             pos,
-            key: key.map(|k| match table {
-                Some(t) => format!("{}.{k}", t.trim_matches(['[', ']'])),
-                None => k,
-            }),
+            key,
             message,
         }
     }

@@ -66,7 +66,7 @@ pub struct ServerSettings {
 }
 
 /// An OCI runtime a sandbox can run on.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Deserialize)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Runtime {
     Crun,
@@ -423,3 +423,6 @@ impl Default for Config {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

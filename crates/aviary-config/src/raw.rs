@@ -173,7 +173,12 @@ impl Checker<'_> {
         }
     }
 
-    fn check_name(&self, what: &str, key: String, name: &Spanned<String>) -> Result<(), ConfigError> {
+    fn check_name(
+        &self,
+        what: &str,
+        key: String,
+        name: &Spanned<String>,
+    ) -> Result<(), ConfigError> {
         let n = name.get_ref();
         self.check(
             valid_name(n),
@@ -192,8 +197,7 @@ fn valid_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 64
         && n.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && n
-            .chars()
+        && n.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
@@ -353,7 +357,11 @@ fn check_profiles(
                 !p.allow.is_empty(),
                 &p.kind.span(),
                 || key("allow"),
-                || format!("network profile {name:?}: kind \"allowlist\" needs a non-empty allow list"),
+                || {
+                    format!(
+                        "network profile {name:?}: kind \"allowlist\" needs a non-empty allow list"
+                    )
+                },
             )?,
             NetworkProfile::None | NetworkProfile::Open => {
                 if let Some(first) = p.allow.first() {
@@ -519,7 +527,12 @@ fn check_allowed_names(
                     known(item.get_ref()),
                     &item.span(),
                     || key.clone(),
-                    || format!("tenant {tenant:?}: {what} {:?} is not defined", item.get_ref()),
+                    || {
+                        format!(
+                            "tenant {tenant:?}: {what} {:?} is not defined",
+                            item.get_ref()
+                        )
+                    },
                 )?;
                 out.push(item.into_inner());
             }
@@ -646,7 +659,11 @@ fn check_pools(
             pool_min <= pool_max,
             &p.pool_min.span(),
             || key("pool_min"),
-            || format!("pool for class {class_name:?}: pool_min ({pool_min}) > pool_max ({pool_max})"),
+            || {
+                format!(
+                    "pool for class {class_name:?}: pool_min ({pool_min}) > pool_max ({pool_max})"
+                )
+            },
         )?;
         ck.check(
             buffer_min <= buffer_max,
@@ -681,7 +698,10 @@ fn check_pools(
     Ok(out)
 }
 
-fn check_planner(ck: &Checker<'_>, raw: Option<RawPlanner>) -> Result<PlannerSettings, ConfigError> {
+fn check_planner(
+    ck: &Checker<'_>,
+    raw: Option<RawPlanner>,
+) -> Result<PlannerSettings, ConfigError> {
     let mut planner = PlannerSettings {
         history_window: crate::DEFAULT_HISTORY_WINDOW,
         llm: None,

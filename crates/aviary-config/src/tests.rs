@@ -1,0 +1,715 @@
+use super::*;
+
+const ORIGIN: &str = "aviary.toml";
+
+/// A small valid file; the error tests each break one line of it.
+const BASE: &str = r#"[server]
+listen = "127.0.0.1:7500"
+default_class = "small"
+
+[[network_profile]]
+name = "none"
+kind = "none"
+
+[[network_profile]]
+name = "pypi"
+kind = "allowlist"
+allow = ["pypi.org", "*.pythonhosted.org"]
+
+[[class]]
+name = "small"
+cpu = 1.0
+memory_mb = 1024
+disk_mb = 2048
+pids = 128
+network_profiles = ["none", "pypi"]
+
+[[class]]
+name = "big"
+cpu = 4
+memory_mb = 8192
+disk_mb = 8192
+pids = 1024
+gpu = true
+runtimes = ["crun"]
+
+[[tenant]]
+name = "acme"
+max_sandboxes = 3
+max_cpu = 6.0
+max_memory_mb = 16384
+allowed_classes = ["small"]
+allowed_network_profiles = ["none"]
+allowed_runtimes = ["crun"]
+
+[[pool]]
+class = "small"
+template = "default"
+runtime = "crun"
+pool_min = 1
+pool_max = 4
+buffer_min = 1
+buffer_max = 2
+"#;
+
+/// BASE with the first occurrence of `from` replaced by `to`.
+fn edit(from: &str, to: &str) -> String {
+    assert!(BASE.contains(from), "BASE has no {from:?}");
+    BASE.replacen(from, to, 1)
+}
+
+/// 1-based line of the first occurrence of `needle` in `text`.
+fn line_of(text: &str, needle: &str) -> usize {
+    let at = text.find(needle).unwrap();
+    text[..at].matches('\n').count() + 1
+}
+
+#[track_caller]
+fn expect_error(text: &str, line: usize, key: &str, message_part: &str) -> ConfigError {
+    let err = Config::from_str(text, ORIGIN).unwrap_err();
+    let shown = err.to_string();
+    assert_eq!(
+        err.position().map(|p| p.line),
+        Some(line),
+        "wrong line in: {shown}"
+    );
+    assert_eq!(err.key(), Some(key), "wrong key in: {shown}");
+    assert!(
+        shown.starts_with(&format!("{ORIGIN}:{line}:")),
+        "no origin:line prefix: {shown}"
+    );
+    assert!(
+        shown.contains(message_part),
+        "{message_part:?} not in: {shown}"
+    );
+    err
+}
+
+#[test]
+fn example_file_equals_the_builtin_defaults() {
+    let parsed = Config::from_str(EXAMPLE_TOML, "aviary.example.toml").unwrap();
+    assert_eq!(parsed, Config::default());
+}
+
+#[test]
+fn example_file_on_disk_is_the_embedded_one() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../aviary.example.toml");
+    let loaded = Config::load(&path).unwrap();
+    assert_eq!(loaded, Config::default());
+}
+
+#[test]
+fn defaults_ship_the_seed_classes_profiles_tenant_and_pool() {
+    let c = Config::default();
+    let limits = |n: &str| c.class(n).unwrap().limits();
+    assert_eq!(
+        limits("python-small"),
+        ResourceLimits {
+            cpu: 1.0,
+            memory_mb: 2048,
+            disk_mb: 10240,
+            pids: 512
+        }
+    );
+    assert_eq!(limits("python-ds").memory_mb, 4096);
+    assert_eq!(limits("build-medium").cpu, 4.0);
+    assert_eq!(limits("browser-medium").disk_mb, 30 * 1024);
+    assert_eq!(limits("compute-large").memory_mb, 16 * 1024);
+    assert_eq!(limits("compute-large").disk_mb, 50 * 1024);
+    // aviary-core's default limits are python-small's.
+    assert_eq!(limits("python-small"), ResourceLimits::default());
+    assert_eq!(
+        c.network_profile("pypi-readonly").unwrap().allow,
+        ["pypi.org", "files.pythonhosted.org"]
+    );
+    assert_eq!(
+        c.network_profile("none").unwrap().kind,
+        NetworkProfile::None
+    );
+    assert_eq!(
+        c.network_profile("open").unwrap().kind,
+        NetworkProfile::Open
+    );
+    let t = c.tenant("default").unwrap();
+    assert!(t.allowed_classes.allows_name("compute-large"));
+    assert!(t.allowed_runtimes.allows(&Runtime::Runc));
+    assert_eq!(c.pools.len(), 1);
+    assert_eq!(c.pools[0].pool_min, 0);
+    assert_eq!(c.server.default_class, "python-small");
+}
+
+#[test]
+fn commented_llm_block_of_the_example_parses_when_uncommented() {
+    let uncommented: String = EXAMPLE_TOML
+        .lines()
+        .map(|l| match l.strip_prefix("# ") {
+            Some(rest)
+                if rest.starts_with("[planner.llm]")
+                    || ["base_url", "model", "api_key_env", "timeout_ms"]
+                        .iter()
+                        .any(|k| rest.starts_with(k)) =>
+            {
+                rest
+            }
+            _ => l,
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let c = Config::from_str(&uncommented, "x").unwrap();
+    let llm = c.planner.llm.unwrap();
+    assert_eq!(llm.base_url, "http://127.0.0.1:8000/v1");
+    assert_eq!(llm.model, "qwen2.5-7b-instruct");
+    assert_eq!(llm.api_key_env.as_deref(), Some("AVIARY_LLM_API_KEY"));
+    assert_eq!(llm.timeout_ms, 5000);
+}
+
+#[test]
+fn base_file_parses_with_its_values() {
+    let c = Config::from_str(BASE, ORIGIN).unwrap();
+    assert_eq!(c.server.listen.port(), 7500);
+    // Left-out server keys keep their defaults.
+    assert_eq!(c.server.data_dir, PathBuf::from("/var/lib/aviary"));
+    assert_eq!(c.classes.len(), 2);
+    let small = c.class("small").unwrap();
+    assert_eq!(small.runtimes, Runtime::ALL);
+    assert!(!small.gpu);
+    let big = c.class("big").unwrap();
+    assert_eq!(big.cpu, 4.0, "integers are accepted for cpu");
+    assert!(big.gpu);
+    assert_eq!(big.network_profiles, ["none"], "default profile list");
+    let t = c.tenant("acme").unwrap();
+    assert_eq!(t.allowed_classes, Allowed::Only(vec!["small".into()]));
+    assert_eq!(t.allowed_runtimes, Allowed::Only(vec![Runtime::Crun]));
+    assert!(!t.allowed_classes.allows_name("big"));
+    // Sections left out take their defaults as a whole.
+    assert_eq!(c.planner.history_window, 50);
+    assert_eq!(
+        c.overcommit,
+        Overcommit {
+            cpu_ratio: 4.0,
+            memory_ratio: 1.5
+        }
+    );
+}
+
+#[test]
+fn empty_file_is_the_default() {
+    assert_eq!(Config::from_str("", ORIGIN).unwrap(), Config::default());
+}
+
+#[test]
+fn syntax_error_names_line_and_column() {
+    let text = edit("pids = 128", "pids = = 128");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    let pos = err.position().unwrap();
+    assert_eq!(pos.line, line_of(&text, "pids = = 128"));
+    assert_eq!(pos.column, 8, "{err}");
+    assert!(matches!(err, ConfigError::ParseToml { .. }), "{err:?}");
+}
+
+#[test]
+fn unclosed_table_header_is_a_syntax_error() {
+    let text = edit("[[tenant]]", "[[tenant]");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "[[tenant]"));
+}
+
+#[test]
+fn unknown_key_names_line_and_key() {
+    let text = edit("pids = 128", "pids = 128\ncpus = 2");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "cpus = 2"));
+    assert_eq!(err.key(), Some("class.cpus"));
+    let shown = err.to_string();
+    assert!(shown.contains("unknown field `cpus`"), "{shown}");
+    assert!(shown.starts_with("aviary.toml:"), "{shown}");
+}
+
+#[test]
+fn unknown_top_level_section_is_rejected() {
+    let text = format!("{BASE}\n[sever]\nlisten = \"x\"\n");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "[sever]"));
+    assert!(err.to_string().contains("unknown field `sever`"), "{err}");
+}
+
+#[test]
+fn wrong_type_names_line_and_key() {
+    let text = edit("memory_mb = 1024", "memory_mb = \"1G\"");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(
+        err.position().unwrap().line,
+        line_of(&text, "memory_mb = \"1G\"")
+    );
+    assert_eq!(err.key(), Some("class.memory_mb"));
+    assert!(err.to_string().contains("invalid type"), "{err}");
+}
+
+#[test]
+fn negative_unsigned_value_is_rejected_at_its_line() {
+    let text = edit("max_sandboxes = 3", "max_sandboxes = -3");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(
+        err.position().unwrap().line,
+        line_of(&text, "max_sandboxes = -3")
+    );
+    assert_eq!(err.key(), Some("tenant.max_sandboxes"));
+}
+
+#[test]
+fn unknown_runtime_is_rejected_at_its_line() {
+    let text = edit(
+        "runtime = \"crun\"\npool_min",
+        "runtime = \"crux\"\npool_min",
+    );
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "\"crux\""));
+    assert!(err.to_string().contains("crux"), "{err}");
+}
+
+#[test]
+fn missing_required_key_is_reported_in_its_table() {
+    let text = edit("pids = 1024\n", "");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert!(err.to_string().contains("missing field `pids`"), "{err}");
+}
+
+#[test]
+fn duplicate_class_name_points_at_the_second() {
+    let text = edit("name = \"big\"", "name = \"small\"");
+    let line = line_of(&text, "cpu = 4\n") - 1;
+    expect_error(
+        &text,
+        line,
+        "class[1].name",
+        "class \"small\" is defined twice",
+    );
+}
+
+#[test]
+fn zero_or_negative_cpu_is_rejected() {
+    for bad in ["cpu = 0.0", "cpu = -1.5", "cpu = nan", "cpu = inf"] {
+        let text = edit("cpu = 1.0", bad);
+        expect_error(
+            &text,
+            line_of(&text, bad),
+            "class[0].cpu",
+            "cpu must be > 0",
+        );
+    }
+}
+
+#[test]
+fn zero_memory_disk_pids_are_rejected() {
+    for (bad, key) in [
+        ("memory_mb = 0", "class[0].memory_mb"),
+        ("disk_mb = 0", "class[0].disk_mb"),
+        ("pids = 0", "class[0].pids"),
+    ] {
+        let field = bad.split(' ').next().unwrap();
+        let good = BASE
+            .lines()
+            .find(|l| l.starts_with(field))
+            .unwrap()
+            .to_owned();
+        let text = edit(&good, bad);
+        expect_error(&text, line_of(&text, bad), key, "must be > 0");
+    }
+}
+
+#[test]
+fn empty_runtime_list_is_rejected() {
+    let text = edit("runtimes = [\"crun\"]", "runtimes = []");
+    expect_error(
+        &text,
+        line_of(&text, "runtimes = []"),
+        "class[1].runtimes",
+        "must not be empty",
+    );
+}
+
+#[test]
+fn class_naming_an_unknown_network_profile_is_rejected() {
+    let text = edit(
+        "network_profiles = [\"none\", \"pypi\"]",
+        "network_profiles = [\"none\",\n  \"pypy\"]",
+    );
+    expect_error(
+        &text,
+        line_of(&text, "\"pypy\""),
+        "class[0].network_profiles",
+        "network profile \"pypy\" is not defined",
+    );
+}
+
+#[test]
+fn invalid_class_name_is_rejected() {
+    let text = edit("name = \"big\"", "name = \"Big Class!\"");
+    expect_error(
+        &text,
+        line_of(&text, "Big Class"),
+        "class[1].name",
+        "is invalid",
+    );
+}
+
+#[test]
+fn pool_min_above_pool_max_is_rejected() {
+    let text = edit("pool_min = 1", "pool_min = 9");
+    expect_error(
+        &text,
+        line_of(&text, "pool_min = 9"),
+        "pool[0].pool_min",
+        "pool_min (9) > pool_max (4)",
+    );
+}
+
+#[test]
+fn buffer_min_above_buffer_max_is_rejected() {
+    let text = edit("buffer_min = 1", "buffer_min = 3");
+    expect_error(
+        &text,
+        line_of(&text, "buffer_min = 3"),
+        "pool[0].buffer_min",
+        "buffer_min (3) > buffer_max (2)",
+    );
+}
+
+#[test]
+fn buffer_max_above_pool_max_is_rejected() {
+    let text = edit("buffer_max = 2", "buffer_max = 5");
+    expect_error(
+        &text,
+        line_of(&text, "buffer_max = 5"),
+        "pool[0].buffer_max",
+        "buffer_max (5) > pool_max (4)",
+    );
+}
+
+#[test]
+fn pool_for_unknown_class_is_rejected() {
+    let text = edit("class = \"small\"\ntemplate", "class = \"tiny\"\ntemplate");
+    expect_error(
+        &text,
+        line_of(&text, "\"tiny\""),
+        "pool[0].class",
+        "class \"tiny\" is not defined",
+    );
+}
+
+#[test]
+fn pool_on_a_runtime_the_class_does_not_allow_is_rejected() {
+    let text = format!(
+        "{BASE}\n[[pool]]\nclass = \"big\"\ntemplate = \"default\"\nruntime = \"runc\"\npool_min = 0\npool_max = 1\nbuffer_min = 0\nbuffer_max = 1\n"
+    );
+    expect_error(
+        &text,
+        line_of(&text, "runtime = \"runc\""),
+        "pool[1].runtime",
+        "does not allow runtime runc",
+    );
+}
+
+#[test]
+fn duplicate_pool_is_rejected() {
+    let pool = &BASE[BASE.find("[[pool]]").unwrap()..];
+    let text = format!("{BASE}\n{pool}");
+    let second = BASE.len() + 1 + pool.find("class").unwrap();
+    let line = text[..second].matches('\n').count() + 1;
+    expect_error(&text, line, "pool[1].class", "defined twice");
+}
+
+#[test]
+fn tenant_allowing_an_unknown_class_is_rejected() {
+    let text = edit(
+        "allowed_classes = [\"small\"]",
+        "allowed_classes = [\"small\", \"huge\"]",
+    );
+    let err = expect_error(
+        &text,
+        line_of(&text, "\"huge\""),
+        "tenant[0].allowed_classes",
+        "tenant \"acme\": class \"huge\" is not defined",
+    );
+    // The column points at the offending element, not the key.
+    let col = text
+        .lines()
+        .nth(line_of(&text, "\"huge\"") - 1)
+        .unwrap()
+        .find("\"huge\"")
+        .unwrap()
+        + 1;
+    assert_eq!(err.position().unwrap().column, col);
+}
+
+#[test]
+fn tenant_allowing_an_unknown_profile_or_runtime_is_rejected() {
+    let text = edit(
+        "allowed_network_profiles = [\"none\"]",
+        "allowed_network_profiles = [\"wifi\"]",
+    );
+    expect_error(
+        &text,
+        line_of(&text, "\"wifi\""),
+        "tenant[0].allowed_network_profiles",
+        "network profile \"wifi\"",
+    );
+    let text = edit(
+        "allowed_runtimes = [\"crun\"]",
+        "allowed_runtimes = [\"kata\"]",
+    );
+    expect_error(
+        &text,
+        line_of(&text, "\"kata\""),
+        "tenant[0].allowed_runtimes",
+        "unknown runtime \"kata\"",
+    );
+}
+
+#[test]
+fn allowed_list_must_be_star_or_a_list() {
+    let text = edit("allowed_classes = [\"small\"]", "allowed_classes = \"all\"");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "\"all\""));
+    assert!(
+        err.to_string().contains(r#""*" or a list of names"#),
+        "{err}"
+    );
+}
+
+#[test]
+fn star_allows_everything() {
+    let text = edit("allowed_classes = [\"small\"]", "allowed_classes = \"*\"");
+    let c = Config::from_str(&text, ORIGIN).unwrap();
+    assert_eq!(c.tenant("acme").unwrap().allowed_classes, Allowed::All);
+}
+
+#[test]
+fn duplicate_tenant_and_bad_quota_are_rejected() {
+    let tenant = &BASE[BASE.find("[[tenant]]").unwrap()..BASE.find("[[pool]]").unwrap()];
+    let text = format!("{BASE}\n{tenant}");
+    let second = BASE.len() + 1 + tenant.find("name").unwrap();
+    let line = text[..second].matches('\n').count() + 1;
+    expect_error(
+        &text,
+        line,
+        "tenant[1].name",
+        "tenant \"acme\" is defined twice",
+    );
+
+    let text = edit("max_cpu = 6.0", "max_cpu = 0.0");
+    expect_error(
+        &text,
+        line_of(&text, "max_cpu = 0.0"),
+        "tenant[0].max_cpu",
+        "max_cpu must be > 0",
+    );
+    let text = edit("max_memory_mb = 16384", "max_memory_mb = 0");
+    expect_error(
+        &text,
+        line_of(&text, "max_memory_mb = 0"),
+        "tenant[0].max_memory_mb",
+        "must be > 0",
+    );
+}
+
+#[test]
+fn invalid_listen_address_is_rejected() {
+    let text = edit("listen = \"127.0.0.1:7500\"", "listen = \"localhost\"");
+    expect_error(
+        &text,
+        2,
+        "server.listen",
+        "listen \"localhost\" is not an address",
+    );
+}
+
+#[test]
+fn unknown_default_class_is_rejected() {
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"python-small\"",
+    );
+    expect_error(
+        &text,
+        3,
+        "server.default_class",
+        "default_class \"python-small\" is not a configured class",
+    );
+}
+
+#[test]
+fn default_class_left_out_must_still_exist() {
+    let text = edit("default_class = \"small\"\n", "");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.default_class"));
+    assert!(err.to_string().contains("python-small"), "{err}");
+}
+
+#[test]
+fn builtin_pool_needs_its_class() {
+    let text = edit("default_class = \"small\"", "default_class = \"small\"");
+    let without_pools = &text[..text.find("[[pool]]").unwrap()];
+    let err = Config::from_str(without_pools, ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("pool"));
+    assert!(err.to_string().contains("pool = []"), "{err}");
+    let c = Config::from_str(&format!("pool = []\n{without_pools}"), ORIGIN).unwrap();
+    assert!(c.pools.is_empty());
+}
+
+#[test]
+fn network_profile_rules() {
+    let text = edit(
+        "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+        "allow = []",
+    );
+    expect_error(
+        &text,
+        line_of(&text, "kind = \"allowlist\""),
+        "network_profile[1].allow",
+        "needs a non-empty allow list",
+    );
+    let text = edit("kind = \"none\"", "kind = \"none\"\nallow = [\"x.org\"]");
+    expect_error(
+        &text,
+        line_of(&text, "\"x.org\""),
+        "network_profile[0].allow",
+        "allow is only for kind \"allowlist\"",
+    );
+    let text = edit("\"pypi.org\"", "\"https://pypi.org\"");
+    expect_error(
+        &text,
+        line_of(&text, "https://"),
+        "network_profile[1].allow",
+        "is not a domain",
+    );
+    let text = edit("kind = \"none\"", "kind = \"closed\"");
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert_eq!(err.position().unwrap().line, line_of(&text, "\"closed\""));
+    let text = edit("name = \"pypi\"", "name = \"none\"");
+    expect_error(
+        &text,
+        line_of(&text, "kind = \"allowlist\"") - 1,
+        "network_profile[1].name",
+        "defined twice",
+    );
+}
+
+#[test]
+fn planner_and_llm_rules() {
+    let llm = "\n[planner]\nhistory_window = 20\n\n[planner.llm]\nbase_url = \"http://127.0.0.1:9/v1/\"\nmodel = \"m\"\napi_key = \"sk-secret\"\ntimeout_ms = 250\n";
+    let c = Config::from_str(&format!("{BASE}{llm}"), ORIGIN).unwrap();
+    assert_eq!(c.planner.history_window, 20);
+    let l = c.planner.llm.clone().unwrap();
+    assert_eq!(
+        l.base_url, "http://127.0.0.1:9/v1",
+        "trailing slash trimmed"
+    );
+    assert_eq!(l.resolve_api_key().as_deref(), Some("sk-secret"));
+    assert!(
+        !format!("{l:?}").contains("sk-secret"),
+        "Debug must redact the key"
+    );
+
+    let text = format!("{BASE}{}", llm.replace("http://127.0.0.1:9/v1/", "ftp://x"));
+    expect_error(
+        &text,
+        line_of(&text, "ftp://"),
+        "planner.llm.base_url",
+        "must be an http:// or https:// URL",
+    );
+    let text = format!(
+        "{BASE}{}",
+        llm.replace("timeout_ms = 250", "timeout_ms = 0")
+    );
+    expect_error(
+        &text,
+        line_of(&text, "timeout_ms = 0"),
+        "planner.llm.timeout_ms",
+        "timeout_ms must be",
+    );
+    let text = format!(
+        "{BASE}{}",
+        llm.replace("timeout_ms = 250", "api_key_env = \"K\"")
+    );
+    expect_error(
+        &text,
+        line_of(&text, "api_key_env"),
+        "planner.llm.api_key_env",
+        "not both",
+    );
+    let text = format!(
+        "{BASE}{}",
+        llm.replace("history_window = 20", "history_window = 0")
+    );
+    expect_error(
+        &text,
+        line_of(&text, "history_window = 0"),
+        "planner.history_window",
+        "history_window must be",
+    );
+    let text = format!("{BASE}{}", llm.replace("model = \"m\"\n", ""));
+    let err = Config::from_str(&text, ORIGIN).unwrap_err();
+    assert!(err.to_string().contains("missing field `model`"), "{err}");
+}
+
+#[test]
+fn api_key_env_is_read_at_use_time() {
+    let var = "AVIARY_CONFIG_TEST_LLM_KEY";
+    let llm = LlmSettings {
+        base_url: "http://x".into(),
+        model: "m".into(),
+        api_key: None,
+        api_key_env: Some(var.into()),
+        timeout_ms: 1,
+    };
+    // The variable is unique to this test, so no other test races on it.
+    std::env::remove_var(var);
+    assert_eq!(llm.resolve_api_key(), None);
+    std::env::set_var(var, "from-env");
+    assert_eq!(llm.resolve_api_key().as_deref(), Some("from-env"));
+    std::env::remove_var(var);
+}
+
+#[test]
+fn overcommit_rules_and_capacity() {
+    let text = format!("{BASE}\n[overcommit]\ncpu_ratio = 2.5\n");
+    let c = Config::from_str(&text, ORIGIN).unwrap();
+    assert_eq!(c.overcommit.cpu_ratio, 2.5);
+    assert_eq!(
+        c.overcommit.memory_ratio, 1.5,
+        "left-out key keeps its default"
+    );
+    assert_eq!(c.overcommit.cpu_capacity(2.0), 5.0);
+    assert_eq!(c.overcommit.memory_capacity_mb(1000), 1500);
+    let text = format!("{BASE}\n[overcommit]\nmemory_ratio = 0\n");
+    expect_error(
+        &text,
+        line_of(&text, "memory_ratio = 0"),
+        "overcommit.memory_ratio",
+        "memory_ratio must be > 0",
+    );
+}
+
+#[test]
+fn load_reports_a_missing_file_and_names_the_path_in_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.toml");
+    let err = Config::load(&missing).unwrap_err();
+    assert!(matches!(err, ConfigError::ReadFile { .. }), "{err:?}");
+    assert!(err.to_string().contains("nope.toml"));
+
+    let path = dir.path().join("aviary.toml");
+    let text = edit("cpu = 1.0", "cpu = 0.0");
+    std::fs::write(&path, &text).unwrap();
+    let err = Config::load(&path).unwrap_err();
+    let shown = err.to_string();
+    let line = line_of(&text, "cpu = 0.0");
+    assert!(
+        shown.starts_with(&format!(
+            "{}:{line}:7: class \"small\": cpu must be > 0",
+            path.display()
+        )),
+        "{shown}"
+    );
+}
