@@ -695,9 +695,7 @@ fn parse_quantities(lower: &str) -> Quantities {
             continue;
         }
         // Digits glued to a word (python3, s3, h264) are names, not amounts.
-        if i > 0
-            && (chars[i - 1].is_ascii_alphabetic() || chars[i - 1] == '.' || chars[i - 1] == '_')
-        {
+        if i > 0 && (chars[i - 1].is_ascii_alphabetic() || chars[i - 1] == '.') {
             while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
                 i += 1;
             }
