@@ -179,23 +179,25 @@ impl Checker<'_> {
         key: String,
         name: &Spanned<String>,
     ) -> Result<(), ConfigError> {
+        // Template names follow the template store's rule (up to 128).
+        let max = if what == "template" { 128 } else { 64 };
         let n = name.get_ref();
         self.check(
-            valid_name(n),
+            valid_name(n, max),
             &name.span(),
             || key,
             || {
                 format!(
-                    "{what} name {n:?} is invalid: use 1-64 characters a-z, A-Z, 0-9, '-', '_', '.', starting with a letter or digit"
+                    "{what} name {n:?} is invalid: use 1-{max} characters a-z, A-Z, 0-9, '-', '_', '.', starting with a letter or digit"
                 )
             },
         )
     }
 }
 
-fn valid_name(n: &str) -> bool {
+fn valid_name(n: &str, max_len: usize) -> bool {
     !n.is_empty()
-        && n.len() <= 64
+        && n.len() <= max_len
         && n.chars().next().is_some_and(|c| c.is_ascii_alphanumeric())
         && n.chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))

@@ -713,3 +713,71 @@ fn load_reports_a_missing_file_and_names_the_path_in_errors() {
         "{shown}"
     );
 }
+
+#[test]
+fn long_template_names_follow_the_template_store_rule() {
+    let long = "t".repeat(128);
+    let text = edit("template = \"default\"", &format!("template = \"{long}\""));
+    assert_eq!(
+        Config::from_str(&text, ORIGIN).unwrap().pools[0].template,
+        long
+    );
+    let text = edit("template = \"default\"", &format!("template = \"{long}x\""));
+    expect_error(
+        &text,
+        line_of(&text, &long),
+        "pool[0].template",
+        "template name",
+    );
+}
+
+mod robustness {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lines() -> Vec<&'static str> {
+        EXAMPLE_TOML.lines().collect()
+    }
+
+    proptest! {
+        /// Mangling the example (dropping, duplicating or replacing a line)
+        /// never panics, and every error points inside the text.
+        #[test]
+        fn mangled_example_gives_a_config_or_a_located_error(
+            at in 0usize..lines().len(),
+            op in 0u8..3,
+            junk in prop_oneof![
+                Just("cpu = -1".to_owned()),
+                Just("[[class]]".to_owned()),
+                Just("name = \"python-small\"".to_owned()),
+                Just("pool_max = 0".to_owned()),
+                Just("allowed_classes = [\"x\"]".to_owned()),
+                "[ -~]{0,40}",
+            ],
+        ) {
+            let mut ls: Vec<String> = lines().into_iter().map(str::to_owned).collect();
+            match op {
+                0 => { ls.remove(at); }
+                1 => { let l = ls[at].clone(); ls.insert(at, l); }
+                _ => ls[at] = junk,
+            }
+            let text = ls.join("\n");
+            match Config::from_str(&text, ORIGIN) {
+                Ok(c) => prop_assert!(!c.classes.is_empty()),
+                Err(e) => {
+                    let pos = e.position().unwrap();
+                    prop_assert!(pos.line >= 1 && pos.line <= ls.len() + 1, "{}", e);
+                    prop_assert!(e.to_string().starts_with("aviary.toml:"), "{}", e);
+                }
+            }
+        }
+
+        /// Arbitrary text never panics the parser.
+        #[test]
+        fn arbitrary_text_never_panics(text in "\\PC{0,200}") {
+            if let Err(e) = Config::from_str(&text, ORIGIN) {
+                prop_assert!(e.position().is_some());
+            }
+        }
+    }
+}
