@@ -216,7 +216,8 @@ mod tests {
 
     #[test]
     fn absurd_numbers_are_rejected() {
-        let cases: [(fn(&mut TaskContext), &str); 5] = [
+        type Mutate = fn(&mut TaskContext);
+        let cases: [(Mutate, &str); 5] = [
             (|c| c.data_size_mb = Some(-1.0), "must not be negative"),
             (|c| c.repo_size_mb = Some(f64::NAN), "finite"),
             (|c| c.workspace_mb = Some(f64::INFINITY), "finite"),

@@ -382,8 +382,10 @@ pub(crate) fn human_mb(mb: f64) -> String {
         format!("{:.1} TiB", mb / (1024.0 * 1024.0))
     } else if mb >= 1024.0 {
         format!("{:.1} GiB", mb / 1024.0)
-    } else {
+    } else if mb >= 1.0 {
         format!("{mb:.0} MiB")
+    } else {
+        "<1 MiB".into()
     }
 }
 

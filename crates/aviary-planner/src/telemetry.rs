@@ -118,7 +118,7 @@ impl TelemetryPlanner {
             .iter()
             .filter(|r| r.workload_signature == signature && r.usage.is_some())
             .collect();
-        matching.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+        matching.sort_by_key(|r| std::cmp::Reverse(r.created_at));
         let rows: Vec<Row<'_>> = matching
             .into_iter()
             .filter_map(|r| {

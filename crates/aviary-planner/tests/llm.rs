@@ -251,6 +251,53 @@ mod llm_server {
         println!("timeout fallback after {waited:?}");
     }
 
+    /// A raw HTTP/1.1 server that streams a chunked body (no Content-Length)
+    /// of 8 × 16 KiB, so the limit is enforced while reading, not from a header.
+    async fn start_chunked() -> SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    let _ = sock.read(&mut buf).await;
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                                transfer-encoding: chunked\r\n\r\n";
+                    if sock.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    let chunk = " ".repeat(16 * 1024);
+                    for _ in 0..8 {
+                        let frame = format!("{:x}\r\n{chunk}\r\n", chunk.len());
+                        if sock.write_all(frame.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                    let _ = sock.write_all(b"0\r\n\r\n").await;
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn oversized_chunked_body_is_cut_off() {
+        let addr = start_chunked().await;
+        let out = chain(addr, "any", Duration::from_secs(5))
+            .plan_traced(&ctx(), &ClassSpec::seed_defaults(), &[])
+            .await
+            .unwrap();
+        assert_eq!(out.intent.source, PlanSource::Heuristic);
+        assert!(
+            out.intent
+                .reason
+                .starts_with("llm planner failed: llm response larger than 65536 bytes"),
+            "{}",
+            out.intent.reason
+        );
+    }
+
     #[tokio::test]
     async fn unreachable_endpoint_falls_back() {
         // bind and drop to get a port nobody listens on
