@@ -174,11 +174,41 @@ impl S3Store {
         if !resp.status().is_success() {
             return Err(err(format!("list {prefix}"), HttpStatus(resp.status())));
         }
-        let body = resp.bytes().await.map_err(|e| err("read listing", e))?;
-        let parsed = ListObjectsV2::parse_response(&body).map_err(|e| err("parse listing", e))?;
-        let keys = parsed.contents.into_iter().map(|c| c.key).collect();
-        Ok((keys, parsed.next_continuation_token))
+        let body = resp.text().await.map_err(|e| err("read listing", e))?;
+        Ok(parse_listing(&body))
     }
+}
+
+/// Keys and continuation token of a ListObjectsV2 response.
+///
+/// Parsed by hand rather than with `rusty-s3`'s typed parser because that one
+/// requires fields (`ETag`) some S3-compatible servers (s3s-fs) leave out of listings;
+/// only `Contents/Key` and `NextContinuationToken` matter here.
+fn parse_listing(xml: &str) -> (Vec<String>, Option<String>) {
+    fn between<'a>(s: &'a str, open: &str, close: &str) -> Option<(&'a str, &'a str)> {
+        let start = s.find(open)? + open.len();
+        let end = start + s[start..].find(close)?;
+        Some((&s[start..end], &s[end + close.len()..]))
+    }
+    fn unescape(s: &str) -> String {
+        s.replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&quot;", "\"")
+            .replace("&apos;", "'")
+            .replace("&amp;", "&")
+    }
+    let mut keys = Vec::new();
+    let mut rest = xml;
+    while let Some((contents, after)) = between(rest, "<Contents>", "</Contents>") {
+        if let Some((key, _)) = between(contents, "<Key>", "</Key>") {
+            keys.push(unescape(key));
+        }
+        rest = after;
+    }
+    let token = between(xml, "<NextContinuationToken>", "</NextContinuationToken>")
+        .map(|(t, _)| unescape(t))
+        .filter(|t| !t.is_empty());
+    (keys, token)
 }
 
 #[async_trait]
@@ -314,6 +344,34 @@ mod tests {
             prefix: format!("test-{}/", aviary_core::new_id("run")),
         };
         Some(S3Store::connect(cfg).await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn s3_wrong_secret_is_refused_by_the_server() {
+        let Some(good) = test_store().await else { return };
+        drop(good);
+        let cfg = S3Config {
+            endpoint: std::env::var("AVIARY_TEST_S3_ENDPOINT").unwrap(),
+            region: "us-east-1".into(),
+            bucket: std::env::var("AVIARY_TEST_S3_BUCKET").unwrap(),
+            access_key: std::env::var("AVIARY_TEST_S3_ACCESS_KEY").unwrap(),
+            secret_key: "not-the-secret".into(),
+            prefix: "x/".into(),
+        };
+        let err = S3Store::connect(cfg).await.err().expect("a bad signature must be refused");
+        assert!(matches!(err, SnapshotError::Backend { .. }), "{err}");
+    }
+
+    #[test]
+    fn listing_parser_reads_keys_and_token() {
+        let xml = r#"<?xml version="1.0"?><ListBucketResult><Name>b</Name>
+            <Contents><Key>p/chunks/a&amp;b</Key><Size>3</Size></Contents>
+            <Contents><LastModified>x</LastModified><Key>p/chunks/c</Key></Contents>
+            <NextContinuationToken>tok&lt;1</NextContinuationToken></ListBucketResult>"#;
+        let (keys, token) = parse_listing(xml);
+        assert_eq!(keys, vec!["p/chunks/a&b".to_owned(), "p/chunks/c".to_owned()]);
+        assert_eq!(token.as_deref(), Some("tok<1"));
+        assert_eq!(parse_listing("<ListBucketResult></ListBucketResult>"), (vec![], None));
     }
 
     #[tokio::test]
