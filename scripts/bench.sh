@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Benchmarks: builds release binaries, starts what it compares against
+# (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
+# run, and writes the results into BENCHMARKS.md (between the markers).
+#   scripts/bench.sh [ITERATIONS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh bench
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+cargo build --release --locked -p aviary-bench
+AVIARY_ENVD=$(scripts/build-envd.sh)
+export AVIARY_ENVD
+out=$(mktemp)
+"$CARGO_TARGET_DIR/release/aviary-bench" "${1:-30}" | tee "$out"
+
+machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r), $(. /etc/os-release; echo "$PRETTY_NAME"), crun $(crun --version | head -1 | awk '{print $3}')"
+section=$(mktemp)
+{
+  echo "<!-- core:start -->"
+  echo "Measured $(date -u +%Y-%m-%d) on: $machine."
+  echo
+  cat "$out"
+  echo "<!-- core:end -->"
+} >"$section"
+python3 - "$section" <<'PY'
+import re, sys
+section = open(sys.argv[1]).read().rstrip("\n")
+text = open("BENCHMARKS.md").read()
+new = re.sub(r"<!-- core:start -->.*?<!-- core:end -->", lambda m: section, text, flags=re.S)
+open("BENCHMARKS.md", "w").write(new)
+PY
+rm -f "$out" "$section"
+echo "BENCHMARKS.md updated" >&2
