@@ -1,6 +1,8 @@
 //! The README's quick start, for real: `aviary serve` as a process on the
 //! default (Debian + python3) template, driven by the `aviary` binary.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};

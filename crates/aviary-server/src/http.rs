@@ -266,7 +266,7 @@ async fn exec_stream(
             ),
             Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => {
                 let oom = cp.exec_finish(&run.id, run.oom_before, &exit).await;
-                let _ = cp.registry.touch(&run.id, aviary_core::now()).await;
+                cp.touch_lazily(&run.id);
                 (
                     ExecEvent::Exit {
                         result: ExecResult {

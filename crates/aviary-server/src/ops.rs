@@ -65,6 +65,9 @@ pub struct ControlPlane {
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     key_cache: StdMutex<HashMap<String, Caller>>,
+    /// When `last_active_at` was last written per sandbox: execs update it
+    /// at most every few seconds, off the request path.
+    last_touch: StdMutex<HashMap<SandboxId, std::time::Instant>>,
     ready_tx: watch::Sender<Readiness>,
     pub metrics: crate::metrics::Metrics,
 }
@@ -133,6 +136,7 @@ impl ControlPlane {
             templates,
             live: StdMutex::new(HashMap::new()),
             key_cache: StdMutex::new(HashMap::new()),
+            last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
             metrics: crate::metrics::Metrics::default(),
         })
@@ -760,6 +764,10 @@ impl ControlPlane {
             });
         };
         self.live.lock().expect("live map poisoned").remove(&id);
+        self.last_touch
+            .lock()
+            .expect("touch map poisoned")
+            .remove(&id);
         let destroyed = self.runtime.destroy(&id).await;
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
@@ -912,6 +920,27 @@ impl ControlPlane {
         }
     }
 
+    /// Records activity on a sandbox without a registry write per exec.
+    pub fn touch_lazily(&self, id: &SandboxId) {
+        let now = std::time::Instant::now();
+        {
+            let mut m = self.last_touch.lock().expect("touch map poisoned");
+            if m.get(id)
+                .is_some_and(|t| now.duration_since(*t) < Duration::from_secs(5))
+            {
+                return;
+            }
+            m.insert(id.clone(), now);
+        }
+        let reg = self.registry.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            if let Err(e) = reg.touch(&id, aviary_core::now()).await {
+                tracing::debug!(sandbox.id = %id, error = %e, "could not record activity");
+            }
+        });
+    }
+
     /// Runs a command to completion; output is capped at `exec_output_cap`
     /// per stream (`truncated` says so), the rest is drained, not buffered.
     pub async fn exec(
@@ -933,7 +962,7 @@ impl ControlPlane {
                 }
                 aviary_envd_proto::ExecEvent::Exit(exit) => {
                     let oom = self.exec_finish(&run.id, run.oom_before, &exit).await;
-                    let _ = self.registry.touch(&run.id, aviary_core::now()).await;
+                    self.touch_lazily(&run.id);
                     return Ok(ExecResult {
                         exit_code: exit.exit_code,
                         stdout: String::from_utf8_lossy(&out).into_owned(),

@@ -1,5 +1,7 @@
 //! API tests against the real server, real crun and the real envd.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_client::ClientError;
@@ -7,6 +9,16 @@ use aviary_core::api::*;
 use aviary_core::{ErrorCode, LeaseToken, SandboxState};
 use common::shell;
 use reqwest::Method;
+
+/// method, path, body, key, expected status, expected error code
+type Case<'a> = (
+    Method,
+    &'a str,
+    Option<Vec<u8>>,
+    Option<&'a str>,
+    u16,
+    &'a str,
+);
 
 fn code(e: ClientError) -> ErrorCode {
     e.code()
@@ -407,8 +419,7 @@ async fn lease_at_create_and_fencing_inside_envd() {
     let e = envd
         .exec_collect(spec.clone(), Some(lease.token.0 + 1))
         .await
-        .err()
-        .expect("stale token must fail");
+        .expect_err("stale token must fail");
     assert!(
         matches!(e, aviary_envd_proto::EnvdError::StaleToken),
         "{e:?}"
@@ -416,8 +427,7 @@ async fn lease_at_create_and_fencing_inside_envd() {
     let e = envd
         .exec_collect(spec.clone(), None)
         .await
-        .err()
-        .expect("missing token must fail");
+        .expect_err("missing token must fail");
     assert!(
         matches!(e, aviary_envd_proto::EnvdError::LeaseRequired),
         "{e:?}"
@@ -504,7 +514,8 @@ async fn bad_input_gets_clear_4xx_and_changes_nothing() {
     let c = &ts.client;
     let key = ts.key.clone();
     let before = c.list_sandboxes(true).await.unwrap().sandboxes.len();
-    let cases: Vec<(Method, &str, Option<Vec<u8>>, Option<&str>, u16, &str)> = vec![
+    let long_key = "x".repeat(10_000);
+    let cases: Vec<Case> = vec![
         (
             Method::POST,
             "/v1/sandboxes",
@@ -589,7 +600,7 @@ async fn bad_input_gets_clear_4xx_and_changes_nothing() {
             Method::GET,
             "/v1/sandboxes",
             None,
-            Some("x".repeat(10_000).as_str().to_owned().leak()),
+            Some(long_key.as_str()),
             401,
             "unauthorized",
         ),

@@ -1,6 +1,8 @@
 //! 50 create/delete cycles through the API leave no mount, cgroup, process or
 //! directory behind. Alone in its own test binary so nothing else runs.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_core::api::CreateSandboxRequest;
