@@ -27,7 +27,7 @@
 
 use crate::manifest::{DirtyLevel, EnvironmentManifest};
 use crate::scope::{effective_scope, scope_bucket};
-use crate::version::{Ecosystem, PackageRequirement, VersionReq};
+use crate::version::{Ecosystem, PackageRequirement, VersionError, VersionReq};
 use aviary_core::{api, NetworkProfile, SandboxId, SandboxState, Scope};
 use aviary_registry::SandboxRecord;
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,63 @@ pub struct EnvironmentRequirements {
     pub capabilities: BTreeSet<String>,
 }
 
+impl EnvironmentRequirements {
+    /// Requirements from the planner's task context (DESIGN §7): `languages`
+    /// such as `python`, `python3.9`, `python >=3.10`, `node 20` (`javascript`
+    /// and `typescript` mean node; other languages are ignored),
+    /// `dependencies` such as `pandas==1.5` (pip unless prefixed `npm:` or
+    /// `apt:`, or a scoped `@npm/name`), and the browser / GPU / compiler needs
+    /// as capabilities.
+    pub fn from_task(
+        languages: &[String],
+        dependencies: &[String],
+        needs_browser: bool,
+        needs_gpu: bool,
+        needs_compile: bool,
+    ) -> Result<Self, VersionError> {
+        let mut req = EnvironmentRequirements::default();
+        for lang in languages {
+            let l = lang.trim().to_ascii_lowercase();
+            let split = l
+                .find(|c: char| !c.is_ascii_alphabetic())
+                .unwrap_or(l.len());
+            let (name, version) = l.split_at(split);
+            let runtime = match name {
+                "python" | "py" => "python",
+                "node" | "nodejs" | "javascript" | "typescript" | "js" | "ts" => "node",
+                _ => continue,
+            };
+            let version = version.trim().trim_start_matches('@').trim();
+            req.runtimes.insert(runtime.to_owned(), version.parse()?);
+        }
+        for dep in dependencies {
+            let dep = dep.trim();
+            let p = if let Some(rest) = dep.strip_prefix("pip:") {
+                PackageRequirement::pip(rest)?
+            } else if let Some(rest) = dep.strip_prefix("npm:") {
+                PackageRequirement::npm(rest)?
+            } else if let Some(rest) = dep.strip_prefix("apt:") {
+                PackageRequirement::apt(rest)?
+            } else if dep.starts_with('@') {
+                PackageRequirement::npm(dep)?
+            } else {
+                PackageRequirement::pip(dep)?
+            };
+            req.packages.push(p);
+        }
+        for (needed, capability) in [
+            (needs_browser, "browser"),
+            (needs_gpu, "gpu"),
+            (needs_compile, "compiler"),
+        ] {
+            if needed {
+                req.capabilities.insert(capability.to_owned());
+            }
+        }
+        Ok(req)
+    }
+}
+
 /// The caller's side of a reuse check.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ReuseRequest {
@@ -64,6 +121,34 @@ pub struct ReuseRequest {
     pub secret_scope: Option<String>,
     pub workspace_id: Option<String>,
     pub requirements: EnvironmentRequirements,
+}
+
+impl ReuseRequest {
+    /// The request side of a `POST /v1/sandboxes`, once the template, runtime
+    /// and class are resolved (scope and network default as in the API).
+    pub fn from_create(
+        tenant: &str,
+        create: &api::CreateSandboxRequest,
+        template_digest: &str,
+        runtime: &str,
+        resource_class: &str,
+        requirements: EnvironmentRequirements,
+    ) -> Self {
+        ReuseRequest {
+            tenant: tenant.to_owned(),
+            user_id: create.user_id.clone(),
+            session_id: create.session_id.clone(),
+            agent: create.agent.clone(),
+            scope: create.scope.unwrap_or_default(),
+            template_digest: template_digest.to_owned(),
+            runtime: runtime.to_owned(),
+            resource_class: resource_class.to_owned(),
+            network_profile: create.network.unwrap_or_default(),
+            secret_scope: None,
+            workspace_id: None,
+            requirements,
+        }
+    }
 }
 
 /// A clean checkpoint the candidate could be forked from, with its manifest.
@@ -133,7 +218,17 @@ fn reusable_state(state: SandboxState) -> bool {
 }
 
 #[derive(
-    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize, utoipa::ToSchema,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(rename_all = "snake_case")]
 pub enum ReuseAction {
@@ -285,10 +380,12 @@ impl EnvFit {
                     Some(v) if vreq.matches(v) => {}
                     _ => match m.python_matching(vreq) {
                         Some(other) => fit.venv_python = Some(other.to_owned()),
-                        None if m.runtimes.contains_key("python") => fit.runtime_problems.push(format!(
-                            "runtime_version_mismatch: python {} installed, {vreq} required",
-                            m.runtimes["python"]
-                        )),
+                        None if m.runtimes.contains_key("python") => {
+                            fit.runtime_problems.push(format!(
+                                "runtime_version_mismatch: python {} installed, {vreq} required",
+                                m.runtimes["python"]
+                            ))
+                        }
                         None => fit
                             .runtime_problems
                             .push("runtime_capability_mismatch: python not installed".to_owned()),
@@ -338,7 +435,9 @@ impl EnvFit {
     }
 
     fn pip_only_conflicts(&self) -> bool {
-        self.conflicts.iter().all(|(p, _)| p.ecosystem == Ecosystem::Pip)
+        self.conflicts
+            .iter()
+            .all(|(p, _)| p.ecosystem == Ecosystem::Pip)
     }
 }
 
@@ -372,7 +471,10 @@ impl ReuseChecker {
             reasons.push("tenant_mismatch".to_owned());
         }
         let user_bound = |scope, user: &Option<String>| {
-            matches!(effective_scope(scope, user.as_deref()), Scope::User | Scope::Session)
+            matches!(
+                effective_scope(scope, user.as_deref()),
+                Scope::User | Scope::Session
+            )
         };
         let norm = |u: &Option<String>| u.clone().filter(|s| !s.is_empty());
         if (user_bound(request.scope, &request.user_id) || user_bound(c.scope, &c.user_id))
@@ -403,7 +505,10 @@ impl ReuseChecker {
             reasons.push("tainted".to_owned());
         }
         if !c.policy_violations.is_empty() {
-            reasons.push(format!("policy_violation: {}", c.policy_violations.join(", ")));
+            reasons.push(format!(
+                "policy_violation: {}",
+                c.policy_violations.join(", ")
+            ));
         }
         if !c.healthy {
             reasons.push("unhealthy".to_owned());
@@ -424,7 +529,10 @@ impl ReuseChecker {
             ));
         }
         if request.runtime != c.runtime {
-            reasons.push(format!("runtime_mismatch: {} vs {}", c.runtime, request.runtime));
+            reasons.push(format!(
+                "runtime_mismatch: {} vs {}",
+                c.runtime, request.runtime
+            ));
         }
         if request.network_profile != c.network_profile {
             reasons.push(format!(
@@ -471,10 +579,16 @@ impl ReuseChecker {
                 continue;
             }
             let fit = EnvFit::of(m, &request.requirements);
-            if !fit.runtime_problems.is_empty() || fit.venv_python.is_some() || !fit.conflicts.is_empty() {
+            if !fit.runtime_problems.is_empty()
+                || fit.venv_python.is_some()
+                || !fit.conflicts.is_empty()
+            {
                 continue;
             }
-            if best.as_ref().is_none_or(|(_, b)| fit.missing.len() <= b.missing.len()) {
+            if best
+                .as_ref()
+                .is_none_or(|(_, b)| fit.missing.len() <= b.missing.len())
+            {
                 best = Some((snap, fit));
             }
         }
@@ -483,7 +597,8 @@ impl ReuseChecker {
 
     fn fork(&self, snap: &CleanSnapshot, fit: EnvFit, mut reasons: Vec<String>) -> ReuseDecision {
         let p = &self.policy;
-        let missing_penalty = (fit.missing.len() as f64 * p.missing_package_penalty).min(p.max_missing_penalty);
+        let missing_penalty =
+            (fit.missing.len() as f64 * p.missing_package_penalty).min(p.max_missing_penalty);
         let dirty = f64::from(snap.manifest.dirty_level.as_u8()) * p.dirty_level_penalty;
         reasons.push(format!("clean_snapshot: {}", snap.snapshot_id));
         if !fit.missing.is_empty() {
@@ -527,13 +642,23 @@ impl ReuseChecker {
         blockers.extend(platform);
 
         let p = &self.policy;
-        let same_session = request.session_id.is_some() && request.session_id == candidate.session_id;
-        let affinity = if same_session { "same_session" } else { "same_scope_other_session" };
-        let missing_penalty = (fit.missing.len() as f64 * p.missing_package_penalty).min(p.max_missing_penalty);
+        let same_session =
+            request.session_id.is_some() && request.session_id == candidate.session_id;
+        let affinity = if same_session {
+            "same_session"
+        } else {
+            "same_scope_other_session"
+        };
+        let missing_penalty =
+            (fit.missing.len() as f64 * p.missing_package_penalty).min(p.max_missing_penalty);
         let base = 1.0
             - missing_penalty
             - f64::from(manifest.dirty_level.as_u8()) * p.dirty_level_penalty
-            - if same_session { 0.0 } else { p.other_session_penalty };
+            - if same_session {
+                0.0
+            } else {
+                p.other_session_penalty
+            };
 
         if blockers.is_empty() && fit.conflicts.is_empty() && fit.venv_python.is_none() {
             let mut reasons = vec![affinity.to_owned(), "dependency_compatible".to_owned()];
@@ -554,7 +679,10 @@ impl ReuseChecker {
             .venv_python
             .clone()
             .or_else(|| manifest.runtimes.get("python").cloned());
-        let venv_possible = blockers.is_empty() && fit.pip_only_conflicts() && venv_python.is_some() && manifest.pip.is_some();
+        let venv_possible = blockers.is_empty()
+            && fit.pip_only_conflicts()
+            && venv_python.is_some()
+            && manifest.pip.is_some();
         let venv = |conflicts_reason: Vec<String>| {
             let mut reasons = vec![affinity.to_owned()];
             reasons.extend(conflicts_reason);
@@ -584,7 +712,10 @@ impl ReuseChecker {
         if let Some(py) = &fit.venv_python {
             why.push(format!(
                 "runtime_version_mismatch: default python {} but {py} available",
-                manifest.runtimes.get("python").map_or("none", String::as_str)
+                manifest
+                    .runtimes
+                    .get("python")
+                    .map_or("none", String::as_str)
             ));
         }
 
@@ -642,7 +773,9 @@ mod tests {
 
     fn pip(pkgs: &[(&str, &str)]) -> Option<PackageSet> {
         Some(PackageSet::new(
-            pkgs.iter().map(|(n, v)| ((*n).to_owned(), (*v).to_owned())).collect(),
+            pkgs.iter()
+                .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+                .collect(),
         ))
     }
 
@@ -655,7 +788,10 @@ mod tests {
     }
 
     fn reqs(specs: &[&str]) -> Vec<PackageRequirement> {
-        specs.iter().map(|s| PackageRequirement::pip(s).unwrap()).collect()
+        specs
+            .iter()
+            .map(|s| PackageRequirement::pip(s).unwrap())
+            .collect()
     }
 
     fn request() -> ReuseRequest {
@@ -677,11 +813,18 @@ mod tests {
 
     /// The seed's sb-1028 after turn 1: `pip install pandas openpyxl`.
     fn sb_1028() -> ReuseCandidate {
-        let manifest = python_manifest("3.12.4", &[("pandas", "2.2.2"), ("openpyxl", "3.1.2"), ("numpy", "1.26.4")])
-            .with_changed_paths([
-                "/workspace/sales.xlsx",
-                "/usr/local/lib/python3.12/site-packages/pandas/__init__.py",
-            ]);
+        let manifest = python_manifest(
+            "3.12.4",
+            &[
+                ("pandas", "2.2.2"),
+                ("openpyxl", "3.1.2"),
+                ("numpy", "1.26.4"),
+            ],
+        )
+        .with_changed_paths([
+            "/workspace/sales.xlsx",
+            "/usr/local/lib/python3.12/site-packages/pandas/__init__.py",
+        ]);
         ReuseCandidate {
             sandbox_id: SandboxId::generate(),
             tenant: "acme".into(),
@@ -703,6 +846,8 @@ mod tests {
         }
     }
 
+    type Mutation = Box<dyn Fn(&mut ReuseCandidate)>;
+
     fn checker() -> ReuseChecker {
         ReuseChecker::default()
     }
@@ -715,10 +860,20 @@ mod tests {
         let d = checker().check(&r, &sb_1028());
         assert_eq!(d.action, ReuseAction::Reuse, "{d:?}");
         assert_eq!(d.score, 0.91);
-        assert_eq!(d.reason_codes(), ["same_session", "dependency_compatible", "install"]);
+        assert_eq!(
+            d.reason_codes(),
+            ["same_session", "dependency_compatible", "install"]
+        );
         assert_eq!(d.install, reqs(&["matplotlib"]));
         let api = d.to_api("A");
-        assert_eq!((api.action.as_str(), api.branch.as_str(), api.reason.as_str()), ("reuse", "A", "same_session"));
+        assert_eq!(
+            (
+                api.action.as_str(),
+                api.branch.as_str(),
+                api.reason.as_str()
+            ),
+            ("reuse", "A", "same_session")
+        );
     }
 
     #[test]
@@ -726,7 +881,9 @@ mod tests {
         let mut r = request();
         r.resource_class = "browser-medium".into();
         r.template_digest = BROWSER_TEMPLATE.into();
-        r.requirements.runtimes.insert("node".into(), VersionReq::any());
+        r.requirements
+            .runtimes
+            .insert("node".into(), VersionReq::any());
         r.requirements.capabilities.insert("browser".into());
         r.requirements.packages = vec![PackageRequirement::npm("playwright").unwrap()];
         let d = checker().check(&r, &sb_1028());
@@ -740,7 +897,9 @@ mod tests {
     #[test]
     fn seed_5_4_python_3_9_pandas_1_5_cuda_reallocates() {
         let mut r = request();
-        r.requirements.runtimes.insert("python".into(), "3.9".parse().unwrap());
+        r.requirements
+            .runtimes
+            .insert("python".into(), "3.9".parse().unwrap());
         r.requirements.packages = reqs(&["pandas==1.5"]);
         r.requirements.capabilities.insert("gpu".into());
         let d = checker().check(&r, &sb_1028());
@@ -757,7 +916,10 @@ mod tests {
         let d = checker().check(&r, &sb_1028());
         assert_eq!(d.action, ReuseAction::NewVenv, "{d:?}");
         assert_eq!(d.venv_python.as_deref(), Some("3.12.4"));
-        assert_eq!(d.reason_codes(), ["same_session", "dependency_conflict", "venv_python"]);
+        assert_eq!(
+            d.reason_codes(),
+            ["same_session", "dependency_conflict", "venv_python"]
+        );
         assert!(d.reasons[1].contains("pandas 2.2.2 installed, ==1.5 required"));
         assert_eq!(d.install, reqs(&["pandas==1.5", "numpy<1.24"]));
         assert_eq!(d.score, 0.71);
@@ -766,9 +928,15 @@ mod tests {
     #[test]
     fn python_3_9_with_pandas_1_5_uses_a_second_interpreter_in_a_venv() {
         let mut c = sb_1028();
-        c.manifest.as_mut().unwrap().python_interpreters.insert("3.9.18".into());
+        c.manifest
+            .as_mut()
+            .unwrap()
+            .python_interpreters
+            .insert("3.9.18".into());
         let mut r = request();
-        r.requirements.runtimes.insert("python".into(), "3.9".parse().unwrap());
+        r.requirements
+            .runtimes
+            .insert("python".into(), "3.9".parse().unwrap());
         r.requirements.packages = reqs(&["pandas==1.5"]);
         let d = checker().check(&r, &c);
         assert_eq!(d.action, ReuseAction::NewVenv, "{d:?}");
@@ -791,7 +959,9 @@ mod tests {
             },
         ];
         let mut r = request();
-        r.requirements.runtimes.insert("python".into(), "3.9".parse().unwrap());
+        r.requirements
+            .runtimes
+            .insert("python".into(), "3.9".parse().unwrap());
         r.requirements.packages = reqs(&["pandas==1.5", "numpy<1.24"]);
         let d = checker().check(&r, &c);
         assert_eq!(d.action, ReuseAction::ForkCleanSnapshot, "{d:?}");
@@ -833,7 +1003,9 @@ mod tests {
     #[test]
     fn apt_conflicts_cannot_be_solved_by_a_venv() {
         let mut c = sb_1028();
-        c.manifest.as_mut().unwrap().apt = Some(PackageSet::new([("ffmpeg".to_owned(), "7:5.1.6".to_owned())].into()));
+        c.manifest.as_mut().unwrap().apt = Some(PackageSet::new(
+            [("ffmpeg".to_owned(), "7:5.1.6".to_owned())].into(),
+        ));
         let mut r = request();
         r.requirements.packages = vec![PackageRequirement::apt("ffmpeg=7:4.4").unwrap()];
         let d = checker().check(&r, &c);
@@ -844,13 +1016,22 @@ mod tests {
     #[test]
     fn hard_constraints_always_give_a_new_sandbox() {
         let r = request();
-        let cases: Vec<(&str, Box<dyn Fn(&mut ReuseCandidate)>)> = vec![
+        let cases: Vec<(&str, Mutation)> = vec![
             ("tenant_mismatch", Box::new(|c| c.tenant = "evil".into())),
-            ("user_mismatch", Box::new(|c| c.user_id = Some("bob".into()))),
+            (
+                "user_mismatch",
+                Box::new(|c| c.user_id = Some("bob".into())),
+            ),
             ("tainted", Box::new(|c| c.tainted = true)),
-            ("policy_violation", Box::new(|c| c.policy_violations = vec!["egress to 1.2.3.4".into()])),
+            (
+                "policy_violation",
+                Box::new(|c| c.policy_violations = vec!["egress to 1.2.3.4".into()]),
+            ),
             ("unhealthy", Box::new(|c| c.healthy = false)),
-            ("state_not_reusable", Box::new(|c| c.state = SandboxState::Lost)),
+            (
+                "state_not_reusable",
+                Box::new(|c| c.state = SandboxState::Lost),
+            ),
             ("scope_mismatch", Box::new(|c| c.scope = Scope::Session)),
         ];
         for (code, mutate) in cases {
@@ -871,12 +1052,24 @@ mod tests {
     #[test]
     fn platform_mismatches_block_reuse() {
         let r = request();
-        let cases: Vec<(&str, Box<dyn Fn(&mut ReuseCandidate)>)> = vec![
-            ("template_mismatch", Box::new(|c| c.template_digest = "sha256:other".into())),
+        let cases: Vec<(&str, Mutation)> = vec![
+            (
+                "template_mismatch",
+                Box::new(|c| c.template_digest = "sha256:other".into()),
+            ),
             ("runtime_mismatch", Box::new(|c| c.runtime = "runsc".into())),
-            ("network_profile_mismatch", Box::new(|c| c.network_profile = NetworkProfile::Open)),
-            ("secret_scope_mismatch", Box::new(|c| c.secret_scope = Some("alice-github".into()))),
-            ("resource_class_mismatch", Box::new(|c| c.resource_class = "python-large".into())),
+            (
+                "network_profile_mismatch",
+                Box::new(|c| c.network_profile = NetworkProfile::Open),
+            ),
+            (
+                "secret_scope_mismatch",
+                Box::new(|c| c.secret_scope = Some("alice-github".into())),
+            ),
+            (
+                "resource_class_mismatch",
+                Box::new(|c| c.resource_class = "python-large".into()),
+            ),
         ];
         for (code, mutate) in cases {
             let mut c = sb_1028();
@@ -894,7 +1087,11 @@ mod tests {
     #[test]
     fn unknown_pollution_forks_or_reallocates() {
         let mut c = sb_1028();
-        let m = c.manifest.take().unwrap().with_changed_paths(["/etc/profile.d/x.sh"]);
+        let m = c
+            .manifest
+            .take()
+            .unwrap()
+            .with_changed_paths(["/etc/profile.d/x.sh"]);
         c.manifest = Some(m);
         let d = checker().check(&request(), &c);
         assert_eq!(d.action, ReuseAction::NewSandbox);
@@ -967,11 +1164,18 @@ mod tests {
         };
         let mut other_session = sb_1028();
         other_session.session_id = Some("s-9".into());
-        let candidates = vec![other_tenant.clone(), other_session, venv_only.clone(), sb_1028()];
+        let candidates = vec![
+            other_tenant.clone(),
+            other_session,
+            venv_only.clone(),
+            sb_1028(),
+        ];
         let (i, d) = checker().pick_best(&r_pinned, &candidates).unwrap();
         assert_eq!((i, d.action), (3, ReuseAction::Reuse));
         assert_eq!(checker().pick_best(&r, &[other_tenant.clone()]), None);
-        let (i, d) = checker().pick_best(&r_pinned, &[other_tenant, venv_only]).unwrap();
+        let (i, d) = checker()
+            .pick_best(&r_pinned, &[other_tenant, venv_only])
+            .unwrap();
         assert_eq!((i, d.action), (1, ReuseAction::NewVenv));
     }
 
@@ -1003,15 +1207,90 @@ mod tests {
         assert!(!c.healthy);
         assert!(c.tainted);
         let d = checker().check(&request(), &c);
-        assert_eq!(d.reason_codes(), ["tainted", "unhealthy", "state_not_reusable"]);
+        assert_eq!(
+            d.reason_codes(),
+            ["tainted", "unhealthy", "state_not_reusable"]
+        );
+    }
+
+    #[test]
+    fn requirements_from_the_task_context() {
+        let s = |v: &[&str]| v.iter().map(|x| (*x).to_owned()).collect::<Vec<_>>();
+        let r = EnvironmentRequirements::from_task(
+            &s(&["Python3.9", "node 20", "sql"]),
+            &s(&[
+                "pandas==1.5",
+                "npm:playwright@^1.40",
+                "@playwright/test",
+                "apt:ffmpeg",
+                "pip:numpy<1.24",
+            ]),
+            true,
+            false,
+            true,
+        )
+        .unwrap();
+        assert_eq!(r.runtimes.len(), 2);
+        assert!(r.runtimes["python"].matches("3.9.18"));
+        assert!(!r.runtimes["python"].matches("3.12.4"));
+        assert!(r.runtimes["node"].matches("20.11.1"));
+        let names: Vec<String> = r.packages.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            names,
+            [
+                "pip:pandas ==1.5",
+                "npm:playwright ^1.40",
+                "npm:@playwright/test",
+                "apt:ffmpeg",
+                "pip:numpy <1.24"
+            ]
+        );
+        assert_eq!(
+            r.capabilities.iter().collect::<Vec<_>>(),
+            ["browser", "compiler"]
+        );
+        let plain =
+            EnvironmentRequirements::from_task(&s(&["python"]), &[], false, false, false).unwrap();
+        assert!(plain.runtimes["python"].is_any());
+        EnvironmentRequirements::from_task(&[], &s(&["pandas==;"]), false, false, false)
+            .unwrap_err();
+    }
+
+    #[test]
+    fn request_from_the_create_call() {
+        let create = api::CreateSandboxRequest {
+            user_id: Some("alice".into()),
+            session_id: Some("s-1".into()),
+            ..Default::default()
+        };
+        let r = ReuseRequest::from_create(
+            "acme",
+            &create,
+            PY_TEMPLATE,
+            "crun",
+            "python-small",
+            Default::default(),
+        );
+        assert_eq!(r.scope, Scope::User);
+        assert_eq!(r.network_profile, NetworkProfile::None);
+        assert_eq!(checker().check(&r, &sb_1028()).action, ReuseAction::Reuse);
     }
 
     fn opt_id() -> impl Strategy<Value = Option<String>> {
-        prop::option::of(prop_oneof![Just("a".to_owned()), Just("b".to_owned()), Just(String::new())])
+        prop::option::of(prop_oneof![
+            Just("a".to_owned()),
+            Just("b".to_owned()),
+            Just(String::new())
+        ])
     }
 
     fn scope() -> impl Strategy<Value = Scope> {
-        prop_oneof![Just(Scope::Session), Just(Scope::User), Just(Scope::Agent), Just(Scope::Global)]
+        prop_oneof![
+            Just(Scope::Session),
+            Just(Scope::User),
+            Just(Scope::Agent),
+            Just(Scope::Global)
+        ]
     }
 
     prop_compose! {

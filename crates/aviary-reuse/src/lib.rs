@@ -36,8 +36,8 @@ pub use checker::{
     ReuseDecision, ReusePolicy, ReuseRequest,
 };
 pub use manifest::{
-    DirtyLevel, EnvironmentManifest, PackageSet, ProbeCommand, ProbeKey, ProbeOutput,
-    ProbeOutputs, probe_script, PROBE_COMMANDS,
+    probe_script, DirtyLevel, EnvironmentManifest, PackageSet, ProbeCommand, ProbeKey, ProbeOutput,
+    ProbeOutputs, PROBE_COMMANDS,
 };
 pub use projection::{
     apply, ApplyReport, LocalDirTarget, ProjectionError, ProjectionPlan, ProjectionPlanner,

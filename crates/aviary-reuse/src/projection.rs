@@ -58,7 +58,11 @@ pub enum ProjectionError {
     #[error("{entry} is not valid UTF-8")]
     NonUtf8Path { entry: PathBuf },
     #[error("{entry} is {size} bytes, over the {limit} byte limit")]
-    FileTooLarge { entry: PathBuf, size: u64, limit: u64 },
+    FileTooLarge {
+        entry: PathBuf,
+        size: u64,
+        limit: u64,
+    },
     #[error("{entry} is neither a regular file nor a directory")]
     UnsupportedFileType { entry: PathBuf },
     #[error("more than {limit} files in the projection roots")]
@@ -128,8 +132,14 @@ impl RemoteIndex {
                 continue;
             };
             // Text mode prints two spaces, binary mode " *".
-            let path = rest.strip_prefix(' ').or_else(|| rest.strip_prefix('*')).unwrap_or(rest);
-            if hash.len() == 64 && hash.bytes().all(|b| b.is_ascii_hexdigit()) && path.starts_with('/') {
+            let path = rest
+                .strip_prefix(' ')
+                .or_else(|| rest.strip_prefix('*'))
+                .unwrap_or(rest);
+            if hash.len() == 64
+                && hash.bytes().all(|b| b.is_ascii_hexdigit())
+                && path.starts_with('/')
+            {
                 files.insert(path.to_owned(), hash.to_ascii_lowercase());
             }
         }
@@ -196,10 +206,14 @@ fn normalize_sandbox_path(path: &str) -> Option<String> {
     }
     let comps: Vec<&str> = path.split('/').skip(1).collect();
     let trimmed: &[&str] = match comps.split_last() {
-        Some((last, rest)) if last.is_empty() => rest,
+        Some((&"", rest)) => rest,
         _ => &comps,
     };
-    if trimmed.is_empty() || trimmed.iter().any(|c| c.is_empty() || *c == "." || *c == "..") {
+    if trimmed.is_empty()
+        || trimmed
+            .iter()
+            .any(|c| c.is_empty() || *c == "." || *c == "..")
+    {
         return None;
     }
     Some(format!("/{}", trimmed.join("/")))
@@ -222,10 +236,20 @@ struct Walk<'a> {
 impl Walk<'_> {
     fn read_err(root: &Path, entry: &Path) -> impl FnOnce(std::io::Error) -> ProjectionError {
         let (root, entry) = (root.to_owned(), entry.to_owned());
-        move |source| ProjectionError::ReadRoot { root, entry, source }
+        move |source| ProjectionError::ReadRoot {
+            root,
+            entry,
+            source,
+        }
     }
 
-    fn add_file(&mut self, root: &ProjectionRoot, canon_root: &Path, file: &Path, sandbox_path: String) -> Result<(), ProjectionError> {
+    fn add_file(
+        &mut self,
+        root: &ProjectionRoot,
+        canon_root: &Path,
+        file: &Path,
+        sandbox_path: String,
+    ) -> Result<(), ProjectionError> {
         let meta = std::fs::metadata(file).map_err(Self::read_err(&root.host_path, file))?;
         if meta.len() > self.planner.max_file_bytes {
             return Err(ProjectionError::FileTooLarge {
@@ -239,8 +263,12 @@ impl Walk<'_> {
                 limit: self.planner.max_files,
             });
         }
-        let (sha256, size) = hash_file(file, self.planner.max_file_bytes)
-            .map_err(|source| ProjectionError::ReadFile { entry: file.to_owned(), source })?;
+        let (sha256, size) = hash_file(file, self.planner.max_file_bytes).map_err(|source| {
+            ProjectionError::ReadFile {
+                entry: file.to_owned(),
+                source,
+            }
+        })?;
         let upload = Upload {
             host_path: file.to_owned(),
             host_root: canon_root.to_owned(),
@@ -262,13 +290,15 @@ impl Walk<'_> {
                 path: root.sandbox_path.clone(),
             }
         })?;
-        let meta = std::fs::symlink_metadata(&root.host_path).map_err(Self::read_err(&root.host_path, &root.host_path))?;
+        let meta = std::fs::symlink_metadata(&root.host_path)
+            .map_err(Self::read_err(&root.host_path, &root.host_path))?;
         if meta.file_type().is_symlink() {
             return Err(ProjectionError::SymlinkedRoot {
                 root: root.host_path.clone(),
             });
         }
-        let canon_root = std::fs::canonicalize(&root.host_path).map_err(Self::read_err(&root.host_path, &root.host_path))?;
+        let canon_root = std::fs::canonicalize(&root.host_path)
+            .map_err(Self::read_err(&root.host_path, &root.host_path))?;
         if meta.is_file() {
             return self.add_file(root, &canon_root, &canon_root, sandbox_root);
         }
@@ -291,20 +321,24 @@ impl Walk<'_> {
             for entry in entries {
                 let path = entry.path();
                 let name = entry.file_name();
-                let name = name
-                    .to_str()
-                    .ok_or_else(|| ProjectionError::NonUtf8Path { entry: path.clone() })?;
+                let name = name.to_str().ok_or_else(|| ProjectionError::NonUtf8Path {
+                    entry: path.clone(),
+                })?;
                 let sandbox_path = format!("{sandbox_dir}/{name}");
-                let ft = entry.file_type().map_err(Self::read_err(&root.host_path, &path))?;
+                let ft = entry
+                    .file_type()
+                    .map_err(Self::read_err(&root.host_path, &path))?;
                 let (real, is_dir) = if ft.is_symlink() {
-                    let target = std::fs::canonicalize(&path).map_err(Self::read_err(&root.host_path, &path))?;
+                    let target = std::fs::canonicalize(&path)
+                        .map_err(Self::read_err(&root.host_path, &path))?;
                     if !target.starts_with(&canon_root) {
                         return Err(ProjectionError::EscapeRoot {
                             root: root.host_path.clone(),
                             entry: path,
                         });
                     }
-                    let tmeta = std::fs::metadata(&target).map_err(Self::read_err(&root.host_path, &path))?;
+                    let tmeta = std::fs::metadata(&target)
+                        .map_err(Self::read_err(&root.host_path, &path))?;
                     if !tmeta.is_file() && !tmeta.is_dir() {
                         return Err(ProjectionError::UnsupportedFileType { entry: path });
                     }
@@ -360,7 +394,11 @@ impl ProjectionPlanner {
     /// Plans the sync of `host_roots` into a sandbox whose last sync left
     /// `remote_state`. Fails as a whole on any bad root, so nothing is applied
     /// from a root that tries to escape.
-    pub fn plan(&self, host_roots: &[ProjectionRoot], remote_state: &RemoteIndex) -> Result<ProjectionPlan, ProjectionError> {
+    pub fn plan(
+        &self,
+        host_roots: &[ProjectionRoot],
+        remote_state: &RemoteIndex,
+    ) -> Result<ProjectionPlan, ProjectionError> {
         let mut walk = Walk {
             planner: self,
             files: BTreeMap::new(),
@@ -385,7 +423,12 @@ impl ProjectionPlanner {
         // A file replacing a directory of the last sync: remove the directory.
         for path in walk.files.keys() {
             let prefix = format!("{path}/");
-            if remote_state.files.range(prefix.clone()..).next().is_some_and(|(k, _)| k.starts_with(&prefix)) {
+            if remote_state
+                .files
+                .range(prefix.clone()..)
+                .next()
+                .is_some_and(|(k, _)| k.starts_with(&prefix))
+            {
                 deletes.insert(path.clone());
             }
         }
@@ -402,7 +445,9 @@ impl ProjectionPlanner {
 
         let mut mkdirs = BTreeSet::new();
         for (path, upload) in walk.files {
-            plan.next_index.files.insert(path.clone(), upload.sha256.clone());
+            plan.next_index
+                .files
+                .insert(path.clone(), upload.sha256.clone());
             if remote_state.files.get(&path) == Some(&upload.sha256) {
                 plan.skipped.push(path);
             } else {
@@ -426,7 +471,12 @@ impl ProjectionPlanner {
 #[async_trait]
 pub trait ProjectionTarget: Send {
     /// Creates or replaces a regular file with exactly `content`.
-    async fn write_file(&mut self, path: &str, content: &[u8], mode: u32) -> Result<(), TargetError>;
+    async fn write_file(
+        &mut self,
+        path: &str,
+        content: &[u8],
+        mode: u32,
+    ) -> Result<(), TargetError>;
     /// Removes a file or a whole directory tree; a missing path is not an error.
     async fn remove(&mut self, path: &str) -> Result<(), TargetError>;
     /// Creates a directory and its missing parents.
@@ -439,7 +489,9 @@ async fn read_verified(u: &Upload, limit: u64) -> Result<Vec<u8>, ProjectionErro
         source,
     };
     // The planned path must still resolve inside its root…
-    let canon = tokio::fs::canonicalize(&u.host_path).await.map_err(read_err)?;
+    let canon = tokio::fs::canonicalize(&u.host_path)
+        .await
+        .map_err(read_err)?;
     if canon != u.host_path || !canon.starts_with(&u.host_root) {
         return Err(ProjectionError::FileChangedSincePlan {
             entry: u.host_path.clone(),
@@ -453,7 +505,10 @@ async fn read_verified(u: &Upload, limit: u64) -> Result<Vec<u8>, ProjectionErro
         .await
         .map_err(read_err)?;
     let mut bytes = Vec::with_capacity(usize::try_from(u.size).unwrap_or(0));
-    f.take(limit + 1).read_to_end(&mut bytes).await.map_err(read_err)?;
+    f.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .await
+        .map_err(read_err)?;
     // …and hash to what was planned.
     if hex::encode(Sha256::digest(&bytes)) != u.sha256 {
         return Err(ProjectionError::FileChangedSincePlan {
@@ -465,7 +520,10 @@ async fn read_verified(u: &Upload, limit: u64) -> Result<Vec<u8>, ProjectionErro
 
 /// Applies `plan` to `target`: deletes, then directories, then uploads (each
 /// file re-verified against the plan first). Stops at the first error.
-pub async fn apply(plan: &ProjectionPlan, target: &mut dyn ProjectionTarget) -> Result<ApplyReport, ProjectionError> {
+pub async fn apply(
+    plan: &ProjectionPlan,
+    target: &mut dyn ProjectionTarget,
+) -> Result<ApplyReport, ProjectionError> {
     let mut report = ApplyReport {
         skipped: plan.skipped.len(),
         ..ApplyReport::default()
@@ -474,14 +532,20 @@ pub async fn apply(plan: &ProjectionPlan, target: &mut dyn ProjectionTarget) -> 
         target
             .remove(path)
             .await
-            .map_err(|source| ProjectionError::RemovePath { path: path.clone(), source })?;
+            .map_err(|source| ProjectionError::RemovePath {
+                path: path.clone(),
+                source,
+            })?;
         report.deleted += 1;
     }
     for dir in &plan.mkdirs {
         target
             .mkdir(dir)
             .await
-            .map_err(|source| ProjectionError::CreateDir { path: dir.clone(), source })?;
+            .map_err(|source| ProjectionError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
     }
     for u in &plan.uploads {
         let bytes = read_verified(u, u.size).await?;
@@ -516,7 +580,8 @@ impl LocalDirTarget {
     /// The host path of a sandbox path; every existing component below the
     /// root (the last one included) must not be a symlink.
     fn resolve(&self, path: &str) -> Result<PathBuf, TargetError> {
-        let norm = normalize_sandbox_path(path).ok_or_else(|| format!("invalid sandbox path {path:?}"))?;
+        let norm =
+            normalize_sandbox_path(path).ok_or_else(|| format!("invalid sandbox path {path:?}"))?;
         let mut host = self.root.clone();
         for comp in Path::new(&norm).components() {
             match comp {
@@ -539,7 +604,12 @@ impl LocalDirTarget {
 
 #[async_trait]
 impl ProjectionTarget for LocalDirTarget {
-    async fn write_file(&mut self, path: &str, content: &[u8], mode: u32) -> Result<(), TargetError> {
+    async fn write_file(
+        &mut self,
+        path: &str,
+        content: &[u8],
+        mode: u32,
+    ) -> Result<(), TargetError> {
         let host = self.resolve(path)?;
         if std::fs::symlink_metadata(&host).is_ok_and(|m| m.is_dir()) {
             std::fs::remove_dir_all(&host)?;
@@ -568,7 +638,8 @@ impl ProjectionTarget for LocalDirTarget {
     }
 
     async fn mkdir(&mut self, path: &str) -> Result<(), TargetError> {
-        let norm = normalize_sandbox_path(path).ok_or_else(|| format!("invalid sandbox path {path:?}"))?;
+        let norm =
+            normalize_sandbox_path(path).ok_or_else(|| format!("invalid sandbox path {path:?}"))?;
         // Component by component, so no symlink is ever followed.
         let mut partial = String::new();
         for comp in norm.split('/').skip(1) {
@@ -609,7 +680,11 @@ mod tests {
         write(&h.join("AGENTS.md"), "# agent\n");
         write(&h.join("skills/excel/SKILL.md"), "read excel\n");
         write(&h.join("skills/excel/scripts/run.py"), "print(1)\n");
-        fs::set_permissions(h.join("skills/excel/scripts/run.py"), fs::Permissions::from_mode(0o750)).unwrap();
+        fs::set_permissions(
+            h.join("skills/excel/scripts/run.py"),
+            fs::Permissions::from_mode(0o750),
+        )
+        .unwrap();
         write(&h.join("skills/web/SKILL.md"), "browse\n");
         write(&h.join("knowledge/a/b/c/deep.txt"), "deep\n");
         dir
@@ -642,7 +717,9 @@ mod tests {
 
     async fn sync(h: &Path, sandbox: &Path, index: &RemoteIndex) -> (ProjectionPlan, ApplyReport) {
         let plan = ProjectionPlanner::default().plan(&roots(h), index).unwrap();
-        let report = apply(&plan, &mut LocalDirTarget::new(sandbox)).await.unwrap();
+        let report = apply(&plan, &mut LocalDirTarget::new(sandbox))
+            .await
+            .unwrap();
         (plan, report)
     }
 
@@ -657,11 +734,20 @@ mod tests {
         let files = sandbox_files(sb.path());
         assert_eq!(files["/workspace/AGENTS.md"], "# agent\n");
         assert_eq!(files["/workspace/knowledge/a/b/c/deep.txt"], "deep\n");
-        assert_eq!(files["/workspace/skills/excel/scripts/run.py"], "print(1)\n");
+        assert_eq!(
+            files["/workspace/skills/excel/scripts/run.py"],
+            "print(1)\n"
+        );
         assert_eq!(files.len(), 5);
-        let mode = fs::metadata(sb.path().join("workspace/skills/excel/scripts/run.py")).unwrap().permissions().mode();
+        let mode = fs::metadata(sb.path().join("workspace/skills/excel/scripts/run.py"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o7777, 0o755);
-        let mode = fs::metadata(sb.path().join("workspace/AGENTS.md")).unwrap().permissions().mode();
+        let mode = fs::metadata(sb.path().join("workspace/AGENTS.md"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o7777, 0o644);
         assert_eq!(
             plan.next_index.files["/workspace/AGENTS.md"],
@@ -698,7 +784,9 @@ mod tests {
             .plan(&roots(h.path())[..2], &plan3.next_index)
             .unwrap();
         assert_eq!(plan4.deletes, ["/workspace/knowledge/a/b/c/deep.txt"]);
-        apply(&plan4, &mut LocalDirTarget::new(sb.path())).await.unwrap();
+        apply(&plan4, &mut LocalDirTarget::new(sb.path()))
+            .await
+            .unwrap();
         assert!(!sandbox_files(sb.path()).contains_key("/workspace/knowledge/a/b/c/deep.txt"));
     }
 
@@ -711,29 +799,44 @@ mod tests {
         write(&h.path().join("skills/web"), "now a file\n");
         let (plan2, _) = sync(h.path(), sb.path(), &plan.next_index).await;
         assert_eq!(plan2.deletes, ["/workspace/skills/web"]);
-        assert_eq!(sandbox_files(sb.path())["/workspace/skills/web"], "now a file\n");
+        assert_eq!(
+            sandbox_files(sb.path())["/workspace/skills/web"],
+            "now a file\n"
+        );
         fs::remove_file(h.path().join("skills/web")).unwrap();
         write(&h.path().join("skills/web/SKILL.md"), "dir again\n");
         sync(h.path(), sb.path(), &plan2.next_index).await;
-        assert_eq!(sandbox_files(sb.path())["/workspace/skills/web/SKILL.md"], "dir again\n");
+        assert_eq!(
+            sandbox_files(sb.path())["/workspace/skills/web/SKILL.md"],
+            "dir again\n"
+        );
     }
 
     #[test]
     fn symlink_to_etc_rejects_the_root() {
         let h = host();
         symlink("/etc", h.path().join("skills/etc")).unwrap();
-        let err = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap_err();
-        assert!(matches!(err, ProjectionError::EscapeRoot { ref entry, .. } if entry.ends_with("skills/etc")), "{err}");
+        let err = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::EscapeRoot { ref entry, .. } if entry.ends_with("skills/etc")),
+            "{err}"
+        );
 
         let h = host();
         symlink("/etc/passwd", h.path().join("knowledge/passwd")).unwrap();
-        let err = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap_err();
+        let err = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap_err();
         assert!(matches!(err, ProjectionError::EscapeRoot { .. }), "{err}");
 
         // A sibling root is outside this root too.
         let h = host();
         symlink(h.path().join("AGENTS.md"), h.path().join("skills/agents")).unwrap();
-        let err = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap_err();
+        let err = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap_err();
         assert!(matches!(err, ProjectionError::EscapeRoot { .. }), "{err}");
     }
 
@@ -741,9 +844,17 @@ mod tests {
     fn a_root_that_is_a_symlink_is_rejected() {
         let h = host();
         symlink("/etc", h.path().join("etc-root")).unwrap();
-        let r = [ProjectionRoot::new(h.path().join("etc-root"), "/workspace/etc")];
-        let err = ProjectionPlanner::default().plan(&r, &RemoteIndex::default()).unwrap_err();
-        assert!(matches!(err, ProjectionError::SymlinkedRoot { .. }), "{err}");
+        let r = [ProjectionRoot::new(
+            h.path().join("etc-root"),
+            "/workspace/etc",
+        )];
+        let err = ProjectionPlanner::default()
+            .plan(&r, &RemoteIndex::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::SymlinkedRoot { .. }),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -755,16 +866,31 @@ mod tests {
         let (plan, _) = sync(h.path(), sb.path(), &RemoteIndex::default()).await;
         let files = sandbox_files(sb.path());
         assert_eq!(files["/workspace/skills/alias.md"], "read excel\n");
-        assert!(plan.uploads.iter().all(|u| !u.sandbox_path.contains("/self/")));
+        assert!(plan
+            .uploads
+            .iter()
+            .all(|u| !u.sandbox_path.contains("/self/")));
     }
 
     #[test]
     fn dot_dot_in_sandbox_paths_is_an_error() {
         let h = host();
-        for bad in ["/workspace/../etc", "workspace/x", "/workspace/./x", "/", "//x", "/a\0b"] {
+        for bad in [
+            "/workspace/../etc",
+            "workspace/x",
+            "/workspace/./x",
+            "/",
+            "//x",
+            "/a\0b",
+        ] {
             let r = [ProjectionRoot::new(h.path().join("skills"), bad)];
-            let err = ProjectionPlanner::default().plan(&r, &RemoteIndex::default()).unwrap_err();
-            assert!(matches!(err, ProjectionError::InvalidSandboxPath { .. }), "{bad}: {err}");
+            let err = ProjectionPlanner::default()
+                .plan(&r, &RemoteIndex::default())
+                .unwrap_err();
+            assert!(
+                matches!(err, ProjectionError::InvalidSandboxPath { .. }),
+                "{bad}: {err}"
+            );
         }
     }
 
@@ -772,30 +898,61 @@ mod tests {
     fn overlapping_roots_are_an_error() {
         let h = host();
         let r = [
-            ProjectionRoot::new(h.path().join("AGENTS.md"), "/workspace/skills/excel/SKILL.md"),
+            ProjectionRoot::new(
+                h.path().join("AGENTS.md"),
+                "/workspace/skills/excel/SKILL.md",
+            ),
             ProjectionRoot::new(h.path().join("skills"), "/workspace/skills"),
         ];
-        let err = ProjectionPlanner::default().plan(&r, &RemoteIndex::default()).unwrap_err();
-        assert!(matches!(err, ProjectionError::OverlappingTargets { .. }), "{err}");
+        let err = ProjectionPlanner::default()
+            .plan(&r, &RemoteIndex::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::OverlappingTargets { .. }),
+            "{err}"
+        );
         let r = [
             ProjectionRoot::new(h.path().join("AGENTS.md"), "/workspace/skills"),
             ProjectionRoot::new(h.path().join("skills"), "/workspace/skills"),
         ];
-        let err = ProjectionPlanner::default().plan(&r, &RemoteIndex::default()).unwrap_err();
-        assert!(matches!(err, ProjectionError::OverlappingTargets { .. }), "{err}");
+        let err = ProjectionPlanner::default()
+            .plan(&r, &RemoteIndex::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::OverlappingTargets { .. }),
+            "{err}"
+        );
     }
 
     #[test]
     fn limits_and_missing_roots_are_errors() {
         let h = host();
-        let small = ProjectionPlanner { max_file_bytes: 4, max_files: 100 };
-        let err = small.plan(&roots(h.path()), &RemoteIndex::default()).unwrap_err();
+        let small = ProjectionPlanner {
+            max_file_bytes: 4,
+            max_files: 100,
+        };
+        let err = small
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap_err();
         assert!(matches!(err, ProjectionError::FileTooLarge { .. }), "{err}");
-        let few = ProjectionPlanner { max_file_bytes: 1 << 20, max_files: 2 };
-        let err = few.plan(&roots(h.path()), &RemoteIndex::default()).unwrap_err();
-        assert!(matches!(err, ProjectionError::TooManyFiles { limit: 2 }), "{err}");
-        let r = [ProjectionRoot::new(h.path().join("nope"), "/workspace/nope")];
-        let err = ProjectionPlanner::default().plan(&r, &RemoteIndex::default()).unwrap_err();
+        let few = ProjectionPlanner {
+            max_file_bytes: 1 << 20,
+            max_files: 2,
+        };
+        let err = few
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::TooManyFiles { limit: 2 }),
+            "{err}"
+        );
+        let r = [ProjectionRoot::new(
+            h.path().join("nope"),
+            "/workspace/nope",
+        )];
+        let err = ProjectionPlanner::default()
+            .plan(&r, &RemoteIndex::default())
+            .unwrap_err();
         assert!(matches!(err, ProjectionError::ReadRoot { .. }), "{err}");
     }
 
@@ -803,18 +960,34 @@ mod tests {
     async fn a_file_changed_after_planning_is_not_projected() {
         let h = host();
         let sb = tempfile::tempdir().unwrap();
-        let plan = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap();
+        let plan = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap();
         write(&h.path().join("AGENTS.md"), "# swapped\n");
-        let err = apply(&plan, &mut LocalDirTarget::new(sb.path())).await.unwrap_err();
-        assert!(matches!(err, ProjectionError::FileChangedSincePlan { .. }), "{err}");
-        assert!(!sandbox_files(sb.path()).values().any(|v| v.contains("swapped")));
+        let err = apply(&plan, &mut LocalDirTarget::new(sb.path()))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::FileChangedSincePlan { .. }),
+            "{err}"
+        );
+        assert!(!sandbox_files(sb.path())
+            .values()
+            .any(|v| v.contains("swapped")));
 
         // Swapped for a symlink to /etc/passwd after planning.
-        let plan = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap();
+        let plan = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap();
         fs::remove_file(h.path().join("knowledge/a/b/c/deep.txt")).unwrap();
         symlink("/etc/passwd", h.path().join("knowledge/a/b/c/deep.txt")).unwrap();
-        let err = apply(&plan, &mut LocalDirTarget::new(sb.path())).await.unwrap_err();
-        assert!(matches!(err, ProjectionError::FileChangedSincePlan { .. }), "{err}");
+        let err = apply(&plan, &mut LocalDirTarget::new(sb.path()))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ProjectionError::FileChangedSincePlan { .. }),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -824,8 +997,12 @@ mod tests {
         let outside = tempfile::tempdir().unwrap();
         fs::create_dir_all(sb.path().join("workspace")).unwrap();
         symlink(outside.path(), sb.path().join("workspace/skills")).unwrap();
-        let plan = ProjectionPlanner::default().plan(&roots(h.path()), &RemoteIndex::default()).unwrap();
-        let err = apply(&plan, &mut LocalDirTarget::new(sb.path())).await.unwrap_err();
+        let plan = ProjectionPlanner::default()
+            .plan(&roots(h.path()), &RemoteIndex::default())
+            .unwrap();
+        let err = apply(&plan, &mut LocalDirTarget::new(sb.path()))
+            .await
+            .unwrap_err();
         assert!(matches!(err, ProjectionError::CreateDir { .. }), "{err}");
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
     }
@@ -833,16 +1010,22 @@ mod tests {
     #[test]
     fn remote_index_from_sha256sum() {
         let a = hex::encode(Sha256::digest(b"a"));
-        let text = format!("{a}  /workspace/AGENTS.md\n{a} */workspace/bin\nbad line\n{a}  relative\n");
+        let text =
+            format!("{a}  /workspace/AGENTS.md\n{a} */workspace/bin\nbad line\n{a}  relative\n");
         let idx = RemoteIndex::from_sha256sum_output(&text);
         assert_eq!(idx.files.len(), 2);
         assert_eq!(idx.files["/workspace/AGENTS.md"], a);
         // And a real `sha256sum` run agrees with the planner's hashes.
         let h = host();
-        let out = std::process::Command::new("sha256sum").arg(h.path().join("AGENTS.md")).output().unwrap();
+        let out = std::process::Command::new("sha256sum")
+            .arg(h.path().join("AGENTS.md"))
+            .output()
+            .unwrap();
         let text = String::from_utf8(out.stdout).unwrap();
         let real = RemoteIndex::from_sha256sum_output(&text);
-        let plan = ProjectionPlanner::default().plan(&roots(h.path())[..1], &RemoteIndex::default()).unwrap();
+        let plan = ProjectionPlanner::default()
+            .plan(&roots(h.path())[..1], &RemoteIndex::default())
+            .unwrap();
         assert_eq!(real.files.values().next(), Some(&plan.uploads[0].sha256));
     }
 

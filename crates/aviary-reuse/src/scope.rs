@@ -64,9 +64,7 @@ pub fn scope_bucket(
     encode(&mut key, tenant);
     let effective = effective_scope(scope, user_id);
     let id = match effective {
-        Scope::Session => {
-            Some(present(session_id).ok_or(ScopeError::MissingSessionId { scope })?)
-        }
+        Scope::Session => Some(present(session_id).ok_or(ScopeError::MissingSessionId { scope })?),
         Scope::User => present(user_id),
         Scope::Agent => Some(present(agent).ok_or(ScopeError::MissingAgent)?),
         Scope::Global => None,

@@ -27,7 +27,17 @@ pub enum VersionError {
 
 /// Which package manager a package belongs to.
 #[derive(
-    Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Serialize, Deserialize, utoipa::ToSchema,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Debug,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Ecosystem {
@@ -224,7 +234,10 @@ impl Clause {
                 let rel = release(&self.version);
                 // Everything up to and including the first non-zero component
                 // is fixed (^1.2 → 1.x, ^0.2 → 0.2.x).
-                let fixed = rel.iter().position(|&c| c != 0).map_or(rel.len(), |i| i + 1);
+                let fixed = rel
+                    .iter()
+                    .position(|&c| c != 0)
+                    .map_or(rel.len(), |i| i + 1);
                 ord != Ordering::Less && has_prefix(v, &rel[..fixed.min(rel.len())])
             }
             Op::Tilde => {
@@ -301,9 +314,10 @@ impl FromStr for VersionReq {
                 }
             }
             let valid = !version.is_empty()
-                && version
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+' | b'_' | b':' | b'~'))
+                && version.bytes().all(|b| {
+                    b.is_ascii_alphanumeric()
+                        || matches!(b, b'.' | b'-' | b'+' | b'_' | b':' | b'~')
+                })
                 && version.bytes().any(|b| b.is_ascii_digit());
             if !valid {
                 return Err(VersionError::ParseClause {
@@ -377,7 +391,7 @@ impl PackageRequirement {
             Ecosystem::Pip => {
                 let no_marker = spec_trim.split(';').next().unwrap_or("").trim();
                 let end = no_marker
-                    .find(|c: char| matches!(c, '=' | '<' | '>' | '!' | '~' | '[' | ' ' | '('))
+                    .find(['=', '<', '>', '!', '~', '[', ' ', '('])
                     .unwrap_or(no_marker.len());
                 let mut range = no_marker[end..].trim();
                 if let Some(close) = range.strip_prefix('[').and_then(|r| r.find(']')) {
@@ -513,7 +527,10 @@ mod tests {
         let p = PackageRequirement::pip("matplotlib").unwrap();
         assert!(p.version.is_any());
         let n = PackageRequirement::npm("@playwright/test@^1.40").unwrap();
-        assert_eq!((n.name.as_str(), n.version.as_str()), ("@playwright/test", "^1.40"));
+        assert_eq!(
+            (n.name.as_str(), n.version.as_str()),
+            ("@playwright/test", "^1.40")
+        );
         let n = PackageRequirement::npm("playwright@1.40.0").unwrap();
         assert!(n.version.matches("1.40.0"));
         assert!(!n.version.matches("1.41.0"));
