@@ -29,10 +29,9 @@ fn candidate(i: usize) -> ReuseCandidate {
     ));
     ReuseCandidate {
         sandbox_id: SandboxId::generate(),
-        tenant: if i % 3 == 0 {
-            "other".into()
-        } else {
-            "acme".into()
+        tenant: match i % 3 {
+            0 => "other".into(),
+            _ => "acme".into(),
         },
         user_id: Some("alice".into()),
         session_id: Some(format!("s-{}", i % 5)),
