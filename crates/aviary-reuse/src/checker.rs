@@ -124,14 +124,15 @@ pub struct ReuseRequest {
 }
 
 impl ReuseRequest {
-    /// The request side of a `POST /v1/sandboxes`, once the template, runtime
-    /// and class are resolved (scope and network default as in the API).
+    /// The request side of a `POST /v1/sandboxes`, once the template, runtime,
+    /// class and network profile are resolved (the scope defaults as in the API).
     pub fn from_create(
         tenant: &str,
         create: &api::CreateSandboxRequest,
         template_digest: &str,
         runtime: &str,
         resource_class: &str,
+        network_profile: NetworkProfile,
         requirements: EnvironmentRequirements,
     ) -> Self {
         ReuseRequest {
@@ -143,7 +144,7 @@ impl ReuseRequest {
             template_digest: template_digest.to_owned(),
             runtime: runtime.to_owned(),
             resource_class: resource_class.to_owned(),
-            network_profile: create.network.unwrap_or_default(),
+            network_profile,
             secret_scope: None,
             workspace_id: None,
             requirements,
@@ -1269,6 +1270,7 @@ mod tests {
             PY_TEMPLATE,
             "crun",
             "python-small",
+            NetworkProfile::None,
             Default::default(),
         );
         assert_eq!(r.scope, Scope::User);

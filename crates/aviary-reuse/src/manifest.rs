@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::path::{Path, PathBuf};
 use time::OffsetDateTime;
 
 /// How much state earlier work left behind (see the module docs).
@@ -472,6 +473,39 @@ fn parse_dpkg(text: &str) -> BTreeMap<String, String> {
     out
 }
 
+/// Folds changed paths into collapsed dirty paths and the highest level.
+#[derive(Default)]
+struct DirtyAccumulator {
+    level: DirtyLevel,
+    roots: BTreeSet<String>,
+}
+
+impl DirtyAccumulator {
+    fn add(&mut self, path: &str) {
+        let l = DirtyLevel::of_path(path);
+        self.level = self.level.max(l);
+        if l == DirtyLevel::Clean {
+            return;
+        }
+        let comps: Vec<&str> = path
+            .split('/')
+            .filter(|c| !c.is_empty() && *c != ".")
+            .collect();
+        let take = if l == DirtyLevel::Workspace && comps.first() == Some(&"workspace") {
+            1
+        } else {
+            2
+        };
+        self.roots
+            .insert(format!("/{}", comps[..take.min(comps.len())].join("/")));
+    }
+
+    fn store(self, m: &mut EnvironmentManifest) {
+        m.dirty_paths = self.roots.into_iter().collect();
+        m.dirty_level = self.level;
+    }
+}
+
 impl EnvironmentManifest {
     /// An empty manifest of a fresh sandbox of the template `base_template_digest`.
     pub fn new(base_template_digest: impl Into<String>, updated_at: OffsetDateTime) -> Self {
@@ -555,37 +589,48 @@ impl EnvironmentManifest {
         m
     }
 
-    /// Records the paths the sandbox changed relative to its template (e.g. a
-    /// walk of its overlay upper dir): collapses them into `dirty_paths` and
-    /// sets `dirty_level` to the highest level among them.
+    /// Records the paths the sandbox changed relative to its template:
+    /// collapses them into `dirty_paths` and sets `dirty_level` to the highest
+    /// level among them. The list replaces the previous one.
     pub fn with_changed_paths<I, S>(mut self, changed: I) -> Self
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut level = DirtyLevel::Clean;
-        let mut roots = BTreeSet::new();
+        let mut acc = DirtyAccumulator::default();
         for p in changed {
-            let p = p.as_ref();
-            let l = DirtyLevel::of_path(p);
-            level = level.max(l);
-            if l == DirtyLevel::Clean {
-                continue;
-            }
-            let comps: Vec<&str> = p
-                .split('/')
-                .filter(|c| !c.is_empty() && *c != ".")
-                .collect();
-            let take = if l == DirtyLevel::Workspace && comps.first() == Some(&"workspace") {
-                1
-            } else {
-                2
-            };
-            roots.insert(format!("/{}", comps[..take.min(comps.len())].join("/")));
+            acc.add(p.as_ref());
         }
-        self.dirty_paths = roots.into_iter().collect();
-        self.dirty_level = level;
+        acc.store(&mut self);
         self
+    }
+
+    /// Like [`Self::with_changed_paths`], with the changes read from the
+    /// sandbox's overlayfs upper directory on the host: every entry that is
+    /// not a directory (files, symlinks, whiteouts of deleted files) and every
+    /// empty directory is a changed path. Symlinks are not followed; memory
+    /// stays bounded by the number of collapsed dirty paths, not of files.
+    pub fn with_upper_dir(mut self, upper: &Path) -> std::io::Result<Self> {
+        let mut acc = DirtyAccumulator::default();
+        let mut stack = vec![PathBuf::new()];
+        while let Some(rel) = stack.pop() {
+            let mut empty = true;
+            for entry in std::fs::read_dir(upper.join(&rel))? {
+                let entry = entry?;
+                empty = false;
+                let child = rel.join(entry.file_name());
+                if entry.file_type()?.is_dir() {
+                    stack.push(child);
+                } else {
+                    acc.add(&format!("/{}", child.to_string_lossy()));
+                }
+            }
+            if empty && !rel.as_os_str().is_empty() {
+                acc.add(&format!("/{}", rel.to_string_lossy()));
+            }
+        }
+        acc.store(&mut self);
+        Ok(self)
     }
 
     /// Names of everything installed: pip, npm and apt packages plus
@@ -869,6 +914,64 @@ mod tests {
         let m = m.with_changed_paths(["/etc/cron.d/evil"]);
         assert_eq!(m.dirty_level, Unknown);
         assert_eq!(m.dirty_paths, ["/etc/cron.d"]);
+    }
+
+    #[test]
+    fn dirty_paths_from_a_real_overlay_upper_dir() {
+        // The real thing: an overlay mount whose upper dir records what the
+        // "sandbox" changed, including a whiteout for a deleted template file.
+        let dir = tempfile::tempdir().unwrap();
+        let (lower, upper, work, merged) = (
+            dir.path().join("lower"),
+            dir.path().join("upper"),
+            dir.path().join("work"),
+            dir.path().join("merged"),
+        );
+        for d in [&lower, &upper, &work, &merged] {
+            std::fs::create_dir(d).unwrap();
+        }
+        std::fs::create_dir_all(lower.join("etc")).unwrap();
+        std::fs::write(lower.join("etc/motd"), "hi").unwrap();
+        std::fs::create_dir_all(lower.join("workspace")).unwrap();
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.display(),
+            upper.display(),
+            work.display()
+        );
+        let mounted = Command::new("mount")
+            .args(["-t", "overlay", "overlay", "-o", &opts])
+            .arg(&merged)
+            .status();
+        if !mounted.is_ok_and(|s| s.success()) {
+            eprintln!("SKIP dirty_paths_from_a_real_overlay_upper_dir: cannot mount overlayfs here (needs root)");
+            return;
+        }
+        let changes = || -> std::io::Result<()> {
+            std::fs::write(merged.join("workspace/data.csv"), "a,b")?;
+            std::fs::create_dir_all(merged.join("opt/venv/lib/site-packages/pandas"))?;
+            std::fs::write(
+                merged.join("opt/venv/lib/site-packages/pandas/__init__.py"),
+                "",
+            )?;
+            std::fs::create_dir_all(merged.join("tmp/scratch"))?;
+            Ok(())
+        };
+        let first = changes();
+        let umount = || Command::new("umount").arg(&merged).status().unwrap();
+        first.unwrap();
+        let m = EnvironmentManifest::new("d", at())
+            .with_upper_dir(&upper)
+            .unwrap();
+        assert_eq!(m.dirty_paths, ["/opt/venv", "/workspace"]);
+        assert_eq!(m.dirty_level, DirtyLevel::Dependencies);
+        // Deleting a template file leaves a whiteout: unknown pollution.
+        let removed = std::fs::remove_file(merged.join("etc/motd"));
+        assert!(umount().success());
+        removed.unwrap();
+        let m = m.with_upper_dir(&upper).unwrap();
+        assert_eq!(m.dirty_paths, ["/etc/motd", "/opt/venv", "/workspace"]);
+        assert_eq!(m.dirty_level, DirtyLevel::Unknown);
     }
 
     #[test]
