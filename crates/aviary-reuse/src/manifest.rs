@@ -957,18 +957,23 @@ mod tests {
             std::fs::create_dir_all(merged.join("tmp/scratch"))?;
             Ok(())
         };
-        let first = changes();
-        let umount = || Command::new("umount").arg(&merged).status().unwrap();
-        first.unwrap();
+        /// Unmounts even when an assertion fails half-way.
+        struct Mounted<'a>(&'a Path);
+        impl Drop for Mounted<'_> {
+            fn drop(&mut self) {
+                let _ = Command::new("umount").arg(self.0).status();
+            }
+        }
+        let mount = Mounted(&merged);
+        changes().unwrap();
         let m = EnvironmentManifest::new("d", at())
             .with_upper_dir(&upper)
             .unwrap();
         assert_eq!(m.dirty_paths, ["/opt/venv", "/workspace"]);
         assert_eq!(m.dirty_level, DirtyLevel::Dependencies);
         // Deleting a template file leaves a whiteout: unknown pollution.
-        let removed = std::fs::remove_file(merged.join("etc/motd"));
-        assert!(umount().success());
-        removed.unwrap();
+        std::fs::remove_file(merged.join("etc/motd")).unwrap();
+        drop(mount);
         let m = m.with_upper_dir(&upper).unwrap();
         assert_eq!(m.dirty_paths, ["/etc/motd", "/opt/venv", "/workspace"]);
         assert_eq!(m.dirty_level, DirtyLevel::Unknown);
