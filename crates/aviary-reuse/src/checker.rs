@@ -712,7 +712,7 @@ impl ReuseChecker {
         }
         if let Some(py) = &fit.venv_python {
             why.push(format!(
-                "runtime_version_mismatch: default python {} but {py} available",
+                "non_default_python: default {}, {py} required and installed",
                 manifest
                     .runtimes
                     .get("python")
@@ -942,7 +942,15 @@ mod tests {
         let d = checker().check(&r, &c);
         assert_eq!(d.action, ReuseAction::NewVenv, "{d:?}");
         assert_eq!(d.venv_python.as_deref(), Some("3.9.18"));
-        assert!(d.reason_codes().contains(&"dependency_conflict"));
+        assert_eq!(
+            d.reason_codes(),
+            [
+                "same_session",
+                "dependency_conflict",
+                "non_default_python",
+                "venv_python"
+            ]
+        );
     }
 
     #[test]
