@@ -1007,6 +1007,36 @@ mod tests {
         .unwrap_err();
     }
 
+    #[test]
+    fn openapi_schema_describes_the_manifest() {
+        let schema =
+            serde_json::to_value(<EnvironmentManifest as utoipa::PartialSchema>::schema()).unwrap();
+        let props = &schema["properties"];
+        assert_eq!(props["dirty_level"]["type"], "integer");
+        assert_eq!(props["dirty_level"]["maximum"], 3);
+        assert_eq!(props["updated_at"]["format"], "date-time");
+        for field in [
+            "base_template_digest",
+            "runtimes",
+            "pip",
+            "npm",
+            "apt",
+            "capabilities",
+            "dirty_paths",
+            "workspace_id",
+            "last_snapshot_id",
+        ] {
+            assert!(props.get(field).is_some(), "{field} missing from {schema}");
+        }
+        let decision =
+            serde_json::to_value(<crate::ReuseDecision as utoipa::PartialSchema>::schema())
+                .unwrap();
+        assert_eq!(
+            decision["properties"]["install"]["items"]["$ref"],
+            "#/components/schemas/PackageRequirement"
+        );
+    }
+
     fn packages() -> impl Strategy<Value = BTreeMap<String, String>> {
         prop::collection::btree_map("[a-z]{1,8}", "[0-9]{1,2}\\.[0-9]{1,2}", 0..8)
     }
