@@ -367,7 +367,7 @@ impl Scheduler {
                 seconds_since_seen: age.whole_seconds(),
             });
         }
-        if !node.runtimes.iter().any(|r| *r == req.runtime) {
+        if !node.runtimes.contains(&req.runtime) {
             return Some(Rejection::RuntimeMissing {
                 runtime: req.runtime.clone(),
             });
