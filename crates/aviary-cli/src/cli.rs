@@ -3,7 +3,7 @@
 use crate::output;
 use aviary_client::{Client, ClientError, StreamItem};
 use aviary_core::api::*;
-use aviary_core::{LeaseToken, NetworkProfile, Scope};
+use aviary_core::{LeaseToken, Scope};
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -17,7 +17,8 @@ Environment:
 
 Exit codes: `run` and `sandbox exec` exit with the command's exit code (124 when it
 timed out). Otherwise: 0 ok, 2 usage, 64 invalid request, 66 not found, 69 server
-unavailable, 70 internal error, 75 lease/state conflict, 77 unauthorized/forbidden.";
+unavailable, 70 internal error, 75 lease/state conflict, 77 unauthorized/forbidden,
+78 invalid configuration file.";
 
 #[derive(Parser, Debug)]
 #[command(name = "aviary", version, about = "Aviary: a sandbox control plane for AI agents", after_help = AFTER_HELP)]
@@ -43,6 +44,12 @@ enum Command {
     Lease(LeaseCmd),
     /// Show the event log (state changes, decisions, lease grants).
     Events(EventsArgs),
+    /// Ask the resource planner what a task needs (and what policy would approve).
+    Plan {
+        /// Task context JSON (DESIGN §7): {"task": "...", "dependencies": [...], ...}; `-` reads stdin.
+        #[arg(long)]
+        intent: PathBuf,
+    },
     /// List and import templates.
     #[command(subcommand)]
     Template(TemplateCmd),
@@ -53,15 +60,19 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct ServeArgs {
-    /// Data directory (registry, templates, sandboxes, admin.key).
-    #[arg(long, env = "AVIARY_DATA_DIR", default_value = "/var/lib/aviary")]
-    data_dir: PathBuf,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7400")]
-    listen: SocketAddr,
+    /// Configuration file (classes, network profiles, tenants, pools, planner);
+    /// see aviary.example.toml. Flags below override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Data directory (registry, templates, sandboxes, admin.key) [default: /var/lib/aviary].
+    #[arg(long, env = "AVIARY_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:7400].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
     /// OCI runtime: crun (default) or runc.
-    #[arg(long, default_value = "crun")]
-    runtime: String,
+    #[arg(long)]
+    runtime: Option<String>,
     /// Static envd binary (default: aviary-envd next to this binary).
     #[arg(long, env = "AVIARY_ENVD")]
     envd: Option<PathBuf>,
@@ -90,27 +101,35 @@ struct CreateArgs {
     /// Isolation scope: session, user, agent or global.
     #[arg(long)]
     scope: Option<Scope>,
-    /// Network profile (only "none", loopback only, on the local node).
+    /// Network profile by name (the local node grants "none": loopback only).
     #[arg(long)]
-    network: Option<NetworkProfile>,
+    network: Option<String>,
     /// Lifetime in seconds.
     #[arg(long)]
     ttl: Option<u64>,
+    /// Task context JSON file for the resource planner (`-` reads stdin); ignored with --class.
+    #[arg(long)]
+    intent: Option<PathBuf>,
 }
 
 impl CreateArgs {
-    fn request(&self) -> CreateSandboxRequest {
-        CreateSandboxRequest {
+    fn request(&self) -> Result<CreateSandboxRequest, Failure> {
+        let intent = match &self.intent {
+            Some(p) => Some(read_json(p)?),
+            None => None,
+        };
+        Ok(CreateSandboxRequest {
+            intent,
             template: self.template.clone(),
             class: self.class.clone(),
             user_id: self.user.clone(),
             session_id: self.session.clone(),
             agent: self.agent.clone(),
             scope: self.scope,
-            network: self.network,
+            network: self.network.clone(),
             ttl_s: self.ttl,
             lease: None,
-        }
+        })
     }
 }
 
@@ -329,6 +348,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Sandbox(c) => sandbox(c, json).await,
         Command::Lease(c) => lease(c, json).await,
         Command::Events(a) => events(a, json).await,
+        Command::Plan { intent } => plan(intent, json).await,
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
     };
@@ -368,9 +388,23 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let mut cfg = aviary_server::config::ServerConfig::new(a.data_dir.clone(), find_envd(a.envd));
-    cfg.listen = a.listen;
-    cfg.runtime = a.runtime.parse().map_err(|e| Failure::usage(64, e))?;
+    let settings = match &a.config {
+        Some(p) => {
+            aviary_config::Config::load(p).map_err(|e| Failure::usage(78, format!("{e}")))?
+        }
+        None => aviary_config::Config::default(),
+    };
+    let mut cfg = aviary_server::config::ServerConfig::from_settings(settings, find_envd(a.envd));
+    if let Some(d) = a.data_dir {
+        cfg.data_dir = d;
+    }
+    if let Some(l) = a.listen {
+        cfg.listen = l;
+    }
+    if let Some(r) = &a.runtime {
+        cfg.runtime = r.parse().map_err(|e| Failure::usage(64, e))?;
+    }
+    let data_dir = cfg.data_dir.clone();
     cfg.templates_dir = a.templates_dir;
     cfg.default_template_source = match a.default_template_source.as_str() {
         "debootstrap" => aviary_server::config::DefaultTemplateSource::Debootstrap,
@@ -388,8 +422,8 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
     eprintln!(
         "aviary: listening on http://{} (data dir {}, admin key in {})",
         server.addr,
-        a.data_dir.display(),
-        a.data_dir.join("admin.key").display()
+        data_dir.display(),
+        data_dir.join("admin.key").display()
     );
     let cp = server.control_plane.clone();
     tokio::spawn(async move {
@@ -470,7 +504,7 @@ async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Res
 
 async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let c = client()?;
-    let mut req = a.create.request();
+    let mut req = a.create.request()?;
     req.lease = Some(AcquireLeaseRequest {
         owner: format!("aviary-run-{}", std::process::id()),
         ttl_s: Some(3600),
@@ -509,7 +543,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             lease_owner,
             lease_ttl,
         } => {
-            let mut req = create.request();
+            let mut req = create.request()?;
             req.lease = lease_owner.map(|owner| AcquireLeaseRequest {
                 owner,
                 ttl_s: lease_ttl,
@@ -677,6 +711,64 @@ async fn key(cmd: KeyCmd, json: bool) -> Result<i32, Failure> {
             } else {
                 println!("{}", k.key);
             }
+        }
+    }
+    Ok(0)
+}
+
+fn read_json(p: &Path) -> Result<serde_json::Value, Failure> {
+    let text = if p.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+            .map_err(|e| Failure::usage(66, format!("reading stdin: {e}")))?;
+        s
+    } else {
+        std::fs::read_to_string(p)
+            .map_err(|e| Failure::usage(66, format!("reading {}: {e}", p.display())))?
+    };
+    serde_json::from_str(&text)
+        .map_err(|e| Failure::usage(64, format!("{} is not valid JSON: {e}", p.display())))
+}
+
+async fn plan(intent: PathBuf, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    let ctx = read_json(&intent)?;
+    let r = c.plan(&ctx).await?;
+    if json {
+        output::json(&r);
+    } else {
+        let i = &r["intent"];
+        println!(
+            "class:       {} ({} cpu, {} MiB)",
+            i["resource_class"].as_str().unwrap_or("?"),
+            i["cpu"],
+            i["memory_mb"]
+        );
+        println!(
+            "source:      {} (confidence {})",
+            i["source"].as_str().unwrap_or("?"),
+            i["confidence"]
+        );
+        println!("reason:      {}", i["reason"].as_str().unwrap_or(""));
+        let p = &r["policy"];
+        if p["approved"].as_bool() == Some(true) {
+            println!(
+                "policy:      approved {}{}",
+                p["class"].as_str().unwrap_or("?"),
+                if p["clamped"].as_bool() == Some(true) {
+                    " (clamped)"
+                } else {
+                    ""
+                }
+            );
+        } else {
+            println!(
+                "policy:      denied [{}]",
+                p["denial_code"].as_str().unwrap_or("?")
+            );
+        }
+        for reason in p["reasons"].as_array().into_iter().flatten() {
+            println!("             {}", reason.as_str().unwrap_or(""));
         }
     }
     Ok(0)

@@ -480,6 +480,22 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/plan` with a task context; the answer as JSON.
+    pub async fn plan(
+        &self,
+        context: &serde_json::Value,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(Method::POST, "/v1/plan").json(context))
+            .await
+    }
+
+    /// `GET /v1/allocations`.
+    pub async fn allocations(&self, limit: Option<u32>) -> Result<serde_json::Value, ClientError> {
+        let q = limit.map(|l| format!("?limit={l}")).unwrap_or_default();
+        self.json(self.req(Method::GET, &format!("/v1/allocations{q}")))
+            .await
+    }
+
     pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),

@@ -24,8 +24,14 @@ pub struct CreateSandboxRequest {
     pub agent: Option<String>,
     #[serde(default)]
     pub scope: Option<Scope>,
+    /// Network profile by name (`none`, or one from the configuration).
     #[serde(default)]
-    pub network: Option<NetworkProfile>,
+    pub network: Option<String>,
+    /// Task context for the resource planner (DESIGN §7); the planner's
+    /// recommendation goes through the policy guard. Ignored when `class` is set.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub intent: Option<serde_json::Value>,
     /// Lifetime in seconds; the sandbox is destroyed after it.
     #[serde(default)]
     pub ttl_s: Option<u64>,

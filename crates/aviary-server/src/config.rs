@@ -1,7 +1,6 @@
 //! Server configuration: where data lives, where to listen, which runtime to
 //! drive, and the built-in resource classes.
 
-use aviary_core::ResourceLimits;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -34,6 +33,9 @@ impl RuntimeKind {
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// The `--config` file (classes, network profiles, tenants, pools,
+    /// planner); built-in defaults equal `aviary.example.toml`.
+    pub settings: aviary_config::Config,
     pub data_dir: PathBuf,
     pub listen: SocketAddr,
     pub runtime: RuntimeKind,
@@ -70,16 +72,29 @@ pub enum DefaultTemplateSource {
 }
 
 impl ServerConfig {
+    /// Built-in settings with this data dir.
     pub fn new(data_dir: PathBuf, envd_binary: PathBuf) -> Self {
+        let mut s = Self::from_settings(aviary_config::Config::default(), envd_binary);
+        s.data_dir = data_dir;
+        s
+    }
+
+    /// Settings from a configuration file; command-line flags override the
+    /// returned fields afterwards.
+    pub fn from_settings(settings: aviary_config::Config, envd_binary: PathBuf) -> Self {
         ServerConfig {
-            data_dir,
-            listen: SocketAddr::from(([127, 0, 0, 1], 7400)),
-            runtime: RuntimeKind::Crun,
+            data_dir: settings.server.data_dir.clone(),
+            listen: settings.server.listen,
+            runtime: match settings.server.runtime {
+                aviary_config::Runtime::Crun => RuntimeKind::Crun,
+                aviary_config::Runtime::Runc => RuntimeKind::Runc,
+            },
             templates_dir: None,
             envd_binary,
-            default_template: "default".into(),
+            default_template: settings.server.default_template.clone(),
             default_template_source: DefaultTemplateSource::Debootstrap,
-            default_class: "python-small".into(),
+            default_class: settings.server.default_class.clone(),
+            settings,
             max_json_bytes: 1 << 20,
             max_upload_bytes: 4 << 30,
             max_archive_bytes: 16 << 30,
@@ -109,32 +124,3 @@ impl ServerConfig {
         self.data_dir.join("admin.key")
     }
 }
-
-/// The seed's resource classes (seed 002 §4). Limits are enforced by cgroups,
-/// so they hold even when a class asks for more CPUs than the host has: the
-/// CFS quota then simply never binds, and memory over-commit is bounded by
-/// each sandbox's own memory limit.
-pub fn builtin_class(name: &str) -> Option<ResourceLimits> {
-    let (cpu, mem_gib, disk_gib, pids) = match name {
-        "python-small" => (1.0, 2, 10, 512),
-        "python-ds" => (2.0, 4, 20, 1024),
-        "build-medium" => (4.0, 8, 30, 4096),
-        "browser-medium" => (4.0, 8, 30, 4096),
-        "compute-large" => (8.0, 16, 50, 4096),
-        _ => return None,
-    };
-    Some(ResourceLimits {
-        cpu,
-        memory_mb: mem_gib * 1024,
-        disk_mb: disk_gib * 1024,
-        pids,
-    })
-}
-
-pub const BUILTIN_CLASSES: [&str; 5] = [
-    "python-small",
-    "python-ds",
-    "build-medium",
-    "browser-medium",
-    "compute-large",
-];

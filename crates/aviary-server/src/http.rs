@@ -512,6 +512,35 @@ async fn import_template(
     ))
 }
 
+/// Runs the resource planner on a task context and shows what the policy
+/// guard would approve for the caller; the decision is recorded.
+#[utoipa::path(post, path = "/v1/plan", request_body(content = Object, description = "task context (DESIGN §7)"),
+    responses((status = 200, body = crate::planning::PlanResponse), (status = 400, body = ErrorBody)), security(("api_key" = [])))]
+async fn plan(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiJson(ctx): ApiJson<serde_json::Value>,
+) -> Result<Json<crate::planning::PlanResponse>, OpError> {
+    Ok(Json(cp.plan(&c, ctx).await?))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct LimitQuery {
+    limit: Option<u32>,
+}
+
+/// Planner and policy decisions (`sandbox_allocation`), newest first, with
+/// the measured usage once a sandbox ended.
+#[utoipa::path(get, path = "/v1/allocations", params(LimitQuery), responses((status = 200, body = crate::planning::AllocationList)), security(("api_key" = [])))]
+async fn allocations(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiQuery(q): ApiQuery<LimitQuery>,
+) -> Result<Json<crate::planning::AllocationList>, OpError> {
+    Ok(Json(cp.allocations(&c, q.limit).await?))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -600,7 +629,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -638,6 +667,8 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key))
+        .route("/v1/plan", post(plan))
+        .route("/v1/allocations", get(allocations))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
         .fallback(not_found)

@@ -14,6 +14,7 @@ pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod ops;
+pub mod planning;
 
 use anyhow::Context;
 use config::ServerConfig;
@@ -49,13 +50,13 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             format!("opening template store {}", cfg.templates_root().display())
         })?,
     );
-    Ok(ControlPlane::new(
+    ControlPlane::new(
         cfg,
         registry.clone(),
         registry,
         Arc::new(runtime),
         templates,
-    ))
+    )
 }
 
 /// A server started in this process (used by `aviary serve` and the tests).

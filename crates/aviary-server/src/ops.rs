@@ -12,10 +12,10 @@
 //! - fence updates to an envd are serialized per sandbox and always push the
 //!   lease store's *current* view, so they cannot reorder into a stale state.
 
-use crate::config::{builtin_class, DefaultTemplateSource, ServerConfig};
+use crate::config::{DefaultTemplateSource, ServerConfig};
 use crate::error::OpError;
 use aviary_core::api::*;
-use aviary_core::{LeaseToken, NetworkProfile, SandboxId, SandboxState, Scope};
+use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
 use aviary_envd_proto::{EnvdClient, ExecSpec};
 use aviary_leases::LeaseStore;
 use aviary_registry::{
@@ -53,6 +53,10 @@ pub enum Readiness {
 /// A running sandbox the control plane can talk to.
 pub struct LiveSandbox {
     pub envd: EnvdClient,
+    /// The `sandbox_allocation` row whose usage is filled in at the end.
+    allocation_id: Option<i64>,
+    /// Some exec in this sandbox ran into its timeout (telemetry).
+    timed_out: std::sync::atomic::AtomicBool,
     /// Serializes fence pushes to this sandbox's envd.
     fence_lock: Mutex<()>,
 }
@@ -70,6 +74,7 @@ pub struct ControlPlane {
     last_touch: StdMutex<HashMap<SandboxId, std::time::Instant>>,
     ready_tx: watch::Sender<Readiness>,
     pub metrics: crate::metrics::Metrics,
+    pub planning: crate::planning::Planning,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -126,9 +131,10 @@ impl ControlPlane {
         leases: Arc<dyn LeaseStore>,
         runtime: Arc<dyn Runtime>,
         templates: Arc<TemplateStore>,
-    ) -> Arc<Self> {
+    ) -> anyhow::Result<Arc<Self>> {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
-        Arc::new(ControlPlane {
+        let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
+        Ok(Arc::new(ControlPlane {
             cfg,
             registry,
             leases,
@@ -139,7 +145,8 @@ impl ControlPlane {
             last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
             metrics: crate::metrics::Metrics::default(),
-        })
+            planning,
+        }))
     }
 
     pub fn readiness(&self) -> Readiness {
@@ -321,7 +328,7 @@ impl ControlPlane {
             if rec.state.is_live() && alive {
                 let envd = EnvdClient::new(self.envd_socket(&rec.id));
                 if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
-                    let live = self.attach(&rec.id, envd);
+                    let live = self.attach(&rec.id, envd, None);
                     self.push_fence(&rec.id, &live).await?;
                     continue;
                 }
@@ -370,9 +377,16 @@ impl ControlPlane {
             .join("envd.sock")
     }
 
-    fn attach(&self, id: &SandboxId, envd: EnvdClient) -> Arc<LiveSandbox> {
+    fn attach(
+        &self,
+        id: &SandboxId,
+        envd: EnvdClient,
+        allocation_id: Option<i64>,
+    ) -> Arc<LiveSandbox> {
         let live = Arc::new(LiveSandbox {
             envd,
+            allocation_id,
+            timed_out: std::sync::atomic::AtomicBool::new(false),
             fence_lock: Mutex::new(()),
         });
         self.live
@@ -466,23 +480,6 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<CreateSandboxResponse, OpError> {
         self.ensure_ready()?;
-        let class = req
-            .class
-            .clone()
-            .unwrap_or_else(|| self.cfg.default_class.clone());
-        let resources = builtin_class(&class).ok_or_else(|| {
-            OpError::InvalidRequest(format!(
-                "unknown resource class {class:?} (known: {})",
-                crate::config::BUILTIN_CLASSES.join(", ")
-            ))
-        })?;
-        let network = req.network.unwrap_or_default();
-        if network != NetworkProfile::None {
-            return Err(OpError::InvalidRequest(format!(
-                "network profile {:?} is not available on this node (only \"none\")",
-                network.as_str()
-            )));
-        }
         for (what, v) in [
             ("user_id", &req.user_id),
             ("session_id", &req.session_id),
@@ -526,6 +523,10 @@ impl ControlPlane {
             Scope::Session
         });
 
+        let approved = self.decide(caller, &req, request_id).await?;
+        let class = approved.class.clone();
+        let resources = approved.limits;
+        let network = approved.network;
         let id = SandboxId::generate();
         let now = aviary_core::now();
         let new = NewSandbox {
@@ -562,16 +563,29 @@ impl ControlPlane {
             .transition(
                 &id,
                 rec.version,
-                &[SandboxState::Planning, SandboxState::Allocating, SandboxState::Provisioning],
+                &[
+                    SandboxState::Planning,
+                    SandboxState::Allocating,
+                    SandboxState::Provisioning,
+                ],
                 FenceCheck::Skip,
-                ctx(request_id, None, serde_json::json!({
-                    "resource_class": class,
-                    "reason": if req.class.is_some() { "class requested by caller" } else { "default class" },
-                    "placement": "local",
-                })),
+                ctx(
+                    request_id,
+                    None,
+                    serde_json::json!({
+                        "resource_class": class,
+                        "recommended_class": approved.allocation.recommended_class,
+                        "source": approved.allocation.source,
+                        "reason": approved.reason,
+                        "placement": "local",
+                    }),
+                ),
             )
             .await?;
         self.metrics.inc_create();
+        let mut allocation = approved.allocation.clone();
+        allocation.sandbox_id = Some(id.clone());
+        let allocation_id = Some(self.registry.insert_allocation(&allocation).await?);
 
         let spec = SandboxSpec {
             id: id.clone(),
@@ -595,7 +609,10 @@ impl ControlPlane {
                 read_only: true,
             }],
         };
-        match self.start_runtime(&spec, rec, lease_req, request_id).await {
+        match self
+            .start_runtime(&spec, rec, lease_req, allocation_id, request_id)
+            .await
+        {
             Ok((rec, lease)) => {
                 let sandbox = self.view(&rec).await?;
                 Ok(CreateSandboxResponse {
@@ -603,7 +620,7 @@ impl ControlPlane {
                     decision: Decision {
                         action: "new_sandbox".into(),
                         branch: "D".into(),
-                        reason: "cold create: no reusable sandbox was requested".into(),
+                        reason: format!("cold create; class {class}: {}", approved.reason),
                         score: 0.0,
                     },
                     lease,
@@ -632,6 +649,7 @@ impl ControlPlane {
         spec: &SandboxSpec,
         rec: SandboxRecord,
         lease_req: Option<(String, Duration)>,
+        allocation_id: Option<i64>,
         request_id: Option<&str>,
     ) -> Result<(SandboxRecord, Option<Lease>), OpError> {
         let id = &spec.id;
@@ -646,7 +664,7 @@ impl ControlPlane {
                     anyhow::Error::new(e).context("envd did not come up in the sandbox"),
                 )
             })?;
-        let live = self.attach(id, envd);
+        let live = self.attach(id, envd, allocation_id);
         let rec = self
             .registry
             .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, "local")
@@ -763,11 +781,14 @@ impl ControlPlane {
                 what: "it cannot be deleted".into(),
             });
         };
-        self.live.lock().expect("live map poisoned").remove(&id);
+        let live = self.live.lock().expect("live map poisoned").remove(&id);
         self.last_touch
             .lock()
             .expect("touch map poisoned")
             .remove(&id);
+        if let Some(live) = &live {
+            self.record_usage(&rec, live).await;
+        }
         let destroyed = self.runtime.destroy(&id).await;
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
@@ -791,6 +812,31 @@ impl ControlPlane {
             ));
         }
         self.view(&rec).await
+    }
+
+    /// Telemetry for right-sizing: what the sandbox really used, written to
+    /// its allocation row at the end of its life. cgroup v1 has no CPU peak,
+    /// so `peak_cpu` is the mean number of cores used over the lifetime.
+    async fn record_usage(&self, rec: &SandboxRecord, live: &LiveSandbox) {
+        let Some(alloc) = live.allocation_id else {
+            return;
+        };
+        let Ok(u) = self.runtime.usage(&rec.id).await else {
+            return;
+        };
+        let lifetime = (aviary_core::now() - rec.created_at)
+            .as_seconds_f64()
+            .max(0.001);
+        let usage = aviary_registry::AllocationUsage {
+            duration_s: lifetime,
+            peak_cpu: u.cpu_usage_ns as f64 / 1e9 / lifetime,
+            peak_memory_mb: u.memory_peak_bytes.div_ceil(1 << 20),
+            oom: u.oom_kills > 0,
+            timed_out: live.timed_out.load(std::sync::atomic::Ordering::Relaxed),
+        };
+        if let Err(e) = self.registry.update_allocation_usage(alloc, &usage).await {
+            tracing::warn!(sandbox.id = %rec.id, error = %e, "could not record usage");
+        }
     }
 
     async fn check_fence(&self, id: &SandboxId, token: Option<LeaseToken>) -> Result<(), OpError> {
@@ -909,6 +955,12 @@ impl ControlPlane {
         oom_before: Option<u64>,
         exit: &aviary_envd_proto::ExitInfo,
     ) -> bool {
+        if exit.timed_out {
+            if let Some(l) = self.live_opt(run_id) {
+                l.timed_out
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         // A process the kernel OOM-kills dies of SIGKILL, but a shell running
         // it reports 137 as a plain exit: trust the cgroup's counter instead.
         if exit.exit_code == 0 {
