@@ -1,10 +1,22 @@
 //! The async client the control plane uses to talk to envd.
 //!
-//! Every call opens its own unix-socket connection (envd serves one request per
-//! connection), so an [`EnvdClient`] is just a socket path: cheap to clone and
+//! Every call opens its own connection (envd serves one request per
+//! connection), so an [`EnvdClient`] is just an address: cheap to clone and
 //! safe to share between tasks. Long-running results ([`ExecStream`],
 //! [`FileReader`]) own their connection; dropping them closes it, and envd then
 //! kills the exec's process group.
+//!
+//! Two transports carry the same frames:
+//! - **unix** ([`EnvdClient::new`]): the sandbox's envd socket on this host;
+//! - **node** ([`EnvdClient::remote`]): a TCP connection to the node agent
+//!   that runs the sandbox. The client sends one HTTP/1.1 request,
+//!   `GET /node/v1/sandboxes/{id}/envd` with `Authorization: Bearer <node
+//!   token>`, `Connection: Upgrade` and `Upgrade: aviary-envd`; the node
+//!   answers `101 Switching Protocols` and from then on splices the TCP
+//!   connection to the sandbox's envd socket byte for byte. Any other answer
+//!   is the node's JSON error ([`EnvdError::Node`]). Nothing follows the 101
+//!   before the client's first frame (envd never speaks first), so the client
+//!   can read the answer head without buffering protocol bytes.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -13,7 +25,7 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::UnixStream;
+use tokio::net::{TcpStream, UnixStream};
 use tokio::task::JoinHandle;
 
 use crate::{
@@ -60,6 +72,10 @@ pub enum EnvdError {
     Remote(String),
     #[error("envd not ready after {0:?}")]
     NotReady(Duration),
+    /// The node agent refused to open the envd connection (bad token,
+    /// unknown sandbox, ...): its HTTP status and message.
+    #[error("node refused the envd connection ({status}): {message}")]
+    Node { status: u16, message: String },
     /// `next()` was called after the exec's exit was already returned.
     #[error("exec stream already finished")]
     StreamFinished,
@@ -132,7 +148,7 @@ pub struct ExecOutput {
 /// and envd kills the process group.
 #[derive(Debug)]
 pub struct ExecStream {
-    conn: UnixStream,
+    conn: Conn,
     stdin_writer: Option<JoinHandle<io::Result<()>>>,
     finished: bool,
 }
@@ -198,7 +214,7 @@ impl Drop for ExecStream {
 /// by envd mid-stream surfaces as an `io::Error` wrapping an [`EnvdError`].
 #[derive(Debug)]
 pub struct FileReader {
-    conn: UnixStream,
+    conn: Conn,
     size: u64,
     /// Payload bytes of the current `Data` frame not yet handed out.
     remaining: usize,
@@ -275,28 +291,111 @@ impl AsyncRead for FileReader {
     }
 }
 
-/// Client for one sandbox's envd socket.
+/// How an [`EnvdClient`] reaches envd.
+#[derive(Clone)]
+pub enum EnvdTransport {
+    /// The sandbox's envd unix socket on this host.
+    Unix(PathBuf),
+    /// Through the node agent that runs the sandbox (see the module docs).
+    Node {
+        /// `host:port` of the node agent.
+        addr: String,
+        sandbox_id: String,
+        /// The node's shared secret; never printed.
+        token: String,
+    },
+}
+
+impl std::fmt::Debug for EnvdTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EnvdTransport::Unix(p) => f.debug_tuple("Unix").field(p).finish(),
+            EnvdTransport::Node {
+                addr, sandbox_id, ..
+            } => f
+                .debug_struct("Node")
+                .field("addr", addr)
+                .field("sandbox_id", sandbox_id)
+                .field("token", &"<redacted>")
+                .finish(),
+        }
+    }
+}
+
+/// Longest the node handshake (TCP connect + upgrade answer) may take.
+const NODE_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest node answer head (and error body) the client reads.
+const MAX_NODE_ANSWER: usize = 16 * 1024;
+
+/// Client for one sandbox's envd.
 #[derive(Debug, Clone)]
 pub struct EnvdClient {
-    socket: PathBuf,
+    transport: EnvdTransport,
 }
 
 impl EnvdClient {
+    /// A client for the envd unix socket at `socket` on this host.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         EnvdClient {
-            socket: socket.into(),
+            transport: EnvdTransport::Unix(socket.into()),
         }
     }
 
-    /// The socket this client connects to.
-    pub fn socket(&self) -> &Path {
-        &self.socket
+    /// A client for the envd of sandbox `sandbox_id` on the node agent at
+    /// `node_addr` (`host:port`), authenticated with the node's token.
+    pub fn remote(
+        node_addr: impl Into<String>,
+        sandbox_id: impl Into<String>,
+        node_token: impl Into<String>,
+    ) -> Self {
+        EnvdClient {
+            transport: EnvdTransport::Node {
+                addr: node_addr.into(),
+                sandbox_id: sandbox_id.into(),
+                token: node_token.into(),
+            },
+        }
     }
 
-    async fn connect(&self, req: &Request) -> Result<UnixStream, EnvdError> {
-        let mut conn = UnixStream::connect(&self.socket)
+    /// The unix socket this client connects to (`None` for a remote client).
+    pub fn socket(&self) -> Option<&Path> {
+        match &self.transport {
+            EnvdTransport::Unix(p) => Some(p),
+            EnvdTransport::Node { .. } => None,
+        }
+    }
+
+    pub fn transport(&self) -> &EnvdTransport {
+        &self.transport
+    }
+
+    async fn open(&self) -> Result<Conn, EnvdError> {
+        match &self.transport {
+            EnvdTransport::Unix(p) => UnixStream::connect(p)
+                .await
+                .map(Conn::Unix)
+                .map_err(EnvdError::Connect),
+            EnvdTransport::Node {
+                addr,
+                sandbox_id,
+                token,
+            } => match tokio::time::timeout(
+                NODE_HANDSHAKE_TIMEOUT,
+                node_handshake(addr, sandbox_id, token),
+            )
             .await
-            .map_err(EnvdError::Connect)?;
+            {
+                Ok(r) => r.map(Conn::Tcp),
+                Err(_) => Err(EnvdError::Connect(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("node {addr} did not answer within {NODE_HANDSHAKE_TIMEOUT:?}"),
+                ))),
+            },
+        }
+    }
+
+    async fn connect(&self, req: &Request) -> Result<Conn, EnvdError> {
+        let mut conn = self.open().await?;
         let payload = encode_json(req).map_err(EnvdError::Protocol)?;
         write_frame(&mut conn, FrameKind::Request, &payload).await?;
         Ok(conn)
@@ -361,10 +460,7 @@ impl EnvdClient {
             Some(data) => {
                 // Stdin is written concurrently with reading output: a process that
                 // writes before it reads would otherwise deadlock against us.
-                let std_conn = conn.into_std().map_err(EnvdError::Transport)?;
-                let writer_std = std_conn.try_clone().map_err(EnvdError::Transport)?;
-                let conn_back = UnixStream::from_std(std_conn).map_err(EnvdError::Transport)?;
-                let mut writer = UnixStream::from_std(writer_std).map_err(EnvdError::Transport)?;
+                let (conn_back, mut writer) = conn.duplicate().map_err(EnvdError::Transport)?;
                 let handle = tokio::spawn(async move {
                     for chunk in data.chunks(CHUNK_SIZE) {
                         write_raw_frame(&mut writer, FrameKind::Data, chunk).await?;
@@ -549,7 +645,7 @@ fn error_from_payload(payload: &[u8]) -> EnvdError {
 }
 
 /// Reads the final frame of a request: a `Response` or an `Error`.
-async fn read_response(conn: &mut UnixStream) -> Result<Response, EnvdError> {
+async fn read_response(conn: &mut Conn) -> Result<Response, EnvdError> {
     let (kind, payload) = read_frame(conn).await?;
     match kind {
         FrameKind::Response => decode_json(&payload).map_err(EnvdError::Protocol),
@@ -558,7 +654,7 @@ async fn read_response(conn: &mut UnixStream) -> Result<Response, EnvdError> {
     }
 }
 
-async fn read_frame(conn: &mut UnixStream) -> Result<(FrameKind, Vec<u8>), EnvdError> {
+async fn read_frame(conn: &mut Conn) -> Result<(FrameKind, Vec<u8>), EnvdError> {
     let mut h = [0u8; FRAME_HEADER_LEN];
     match conn.read_exact(&mut h).await {
         Ok(_) => {}
@@ -579,11 +675,7 @@ async fn read_frame(conn: &mut UnixStream) -> Result<(FrameKind, Vec<u8>), EnvdE
     Ok((kind, payload))
 }
 
-async fn write_frame(
-    conn: &mut UnixStream,
-    kind: FrameKind,
-    payload: &[u8],
-) -> Result<(), EnvdError> {
+async fn write_frame(conn: &mut Conn, kind: FrameKind, payload: &[u8]) -> Result<(), EnvdError> {
     write_raw_frame(conn, kind, payload)
         .await
         .map_err(EnvdError::Transport)
@@ -598,4 +690,304 @@ async fn write_raw_frame<W: AsyncWrite + Unpin>(
     buf.extend_from_slice(&encode_header(kind, payload.len()));
     buf.extend_from_slice(payload);
     w.write_all(&buf).await
+}
+
+/// One connection to envd, over either transport.
+#[derive(Debug)]
+enum Conn {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Conn {
+    /// Two handles on the same connection (a duplicated descriptor): dropping
+    /// one does not close or half-close the connection.
+    fn duplicate(self) -> io::Result<(Conn, Conn)> {
+        match self {
+            Conn::Unix(s) => {
+                let a = s.into_std()?;
+                let b = a.try_clone()?;
+                Ok((
+                    Conn::Unix(UnixStream::from_std(a)?),
+                    Conn::Unix(UnixStream::from_std(b)?),
+                ))
+            }
+            Conn::Tcp(s) => {
+                let a = s.into_std()?;
+                let b = a.try_clone()?;
+                Ok((
+                    Conn::Tcp(TcpStream::from_std(a)?),
+                    Conn::Tcp(TcpStream::from_std(b)?),
+                ))
+            }
+        }
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Conn::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Conn::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Unix(s) => Pin::new(s).poll_flush(cx),
+            Conn::Tcp(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Conn::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Opens a TCP connection to the node agent and upgrades it to a raw envd
+/// byte stream for `sandbox_id`.
+async fn node_handshake(addr: &str, sandbox_id: &str, token: &str) -> Result<TcpStream, EnvdError> {
+    if token.bytes().any(|b| b == b'\r' || b == b'\n') {
+        return Err(EnvdError::BadRequest(
+            "node token contains a line break".into(),
+        ));
+    }
+    let mut conn = TcpStream::connect(addr).await.map_err(EnvdError::Connect)?;
+    // Frames are small and latency-bound: do not wait for Nagle.
+    conn.set_nodelay(true).map_err(EnvdError::Connect)?;
+    let head = format!(
+        "GET /node/v1/sandboxes/{}/envd HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nConnection: Upgrade\r\nUpgrade: aviary-envd\r\n\r\n",
+        encode_path_segment(sandbox_id)
+    );
+    conn.write_all(head.as_bytes())
+        .await
+        .map_err(EnvdError::Connect)?;
+    let mut buf = Vec::with_capacity(512);
+    let head_end = loop {
+        if let Some(i) = find_head_end(&buf) {
+            break i;
+        }
+        if buf.len() >= MAX_NODE_ANSWER {
+            return Err(node_protocol("answer head too long"));
+        }
+        let mut chunk = [0u8; 1024];
+        let n = conn.read(&mut chunk).await.map_err(EnvdError::Connect)?;
+        if n == 0 {
+            return Err(node_protocol("connection closed before the answer"));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = std::str::from_utf8(&buf[..head_end])
+        .map_err(|_| node_protocol("answer head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| node_protocol("malformed status line"))?;
+    if status == 101 {
+        if buf.len() > head_end + 4 {
+            return Err(node_protocol("data before the first frame"));
+        }
+        return Ok(conn);
+    }
+    // An error: read the (small, JSON) body the node sent.
+    let content_length = lines
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.trim().parse::<usize>().ok())
+        .unwrap_or(0)
+        .min(MAX_NODE_ANSWER);
+    let mut body = buf.split_off(head_end + 4);
+    while body.len() < content_length {
+        let mut chunk = [0u8; 1024];
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => body.extend_from_slice(&chunk[..n]),
+        }
+    }
+    body.truncate(content_length);
+    Err(EnvdError::Node {
+        status,
+        message: node_error_message(&body),
+    })
+}
+
+fn node_protocol(what: &str) -> EnvdError {
+    EnvdError::Transport(io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("node upgrade: {what}"),
+    ))
+}
+
+fn find_head_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(4).position(|w| w == b"\r\n\r\n")
+}
+
+/// The node's error body is `{"error": {"code": ..., "message": ...}}`;
+/// anything else is shown as text.
+fn node_error_message(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Wrapper {
+        error: Inner,
+    }
+    #[derive(serde::Deserialize)]
+    struct Inner {
+        code: String,
+        message: String,
+    }
+    match serde_json::from_slice::<Wrapper>(body) {
+        Ok(w) => format!("{}: {}", w.error.code, w.error.message),
+        Err(_) => String::from_utf8_lossy(body).into_owned(),
+    }
+}
+
+/// Percent-encodes everything but unreserved characters.
+fn encode_path_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// The crate's tokio has no `macros` feature (envd-proto stays light).
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn path_segments_are_encoded() {
+        assert_eq!(encode_path_segment("sbx_01-a.b"), "sbx_01-a.b");
+        assert_eq!(encode_path_segment("a/../b c"), "a%2F..%2Fb%20c");
+    }
+
+    #[test]
+    fn the_token_is_redacted() {
+        let c = EnvdClient::remote("127.0.0.1:1", "sbx", "s3cret");
+        assert!(!format!("{c:?}").contains("s3cret"));
+        assert_eq!(c.socket(), None);
+        assert_eq!(EnvdClient::new("/x").socket(), Some(Path::new("/x")));
+    }
+
+    /// A fake node: answers one connection with `answer`, returns the head it got.
+    async fn fake_node(answer: &'static [u8]) -> (String, JoinHandle<String>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let h = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            while find_head_end(&got).is_none() {
+                let mut b = [0u8; 256];
+                let n = s.read(&mut b).await.unwrap();
+                got.extend_from_slice(&b[..n]);
+            }
+            s.write_all(answer).await.unwrap();
+            // Serve health on the upgraded stream when it was a 101.
+            if answer.starts_with(b"HTTP/1.1 101") {
+                let mut h = [0u8; FRAME_HEADER_LEN];
+                s.read_exact(&mut h).await.unwrap();
+                let (_, len) = decode_header(h).unwrap();
+                let mut p = vec![0u8; len as usize];
+                s.read_exact(&mut p).await.unwrap();
+                let body = encode_json(&Response::Ok).unwrap();
+                write_raw_frame(&mut s, FrameKind::Response, &body)
+                    .await
+                    .unwrap();
+            }
+            String::from_utf8(got).unwrap()
+        });
+        (addr, h)
+    }
+
+    #[test]
+    fn a_node_error_body_is_reported() {
+        block_on(a_node_error_body_is_reported_async());
+    }
+
+    async fn a_node_error_body_is_reported_async() {
+        let (addr, h) = fake_node(
+            b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: 55\r\n\r\n{\"error\":{\"code\":\"unauthorized\",\"message\":\"bad token\"}}",
+        )
+        .await;
+        let c = EnvdClient::remote(addr, "sbx 1", "tok");
+        match c.health().await.unwrap_err() {
+            EnvdError::Node { status, message } => {
+                assert_eq!(status, 401);
+                assert_eq!(message, "unauthorized: bad token");
+            }
+            other => panic!("{other:?}"),
+        }
+        let head = h.await.unwrap();
+        assert!(
+            head.starts_with("GET /node/v1/sandboxes/sbx%201/envd HTTP/1.1\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("Authorization: Bearer tok\r\n"), "{head}");
+        assert!(head.contains("Upgrade: aviary-envd\r\n"), "{head}");
+    }
+
+    #[test]
+    fn frames_flow_after_the_upgrade() {
+        block_on(frames_flow_after_the_upgrade_async());
+    }
+
+    async fn frames_flow_after_the_upgrade_async() {
+        let (addr, h) = fake_node(
+            b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: aviary-envd\r\n\r\n",
+        )
+        .await;
+        let c = EnvdClient::remote(addr, "sbx", "tok");
+        c.set_fence(Some(3)).await.unwrap();
+        h.await.unwrap();
+    }
+
+    #[test]
+    fn an_unreachable_node_is_a_connect_error() {
+        block_on(an_unreachable_node_is_a_connect_error_async());
+    }
+
+    async fn an_unreachable_node_is_a_connect_error_async() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        drop(l);
+        let c = EnvdClient::remote(addr, "sbx", "tok");
+        assert!(matches!(
+            c.health().await.unwrap_err(),
+            EnvdError::Connect(_)
+        ));
+    }
 }
