@@ -268,9 +268,12 @@ impl LlmPlanner {
                 class.name
             ));
         }
-        // An explicit GPU need in the context (or a hard GPU signal) is not the
-        // model's to drop.
-        let needs_gpu = a.needs_gpu || Features::extract(ctx).needs_gpu;
+        // The context's explicit flag wins; otherwise a hard GPU signal in the
+        // context is not the model's to drop.
+        let needs_gpu = match ctx.needs_gpu {
+            Some(b) => b,
+            None => a.needs_gpu || Features::extract(ctx).needs_gpu,
+        };
         let network_profile = ctx.network.clone().unwrap_or(a.network_profile);
         let model_reason: String = a
             .reason
