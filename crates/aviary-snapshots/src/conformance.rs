@@ -74,7 +74,10 @@ pub async fn chunk_crud(store: &dyn ChunkStore) {
     assert_eq!(store.get(&ha).await.unwrap(), a);
     assert_eq!(store.get(&hb).await.unwrap(), b);
     store.put(&ChunkHash::of(b""), Vec::new()).await.unwrap();
-    assert_eq!(store.get(&ChunkHash::of(b"")).await.unwrap(), Vec::<u8>::new());
+    assert_eq!(
+        store.get(&ChunkHash::of(b"")).await.unwrap(),
+        Vec::<u8>::new()
+    );
 
     let mut expected = vec![ha.clone(), hb.clone(), ChunkHash::of(b"")];
     expected.sort();
@@ -128,10 +131,22 @@ pub async fn manifest_crud(store: &dyn ChunkStore) {
     assert_eq!(ids.len(), 2);
     assert!(ids.contains(&m1.id) && ids.contains(&m2.id));
     store.delete_manifest("tenant-a", &m1.id).await.unwrap();
-    assert!(store.get_manifest("tenant-a", &m1.id).await.unwrap_err().is_not_found());
-    assert!(store.delete_manifest("tenant-a", &m1.id).await.unwrap_err().is_not_found());
+    assert!(store
+        .get_manifest("tenant-a", &m1.id)
+        .await
+        .unwrap_err()
+        .is_not_found());
+    assert!(store
+        .delete_manifest("tenant-a", &m1.id)
+        .await
+        .unwrap_err()
+        .is_not_found());
     store.delete_manifest("tenant-a", &m2.id).await.unwrap();
-    assert!(store.list_manifests(Some("tenant-a")).await.unwrap().is_empty());
+    assert!(store
+        .list_manifests(Some("tenant-a"))
+        .await
+        .unwrap()
+        .is_empty());
     let bad = store.get_manifest("../x", &m1.id).await.unwrap_err();
     assert!(matches!(bad, SnapshotError::InvalidName { .. }), "{bad}");
 }
@@ -140,9 +155,20 @@ pub async fn tenant_isolation(store: &dyn ChunkStore) {
     let m = manifest("tenant-a", "workspace");
     store.put_manifest(&m).await.unwrap();
     let err = store.get_manifest("tenant-b", &m.id).await.unwrap_err();
-    assert!(err.is_not_found(), "another tenant's snapshot must be NotFound: {err}");
-    assert!(store.delete_manifest("tenant-b", &m.id).await.unwrap_err().is_not_found());
-    assert!(store.list_manifests(Some("tenant-b")).await.unwrap().is_empty());
+    assert!(
+        err.is_not_found(),
+        "another tenant's snapshot must be NotFound: {err}"
+    );
+    assert!(store
+        .delete_manifest("tenant-b", &m.id)
+        .await
+        .unwrap_err()
+        .is_not_found());
+    assert!(store
+        .list_manifests(Some("tenant-b"))
+        .await
+        .unwrap()
+        .is_empty());
     assert_eq!(store.get_manifest("tenant-a", &m.id).await.unwrap(), m);
     let all = store.list_manifests(None).await.unwrap();
     assert!(all.iter().any(|k| k.tenant == "tenant-a" && k.id == m.id));
@@ -159,12 +185,23 @@ pub async fn corruption_is_detected(store: &dyn ChunkStore) {
     let mut req = SnapshotRequest::new("tenant-c", "workspace");
     req.chunker = small_chunks();
     let m = snapshot_dir(store, &src, req).await.unwrap();
-    let chunks = &m.entries.iter().find(|e| e.path == "data.bin").unwrap().chunks;
-    assert!(chunks.len() >= 3, "want several chunks, got {}", chunks.len());
+    let chunks = &m
+        .entries
+        .iter()
+        .find(|e| e.path == "data.bin")
+        .unwrap()
+        .chunks;
+    assert!(
+        chunks.len() >= 3,
+        "want several chunks, got {}",
+        chunks.len()
+    );
     let opts = RestoreOptions::default();
 
     // Intact first.
-    restore_dir(store, &m, &dir.0.join("ok"), &opts).await.unwrap();
+    restore_dir(store, &m, &dir.0.join("ok"), &opts)
+        .await
+        .unwrap();
     assert_eq!(
         std::fs::read(dir.0.join("ok/data.bin")).unwrap(),
         pseudo_random(2, 60_000)
@@ -178,11 +215,21 @@ pub async fn corruption_is_detected(store: &dyn ChunkStore) {
     store.put(&victim, flipped).await.unwrap();
     let out = dir.0.join("flipped");
     let err = restore_dir(store, &m, &out, &opts).await.unwrap_err();
-    assert!(matches!(&err, SnapshotError::Corrupt { hash, .. } if *hash == victim), "{err}");
-    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "nothing left behind");
+    assert!(
+        matches!(&err, SnapshotError::Corrupt { hash, .. } if *hash == victim),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&out).unwrap().count(),
+        0,
+        "nothing left behind"
+    );
 
     store.delete(&victim).await.unwrap();
-    store.put(&victim, good[..good.len() - 1].to_vec()).await.unwrap();
+    store
+        .put(&victim, good[..good.len() - 1].to_vec())
+        .await
+        .unwrap();
     let out = dir.0.join("truncated");
     let err = restore_dir(store, &m, &out, &opts).await.unwrap_err();
     assert!(matches!(err, SnapshotError::Corrupt { .. }), "{err}");
@@ -210,7 +257,9 @@ pub async fn gc_keeps_referenced_chunks(store: &dyn ChunkStore) {
     let old = snapshot_dir(store, &src, req.clone()).await.unwrap();
     std::fs::remove_file(src.join("old.bin")).unwrap();
     std::fs::write(src.join("new.bin"), pseudo_random(5, 40_000)).unwrap();
-    let new = snapshot_dir(store, &src, req.parent(old.id.clone())).await.unwrap();
+    let new = snapshot_dir(store, &src, req.parent(old.id.clone()))
+        .await
+        .unwrap();
     // An unreferenced stray chunk too.
     let stray = ChunkHash::of(b"stray");
     store.put(&stray, b"stray".to_vec()).await.unwrap();
@@ -229,17 +278,25 @@ pub async fn gc_keeps_referenced_chunks(store: &dyn ChunkStore) {
     let only_old: Vec<&ChunkHash> = old.chunk_refs().filter(|h| !live.contains(h)).collect();
     assert!(!only_old.is_empty());
     for h in &live {
-        assert!(store.has(h).await.unwrap(), "referenced chunk {h} was swept");
+        assert!(
+            store.has(h).await.unwrap(),
+            "referenced chunk {h} was swept"
+        );
     }
     for h in &only_old {
-        assert!(!store.has(h).await.unwrap(), "unreferenced chunk {h} survived");
+        assert!(
+            !store.has(h).await.unwrap(),
+            "unreferenced chunk {h} survived"
+        );
     }
     assert!(!store.has(&stray).await.unwrap());
     assert_eq!(report.chunks_kept, live.len() as u64);
     assert!(report.chunks_deleted > only_old.len() as u64);
 
     let out = dir.0.join("out");
-    restore_dir(store, &new, &out, &RestoreOptions::default()).await.unwrap();
+    restore_dir(store, &new, &out, &RestoreOptions::default())
+        .await
+        .unwrap();
     assert_eq!(
         std::fs::read(out.join("new.bin")).unwrap(),
         pseudo_random(5, 40_000)

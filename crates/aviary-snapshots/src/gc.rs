@@ -84,7 +84,9 @@ pub async fn collect_garbage(store: &dyn ChunkStore) -> Result<GcReport, Snapsho
     let mut cursor: Option<ChunkHash> = None;
     loop {
         let page = store.list(cursor.as_ref(), LIST_PAGE).await?;
-        let Some(last) = page.last().cloned() else { break };
+        let Some(last) = page.last().cloned() else {
+            break;
+        };
         for hash in page {
             if live.contains(&hash) {
                 report.chunks_kept += 1;

@@ -45,7 +45,10 @@ impl ChunkHash {
 impl FromStr for ChunkHash {
     type Err = SnapshotError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        if s.len() == 64
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
             Ok(ChunkHash(s.to_owned()))
         } else {
             Err(SnapshotError::InvalidName {
@@ -99,7 +102,10 @@ impl FromStr for SnapshotId {
     type Err = SnapshotError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let ok = s.strip_prefix("snap-").is_some_and(|body| {
-            body.len() == 20 && body.bytes().all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
+            body.len() == 20
+                && body
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
         });
         if ok {
             Ok(SnapshotId(s.to_owned()))

@@ -66,7 +66,8 @@ impl SnapshotService {
         policy: &RetentionPolicy,
     ) -> Result<(Vec<SnapshotId>, GcReport), SnapshotError> {
         let _guard = self.gc_lock.write().await;
-        let deleted = apply_retention(self.store.as_ref(), tenant, policy, aviary_core::now()).await?;
+        let deleted =
+            apply_retention(self.store.as_ref(), tenant, policy, aviary_core::now()).await?;
         let report = collect_garbage(self.store.as_ref()).await?;
         Ok((deleted, report))
     }

@@ -140,9 +140,8 @@ pub async fn snapshot_dir(
         cfg: req.chunker,
         reuse,
         tx,
-        emitted: HashSet::new(),
         entries: Vec::new(),
-        read_bytes: 0,
+        to_read: Vec::new(),
     };
     let walk = tokio::task::spawn_blocking(move || walker.run());
 
@@ -180,6 +179,7 @@ pub async fn snapshot_dir(
         new_chunks,
         read_bytes,
     };
+    store.flush().await?;
     store.put_manifest(&manifest).await?;
     tracing::debug!(id = %manifest.id, new_bytes, read_bytes, "snapshot stored");
     Ok(manifest)
@@ -191,15 +191,33 @@ struct Walker {
     cfg: ChunkerConfig,
     reuse: HashMap<String, Entry>,
     tx: mpsc::Sender<(ChunkHash, Vec<u8>)>,
-    emitted: HashSet<ChunkHash>,
     entries: Vec<Entry>,
-    read_bytes: u64,
+    /// Indices into `entries` of files that must be read.
+    to_read: Vec<usize>,
+}
+
+/// Files are read and hashed by this many threads (chunking and SHA-256 are
+/// CPU-bound; one thread per core, at most 4).
+fn hash_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4)
+}
+
+/// State shared by the hashing threads.
+struct Hashing<'a> {
+    cfg: ChunkerConfig,
+    root: &'a Path,
+    emitted: std::sync::Mutex<HashSet<ChunkHash>>,
+    next: std::sync::atomic::AtomicUsize,
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl Walker {
     fn run(mut self) -> Result<(Vec<Entry>, u64), SnapshotError> {
         let root = self.root.clone();
-        let md = std::fs::symlink_metadata(&root).map_err(|e| SnapshotError::file("stat", &root, e))?;
+        let md =
+            std::fs::symlink_metadata(&root).map_err(|e| SnapshotError::file("stat", &root, e))?;
         if !md.is_dir() {
             return Err(SnapshotError::file(
                 "snapshot",
@@ -212,14 +230,75 @@ impl Walker {
         e.opaque = has_opaque_xattr(&root);
         self.entries.push(e);
         self.walk_dir("", &root)?;
-        Ok((self.entries, self.read_bytes))
+        let read_bytes = self.read_files()?;
+        Ok((self.entries, read_bytes))
+    }
+
+    /// Read, chunk and hash every file in `to_read`, on several threads.
+    fn read_files(&mut self) -> Result<u64, SnapshotError> {
+        let todo = std::mem::take(&mut self.to_read);
+        let shared = Hashing {
+            cfg: self.cfg,
+            root: &self.root,
+            emitted: std::sync::Mutex::new(HashSet::new()),
+            next: std::sync::atomic::AtomicUsize::new(0),
+            failed: std::sync::atomic::AtomicBool::new(false),
+        };
+        let entries = &self.entries;
+        let results: Vec<Result<Vec<(usize, Entry)>, SnapshotError>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
+                    .map(|_| {
+                        let tx = self.tx.clone();
+                        let (shared, todo) = (&shared, &todo);
+                        scope.spawn(move || {
+                            let mut done = Vec::new();
+                            loop {
+                                if shared.failed.load(std::sync::atomic::Ordering::Relaxed) {
+                                    break;
+                                }
+                                let i = shared
+                                    .next
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                let Some(&idx) = todo.get(i) else { break };
+                                match read_file(shared, &tx, entries[idx].clone()) {
+                                    Ok(e) => done.push((idx, e)),
+                                    Err(err) => {
+                                        shared
+                                            .failed
+                                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                                        return Err(err);
+                                    }
+                                }
+                            }
+                            Ok(done)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("hashing thread panicked"))
+                    .collect()
+            });
+        let mut read_bytes = 0;
+        for r in results {
+            for (idx, e) in r? {
+                read_bytes += e.size;
+                self.entries[idx] = e;
+            }
+        }
+        Ok(read_bytes)
     }
 
     fn walk_dir(&mut self, rel: &str, abs: &Path) -> Result<(), SnapshotError> {
         let rd = std::fs::read_dir(abs).map_err(|e| SnapshotError::file("list", abs, e))?;
         let mut names = Vec::new();
         for entry in rd {
-            names.push(entry.map_err(|e| SnapshotError::file("list", abs, e))?.file_name());
+            names.push(
+                entry
+                    .map_err(|e| SnapshotError::file("list", abs, e))?
+                    .file_name(),
+            );
         }
         names.sort();
         for name in names {
@@ -250,8 +329,20 @@ impl Walker {
                 self.entries.push(e);
                 self.walk_dir(&child_rel, &child_abs)?;
             } else if ft.is_file() {
-                let e = self.file(child_rel, &child_abs, &md)?;
-                self.entries.push(e);
+                let mut entry = base_entry(child_rel, EntryKind::File, &md);
+                match self.reuse.get(&entry.path) {
+                    Some(prev)
+                        if prev.size == md.len()
+                            && prev.mtime_ns == entry.mtime_ns
+                            && prev.ctime_ns == entry.ctime_ns
+                            && prev.ino == entry.ino =>
+                    {
+                        entry.size = prev.size;
+                        entry.chunks = prev.chunks.clone();
+                    }
+                    _ => self.to_read.push(self.entries.len()),
+                }
+                self.entries.push(entry);
             } else if ft.is_symlink() {
                 let target = std::fs::read_link(&child_abs)
                     .map_err(|e| SnapshotError::file("read link", &child_abs, e))?;
@@ -263,61 +354,73 @@ impl Walker {
                 e.symlink_target = Some(target.to_owned());
                 self.entries.push(e);
             } else if ft.is_fifo() {
-                self.entries.push(base_entry(child_rel, EntryKind::Fifo, &md));
+                self.entries
+                    .push(base_entry(child_rel, EntryKind::Fifo, &md));
             } else if ft.is_char_device() && md.rdev() == 0 {
-                self.entries.push(base_entry(child_rel, EntryKind::Whiteout, &md));
+                self.entries
+                    .push(base_entry(child_rel, EntryKind::Whiteout, &md));
             } else {
                 tracing::warn!(path = %child_abs.display(), "skipping socket or device node");
             }
         }
         Ok(())
     }
+}
 
-    fn file(&mut self, rel: String, abs: &Path, md: &std::fs::Metadata) -> Result<Entry, SnapshotError> {
-        let mut entry = base_entry(rel, EntryKind::File, md);
-        if let Some(prev) = self.reuse.get(&entry.path) {
-            if prev.size == md.len()
-                && prev.mtime_ns == entry.mtime_ns
-                && prev.ctime_ns == entry.ctime_ns
-                && prev.ino == entry.ino
-            {
-                entry.size = prev.size;
-                entry.chunks = prev.chunks.clone();
-                return Ok(entry);
-            }
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-            .open(abs)
-            .map_err(|e| SnapshotError::file("open", abs, e))?;
-        let fmd = file.metadata().map_err(|e| SnapshotError::file("stat", abs, e))?;
-        if !fmd.is_file() {
-            return Err(SnapshotError::file(
-                "snapshot",
-                abs,
-                std::io::Error::new(ErrorKind::InvalidData, "replaced while snapshotting"),
-            ));
-        }
-        // Times as of the open, so that a later change is seen by the next snapshot.
-        entry.mtime_ns = time_ns(fmd.mtime(), fmd.mtime_nsec());
-        entry.ctime_ns = time_ns(fmd.ctime(), fmd.ctime_nsec());
-        let mut chunker = StreamChunker::new(file, self.cfg);
-        let mut size = 0u64;
-        while let Some(chunk) = chunker.next_chunk().map_err(|e| SnapshotError::file("read", abs, e))? {
-            size += chunk.len() as u64;
-            let hash = ChunkHash::of(chunk);
-            if self.emitted.insert(hash.clone()) {
-                self.tx.blocking_send((hash.clone(), chunk.to_vec())).map_err(|_| {
-                    SnapshotError::backend("snapshot", "hand chunk to store", "store writer stopped")
-                })?;
-            }
-            entry.chunks.push(hash);
-        }
-        self.read_bytes += size;
-        entry.size = size;
-        Ok(entry)
+/// Chunk and hash one file, handing chunks not yet seen in this snapshot to the store.
+fn read_file(
+    shared: &Hashing<'_>,
+    tx: &mpsc::Sender<(ChunkHash, Vec<u8>)>,
+    mut entry: Entry,
+) -> Result<Entry, SnapshotError> {
+    let abs = shared.root.join(&entry.path);
+    let abs = abs.as_path();
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(abs)
+        .map_err(|e| SnapshotError::file("open", abs, e))?;
+    let fmd = file
+        .metadata()
+        .map_err(|e| SnapshotError::file("stat", abs, e))?;
+    if !fmd.is_file() {
+        return Err(SnapshotError::file(
+            "snapshot",
+            abs,
+            std::io::Error::new(ErrorKind::InvalidData, "replaced while snapshotting"),
+        ));
     }
+    // Times as of the open, so that a later change is seen by the next snapshot.
+    entry.mtime_ns = time_ns(fmd.mtime(), fmd.mtime_nsec());
+    entry.ctime_ns = time_ns(fmd.ctime(), fmd.ctime_nsec());
+    entry.ino = fmd.ino();
+    let mut chunker = StreamChunker::new(file, shared.cfg);
+    let mut size = 0u64;
+    while let Some(chunk) = chunker
+        .next_chunk()
+        .map_err(|e| SnapshotError::file("read", abs, e))?
+    {
+        size += chunk.len() as u64;
+        let hash = ChunkHash::of(chunk);
+        let first = shared
+            .emitted
+            .lock()
+            .expect("dedup set poisoned")
+            .insert(hash.clone());
+        if first {
+            tx.blocking_send((hash.clone(), chunk.to_vec()))
+                .map_err(|_| {
+                    SnapshotError::backend(
+                        "snapshot",
+                        "hand chunk to store",
+                        "store writer stopped",
+                    )
+                })?;
+        }
+        entry.chunks.push(hash);
+    }
+    entry.size = size;
+    Ok(entry)
 }
 
 fn base_entry(path: String, kind: EntryKind, md: &std::fs::Metadata) -> Entry {
@@ -352,7 +455,12 @@ fn has_opaque_xattr(path: &Path) -> bool {
         // SAFETY: `cpath` and `name` are valid NUL-terminated strings that outlive the
         // call; `buf` is a writable buffer of exactly `buf.len()` bytes.
         let n = unsafe {
-            libc::lgetxattr(cpath.as_ptr(), name.as_ptr(), buf.as_mut_ptr().cast(), buf.len())
+            libc::lgetxattr(
+                cpath.as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
         };
         if n >= 1 && buf[0] == b'y' {
             return true;
@@ -393,11 +501,15 @@ pub fn validate_manifest(m: &SnapshotManifest) -> Result<(), SnapshotError> {
     for (i, e) in m.entries.iter().enumerate() {
         if e.path.is_empty() {
             if i != 0 || e.kind != EntryKind::Dir {
-                return Err(invalid("root entry must be the first entry and a directory".into()));
+                return Err(invalid(
+                    "root entry must be the first entry and a directory".into(),
+                ));
             }
         } else if e.path.starts_with('/')
             || e.path.contains('\0')
-            || e.path.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+            || e.path
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
         {
             return Err(SnapshotError::PathEscape {
                 path: e.path.clone(),
@@ -407,12 +519,18 @@ pub fn validate_manifest(m: &SnapshotManifest) -> Result<(), SnapshotError> {
             return Err(invalid(format!("duplicate path {:?}", e.path)));
         }
         if e.kind != EntryKind::File && !e.chunks.is_empty() {
-            return Err(invalid(format!("{:?} has content but is not a file", e.path)));
+            return Err(invalid(format!(
+                "{:?} has content but is not a file",
+                e.path
+            )));
         }
         if (e.kind == EntryKind::Symlink) != e.symlink_target.is_some() {
             return Err(invalid(format!("{:?}: symlink target mismatch", e.path)));
         }
-        if e.symlink_target.as_deref().is_some_and(|t| t.is_empty() || t.contains('\0')) {
+        if e.symlink_target
+            .as_deref()
+            .is_some_and(|t| t.is_empty() || t.contains('\0'))
+        {
             return Err(invalid(format!("{:?}: bad symlink target", e.path)));
         }
     }
@@ -445,7 +563,8 @@ pub async fn restore_dir(
     validate_manifest(manifest)?;
     match std::fs::symlink_metadata(target) {
         Ok(md) if md.is_dir() => {
-            let mut rd = std::fs::read_dir(target).map_err(|e| SnapshotError::file("list", target, e))?;
+            let mut rd =
+                std::fs::read_dir(target).map_err(|e| SnapshotError::file("list", target, e))?;
             if rd.next().is_some() {
                 return Err(SnapshotError::TargetNotEmpty {
                     path: target.display().to_string(),
@@ -485,7 +604,11 @@ async fn restore_into(
         rx,
     };
     let write = tokio::task::spawn_blocking(move || writer.run());
-    let wanted = manifest.entries.iter().filter(|e| e.kind == EntryKind::File).flat_map(|e| e.chunks.iter());
+    let wanted = manifest
+        .entries
+        .iter()
+        .filter(|e| e.kind == EntryKind::File)
+        .flat_map(|e| e.chunks.iter());
     let fetched: Result<u64, SnapshotError> = stream::iter(wanted)
         .map(|hash| async move {
             let data = store.get(hash).await?;
@@ -516,7 +639,9 @@ async fn restore_into(
 }
 
 fn clear_dir(target: &Path) {
-    let Ok(rd) = std::fs::read_dir(target) else { return };
+    let Ok(rd) = std::fs::read_dir(target) else {
+        return;
+    };
     for e in rd.flatten() {
         let p = e.path();
         let res = match e.file_type() {
@@ -541,11 +666,16 @@ impl Writer {
     fn run(mut self) -> Result<(u64, u64), SnapshotError> {
         let entries = std::mem::take(&mut self.entries);
         let mut bytes = 0u64;
-        for e in entries.iter().filter(|e| e.kind == EntryKind::Dir && !e.path.is_empty()) {
+        for e in entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::Dir && !e.path.is_empty())
+        {
             let p = self.prepare(&e.path)?;
             match std::fs::create_dir(&p) {
                 Ok(()) => {}
-                Err(err) if err.kind() == ErrorKind::AlreadyExists && self.verified_dirs.contains(&e.path) => {}
+                Err(err)
+                    if err.kind() == ErrorKind::AlreadyExists
+                        && self.verified_dirs.contains(&e.path) => {}
                 Err(err) => return Err(SnapshotError::file("create", &p, err)),
             }
             self.verified_dirs.insert(e.path.clone());
@@ -562,20 +692,29 @@ impl Writer {
             let mut written = 0u64;
             for hash in &e.chunks {
                 let Some(data) = self.rx.blocking_recv() else {
-                    return Err(SnapshotError::not_found(format!("chunk {hash} (fetch stopped)")));
+                    return Err(SnapshotError::not_found(format!(
+                        "chunk {hash} (fetch stopped)"
+                    )));
                 };
-                f.write_all(&data).map_err(|err| SnapshotError::file("write", &p, err))?;
+                f.write_all(&data)
+                    .map_err(|err| SnapshotError::file("write", &p, err))?;
                 written += data.len() as u64;
             }
             if written != e.size {
                 return Err(SnapshotError::InvalidManifest {
                     id: String::new(),
-                    detail: format!("{:?}: chunks hold {written} bytes, entry says {}", e.path, e.size),
+                    detail: format!(
+                        "{:?}: chunks hold {written} bytes, entry says {}",
+                        e.path, e.size
+                    ),
                 });
             }
             bytes += written;
         }
-        for e in entries.iter().filter(|e| matches!(e.kind, EntryKind::Fifo | EntryKind::Whiteout)) {
+        for e in entries
+            .iter()
+            .filter(|e| matches!(e.kind, EntryKind::Fifo | EntryKind::Whiteout))
+        {
             let p = self.prepare(&e.path)?;
             let res = if e.kind == EntryKind::Fifo {
                 nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600))
@@ -592,17 +731,24 @@ impl Writer {
         for e in entries.iter().filter(|e| e.kind == EntryKind::Symlink) {
             let p = self.prepare(&e.path)?;
             let target = e.symlink_target.as_deref().unwrap_or_default();
-            std::os::unix::fs::symlink(target, &p).map_err(|err| SnapshotError::file("create symlink", &p, err))?;
+            std::os::unix::fs::symlink(target, &p)
+                .map_err(|err| SnapshotError::file("create symlink", &p, err))?;
         }
         for e in entries.iter().filter(|e| e.kind != EntryKind::Dir) {
             self.apply_metadata(e)?;
         }
-        let mut dirs: Vec<&Entry> = entries.iter().filter(|e| e.kind == EntryKind::Dir).collect();
-        dirs.sort_by_key(|e| std::cmp::Reverse(e.path.matches('/').count() + usize::from(!e.path.is_empty())));
+        let mut dirs: Vec<&Entry> = entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::Dir)
+            .collect();
+        dirs.sort_by_key(|e| {
+            std::cmp::Reverse(e.path.matches('/').count() + usize::from(!e.path.is_empty()))
+        });
         for e in dirs {
             if e.opaque {
                 let p = self.root.join(&e.path);
-                set_opaque_xattr(&p).map_err(|err| SnapshotError::file("set opaque xattr on", &p, err))?;
+                set_opaque_xattr(&p)
+                    .map_err(|err| SnapshotError::file("set opaque xattr on", &p, err))?;
             }
             self.apply_metadata(e)?;
         }
@@ -626,7 +772,8 @@ impl Writer {
                     })
                 }
                 Err(err) if err.kind() == ErrorKind::NotFound => {
-                    std::fs::create_dir(&p).map_err(|err| SnapshotError::file("create", &p, err))?;
+                    std::fs::create_dir(&p)
+                        .map_err(|err| SnapshotError::file("create", &p, err))?;
                 }
                 Err(err) => return Err(SnapshotError::file("stat", &p, err)),
             }
@@ -671,7 +818,6 @@ impl Writer {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -696,7 +842,10 @@ mod tests {
     fn describe(root: &Path) -> Vec<(String, String)> {
         let mut out = Vec::new();
         fn walk(root: &Path, rel: &Path, out: &mut Vec<(String, String)>) {
-            let mut names: Vec<_> = std::fs::read_dir(root.join(rel)).unwrap().map(|e| e.unwrap().file_name()).collect();
+            let mut names: Vec<_> = std::fs::read_dir(root.join(rel))
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
             names.sort();
             for n in names {
                 let r = rel.join(&n);
@@ -709,7 +858,13 @@ mod tests {
                     format!("dir {:o} {}", md.mode() & 0o7777, md.mtime())
                 } else if ft.is_file() {
                     let data = std::fs::read(&p).unwrap();
-                    format!("file {:o} {} {} {}", md.mode() & 0o7777, data.len(), ChunkHash::of(&data), md.mtime())
+                    format!(
+                        "file {:o} {} {} {}",
+                        md.mode() & 0o7777,
+                        data.len(),
+                        ChunkHash::of(&data),
+                        md.mtime()
+                    )
                 } else if ft.is_fifo() {
                     format!("fifo {:o}", md.mode() & 0o7777)
                 } else {
@@ -733,16 +888,26 @@ mod tests {
         std::fs::write(src.join("a/big.bin"), random_bytes(1, 10 * 1024 * 1024)).unwrap();
         std::fs::write(src.join("a/b/mid.bin"), random_bytes(2, 700_000)).unwrap();
         for i in 0..50 {
-            std::fs::write(src.join(format!("a/b/c/text{i}.txt")), format!("line {i}\n").repeat(i * 40)).unwrap();
+            std::fs::write(
+                src.join(format!("a/b/c/text{i}.txt")),
+                format!("line {i}\n").repeat(i * 40),
+            )
+            .unwrap();
         }
         std::fs::write(src.join("run.sh"), b"#!/bin/sh\necho hi\n").unwrap();
-        std::fs::set_permissions(src.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(src.join("run.sh"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
         std::fs::set_permissions(src.join("one"), std::fs::Permissions::from_mode(0o600)).unwrap();
-        std::fs::set_permissions(src.join("empty"), std::fs::Permissions::from_mode(0o750)).unwrap();
+        std::fs::set_permissions(src.join("empty"), std::fs::Permissions::from_mode(0o750))
+            .unwrap();
         std::os::unix::fs::symlink("a/big.bin", src.join("link-rel")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", src.join("a/link-abs")).unwrap();
         std::os::unix::fs::symlink("missing", src.join("dangling")).unwrap();
-        nix::unistd::mkfifo(&src.join("pipe"), nix::sys::stat::Mode::from_bits_truncate(0o640)).unwrap();
+        nix::unistd::mkfifo(
+            &src.join("pipe"),
+            nix::sys::stat::Mode::from_bits_truncate(0o640),
+        )
+        .unwrap();
     }
 
     #[tokio::test]
@@ -750,17 +915,29 @@ mod tests {
         let (dir, store) = setup();
         let src = dir.path().join("src");
         build_tree(&src);
-        let m = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws")).await.unwrap();
-        assert_eq!(m.new_bytes, m.total_bytes, "first snapshot writes everything once");
+        let m = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
+            .await
+            .unwrap();
+        assert_eq!(
+            m.new_bytes, m.total_bytes,
+            "first snapshot writes everything once"
+        );
         assert!(m.total_bytes > 10 * 1024 * 1024);
         let out = dir.path().join("out");
-        let stats = restore_dir(&store, &m, &out, &RestoreOptions::default()).await.unwrap();
+        let stats = restore_dir(&store, &m, &out, &RestoreOptions::default())
+            .await
+            .unwrap();
         assert_eq!(stats.bytes, m.total_bytes);
         assert_eq!(describe(&src), describe(&out));
         let md = std::fs::symlink_metadata(&out).unwrap();
-        assert_eq!(md.mode() & 0o7777, std::fs::symlink_metadata(&src).unwrap().mode() & 0o7777);
+        assert_eq!(
+            md.mode() & 0o7777,
+            std::fs::symlink_metadata(&src).unwrap().mode() & 0o7777
+        );
         // A second restore into a non-empty target is refused.
-        let err = restore_dir(&store, &m, &out, &RestoreOptions::default()).await.unwrap_err();
+        let err = restore_dir(&store, &m, &out, &RestoreOptions::default())
+            .await
+            .unwrap_err();
         assert!(matches!(err, SnapshotError::TargetNotEmpty { .. }), "{err}");
     }
 
@@ -769,19 +946,30 @@ mod tests {
         let (dir, store) = setup();
         let src = dir.path().join("src");
         build_tree(&src);
-        let first = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws")).await.unwrap();
+        let first = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
+            .await
+            .unwrap();
         // Change a few bytes in the middle of the 10 MiB file, append to a text file,
         // add a small file.
         let big = src.join("a/big.bin");
         let mut data = std::fs::read(&big).unwrap();
         data[5_000_000..5_000_100].fill(7);
         std::fs::write(&big, &data).unwrap();
-        std::fs::OpenOptions::new().append(true).open(src.join("a/b/c/text3.txt")).unwrap().write_all(b"more\n").unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(src.join("a/b/c/text3.txt"))
+            .unwrap()
+            .write_all(b"more\n")
+            .unwrap();
         std::fs::write(src.join("new.txt"), b"fresh").unwrap();
 
-        let second = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws").parent(first.id.clone()))
-            .await
-            .unwrap();
+        let second = snapshot_dir(
+            &store,
+            &src,
+            SnapshotRequest::new("t", "ws").parent(first.id.clone()),
+        )
+        .await
+        .unwrap();
         assert_eq!(second.parent.as_ref(), Some(&first.id));
         assert!(
             second.new_bytes <= 2 * 4 * 1024 * 1024 + 4096,
@@ -790,10 +978,14 @@ mod tests {
         );
         assert!(second.new_bytes > 0);
         let out = dir.path().join("out");
-        restore_dir(&store, &second, &out, &RestoreOptions::default()).await.unwrap();
+        restore_dir(&store, &second, &out, &RestoreOptions::default())
+            .await
+            .unwrap();
         assert_eq!(describe(&src), describe(&out));
         // Without a parent nothing is trusted unread, and still nothing new is written.
-        let third = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws")).await.unwrap();
+        let third = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
+            .await
+            .unwrap();
         assert_eq!(third.new_bytes, 0);
         assert_eq!(third.read_bytes, third.total_bytes);
     }
@@ -808,21 +1000,46 @@ mod tests {
         // Make the files look older than the racy window.
         let old = nix::sys::time::TimeSpec::new(1_600_000_000, 0);
         for f in ["stable", "edited"] {
-            nix::sys::stat::utimensat(None, &src.join(f), &old, &old, nix::sys::stat::UtimensatFlags::NoFollowSymlink).unwrap();
+            nix::sys::stat::utimensat(
+                None,
+                &src.join(f),
+                &old,
+                &old,
+                nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+            )
+            .unwrap();
         }
         tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
-        let first = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws")).await.unwrap();
-        // Same size, and mtime forced back: only ctime betrays the change.
-        std::fs::write(src.join("edited"), b"version 2").unwrap();
-        nix::sys::stat::utimensat(None, &src.join("edited"), &old, &old, nix::sys::stat::UtimensatFlags::NoFollowSymlink).unwrap();
-        let second = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws").parent(first.id.clone()))
+        let first = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
             .await
             .unwrap();
+        // Same size, and mtime forced back: only ctime betrays the change.
+        std::fs::write(src.join("edited"), b"version 2").unwrap();
+        nix::sys::stat::utimensat(
+            None,
+            &src.join("edited"),
+            &old,
+            &old,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+        let second = snapshot_dir(
+            &store,
+            &src,
+            SnapshotRequest::new("t", "ws").parent(first.id.clone()),
+        )
+        .await
+        .unwrap();
         assert_eq!(second.read_bytes, 9, "only the edited file is read");
         let out = dir.path().join("out");
-        restore_dir(&store, &second, &out, &RestoreOptions::default()).await.unwrap();
+        restore_dir(&store, &second, &out, &RestoreOptions::default())
+            .await
+            .unwrap();
         assert_eq!(std::fs::read(out.join("edited")).unwrap(), b"version 2");
-        assert_eq!(std::fs::read(out.join("stable")).unwrap(), random_bytes(3, 300_000));
+        assert_eq!(
+            std::fs::read(out.join("stable")).unwrap(),
+            random_bytes(3, 300_000)
+        );
     }
 
     #[tokio::test]
@@ -830,26 +1047,48 @@ mod tests {
         let (dir, store) = setup();
         let src = dir.path().join("src");
         build_tree(&src);
-        let base = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws")).await.unwrap();
+        let base = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
+            .await
+            .unwrap();
         let fork = dir.path().join("fork");
-        restore_dir(&store, &base, &fork, &RestoreOptions::default()).await.unwrap();
+        restore_dir(&store, &base, &fork, &RestoreOptions::default())
+            .await
+            .unwrap();
         std::fs::write(fork.join("one"), b"changed in the fork").unwrap();
         std::fs::remove_dir_all(fork.join("a/b/c")).unwrap();
-        let child = snapshot_dir(&store, &fork, SnapshotRequest::new("t", "ws").parent(base.id.clone()))
-            .await
-            .unwrap();
+        let child = snapshot_dir(
+            &store,
+            &fork,
+            SnapshotRequest::new("t", "ws").parent(base.id.clone()),
+        )
+        .await
+        .unwrap();
         assert_eq!(child.parent.as_ref(), Some(&base.id));
-        assert!(child.new_bytes < 100, "fork wrote {} new bytes", child.new_bytes);
+        assert!(
+            child.new_bytes < 100,
+            "fork wrote {} new bytes",
+            child.new_bytes
+        );
         // The parent still restores to the original tree, the child to the fork.
         let p = dir.path().join("parent-again");
-        restore_dir(&store, &store.get_manifest("t", &base.id).await.unwrap(), &p, &RestoreOptions::default())
-            .await
-            .unwrap();
+        restore_dir(
+            &store,
+            &store.get_manifest("t", &base.id).await.unwrap(),
+            &p,
+            &RestoreOptions::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(describe(&src), describe(&p));
         let c = dir.path().join("child");
-        restore_dir(&store, &child, &c, &RestoreOptions::default()).await.unwrap();
+        restore_dir(&store, &child, &c, &RestoreOptions::default())
+            .await
+            .unwrap();
         assert_eq!(describe(&fork), describe(&c));
-        assert_eq!(std::fs::read(c.join("one")).unwrap(), b"changed in the fork");
+        assert_eq!(
+            std::fs::read(c.join("one")).unwrap(),
+            b"changed in the fork"
+        );
     }
 
     #[tokio::test]
@@ -857,10 +1096,16 @@ mod tests {
         let (dir, store) = setup();
         let src = dir.path().join("src");
         std::fs::create_dir(&src).unwrap();
-        let m = snapshot_dir(&store, &src, SnapshotRequest::new("tenant-a", "ws")).await.unwrap();
-        let err = snapshot_dir(&store, &src, SnapshotRequest::new("tenant-b", "ws").parent(m.id))
+        let m = snapshot_dir(&store, &src, SnapshotRequest::new("tenant-a", "ws"))
             .await
-            .unwrap_err();
+            .unwrap();
+        let err = snapshot_dir(
+            &store,
+            &src,
+            SnapshotRequest::new("tenant-b", "ws").parent(m.id),
+        )
+        .await
+        .unwrap_err();
         assert!(err.is_not_found(), "{err}");
     }
 
@@ -911,13 +1156,22 @@ mod tests {
             vec![entry("a//b", EntryKind::File)],
             vec![entry("./x", EntryKind::File)],
             vec![link.clone(), entry("evil/pwned", EntryKind::File)],
-            vec![link, entry("evil/sub", EntryKind::Dir), entry("evil/sub/x", EntryKind::File)],
+            vec![
+                link,
+                entry("evil/sub", EntryKind::Dir),
+                entry("evil/sub/x", EntryKind::File),
+            ],
         ];
         for (i, entries) in cases.into_iter().enumerate() {
             let m = manifest_of(entries);
             let out = dir.path().join(format!("out{i}"));
-            let err = restore_dir(&store, &m, &out, &RestoreOptions::default()).await.unwrap_err();
-            assert!(matches!(err, SnapshotError::PathEscape { .. }), "case {i}: {err}");
+            let err = restore_dir(&store, &m, &out, &RestoreOptions::default())
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(err, SnapshotError::PathEscape { .. }),
+                "case {i}: {err}"
+            );
         }
         assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
         assert!(!dir.path().join("escaped").exists());
@@ -926,8 +1180,18 @@ mod tests {
         let mut dup_link = entry("x", EntryKind::Symlink);
         dup_link.symlink_target = Some("/etc".into());
         let m = manifest_of(vec![entry("x", EntryKind::File), dup_link]);
-        let err = restore_dir(&store, &m, &dir.path().join("dup"), &RestoreOptions::default()).await.unwrap_err();
-        assert!(matches!(err, SnapshotError::InvalidManifest { .. }), "{err}");
+        let err = restore_dir(
+            &store,
+            &m,
+            &dir.path().join("dup"),
+            &RestoreOptions::default(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, SnapshotError::InvalidManifest { .. }),
+            "{err}"
+        );
     }
 
     #[tokio::test]
@@ -940,8 +1204,18 @@ mod tests {
         f.chunks = vec![h];
         f.size = 100;
         let out = dir.path().join("out");
-        let err = restore_dir(&store, &manifest_of(vec![f]), &out, &RestoreOptions::default()).await.unwrap_err();
-        assert!(matches!(err, SnapshotError::InvalidManifest { .. }), "{err}");
+        let err = restore_dir(
+            &store,
+            &manifest_of(vec![f]),
+            &out,
+            &RestoreOptions::default(),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(err, SnapshotError::InvalidManifest { .. }),
+            "{err}"
+        );
         assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0);
     }
 
@@ -954,14 +1228,30 @@ mod tests {
         let (dir, store) = setup();
         let src = dir.path().join("upper");
         std::fs::create_dir_all(src.join("opaque-dir")).unwrap();
-        nix::sys::stat::mknod(&src.join("deleted"), nix::sys::stat::SFlag::S_IFCHR, nix::sys::stat::Mode::from_bits_truncate(0o600), 0).unwrap();
+        nix::sys::stat::mknod(
+            &src.join("deleted"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+            0,
+        )
+        .unwrap();
         set_opaque_xattr(&src.join("opaque-dir")).unwrap();
-        let m = snapshot_dir(&store, &src, SnapshotRequest::new("t", "upper")).await.unwrap();
+        let m = snapshot_dir(&store, &src, SnapshotRequest::new("t", "upper"))
+            .await
+            .unwrap();
         let wo = m.entries.iter().find(|e| e.path == "deleted").unwrap();
         assert_eq!(wo.kind, EntryKind::Whiteout);
-        assert!(m.entries.iter().find(|e| e.path == "opaque-dir").unwrap().opaque);
+        assert!(
+            m.entries
+                .iter()
+                .find(|e| e.path == "opaque-dir")
+                .unwrap()
+                .opaque
+        );
         let out = dir.path().join("out");
-        restore_dir(&store, &m, &out, &RestoreOptions::default()).await.unwrap();
+        restore_dir(&store, &m, &out, &RestoreOptions::default())
+            .await
+            .unwrap();
         let md = std::fs::symlink_metadata(out.join("deleted")).unwrap();
         assert!(md.file_type().is_char_device() && md.rdev() == 0);
         assert!(has_opaque_xattr(&out.join("opaque-dir")));

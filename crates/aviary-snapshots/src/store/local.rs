@@ -3,8 +3,11 @@
 //! Layout under the root: `chunks/<first two hex>/<hash>`, `manifests/<tenant>/<id>.json`
 //! and `tmp/` for writes in progress. Every object is written to `tmp/` and renamed
 //! into place, so a reader never sees a half-written object and a crash leaves at
-//! most garbage in `tmp/` (cleared on open). With `fsync` on (the default) the file is
-//! synced before the rename. File I/O runs on tokio's blocking pool.
+//! most garbage in `tmp/` (cleared on open). Durability with `fsync` on (the
+//! default): chunks are not synced one by one; [`ChunkStore::flush`] (called by every
+//! snapshot before its manifest) does one `syncfs` of the store's filesystem, and
+//! manifests are fsynced before their rename. So a manifest is never durable before
+//! its chunks. File I/O runs on tokio's blocking pool.
 
 use super::{decode_manifest, ChunkStore};
 use crate::error::SnapshotError;
@@ -87,26 +90,30 @@ impl LocalStore {
 }
 
 impl Inner {
-    fn write_atomic(&self, dest: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+    fn write_atomic(&self, dest: &Path, bytes: &[u8], sync: bool) -> Result<(), SnapshotError> {
         let tmp = self.root.join("tmp").join(format!(
             "{}.{}",
             std::process::id(),
             self.seq.fetch_add(1, Ordering::Relaxed)
         ));
         let result = (|| {
-            let mut f = std::fs::File::create(&tmp).map_err(|e| SnapshotError::file("create", &tmp, e))?;
+            let mut f =
+                std::fs::File::create(&tmp).map_err(|e| SnapshotError::file("create", &tmp, e))?;
             f.write_all(bytes)
                 .map_err(|e| SnapshotError::file("write", &tmp, e))?;
-            if self.fsync {
-                f.sync_all().map_err(|e| SnapshotError::file("sync", &tmp, e))?;
+            if sync {
+                f.sync_all()
+                    .map_err(|e| SnapshotError::file("sync", &tmp, e))?;
             }
             let parent = dest.parent().expect("objects live in a directory");
             if let Err(e) = std::fs::rename(&tmp, dest) {
                 if e.kind() != ErrorKind::NotFound {
                     return Err(SnapshotError::file("rename into", dest, e));
                 }
-                std::fs::create_dir_all(parent).map_err(|e| SnapshotError::file("create", parent, e))?;
-                std::fs::rename(&tmp, dest).map_err(|e| SnapshotError::file("rename into", dest, e))?;
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| SnapshotError::file("create", parent, e))?;
+                std::fs::rename(&tmp, dest)
+                    .map_err(|e| SnapshotError::file("rename into", dest, e))?;
             }
             Ok(())
         })();
@@ -134,7 +141,21 @@ impl ChunkStore for LocalStore {
     async fn put(&self, hash: &ChunkHash, bytes: Vec<u8>) -> Result<(), SnapshotError> {
         let dest = self.chunk_path(hash);
         let inner = self.inner.clone();
-        blocking(move || inner.write_atomic(&dest, &bytes)).await
+        blocking(move || inner.write_atomic(&dest, &bytes, false)).await
+    }
+
+    async fn flush(&self) -> Result<(), SnapshotError> {
+        if !self.inner.fsync {
+            return Ok(());
+        }
+        let root = self.inner.root.clone();
+        blocking(move || {
+            let dir =
+                std::fs::File::open(&root).map_err(|e| SnapshotError::file("open", &root, e))?;
+            nix::unistd::syncfs(std::os::fd::AsRawFd::as_raw_fd(&dir))
+                .map_err(|e| SnapshotError::file("syncfs", &root, e.into()))
+        })
+        .await
     }
 
     async fn get(&self, hash: &ChunkHash) -> Result<Vec<u8>, SnapshotError> {
@@ -212,7 +233,8 @@ impl ChunkStore for LocalStore {
         let dest = self.manifest_path(&manifest.tenant, &manifest.id)?;
         let bytes = manifest.to_bytes();
         let inner = self.inner.clone();
-        blocking(move || inner.write_atomic(&dest, &bytes)).await
+        let sync = inner.fsync;
+        blocking(move || inner.write_atomic(&dest, &bytes, sync)).await
     }
 
     async fn get_manifest(
@@ -321,6 +343,9 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, SnapshotError::Corrupt { .. }), "{err}");
         // Nothing of the failed restore is left behind.
-        assert_eq!(std::fs::read_dir(dir.path().join("out")).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("out")).unwrap().count(),
+            0
+        );
     }
 }

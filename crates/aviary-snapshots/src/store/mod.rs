@@ -43,6 +43,14 @@ pub trait ChunkStore: Send + Sync {
         limit: usize,
     ) -> Result<Vec<ChunkHash>, SnapshotError>;
 
+    /// Make every chunk `put` so far durable. Snapshots call this once before
+    /// storing their manifest, so a backend may skip per-object syncs (the local
+    /// store does one `syncfs` here instead of an fsync per chunk). Default: no-op,
+    /// for backends whose `put` is durable when it returns.
+    async fn flush(&self) -> Result<(), SnapshotError> {
+        Ok(())
+    }
+
     async fn put_manifest(&self, manifest: &SnapshotManifest) -> Result<(), SnapshotError>;
     /// The manifest `id` of `tenant`; another tenant's manifest is `NotFound`.
     async fn get_manifest(

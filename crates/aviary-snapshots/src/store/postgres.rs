@@ -87,23 +87,27 @@ impl ChunkStore for PgStore {
     }
 
     async fn get(&self, hash: &ChunkHash) -> Result<Vec<u8>, SnapshotError> {
-        let row = sqlx::query("SELECT data FROM aviary_snapshot_chunk WHERE namespace = $1 AND hash = $2")
-            .bind(&self.namespace)
-            .bind(hash.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| err("get chunk", e))?;
+        let row = sqlx::query(
+            "SELECT data FROM aviary_snapshot_chunk WHERE namespace = $1 AND hash = $2",
+        )
+        .bind(&self.namespace)
+        .bind(hash.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| err("get chunk", e))?;
         let row = row.ok_or_else(|| SnapshotError::not_found(format!("chunk {hash}")))?;
-        row.try_get::<Vec<u8>, _>(0).map_err(|e| err("decode chunk", e))
+        row.try_get::<Vec<u8>, _>(0)
+            .map_err(|e| err("decode chunk", e))
     }
 
     async fn has(&self, hash: &ChunkHash) -> Result<bool, SnapshotError> {
-        let row = sqlx::query("SELECT 1 FROM aviary_snapshot_chunk WHERE namespace = $1 AND hash = $2")
-            .bind(&self.namespace)
-            .bind(hash.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| err("check chunk", e))?;
+        let row =
+            sqlx::query("SELECT 1 FROM aviary_snapshot_chunk WHERE namespace = $1 AND hash = $2")
+                .bind(&self.namespace)
+                .bind(hash.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| err("check chunk", e))?;
         Ok(row.is_some())
     }
 
@@ -233,7 +237,9 @@ mod tests {
             eprintln!("SKIPPED: AVIARY_TEST_POSTGRES_URL not set (run scripts/services.sh start)");
             return;
         };
-        let store = PgStore::connect(&url, &aviary_core::new_id("test")).await.unwrap();
+        let store = PgStore::connect(&url, &aviary_core::new_id("test"))
+            .await
+            .unwrap();
         crate::conformance::run_all(&store).await;
     }
 }

@@ -52,7 +52,10 @@ pub struct S3Store {
     prefix: String,
 }
 
-fn err(op: impl Into<String>, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> SnapshotError {
+fn err(
+    op: impl Into<String>,
+    e: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+) -> SnapshotError {
     SnapshotError::backend("s3", op, e)
 }
 
@@ -67,8 +70,13 @@ impl S3Store {
             .endpoint
             .parse()
             .map_err(|e| err(format!("parse endpoint {}", cfg.endpoint), e))?;
-        let bucket = Bucket::new(endpoint, UrlStyle::Path, cfg.bucket.clone(), cfg.region.clone())
-            .map_err(|e| err("configure bucket", e))?;
+        let bucket = Bucket::new(
+            endpoint,
+            UrlStyle::Path,
+            cfg.bucket.clone(),
+            cfg.region.clone(),
+        )
+        .map_err(|e| err("configure bucket", e))?;
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
             .build()
@@ -79,10 +87,19 @@ impl S3Store {
             client,
             prefix: cfg.prefix,
         };
-        let head = store.bucket.head_bucket(Some(&store.credentials)).sign(SIGN_FOR);
-        let status = store.send(store.client.head(head), "head bucket").await?.status();
+        let head = store
+            .bucket
+            .head_bucket(Some(&store.credentials))
+            .sign(SIGN_FOR);
+        let status = store
+            .send(store.client.head(head), "head bucket")
+            .await?
+            .status();
         if status == StatusCode::NOT_FOUND {
-            let url = store.bucket.create_bucket(&store.credentials).sign(SIGN_FOR);
+            let url = store
+                .bucket
+                .create_bucket(&store.credentials)
+                .sign(SIGN_FOR);
             let resp = store.send(store.client.put(url), "create bucket").await?;
             if !resp.status().is_success() && resp.status() != StatusCode::CONFLICT {
                 return Err(err("create bucket", HttpStatus(resp.status())));
@@ -111,8 +128,13 @@ impl S3Store {
     }
 
     async fn put_object(&self, key: &str, body: Vec<u8>) -> Result<(), SnapshotError> {
-        let url = self.bucket.put_object(Some(&self.credentials), key).sign(SIGN_FOR);
-        let resp = self.send(self.client.put(url).body(body), "put object").await?;
+        let url = self
+            .bucket
+            .put_object(Some(&self.credentials), key)
+            .sign(SIGN_FOR);
+        let resp = self
+            .send(self.client.put(url).body(body), "put object")
+            .await?;
         if !resp.status().is_success() {
             return Err(err(format!("put {key}"), HttpStatus(resp.status())));
         }
@@ -120,7 +142,10 @@ impl S3Store {
     }
 
     async fn get_object(&self, key: &str, what: String) -> Result<Vec<u8>, SnapshotError> {
-        let url = self.bucket.get_object(Some(&self.credentials), key).sign(SIGN_FOR);
+        let url = self
+            .bucket
+            .get_object(Some(&self.credentials), key)
+            .sign(SIGN_FOR);
         let resp = self.send(self.client.get(url), "get object").await?;
         match resp.status() {
             s if s.is_success() => Ok(resp
@@ -134,7 +159,10 @@ impl S3Store {
     }
 
     async fn head_object(&self, key: &str) -> Result<bool, SnapshotError> {
-        let url = self.bucket.head_object(Some(&self.credentials), key).sign(SIGN_FOR);
+        let url = self
+            .bucket
+            .head_object(Some(&self.credentials), key)
+            .sign(SIGN_FOR);
         let resp = self.send(self.client.head(url), "head object").await?;
         match resp.status() {
             s if s.is_success() => Ok(true),
@@ -144,7 +172,10 @@ impl S3Store {
     }
 
     async fn delete_object(&self, key: &str) -> Result<(), SnapshotError> {
-        let url = self.bucket.delete_object(Some(&self.credentials), key).sign(SIGN_FOR);
+        let url = self
+            .bucket
+            .delete_object(Some(&self.credentials), key)
+            .sign(SIGN_FOR);
         let resp = self.send(self.client.delete(url), "delete object").await?;
         match resp.status() {
             s if s.is_success() || s == StatusCode::NOT_FOUND => Ok(()),
@@ -245,7 +276,12 @@ impl ChunkStore for S3Store {
         let mut token: Option<String> = None;
         while out.len() < limit {
             let (keys, next) = self
-                .list_page(&prefix, start.as_deref(), token.as_deref(), limit - out.len())
+                .list_page(
+                    &prefix,
+                    start.as_deref(),
+                    token.as_deref(),
+                    limit - out.len(),
+                )
                 .await?;
             out.extend(
                 keys.iter()
@@ -292,7 +328,9 @@ impl ChunkStore for S3Store {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let (keys, next) = self.list_page(&prefix, None, token.as_deref(), 1000).await?;
+            let (keys, next) = self
+                .list_page(&prefix, None, token.as_deref(), 1000)
+                .await?;
             for k in keys {
                 let Some((t, file)) = k.strip_prefix(&base).and_then(|r| r.split_once('/')) else {
                     continue;
@@ -334,7 +372,10 @@ mod tests {
             eprintln!("SKIPPED: AVIARY_TEST_S3_ENDPOINT not set (run scripts/services.sh start)");
             return None;
         };
-        let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} must be set with AVIARY_TEST_S3_ENDPOINT"));
+        let var = |k: &str| {
+            std::env::var(k)
+                .unwrap_or_else(|_| panic!("{k} must be set with AVIARY_TEST_S3_ENDPOINT"))
+        };
         let cfg = S3Config {
             endpoint,
             region: "us-east-1".into(),
@@ -348,7 +389,9 @@ mod tests {
 
     #[tokio::test]
     async fn s3_wrong_secret_is_refused_by_the_server() {
-        let Some(good) = test_store().await else { return };
+        let Some(good) = test_store().await else {
+            return;
+        };
         drop(good);
         let cfg = S3Config {
             endpoint: std::env::var("AVIARY_TEST_S3_ENDPOINT").unwrap(),
@@ -358,7 +401,10 @@ mod tests {
             secret_key: "not-the-secret".into(),
             prefix: "x/".into(),
         };
-        let err = S3Store::connect(cfg).await.err().expect("a bad signature must be refused");
+        let err = S3Store::connect(cfg)
+            .await
+            .err()
+            .expect("a bad signature must be refused");
         assert!(matches!(err, SnapshotError::Backend { .. }), "{err}");
     }
 
@@ -369,21 +415,33 @@ mod tests {
             <Contents><LastModified>x</LastModified><Key>p/chunks/c</Key></Contents>
             <NextContinuationToken>tok&lt;1</NextContinuationToken></ListBucketResult>"#;
         let (keys, token) = parse_listing(xml);
-        assert_eq!(keys, vec!["p/chunks/a&b".to_owned(), "p/chunks/c".to_owned()]);
+        assert_eq!(
+            keys,
+            vec!["p/chunks/a&b".to_owned(), "p/chunks/c".to_owned()]
+        );
         assert_eq!(token.as_deref(), Some("tok<1"));
-        assert_eq!(parse_listing("<ListBucketResult></ListBucketResult>"), (vec![], None));
+        assert_eq!(
+            parse_listing("<ListBucketResult></ListBucketResult>"),
+            (vec![], None)
+        );
     }
 
     #[tokio::test]
     async fn s3_store_passes_conformance() {
-        let Some(store) = test_store().await else { return };
+        let Some(store) = test_store().await else {
+            return;
+        };
         crate::conformance::run_all(&store).await;
     }
 
     #[tokio::test]
     async fn s3_listing_pages_past_one_request() {
-        let Some(store) = test_store().await else { return };
-        let mut hashes: Vec<ChunkHash> = (0..25u32).map(|i| ChunkHash::of(&i.to_le_bytes())).collect();
+        let Some(store) = test_store().await else {
+            return;
+        };
+        let mut hashes: Vec<ChunkHash> = (0..25u32)
+            .map(|i| ChunkHash::of(&i.to_le_bytes()))
+            .collect();
         for h in &hashes {
             store.put(h, b"x".to_vec()).await.unwrap();
         }
