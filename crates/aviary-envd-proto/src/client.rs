@@ -98,6 +98,14 @@ impl EnvdError {
         }
     }
 
+    /// envd cannot be reached (yet): worth retrying while it starts.
+    fn is_not_ready(&self) -> bool {
+        matches!(
+            self,
+            EnvdError::Connect(_) | EnvdError::Transport(_) | EnvdError::Node { status: 503, .. }
+        )
+    }
+
     fn unexpected(kind: FrameKind) -> EnvdError {
         EnvdError::Protocol(ProtoError::UnexpectedFrame(kind))
     }
@@ -415,19 +423,16 @@ impl EnvdClient {
     }
 
     /// Polls connect + health every ~500µs until envd answers or `timeout` passes.
+    /// Through a node, "envd not up yet" is the node's 503, retried the same way.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), EnvdError> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.health().await {
                 Ok(_) => return Ok(()),
-                Err(EnvdError::Connect(_) | EnvdError::Transport(_))
-                    if Instant::now() < deadline =>
-                {
+                Err(e) if e.is_not_ready() && Instant::now() < deadline => {
                     tokio::time::sleep(Duration::from_micros(500)).await;
                 }
-                Err(EnvdError::Connect(_) | EnvdError::Transport(_)) => {
-                    return Err(EnvdError::NotReady(timeout))
-                }
+                Err(e) if e.is_not_ready() => return Err(EnvdError::NotReady(timeout)),
                 Err(e) => return Err(e),
             }
         }

@@ -1,0 +1,288 @@
+//! [`RemoteRuntime`]: the control plane's client for one node agent,
+//! usable wherever a local [`Runtime`] is.
+
+use crate::api::*;
+use async_trait::async_trait;
+use aviary_core::SandboxId;
+use aviary_envd_proto::EnvdClient;
+use aviary_runtime::{Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::time::Duration;
+
+/// A node agent's runtime, driven over its HTTP API. Cheap to clone.
+///
+/// Handles returned by `create` carry the *node's* host paths
+/// (`control_dir`, `workspace_dir`); they are only meaningful on that node.
+/// Talk to the sandbox's envd through [`RemoteRuntime::envd`].
+#[derive(Clone)]
+pub struct RemoteRuntime {
+    addr: String,
+    token: String,
+    runtime_name: String,
+    http: reqwest::Client,
+}
+
+impl std::fmt::Debug for RemoteRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteRuntime")
+            .field("addr", &self.addr)
+            .field("runtime", &self.runtime_name)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+/// Longest any node API call may take (sandbox creation included).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl RemoteRuntime {
+    /// Connects to the node agent at `addr` (`host:port`): checks the token
+    /// and learns the node's runtime name with one `GET /node/v1/info`.
+    pub async fn connect(
+        addr: impl Into<String>,
+        token: impl Into<String>,
+    ) -> Result<(RemoteRuntime, NodeInfo), RuntimeError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| RuntimeError::ProbeRuntime {
+                reason: format!("build http client: {e}"),
+            })?;
+        let mut rt = RemoteRuntime {
+            addr: addr.into(),
+            token: token.into(),
+            runtime_name: String::new(),
+            http,
+        };
+        let info = rt.info().await?;
+        rt.runtime_name =
+            info.runtimes
+                .first()
+                .cloned()
+                .ok_or_else(|| RuntimeError::ProbeRuntime {
+                    reason: format!("node {} reports no runtime", rt.addr),
+                })?;
+        Ok((rt, info))
+    }
+
+    /// `host:port` of the node agent.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Capacity, committed and used resources, templates of the node.
+    pub async fn info(&self) -> Result<NodeInfo, RuntimeError> {
+        self.call(Method::GET, "/node/v1/info", None::<&()>, None)
+            .await
+    }
+
+    /// A client for the sandbox's envd, through the node.
+    pub fn envd(&self, id: &SandboxId) -> EnvdClient {
+        EnvdClient::remote(self.addr.clone(), id.to_string(), self.token.clone())
+    }
+
+    /// Creates a sandbox from `template` (a digest `sha256:<hex>` or a name
+    /// on the node); `spec.template_rootfs` is ignored. Binds must target
+    /// paths the node provides (see [`CreateSandboxRequest`]).
+    pub async fn create_from_template(
+        &self,
+        spec: &SandboxSpec,
+        template: &str,
+    ) -> Result<SandboxHandle, RuntimeError> {
+        let body = CreateSandboxRequest {
+            spec: spec.clone(),
+            template: template.to_owned(),
+        };
+        self.call(
+            Method::POST,
+            "/node/v1/sandboxes",
+            Some(&body),
+            Some(&spec.id),
+        )
+        .await
+    }
+
+    async fn send<B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<reqwest::Response, RuntimeError> {
+        let mut req = self
+            .http
+            .request(method, format!("http://{}{path}", self.addr))
+            .bearer_auth(&self.token);
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        req.send().await.map_err(|e| RuntimeError::ProbeRuntime {
+            reason: format!("node {} unreachable: {}", self.addr, error_chain(&e)),
+        })
+    }
+
+    async fn call<B: Serialize, T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        id: Option<&SandboxId>,
+    ) -> Result<T, RuntimeError> {
+        let action = format!("node {method} {path}");
+        let resp = self.send(method, path, body).await?;
+        if !resp.status().is_success() {
+            return Err(self.error_from(resp, &action, id).await);
+        }
+        resp.json().await.map_err(|e| RuntimeError::InvokeRuntime {
+            action,
+            detail: format!("bad answer: {}", error_chain(&e)),
+        })
+    }
+
+    async fn call_empty(
+        &self,
+        method: Method,
+        path: &str,
+        id: &SandboxId,
+    ) -> Result<(), RuntimeError> {
+        let action = format!("node {method} {path}");
+        let resp = self.send(method, path, None::<&()>).await?;
+        if !resp.status().is_success() {
+            return Err(self.error_from(resp, &action, Some(id)).await);
+        }
+        Ok(())
+    }
+
+    /// Rebuilds the runtime's error from the node's error answer.
+    async fn error_from(
+        &self,
+        resp: reqwest::Response,
+        action: &str,
+        id: Option<&SandboxId>,
+    ) -> RuntimeError {
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        let (code, message) = match serde_json::from_str::<ErrorAnswer>(&text) {
+            Ok(a) => (a.error.code, a.error.message),
+            Err(_) => (String::new(), text),
+        };
+        match (status, code.as_str(), id) {
+            (StatusCode::NOT_FOUND, "not_found", Some(id)) => {
+                RuntimeError::NotFound { id: id.clone() }
+            }
+            (StatusCode::CONFLICT, "already_exists", Some(id)) => {
+                RuntimeError::AlreadyExists { id: id.clone() }
+            }
+            (_, "unsupported", _) => RuntimeError::Unsupported { what: message },
+            (_, "invalid_spec" | "invalid_request" | "template_missing", _) => {
+                RuntimeError::InvalidSpec {
+                    reason: format!("node {}: {message}", self.addr),
+                }
+            }
+            (StatusCode::UNAUTHORIZED, _, _) => RuntimeError::ProbeRuntime {
+                reason: format!("node {} refused the token", self.addr),
+            },
+            (StatusCode::SERVICE_UNAVAILABLE, _, _) => RuntimeError::ProbeRuntime {
+                reason: format!("node {}: {message}", self.addr),
+            },
+            _ => RuntimeError::InvokeRuntime {
+                action: action.to_owned(),
+                detail: format!("{status}: {message}"),
+            },
+        }
+    }
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    aviary_runtime::conformance::chain(e)
+}
+
+/// The template a control-plane spec refers to: template rootfs directories
+/// are named by the hex of their digest (`<store>/rootfs/<hex>`), and digests
+/// are the same on every node.
+pub fn template_ref_of(spec: &SandboxSpec) -> Result<String, RuntimeError> {
+    let hex = spec
+        .template_rootfs
+        .file_name()
+        .and_then(|n| n.to_str())
+        .filter(|n| n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+        .ok_or_else(|| RuntimeError::InvalidSpec {
+            reason: format!(
+                "template rootfs {:?} is not a template store directory (named by its digest)",
+                spec.template_rootfs
+            ),
+        })?;
+    Ok(format!("sha256:{hex}"))
+}
+
+#[async_trait]
+impl Runtime for RemoteRuntime {
+    fn name(&self) -> &str {
+        &self.runtime_name
+    }
+
+    /// Sends the spec with the template digest taken from
+    /// `spec.template_rootfs` ([`template_ref_of`]).
+    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        let template = template_ref_of(spec)?;
+        self.create_from_template(spec, &template).await
+    }
+
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.call_empty(Method::DELETE, &format!("/node/v1/sandboxes/{id}"), id)
+            .await
+    }
+
+    async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError> {
+        let path = format!("/node/v1/sandboxes/{id}/status");
+        let resp = self.send(Method::GET, &path, None::<&()>).await?;
+        // 404 carries {"status": "not_found"}: the trait's answer, not an error.
+        if resp.status() == StatusCode::NOT_FOUND {
+            return Ok(RuntimeStatus::NotFound);
+        }
+        if !resp.status().is_success() {
+            return Err(self
+                .error_from(resp, &format!("node GET {path}"), Some(id))
+                .await);
+        }
+        let a: StatusAnswer = resp.json().await.map_err(|e| RuntimeError::InvokeRuntime {
+            action: format!("node GET {path}"),
+            detail: format!("bad answer: {}", error_chain(&e)),
+        })?;
+        Ok(a.status)
+    }
+
+    async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
+        self.call(
+            Method::GET,
+            &format!("/node/v1/sandboxes/{id}/usage"),
+            None::<&()>,
+            Some(id),
+        )
+        .await
+    }
+
+    async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError> {
+        let l: SandboxList = self
+            .call(Method::GET, "/node/v1/sandboxes", None::<&()>, None)
+            .await?;
+        Ok(l.sandboxes)
+    }
+}
+
+#[async_trait]
+impl Pausable for RemoteRuntime {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.call_empty(Method::POST, &format!("/node/v1/sandboxes/{id}/pause"), id)
+            .await
+    }
+
+    async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.call_empty(Method::POST, &format!("/node/v1/sandboxes/{id}/resume"), id)
+            .await
+    }
+}
