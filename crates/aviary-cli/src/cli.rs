@@ -53,6 +53,9 @@ enum Command {
     /// List and import templates.
     #[command(subcommand)]
     Template(TemplateCmd),
+    /// Warm pools: sizes, hits and misses; change their bounds (admin).
+    #[command(subcommand)]
+    Pool(PoolCmd),
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
@@ -253,6 +256,20 @@ enum TemplateCmd {
 }
 
 #[derive(Subcommand, Debug)]
+enum PoolCmd {
+    /// List warm pools.
+    Ls,
+    /// Set pool_min/pool_max for the pools of a class (kept across restarts).
+    Set {
+        class: String,
+        #[arg(long)]
+        min: u32,
+        #[arg(long)]
+        max: u32,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 enum KeyCmd {
     /// Create an API key for a tenant (admin); the key is printed once.
     Create {
@@ -351,6 +368,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Plan { intent } => plan(intent, json).await,
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
+        Command::Pool(c) => pool(c, json).await,
     };
     match res {
         Ok(code) => code,
@@ -770,6 +788,41 @@ async fn plan(intent: PathBuf, json: bool) -> Result<i32, Failure> {
         for reason in p["reasons"].as_array().into_iter().flatten() {
             println!("             {}", reason.as_str().unwrap_or(""));
         }
+    }
+    Ok(0)
+}
+
+async fn pool(cmd: PoolCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    let list = match cmd {
+        PoolCmd::Ls => c.pools().await?,
+        PoolCmd::Set { class, min, max } => c.set_pool(&class, min, max).await?,
+    };
+    if json {
+        output::json(&list);
+        return Ok(0);
+    }
+    println!(
+        "{:<16} {:<12} {:<6} {:>4} {:>4} {:>5} {:>5} {:>5} {:>7} {:>6} {:>6}",
+        "CLASS", "TEMPLATE", "RT", "MIN", "MAX", "BMIN", "BMAX", "IDLE", "HANDED", "HITS", "MISSES"
+    );
+    for p in list["pools"].as_array().into_iter().flatten() {
+        let n = |k: &str| p[k].as_u64().unwrap_or(0);
+        let t = |k: &str| p[k].as_str().unwrap_or("").to_owned();
+        println!(
+            "{:<16} {:<12} {:<6} {:>4} {:>4} {:>5} {:>5} {:>5} {:>7} {:>6} {:>6}",
+            t("class"),
+            t("template"),
+            t("runtime"),
+            n("pool_min"),
+            n("pool_max"),
+            n("buffer_min"),
+            n("buffer_max"),
+            n("idle"),
+            n("handed_out"),
+            n("hits"),
+            n("misses")
+        );
     }
     Ok(0)
 }

@@ -496,6 +496,25 @@ impl Client {
             .await
     }
 
+    /// `GET /v1/pools`.
+    pub async fn pools(&self) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(Method::GET, "/v1/pools")).await
+    }
+
+    /// `PUT /v1/pools/{class}`.
+    pub async fn set_pool(
+        &self,
+        class: &str,
+        min: u32,
+        max: u32,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.json(
+            self.req(Method::PUT, &format!("/v1/pools/{}", urlencode(class)))
+                .json(&serde_json::json!({"min": min, "max": max})),
+        )
+        .await
+    }
+
     pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),

@@ -392,6 +392,67 @@ impl Registry for SqliteRegistry {
         Ok(record)
     }
 
+    async fn claim_sandbox(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        claim: &SandboxClaim,
+        ctx: TransitionCtx,
+    ) -> Result<SandboxRecord, RegistryError> {
+        let now = truncate(aviary_core::now());
+        let mut tx = self.begin_write().await.map_err(storage)?;
+        let row = sqlx::query(
+            "SELECT state, version, tenant_id FROM sandbox_instance WHERE sandbox_id = ?",
+        )
+        .bind(id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(storage)?
+        .ok_or(RegistryError::NotFound)?;
+        let version: i64 = col(&row, "version")?;
+        let state: SandboxState = parse("state", &col::<String>(&row, "state")?)?;
+        let tenant: String = col(&row, "tenant_id")?;
+        if version != expected_version || state != SandboxState::Ready || tenant != POOL_TENANT {
+            return Err(RegistryError::Conflict);
+        }
+        validate_path(state, &[SandboxState::Locking])?;
+        let updated = sqlx::query(&format!(
+            "UPDATE sandbox_instance SET tenant_id = ?, user_id = ?, session_id = ?, agent = ?, scope = ?, \
+             expires_at = ?, state = ?, version = version + 1, last_active_at = ? \
+             WHERE sandbox_id = ? RETURNING {SANDBOX_COLUMNS}"
+        ))
+        .bind(&claim.tenant)
+        .bind(&claim.user_id)
+        .bind(&claim.session_id)
+        .bind(&claim.agent)
+        .bind(claim.scope.as_str())
+        .bind(claim.expires_at.map(truncate).map(micros))
+        .bind(SandboxState::Locking.as_str())
+        .bind(micros(now))
+        .bind(id.as_str())
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(storage)?;
+        let metadata = metadata_text(&ctx.metadata);
+        insert_events(
+            &mut *tx,
+            &[EventRow {
+                sandbox_id: Some(id.as_str()),
+                tenant: &claim.tenant,
+                event_type: ctx.event_type.as_deref().unwrap_or("pool_claimed"),
+                old_state: Some(SandboxState::Ready),
+                new_state: Some(SandboxState::Locking),
+                request_id: ctx.request_id.as_deref(),
+                timestamp: micros(now),
+                metadata: &metadata,
+            }],
+        )
+        .await?;
+        let record = sandbox_row(&updated)?;
+        tx.commit().await.map_err(storage)?;
+        Ok(record)
+    }
+
     async fn set_runtime_instance(
         &self,
         id: &SandboxId,

@@ -308,3 +308,66 @@ fn random_transitions_follow_the_state_machine() {
         })
         .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_sandbox_is_claimed_exactly_once() {
+    let db = FileDb::new();
+    let reg = std::sync::Arc::new(SqliteRegistry::open(&db.path).await.unwrap());
+    let new = sample_sandbox(aviary_registry::POOL_TENANT);
+    let rec = reg
+        .insert_sandbox(&new, TransitionCtx::default())
+        .await
+        .unwrap();
+    use SandboxState::*;
+    let rec = reg
+        .transition(
+            &new.id,
+            rec.version,
+            &[Planning, Allocating, Provisioning, Ready],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    let claim = |t: &str| aviary_registry::SandboxClaim {
+        tenant: t.into(),
+        user_id: None,
+        session_id: None,
+        agent: None,
+        scope: aviary_core::Scope::Session,
+        expires_at: None,
+    };
+    // 20 concurrent claimers, one winner
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let reg = reg.clone();
+        let id = new.id.clone();
+        let c = claim(&format!("tenant-{i}"));
+        let v = rec.version;
+        tasks.push(tokio::spawn(async move {
+            reg.claim_sandbox(&id, v, &c, TransitionCtx::default())
+                .await
+        }));
+    }
+    let mut winners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(r) => winners.push(r),
+            Err(e) => assert!(matches!(e, RegistryError::Conflict), "{e:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1);
+    assert_eq!(winners[0].state, Locking);
+    assert!(winners[0].tenant.starts_with("tenant-"));
+    // an owned sandbox cannot be claimed again, even with its current version
+    let e = reg
+        .claim_sandbox(
+            &new.id,
+            winners[0].version,
+            &claim("other"),
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RegistryError::Conflict), "{e:?}");
+}

@@ -174,6 +174,19 @@ pub trait Registry: Send + Sync {
         ctx: TransitionCtx,
     ) -> Result<SandboxRecord, RegistryError>;
 
+    /// Hands a warm pooled sandbox (state `Ready`, tenant [`POOL_TENANT`]) to
+    /// its owner: sets the owner fields and moves `Ready → Locking` in one
+    /// transaction, with one event. `Conflict` when the version moved or the
+    /// sandbox is no longer an unowned `Ready` one, so a pooled sandbox is
+    /// never handed out twice.
+    async fn claim_sandbox(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        claim: &SandboxClaim,
+        ctx: TransitionCtx,
+    ) -> Result<SandboxRecord, RegistryError>;
+
     /// Records where the sandbox's compute runs; bumps `version`.
     async fn set_runtime_instance(
         &self,

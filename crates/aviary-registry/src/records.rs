@@ -66,6 +66,21 @@ impl SandboxRecord {
     }
 }
 
+/// The new owner of a warm pooled sandbox (see [`crate::Registry::claim_sandbox`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SandboxClaim {
+    pub tenant: String,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
+    pub agent: Option<String>,
+    pub scope: aviary_core::Scope,
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub expires_at: Option<time::OffsetDateTime>,
+}
+
+/// Tenant of a pooled sandbox that nobody owns yet (no real tenant name is empty).
+pub const POOL_TENANT: &str = "";
+
 /// A sandbox to insert: a [`SandboxRecord`] without state, version and
 /// timestamps the registry sets (`Requested`, 0, now).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

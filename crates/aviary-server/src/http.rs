@@ -154,7 +154,7 @@ async fn readyz(State(cp): State<AppState>) -> Response {
 async fn metrics(State(cp): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        cp.metrics.render(cp.live_count()),
+        cp.metrics.render(cp.live_count()) + &cp.pools.render_metrics(),
     )
         .into_response()
 }
@@ -541,6 +541,27 @@ async fn allocations(
     Ok(Json(cp.allocations(&c, q.limit).await?))
 }
 
+/// Warm pools with their sizes and hit/miss counts.
+#[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = crate::pools::PoolList)), security(("api_key" = [])))]
+async fn pools(
+    State(cp): State<AppState>,
+    Auth(_c): Auth,
+) -> Result<Json<crate::pools::PoolList>, OpError> {
+    Ok(Json(cp.pools_view().await?))
+}
+
+/// Sets `pool_min`/`pool_max` of the pools of a class (admin only; kept across restarts).
+#[utoipa::path(put, path = "/v1/pools/{class}", request_body = crate::pools::SetPoolRequest,
+    responses((status = 200, body = crate::pools::PoolList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn set_pool(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(class): Path<String>,
+    ApiJson(req): ApiJson<crate::pools::SetPoolRequest>,
+) -> Result<Json<crate::pools::PoolList>, OpError> {
+    Ok(Json(cp.set_pool(&c, &class, req).await?))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -629,7 +650,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -668,6 +689,8 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key))
         .route("/v1/plan", post(plan))
+        .route("/v1/pools", get(pools))
+        .route("/v1/pools/{class}", axum::routing::put(set_pool))
         .route("/v1/allocations", get(allocations))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)

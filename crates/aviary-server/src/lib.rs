@@ -15,6 +15,7 @@ pub mod http;
 pub mod metrics;
 pub mod ops;
 pub mod planning;
+pub mod pools;
 
 use anyhow::Context;
 use config::ServerConfig;
@@ -125,6 +126,22 @@ pub async fn start(
             }
         }
     });
+    let refiller = cp.clone();
+    let refill_task = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = refiller.pools.refill.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+            if refiller.readiness() != ops::Readiness::Ready {
+                continue;
+            }
+            if let Err(e) = refiller.refill_pools().await {
+                tracing::warn!(error = %e, "pool refill failed");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(cp.clone());
     let task = tokio::spawn(async move {
@@ -134,6 +151,7 @@ pub async fn start(
             })
             .await;
         sweep_task.abort();
+        refill_task.abort();
         res.context("http server failed")
     });
     Ok(RunningServer {

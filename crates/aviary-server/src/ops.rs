@@ -53,8 +53,9 @@ pub enum Readiness {
 /// A running sandbox the control plane can talk to.
 pub struct LiveSandbox {
     pub envd: EnvdClient,
-    /// The `sandbox_allocation` row whose usage is filled in at the end.
-    allocation_id: Option<i64>,
+    /// The `sandbox_allocation` row whose usage is filled in at the end
+    /// (-1: none; a pooled sandbox gets its row when it is claimed).
+    allocation_id: std::sync::atomic::AtomicI64,
     /// Some exec in this sandbox ran into its timeout (telemetry).
     timed_out: std::sync::atomic::AtomicBool,
     /// Serializes fence pushes to this sandbox's envd.
@@ -75,6 +76,7 @@ pub struct ControlPlane {
     ready_tx: watch::Sender<Readiness>,
     pub metrics: crate::metrics::Metrics,
     pub planning: crate::planning::Planning,
+    pub pools: crate::pools::Pools,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -134,6 +136,7 @@ impl ControlPlane {
     ) -> anyhow::Result<Arc<Self>> {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
+        let pools = crate::pools::Pools::new(&cfg.settings.pools, &cfg.data_dir);
         Ok(Arc::new(ControlPlane {
             cfg,
             registry,
@@ -146,6 +149,7 @@ impl ControlPlane {
             ready_tx,
             metrics: crate::metrics::Metrics::default(),
             planning,
+            pools,
         }))
     }
 
@@ -385,7 +389,7 @@ impl ControlPlane {
     ) -> Arc<LiveSandbox> {
         let live = Arc::new(LiveSandbox {
             envd,
-            allocation_id,
+            allocation_id: std::sync::atomic::AtomicI64::new(allocation_id.unwrap_or(-1)),
             timed_out: std::sync::atomic::AtomicBool::new(false),
             fence_lock: Mutex::new(()),
         });
@@ -396,7 +400,7 @@ impl ControlPlane {
         live
     }
 
-    fn live(&self, id: &SandboxId) -> Result<Arc<LiveSandbox>, OpError> {
+    pub(crate) fn live(&self, id: &SandboxId) -> Result<Arc<LiveSandbox>, OpError> {
         self.live
             .lock()
             .expect("live map poisoned")
@@ -405,7 +409,7 @@ impl ControlPlane {
             .ok_or_else(|| OpError::Unavailable("sandbox runtime is not reachable".into()))
     }
 
-    fn live_opt(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
+    pub(crate) fn live_opt(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
         self.live
             .lock()
             .expect("live map poisoned")
@@ -527,6 +531,22 @@ impl ControlPlane {
         let class = approved.class.clone();
         let resources = approved.limits;
         let network = approved.network;
+        let expires_at = aviary_core::now() + time::Duration::seconds(ttl_s as i64);
+        if let Some(hit) = self
+            .try_pool(
+                caller,
+                &req,
+                &approved,
+                &template,
+                scope,
+                expires_at,
+                lease_req.clone(),
+                request_id,
+            )
+            .await?
+        {
+            return Ok(hit);
+        }
         let id = SandboxId::generate();
         let now = aviary_core::now();
         let new = NewSandbox {
@@ -587,7 +607,41 @@ impl ControlPlane {
         allocation.sandbox_id = Some(id.clone());
         let allocation_id = Some(self.registry.insert_allocation(&allocation).await?);
 
-        let spec = SandboxSpec {
+        let spec = self.sandbox_spec(&id, &template, resources, network);
+        match self
+            .start_runtime(&spec, rec, lease_req, allocation_id, request_id)
+            .await
+        {
+            Ok((rec, lease)) => {
+                let sandbox = self.view(&rec).await?;
+                Ok(CreateSandboxResponse {
+                    sandbox,
+                    decision: Decision {
+                        action: "new_sandbox".into(),
+                        branch: "D".into(),
+                        reason: format!("cold create; class {class}: {}", approved.reason),
+                        score: 0.0,
+                    },
+                    lease,
+                })
+            }
+            Err(e) => {
+                self.fail_sandbox(&id, request_id, &e).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The runtime spec of a sandbox: the template as read-only lower
+    /// layer and the static envd as PID 1.
+    pub(crate) fn sandbox_spec(
+        &self,
+        id: &SandboxId,
+        template: &TemplateInfo,
+        resources: aviary_core::ResourceLimits,
+        network: aviary_core::NetworkProfile,
+    ) -> SandboxSpec {
+        SandboxSpec {
             id: id.clone(),
             template_rootfs: template.rootfs.clone(),
             resources,
@@ -608,24 +662,77 @@ impl ControlPlane {
                 sandbox: ENVD_IN_SANDBOX.into(),
                 read_only: true,
             }],
+        }
+    }
+
+    pub(crate) async fn fail_pooled(&self, id: &SandboxId, cause: &OpError) {
+        self.fail_sandbox(id, None, cause).await;
+    }
+
+    pub(crate) async fn destroy_pooled(&self, rec: SandboxRecord) -> Result<Sandbox, OpError> {
+        self.destroy(rec, FenceCheck::Skip, None, "pool trimmed")
+            .await
+    }
+
+    /// Hands out a warm pooled sandbox when a pool matches the approved
+    /// class, template and runtime.
+    #[allow(clippy::too_many_arguments)]
+    async fn try_pool(
+        &self,
+        caller: &Caller,
+        req: &CreateSandboxRequest,
+        approved: &crate::planning::Approved,
+        template: &TemplateInfo,
+        scope: Scope,
+        expires_at: OffsetDateTime,
+        lease_req: Option<(String, Duration)>,
+        request_id: Option<&str>,
+    ) -> Result<Option<CreateSandboxResponse>, OpError> {
+        let Some(pool) = self
+            .pools
+            .find(&approved.class, &template.name, self.runtime.name())
+        else {
+            return Ok(None);
         };
+        if approved.network != aviary_core::NetworkProfile::None {
+            return Ok(None);
+        }
+        let claim = aviary_registry::SandboxClaim {
+            tenant: caller.tenant.clone(),
+            user_id: req.user_id.clone(),
+            session_id: req.session_id.clone(),
+            agent: req.agent.clone(),
+            scope,
+            expires_at: Some(expires_at),
+        };
+        let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
+            return Ok(None);
+        };
+        let id = rec.id.clone();
+        let mut allocation = approved.allocation.clone();
+        allocation.sandbox_id = Some(id.clone());
+        let alloc_id = self.registry.insert_allocation(&allocation).await?;
+        let live = self.live(&id)?;
+        live.allocation_id
+            .store(alloc_id, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.inc_create();
         match self
-            .start_runtime(&spec, rec, lease_req, allocation_id, request_id)
+            .finish_lock(rec, &live, &[], lease_req, request_id)
             .await
         {
-            Ok((rec, lease)) => {
-                let sandbox = self.view(&rec).await?;
-                Ok(CreateSandboxResponse {
-                    sandbox,
-                    decision: Decision {
-                        action: "new_sandbox".into(),
-                        branch: "D".into(),
-                        reason: format!("cold create; class {class}: {}", approved.reason),
-                        score: 0.0,
-                    },
-                    lease,
-                })
-            }
+            Ok((rec, lease)) => Ok(Some(CreateSandboxResponse {
+                sandbox: self.view(&rec).await?,
+                decision: Decision {
+                    action: "new_sandbox".into(),
+                    branch: "D".into(),
+                    reason: format!(
+                        "warm pool hit; class {}: {}",
+                        approved.class, approved.reason
+                    ),
+                    score: 0.0,
+                },
+                lease,
+            })),
             Err(e) => {
                 self.fail_sandbox(&id, request_id, &e).await;
                 Err(e)
@@ -652,6 +759,19 @@ impl ControlPlane {
         allocation_id: Option<i64>,
         request_id: Option<&str>,
     ) -> Result<(SandboxRecord, Option<Lease>), OpError> {
+        let (rec, live) = self.provision(spec, rec, allocation_id).await?;
+        self.finish_lock(rec, &live, &[SandboxState::Locking], lease_req, request_id)
+            .await
+    }
+
+    /// Starts the sandbox's compute and waits for its envd (state stays
+    /// `Provisioning`; the runtime instance is recorded).
+    pub(crate) async fn provision(
+        &self,
+        spec: &SandboxSpec,
+        rec: SandboxRecord,
+        allocation_id: Option<i64>,
+    ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let id = &spec.id;
         let handle = self.runtime.create(spec).await.map_err(|e| {
             OpError::Internal(anyhow::Error::new(e).context("runtime could not create the sandbox"))
@@ -669,19 +789,35 @@ impl ControlPlane {
             .registry
             .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, "local")
             .await?;
+        Ok((rec, live))
+    }
+
+    /// Takes the lease if asked for and settles the sandbox in `Leased` or
+    /// `Idle`, walking `prefix` first.
+    pub(crate) async fn finish_lock(
+        &self,
+        rec: SandboxRecord,
+        live: &LiveSandbox,
+        prefix: &[SandboxState],
+        lease_req: Option<(String, Duration)>,
+        request_id: Option<&str>,
+    ) -> Result<(SandboxRecord, Option<Lease>), OpError> {
+        let id = &rec.id;
+        let mut path = prefix.to_vec();
         match lease_req {
             Some((owner, ttl)) => {
                 let lease = self
                     .leases
                     .acquire(id, &owner, ttl, aviary_core::now())
                     .await?;
-                self.push_fence(id, &live).await?;
+                self.push_fence(id, live).await?;
+                path.push(SandboxState::Leased);
                 let rec = self
                     .registry
                     .transition(
                         id,
                         rec.version,
-                        &[SandboxState::Locking, SandboxState::Leased],
+                        &path,
                         FenceCheck::Skip,
                         ctx(
                             request_id,
@@ -693,12 +829,13 @@ impl ControlPlane {
                 Ok((rec, Some(lease)))
             }
             None => {
+                path.push(SandboxState::Idle);
                 let rec = self
                     .registry
                     .transition(
                         id,
                         rec.version,
-                        &[SandboxState::Locking, SandboxState::Idle],
+                        &path,
                         FenceCheck::Skip,
                         ctx(request_id, None, serde_json::json!({})),
                     )
@@ -818,9 +955,12 @@ impl ControlPlane {
     /// its allocation row at the end of its life. cgroup v1 has no CPU peak,
     /// so `peak_cpu` is the mean number of cores used over the lifetime.
     async fn record_usage(&self, rec: &SandboxRecord, live: &LiveSandbox) {
-        let Some(alloc) = live.allocation_id else {
+        let alloc = live
+            .allocation_id
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if alloc < 0 {
             return;
-        };
+        }
         let Ok(u) = self.runtime.usage(&rec.id).await else {
             return;
         };

@@ -120,11 +120,12 @@ impl TestServer {
         }
     }
 
-    /// Destroys every sandbox this server still has (test cleanup).
+    /// Destroys every sandbox this server's runtime still has, pooled ones
+    /// included (test cleanup).
     pub async fn cleanup(&self) {
-        if let Ok(list) = self.client.list_sandboxes(false).await {
-            for s in list.sandboxes {
-                let _ = self.cp().runtime.destroy(&s.id).await;
+        if let Ok(ids) = self.cp().runtime.list().await {
+            for id in ids {
+                let _ = self.cp().runtime.destroy(&id).await;
             }
         }
     }

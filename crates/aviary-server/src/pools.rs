@@ -1,0 +1,438 @@
+//! Warm pools: per (resource class, template, runtime), sandboxes started
+//! ahead of demand so a create only has to claim one (DESIGN §3 Pool manager).
+//!
+//! A pooled sandbox is a registry row in `Ready` with no tenant
+//! ([`aviary_registry::POOL_TENANT`]); handing it out is
+//! `Registry::claim_sandbox`, a version-checked transaction, so one pooled
+//! sandbox can never be handed out twice, whatever the concurrency. A
+//! background task refills each pool (see `aviary.example.toml` for the
+//! meaning of `pool_min / pool_max / buffer_min / buffer_max`). Settings
+//! changed with `aviary pool set` are kept in `<data dir>/pools.json`.
+
+use crate::error::OpError;
+use crate::ops::{Caller, ControlPlane};
+use aviary_config::PoolSettings;
+use aviary_core::{SandboxId, SandboxState};
+use aviary_registry::{FenceCheck, NewSandbox, SandboxRecord, TransitionCtx, POOL_TENANT};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// One pool's settings and counters.
+pub struct Pool {
+    pub settings: Mutex<PoolSettings>,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    /// Sandboxes this pool handed out that still exist.
+    handed_out: Mutex<HashSet<SandboxId>>,
+}
+
+impl Pool {
+    fn key(&self) -> (String, String, String) {
+        let s = self.settings.lock().expect("pool poisoned");
+        (
+            s.class.clone(),
+            s.template.clone(),
+            s.runtime.as_str().to_owned(),
+        )
+    }
+}
+
+pub struct Pools {
+    pub pools: Vec<Pool>,
+    file: PathBuf,
+    pub refill: tokio::sync::Notify,
+}
+
+/// `GET /v1/pools` entry.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PoolView {
+    pub class: String,
+    pub template: String,
+    pub runtime: String,
+    pub pool_min: u32,
+    pub pool_max: u32,
+    pub buffer_min: u32,
+    pub buffer_max: u32,
+    /// Warm sandboxes ready to be handed out.
+    pub idle: u32,
+    /// Handed-out sandboxes that still exist.
+    pub handed_out: u32,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PoolList {
+    pub pools: Vec<PoolView>,
+}
+
+/// `PUT /v1/pools/{class}`: new bounds for every pool of that class.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetPoolRequest {
+    pub min: u32,
+    pub max: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Override {
+    class: String,
+    min: u32,
+    max: u32,
+}
+
+impl Pools {
+    pub fn new(settings: &[PoolSettings], data_dir: &Path) -> Self {
+        let file = data_dir.join("pools.json");
+        let overrides: Vec<Override> = std::fs::read(&file)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let pools = settings
+            .iter()
+            .map(|p| {
+                let mut p = p.clone();
+                if let Some(o) = overrides.iter().find(|o| o.class == p.class) {
+                    apply_bounds(&mut p, o.min, o.max);
+                }
+                Pool {
+                    settings: Mutex::new(p),
+                    hits: AtomicU64::new(0),
+                    misses: AtomicU64::new(0),
+                    handed_out: Mutex::new(HashSet::new()),
+                }
+            })
+            .collect();
+        Pools {
+            pools,
+            file,
+            refill: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn find(&self, class: &str, template: &str, runtime: &str) -> Option<&Pool> {
+        self.pools.iter().find(|p| {
+            let (c, t, r) = p.key();
+            c == class && t == template && r == runtime
+        })
+    }
+
+    /// Prometheus lines for the pools.
+    pub fn render_metrics(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        for (name, help) in [
+            ("aviary_pool_hits_total", "Creates served from a warm pool."),
+            (
+                "aviary_pool_misses_total",
+                "Creates that found the matching pool empty.",
+            ),
+            (
+                "aviary_pool_handed_out",
+                "Pooled sandboxes handed out that still exist.",
+            ),
+        ] {
+            let kind = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for p in &self.pools {
+                let (c, t, r) = p.key();
+                let v = match name {
+                    "aviary_pool_hits_total" => p.hits.load(Ordering::Relaxed),
+                    "aviary_pool_misses_total" => p.misses.load(Ordering::Relaxed),
+                    _ => p.handed_out.lock().expect("pool poisoned").len() as u64,
+                };
+                let _ = writeln!(
+                    out,
+                    "{name}{{class=\"{c}\",template=\"{t}\",runtime=\"{r}\"}} {v}"
+                );
+            }
+        }
+        out
+    }
+
+    pub fn forget(&self, id: &SandboxId) {
+        for p in &self.pools {
+            p.handed_out.lock().expect("pool poisoned").remove(id);
+        }
+    }
+
+    fn save(&self) -> std::io::Result<()> {
+        let o: Vec<Override> = self
+            .pools
+            .iter()
+            .map(|p| {
+                let s = p.settings.lock().expect("pool poisoned");
+                Override {
+                    class: s.class.clone(),
+                    min: s.pool_min,
+                    max: s.pool_max,
+                }
+            })
+            .collect();
+        let tmp = self.file.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&o)?)?;
+        std::fs::rename(tmp, &self.file)
+    }
+}
+
+/// `pool_min`/`pool_max` from `pool set`; the buffer bounds follow so the
+/// configuration stays consistent (`buffer_min ≤ buffer_max ≤ pool_max`).
+fn apply_bounds(p: &mut PoolSettings, min: u32, max: u32) {
+    p.pool_min = min;
+    p.pool_max = max;
+    p.buffer_max = p.buffer_max.min(max);
+    p.buffer_min = p.buffer_min.min(p.buffer_max);
+}
+
+fn is_pooled(r: &SandboxRecord, class: &str, template: &str) -> bool {
+    r.tenant == POOL_TENANT
+        && r.state == SandboxState::Ready
+        && r.resource_class == class
+        && r.template == template
+}
+
+impl ControlPlane {
+    pub async fn pools_view(&self) -> Result<PoolList, OpError> {
+        let rows = self
+            .registry
+            .list_sandboxes(Some(POOL_TENANT), false)
+            .await?;
+        let mut out = Vec::new();
+        for p in &self.pools.pools {
+            let s = p.settings.lock().expect("pool poisoned").clone();
+            out.push(PoolView {
+                idle: rows
+                    .iter()
+                    .filter(|r| is_pooled(r, &s.class, &s.template))
+                    .count() as u32,
+                handed_out: p.handed_out.lock().expect("pool poisoned").len() as u32,
+                class: s.class,
+                template: s.template,
+                runtime: s.runtime.as_str().to_owned(),
+                pool_min: s.pool_min,
+                pool_max: s.pool_max,
+                buffer_min: s.buffer_min,
+                buffer_max: s.buffer_max,
+                hits: p.hits.load(Ordering::Relaxed),
+                misses: p.misses.load(Ordering::Relaxed),
+            });
+        }
+        Ok(PoolList { pools: out })
+    }
+
+    pub async fn set_pool(
+        &self,
+        caller: &Caller,
+        class: &str,
+        req: SetPoolRequest,
+    ) -> Result<PoolList, OpError> {
+        if !caller.admin {
+            return Err(OpError::Forbidden(
+                "changing pools needs an admin key".into(),
+            ));
+        }
+        if req.min > req.max || req.max > 10_000 {
+            return Err(OpError::InvalidRequest(
+                "pool bounds need min <= max <= 10000".into(),
+            ));
+        }
+        let mut found = false;
+        for p in &self.pools.pools {
+            let mut s = p.settings.lock().expect("pool poisoned");
+            if s.class == class {
+                apply_bounds(&mut s, req.min, req.max);
+                found = true;
+            }
+        }
+        if !found {
+            return Err(OpError::NotFound(format!("pool for class {class:?}")));
+        }
+        self.pools.save().map_err(OpError::internal)?;
+        self.pools.refill.notify_one();
+        self.pools_view().await
+    }
+
+    /// Claims a warm sandbox of this pool for the caller, if one is there.
+    pub(crate) async fn claim_pooled(
+        &self,
+        pool: &Pool,
+        claim: &aviary_registry::SandboxClaim,
+        request_id: Option<&str>,
+    ) -> Result<Option<SandboxRecord>, OpError> {
+        let (class, template, _) = pool.key();
+        let rows = self
+            .registry
+            .list_sandboxes(Some(POOL_TENANT), false)
+            .await?;
+        for r in rows.iter().filter(|r| is_pooled(r, &class, &template)) {
+            if self.live_opt(&r.id).is_none() {
+                continue;
+            }
+            let ctx = TransitionCtx {
+                request_id: request_id.map(str::to_owned),
+                event_type: Some("pool_claimed".into()),
+                metadata: serde_json::json!({"pool": {"class": class, "template": template}}),
+            };
+            match self
+                .registry
+                .claim_sandbox(&r.id, r.version, claim, ctx)
+                .await
+            {
+                Ok(rec) => {
+                    pool.hits.fetch_add(1, Ordering::Relaxed);
+                    pool.handed_out
+                        .lock()
+                        .expect("pool poisoned")
+                        .insert(rec.id.clone());
+                    self.pools.refill.notify_one();
+                    return Ok(Some(rec));
+                }
+                Err(aviary_registry::RegistryError::Conflict) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        pool.misses.fetch_add(1, Ordering::Relaxed);
+        self.pools.refill.notify_one();
+        Ok(None)
+    }
+
+    /// One pass of the refill: brings every pool to its target and trims
+    /// idle sandboxes above `buffer_max`. Returns how many were started.
+    pub async fn refill_pools(&self) -> Result<usize, OpError> {
+        let mut started = 0;
+        for pool in &self.pools.pools {
+            let s = pool.settings.lock().expect("pool poisoned").clone();
+            if s.runtime.as_str() != self.runtime.name() {
+                continue;
+            }
+            let store = self.templates.clone();
+            let tn = s.template.clone();
+            let Some(template) = tokio::task::spawn_blocking(move || store.get(&tn))
+                .await
+                .map_err(OpError::internal)?
+                .map_err(OpError::internal)?
+            else {
+                continue;
+            };
+            let Some(class) = self.cfg.settings.class(&s.class).cloned() else {
+                continue;
+            };
+            let rows = self
+                .registry
+                .list_sandboxes(Some(POOL_TENANT), false)
+                .await?;
+            let idle: Vec<_> = rows
+                .iter()
+                .filter(|r| is_pooled(r, &s.class, &s.template))
+                .cloned()
+                .collect();
+            let handed = pool.handed_out.lock().expect("pool poisoned").len() as u32;
+            let target = s
+                .buffer_min
+                .max(s.pool_min.saturating_sub(handed))
+                .min(s.buffer_max.max(s.buffer_min))
+                .min(s.pool_max.saturating_sub(handed));
+            let mut have = idle.len() as u32;
+            while have < target {
+                self.start_pooled(&class, &template).await?;
+                started += 1;
+                have += 1;
+            }
+            for extra in idle.iter().skip(target as usize) {
+                let _ = self.destroy_pooled(extra.clone()).await;
+            }
+        }
+        Ok(started)
+    }
+
+    async fn start_pooled(
+        &self,
+        class: &aviary_config::ResourceClass,
+        template: &aviary_templates::TemplateInfo,
+    ) -> Result<(), OpError> {
+        let id = SandboxId::generate();
+        let new = NewSandbox {
+            id: id.clone(),
+            tenant: POOL_TENANT.to_owned(),
+            user_id: None,
+            session_id: None,
+            agent: None,
+            scope: aviary_core::Scope::Session,
+            resource_class: class.name.clone(),
+            resources: class.limits(),
+            template: template.name.clone(),
+            template_digest: template.digest.clone(),
+            runtime: self.runtime.name().to_owned(),
+            runtime_instance_id: None,
+            node: "local".into(),
+            network_profile: aviary_core::NetworkProfile::None,
+            expires_at: None,
+            tainted: false,
+        };
+        let meta = serde_json::json!({"pool": {"class": class.name, "template": template.name}});
+        let rec = self
+            .registry
+            .insert_sandbox(
+                &new,
+                TransitionCtx {
+                    request_id: None,
+                    event_type: Some("pool_refill".into()),
+                    metadata: meta.clone(),
+                },
+            )
+            .await?;
+        let rec = self
+            .registry
+            .transition(
+                &id,
+                rec.version,
+                &[
+                    SandboxState::Planning,
+                    SandboxState::Allocating,
+                    SandboxState::Provisioning,
+                ],
+                FenceCheck::Skip,
+                TransitionCtx {
+                    request_id: None,
+                    event_type: Some("pool_refill".into()),
+                    metadata: meta.clone(),
+                },
+            )
+            .await?;
+        let spec = self.sandbox_spec(
+            &id,
+            template,
+            class.limits(),
+            aviary_core::NetworkProfile::None,
+        );
+        match self.provision(&spec, rec, None).await {
+            Ok((rec, _live)) => {
+                self.registry
+                    .transition(
+                        &id,
+                        rec.version,
+                        &[SandboxState::Ready],
+                        FenceCheck::Skip,
+                        TransitionCtx {
+                            request_id: None,
+                            event_type: Some("pool_refill".into()),
+                            metadata: meta,
+                        },
+                    )
+                    .await?;
+                Ok(())
+            }
+            Err(e) => {
+                self.fail_pooled(&id, &e).await;
+                Err(e)
+            }
+        }
+    }
+}
