@@ -37,7 +37,10 @@ pub use aviary_registry::Registry;
 
 /// Schema migrations, applied in order; migration `i` brings the schema to
 /// version `i + 1`. Never edit a released one: append a new file.
-const MIGRATIONS: &[&str] = &[include_str!("../migrations/0001_init.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("../migrations/0001_init.sql"),
+    include_str!("../migrations/0002_environment_manifest.sql"),
+];
 
 /// How long a writer from another process waits for the write lock.
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);

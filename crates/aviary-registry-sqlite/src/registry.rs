@@ -749,13 +749,13 @@ impl Registry for SqliteRegistry {
         // a missing sandbox fails the foreign key: `storage` maps it to NotFound
         sqlx::query(
             "INSERT INTO sandbox_environment (sandbox_id, base_image_digest, dependency_hash, \
-             workspace_id, snapshot_id, environment_version, dirty_level) \
-             VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sandbox_id) DO UPDATE SET \
+             workspace_id, snapshot_id, environment_version, dirty_level, manifest) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (sandbox_id) DO UPDATE SET \
              base_image_digest = excluded.base_image_digest, \
              dependency_hash = excluded.dependency_hash, workspace_id = excluded.workspace_id, \
              snapshot_id = excluded.snapshot_id, \
              environment_version = excluded.environment_version, \
-             dirty_level = excluded.dirty_level",
+             dirty_level = excluded.dirty_level, manifest = excluded.manifest",
         )
         .bind(e.sandbox_id.as_str())
         .bind(&e.base_image_digest)
@@ -764,6 +764,7 @@ impl Registry for SqliteRegistry {
         .bind(&e.snapshot_id)
         .bind(e.environment_version)
         .bind(e.dirty_level)
+        .bind(metadata_text(&e.manifest))
         .execute(&self.writer)
         .await
         .map_err(storage)?;
@@ -776,7 +777,7 @@ impl Registry for SqliteRegistry {
     ) -> Result<Option<EnvironmentRecord>, RegistryError> {
         let row = sqlx::query(
             "SELECT sandbox_id, base_image_digest, dependency_hash, workspace_id, snapshot_id, \
-             environment_version, dirty_level FROM sandbox_environment WHERE sandbox_id = ?",
+             environment_version, dirty_level, manifest FROM sandbox_environment WHERE sandbox_id = ?",
         )
         .bind(id.as_str())
         .fetch_optional(&self.reader)
@@ -791,6 +792,8 @@ impl Registry for SqliteRegistry {
                 snapshot_id: col(&r, "snapshot_id")?,
                 environment_version: col(&r, "environment_version")?,
                 dirty_level: col(&r, "dirty_level")?,
+                manifest: serde_json::from_str(&col::<String>(&r, "manifest")?)
+                    .unwrap_or(serde_json::Value::Null),
             })
         })
         .transpose()

@@ -699,6 +699,7 @@ pub async fn environments_upsert<R: Registry>(r: &R) {
         snapshot_id: None,
         environment_version: 1,
         dirty_level: 0,
+        manifest: serde_json::json!({}),
     };
     r.upsert_environment(&e).await.unwrap();
     assert_eq!(r.get_environment(&s.id).await.unwrap(), Some(e.clone()));

@@ -236,4 +236,7 @@ pub struct EnvironmentRecord {
     pub environment_version: i64,
     /// 0 = clean; higher = more state left behind by earlier work.
     pub dirty_level: i32,
+    /// The full manifest as JSON (`{}` when only the summary is known).
+    #[serde(default)]
+    pub manifest: serde_json::Value,
 }

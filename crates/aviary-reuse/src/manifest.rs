@@ -711,7 +711,13 @@ impl EnvironmentManifest {
             snapshot_id: self.last_snapshot_id.clone(),
             environment_version,
             dirty_level: i32::from(self.dirty_level.as_u8()),
+            manifest: serde_json::to_value(self).unwrap_or_default(),
         }
+    }
+
+    /// The manifest stored in a record by [`Self::to_record`], if any.
+    pub fn from_record(record: &EnvironmentRecord) -> Option<EnvironmentManifest> {
+        serde_json::from_value(record.manifest.clone()).ok()
     }
 }
 
