@@ -29,6 +29,9 @@ pub struct RetentionPolicy {
     pub max_age: Option<time::Duration>,
 }
 
+/// (sandbox id, label): the unit retention counts within.
+type RetentionGroup = (Option<String>, String);
+
 /// Delete `tenant`'s manifests that `policy` does not keep; returns the deleted ids.
 pub async fn apply_retention(
     store: &dyn ChunkStore,
@@ -37,8 +40,7 @@ pub async fn apply_retention(
     now: OffsetDateTime,
 ) -> Result<Vec<SnapshotId>, SnapshotError> {
     let keys = store.list_manifests(Some(tenant)).await?;
-    let mut groups: BTreeMap<(Option<String>, String), Vec<(OffsetDateTime, SnapshotId)>> =
-        BTreeMap::new();
+    let mut groups: BTreeMap<RetentionGroup, Vec<(OffsetDateTime, SnapshotId)>> = BTreeMap::new();
     for key in keys {
         let m = store.get_manifest(&key.tenant, &key.id).await?;
         groups
