@@ -186,6 +186,10 @@ fn router(node: Shared) -> Router {
         .route("/node/v1/sandboxes/{id}/pause", post(pause))
         .route("/node/v1/sandboxes/{id}/resume", post(resume))
         .route("/node/v1/sandboxes/{id}/envd", get(envd))
+        .route(
+            "/node/v1/templates/{name}",
+            axum::routing::put(put_template),
+        )
         .fallback(|| async {
             (
                 StatusCode::NOT_FOUND,
@@ -491,6 +495,64 @@ where
             }
         }
     }
+}
+
+/// Streams a template archive to a file under the state dir, then imports
+/// it into the node's store (which verifies every blob and layer digest).
+async fn put_template(
+    State(node): State<Shared>,
+    UrlPath(name): UrlPath<String>,
+    body: Body,
+) -> Result<(StatusCode, Json<TemplateEntry>), NodeError> {
+    use futures_util::StreamExt;
+    aviary_templates::validate_name(&name).map_err(NodeError::ImportTemplate)?;
+    let dir = node.state_dir.join("uploads");
+    let write_err = |path: &Path| {
+        let path = path.to_owned();
+        move |source| NodeError::WriteState { path, source }
+    };
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(write_err(&dir))?;
+    let path = dir.join(format!("{}.tar", aviary_core::new_id("upload")));
+    let received = async {
+        let mut file = tokio::fs::File::create(&path)
+            .await
+            .map_err(write_err(&path))?;
+        let mut stream = body.into_data_stream();
+        let limit = MAX_TEMPLATE_UPLOAD_MB * 1024 * 1024;
+        let mut total = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(NodeError::ReceiveUpload)?;
+            total += chunk.len() as u64;
+            if total > limit {
+                return Err(NodeError::UploadTooLarge {
+                    limit_mb: MAX_TEMPLATE_UPLOAD_MB,
+                });
+            }
+            file.write_all(&chunk).await.map_err(write_err(&path))?;
+        }
+        file.flush().await.map_err(write_err(&path))
+    }
+    .await;
+    let imported = match received {
+        Ok(()) => {
+            let store = node.templates.clone();
+            let (name, archive) = (name.clone(), path.clone());
+            blocking(move || store.import_archive(&name, &archive)).await
+        }
+        Err(e) => Err(e),
+    };
+    // The archive is not kept either way.
+    let _ = tokio::fs::remove_file(&path).await;
+    let info = imported?.map_err(NodeError::ImportTemplate)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(TemplateEntry {
+            name: info.name,
+            digest: info.digest,
+        }),
+    ))
 }
 
 fn entry_path(state_dir: &Path, id: &SandboxId) -> PathBuf {

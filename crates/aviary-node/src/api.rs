@@ -13,11 +13,12 @@
 //! | GET | `/sandboxes/{id}/usage` | → [`ResourceUsage`] |
 //! | POST | `/sandboxes/{id}/pause`, `/resume` | → 204 |
 //! | GET | `/sandboxes/{id}/envd` | `Upgrade: aviary-envd` → 101, then raw envd frames |
+//! | PUT | `/templates/{name}` | a `docker save` or OCI-layout tarball → 201 [`TemplateEntry`] |
 //!
 //! Error codes: `unauthorized` (401), `invalid_request`, `invalid_spec`,
 //! `unsupported`, `template_missing` (400), `not_found` (404),
-//! `already_exists` (409), `unavailable`, `envd_unavailable` (503),
-//! `internal` (500).
+//! `invalid_archive` (400), `already_exists` (409), `too_large` (413),
+//! `unavailable`, `envd_unavailable` (503), `internal` (500).
 
 use aviary_core::{ResourceLimits, SandboxId};
 use aviary_runtime::{RuntimeStatus, SandboxSpec};
@@ -35,6 +36,8 @@ pub use aviary_runtime::{ResourceUsage, SandboxHandle};
 pub const ENVD_SOCKET_NAME: &str = "envd.sock";
 /// The `Upgrade` protocol token of the envd route.
 pub const ENVD_UPGRADE_PROTOCOL: &str = "aviary-envd";
+/// Largest template archive `PUT /node/v1/templates/{name}` accepts.
+pub const MAX_TEMPLATE_UPLOAD_MB: u64 = 8 * 1024;
 /// Where the control plane mounts envd in every sandbox.
 pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
 

@@ -24,6 +24,12 @@ pub enum NodeError {
     Runtime(#[from] RuntimeError),
     #[error("template store")]
     ListTemplates(#[source] aviary_templates::TemplateError),
+    #[error("import template")]
+    ImportTemplate(#[source] aviary_templates::TemplateError),
+    #[error("receive upload")]
+    ReceiveUpload(#[source] axum::Error),
+    #[error("upload exceeds {limit_mb} MiB")]
+    UploadTooLarge { limit_mb: u64 },
     #[error("connect to envd of sandbox {id}")]
     ConnectEnvd {
         id: String,
@@ -62,6 +68,12 @@ impl NodeError {
             NodeError::FindSandbox { .. } => (StatusCode::NOT_FOUND, "not_found"),
             NodeError::Runtime(e) => runtime_status(e),
             NodeError::ConnectEnvd { .. } => (StatusCode::SERVICE_UNAVAILABLE, "envd_unavailable"),
+            NodeError::ImportTemplate(
+                aviary_templates::TemplateError::InvalidName(_)
+                | aviary_templates::TemplateError::InvalidArchive(_),
+            ) => (StatusCode::BAD_REQUEST, "invalid_archive"),
+            NodeError::ReceiveUpload(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            NodeError::UploadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }

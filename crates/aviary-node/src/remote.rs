@@ -107,6 +107,47 @@ impl RemoteRuntime {
         .await
     }
 
+    /// Ships a template archive (`docker save` or OCI layout tarball) to the
+    /// node, which imports it as `name`; streams the file.
+    pub async fn upload_template(
+        &self,
+        name: &str,
+        archive: &std::path::Path,
+    ) -> Result<TemplateEntry, RuntimeError> {
+        // Checked here too: a name like `..` would not even reach the route.
+        aviary_templates::validate_name(name).map_err(|e| RuntimeError::InvalidSpec {
+            reason: e.to_string(),
+        })?;
+        let file =
+            tokio::fs::File::open(archive)
+                .await
+                .map_err(|source| RuntimeError::ReadFile {
+                    path: archive.to_owned(),
+                    source,
+                })?;
+        let path = format!("/node/v1/templates/{name}");
+        let action = format!("node PUT {path}");
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
+        let resp = self
+            .http
+            .put(format!("http://{}{path}", self.addr))
+            .bearer_auth(&self.token)
+            .header(reqwest::header::CONTENT_TYPE, "application/x-tar")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| RuntimeError::ProbeRuntime {
+                reason: format!("node {} unreachable: {}", self.addr, error_chain(&e)),
+            })?;
+        if !resp.status().is_success() {
+            return Err(self.error_from(resp, &action, None).await);
+        }
+        resp.json().await.map_err(|e| RuntimeError::InvokeRuntime {
+            action,
+            detail: format!("bad answer: {}", error_chain(&e)),
+        })
+    }
+
     async fn send<B: Serialize>(
         &self,
         method: Method,
@@ -178,7 +219,7 @@ impl RemoteRuntime {
                 RuntimeError::AlreadyExists { id: id.clone() }
             }
             (_, "unsupported", _) => RuntimeError::Unsupported { what: message },
-            (_, "invalid_spec" | "invalid_request" | "template_missing", _) => {
+            (_, "invalid_spec" | "invalid_request" | "template_missing" | "invalid_archive", _) => {
                 RuntimeError::InvalidSpec {
                     reason: format!("node {}: {message}", self.addr),
                 }

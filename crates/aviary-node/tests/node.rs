@@ -337,6 +337,36 @@ mod node {
         envd.exec_collect(sh("true"), Some(5)).await.unwrap();
         envd.set_fence(None).await.unwrap();
 
+        // Dropping a remote exec stream ends the process inside (the node
+        // closes envd's connection, envd kills the process group).
+        let mut stream = envd
+            .exec(
+                sh("echo $$ > /tmp/sleeper.pid; echo started; exec sleep 1000"),
+                None,
+            )
+            .await
+            .unwrap();
+        match stream.next().await.unwrap() {
+            aviary_envd_proto::ExecEvent::Stdout(b) => assert_eq!(b, b"started\n"),
+            other => panic!("{other:?}"),
+        }
+        drop(stream);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let out = envd
+                .exec_collect(sh("kill -0 $(cat /tmp/sleeper.pid) 2>/dev/null"), None)
+                .await
+                .unwrap();
+            if out.exit.exit_code != 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sleep survived the dropped stream"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
         // Latency of a remote exec round trip vs the local socket.
         let local = EnvdClient::new(handle.control_dir.join(ENVD_SOCKET_NAME));
         let remote_ms = median_ms(&envd, 20).await;
@@ -564,6 +594,100 @@ mod node {
         );
         n.rt.destroy(&named.id).await.unwrap();
 
+        n.running.take().unwrap().stop().await;
+    }
+
+    /// A minimal `docker save` archive of a busybox rootfs, made with tar(1).
+    fn docker_save_archive(dir: &Path) -> PathBuf {
+        let script = r#"
+set -eu
+mkdir -p L/bin L/tmp L/etc
+cp /bin/busybox L/bin/busybox
+for a in sh cat echo true sleep kill; do ln -s busybox L/bin/$a; done
+echo 'root:x:0:0:root:/root:/bin/sh' > L/etc/passwd
+tar -cf layer.tar -C L .
+diff=$(sha256sum layer.tar | cut -d' ' -f1)
+printf '{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' "$diff" > cfg.json
+cfg=$(sha256sum cfg.json | cut -d' ' -f1)
+mv cfg.json "$cfg.json"
+mkdir -p l1 && mv layer.tar l1/layer.tar
+printf '[{"Config":"%s.json","RepoTags":["up:1"],"Layers":["l1/layer.tar"]}]' "$cfg" > manifest.json
+tar -cf image.tar manifest.json "$cfg.json" l1
+"#;
+        let out = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir.join("image.tar")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shipped_template_can_run_sandboxes() {
+        if let Some(why) = cannot_run() {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+        envd_binary();
+        let mut n = start_test_node("node-t", 2.0, 4096).await;
+        let work = tempfile::tempdir().unwrap();
+        let archive = docker_save_archive(work.path());
+
+        let entry = n.rt.upload_template("shipped", &archive).await.unwrap();
+        assert_eq!(entry.name, "shipped");
+        assert!(entry.digest.starts_with("sha256:"));
+        let info = n.rt.info().await.unwrap();
+        assert!(info.templates.contains(&entry), "{:?}", info.templates);
+        assert!(
+            !n.state
+                .join("node/uploads")
+                .read_dir()
+                .unwrap()
+                .any(|_| true),
+            "upload removed"
+        );
+
+        let s = spec(Path::new("/unused"), 0.5);
+        n.rt.create_from_template(&s, &entry.digest).await.unwrap();
+        let envd = n.rt.envd(&s.id);
+        envd.wait_ready(Duration::from_secs(10)).await.unwrap();
+        let out = envd
+            .exec_collect(sh("echo shipped-ok"), None)
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, b"shipped-ok\n");
+        n.rt.destroy(&s.id).await.unwrap();
+
+        // Garbage, a bad name, a wrong token.
+        let junk = work.path().join("junk.tar");
+        std::fs::write(&junk, b"this is not a tarball").unwrap();
+        let e = n.rt.upload_template("junk", &junk).await.unwrap_err();
+        assert!(matches!(e, RuntimeError::InvalidSpec { .. }), "{e:?}");
+        let e = n.rt.upload_template("..", &archive).await.unwrap_err();
+        assert!(matches!(e, RuntimeError::InvalidSpec { .. }), "{e:?}");
+        let resp = reqwest::Client::new()
+            .put(format!("http://{}/node/v1/templates/evil", n.addr()))
+            .bearer_auth("wrong")
+            .body(std::fs::read(&archive).unwrap())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401);
+        let names: Vec<String> =
+            n.rt.info()
+                .await
+                .unwrap()
+                .templates
+                .into_iter()
+                .map(|t| t.name)
+                .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
         n.running.take().unwrap().stop().await;
     }
 
