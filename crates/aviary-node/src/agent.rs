@@ -346,6 +346,7 @@ async fn create(
         }
         return Err(e);
     }
+    tracing::info!(sandbox.id = %spec.id, template = %placed.template, "sandbox created");
     node.placed
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -377,6 +378,7 @@ async fn destroy(
 ) -> Result<StatusCode, NodeError> {
     let id = parse_id(&id)?;
     node.runtime.destroy(&id).await?;
+    tracing::info!(sandbox.id = %id, "sandbox destroyed");
     node.placed
         .lock()
         .unwrap_or_else(|p| p.into_inner())

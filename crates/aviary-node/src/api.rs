@@ -182,3 +182,52 @@ pub struct ErrorDetail {
     pub code: String,
     pub message: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_of_this_host_is_detected() {
+        let c = Capacity::detect();
+        assert!(c.cpu >= 1.0, "{c:?}");
+        assert!(c.memory_mb > 0, "{c:?}");
+    }
+
+    #[test]
+    fn info_becomes_a_scheduler_view() {
+        let info = NodeInfo {
+            id: "n1".into(),
+            runtimes: vec!["crun".into()],
+            templates: vec![TemplateEntry {
+                name: "busybox".into(),
+                digest: "sha256:ab".into(),
+            }],
+            capacity: Capacity {
+                cpu: 4.0,
+                memory_mb: 8192,
+            },
+            committed: Capacity {
+                cpu: 1.5,
+                memory_mb: 2048,
+            },
+            used: Capacity {
+                cpu: 0.25,
+                memory_mb: 300,
+            },
+            sandboxes: 2,
+        };
+        let now = aviary_core::now();
+        let mut warm = HashMap::new();
+        warm.insert(WarmKey::new("python-small", "sha256:ab", "crun"), 1);
+        let v = info.to_view("127.0.0.1:7501", warm.clone(), now);
+        assert_eq!(v.templates, vec!["sha256:ab".to_string()]);
+        assert_eq!((v.cpu_committed, v.memory_committed_mb), (1.5, 2048));
+        assert_eq!((v.cpu_used, v.memory_used_mb), (0.25, 300));
+        assert_eq!(v.warm, warm);
+        assert!(v.healthy);
+        // The wire form round-trips.
+        let back: NodeInfo = serde_json::from_str(&serde_json::to_string(&info).unwrap()).unwrap();
+        assert_eq!(back, info);
+    }
+}

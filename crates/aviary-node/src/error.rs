@@ -123,3 +123,80 @@ impl IntoResponse for NodeError {
         (status, body).into_response()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aviary_core::SandboxId;
+
+    fn answer(e: NodeError) -> (StatusCode, ErrorAnswer) {
+        let resp = e.into_response();
+        let status = resp.status();
+        let body = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(axum::body::to_bytes(resp.into_body(), 1 << 16))
+            .unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[test]
+    fn runtime_errors_keep_their_meaning_on_the_wire() {
+        let id = SandboxId::generate();
+        let cases = [
+            (
+                NodeError::Runtime(RuntimeError::NotFound { id: id.clone() }),
+                404,
+                "not_found",
+            ),
+            (
+                NodeError::Runtime(RuntimeError::AlreadyExists { id: id.clone() }),
+                409,
+                "already_exists",
+            ),
+            (
+                NodeError::Runtime(RuntimeError::Unsupported {
+                    what: "network profile \"open\"".into(),
+                }),
+                400,
+                "unsupported",
+            ),
+            (
+                NodeError::Runtime(RuntimeError::NotFound { id: id.clone() }.with_cleanup(Err(
+                    RuntimeError::InvokeRuntime {
+                        action: "crun delete".into(),
+                        detail: "x".into(),
+                    },
+                ))),
+                404,
+                "not_found",
+            ),
+            (
+                NodeError::Runtime(RuntimeError::InvokeRuntime {
+                    action: "crun start".into(),
+                    detail: "boom".into(),
+                }),
+                500,
+                "internal",
+            ),
+            (NodeError::Unauthorized, 401, "unauthorized"),
+            (
+                NodeError::FindTemplate {
+                    template: "t".into(),
+                },
+                400,
+                "template_missing",
+            ),
+            (NodeError::UploadTooLarge { limit_mb: 1 }, 413, "too_large"),
+        ];
+        for (e, status, code) in cases {
+            let (s, a) = answer(e);
+            assert_eq!((s.as_u16(), a.error.code.as_str()), (status, code));
+        }
+        // Unsupported travels bare, so the client rebuilds the same message.
+        let (_, a) = answer(NodeError::Runtime(RuntimeError::Unsupported {
+            what: "gpu".into(),
+        }));
+        assert_eq!(a.error.message, "gpu");
+    }
+}

@@ -327,3 +327,45 @@ impl Pausable for RemoteRuntime {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aviary_core::{NetworkProfile, ResourceLimits};
+
+    fn spec_at(rootfs: &str) -> SandboxSpec {
+        SandboxSpec {
+            id: SandboxId::generate(),
+            template_rootfs: rootfs.into(),
+            resources: ResourceLimits::default(),
+            network: NetworkProfile::None,
+            hostname: "h".into(),
+            init: vec!["/bin/sh".into()],
+            env: vec![],
+            binds: vec![],
+        }
+    }
+
+    #[test]
+    fn the_template_is_named_by_the_rootfs_digest() {
+        let hex = "ab".repeat(32);
+        assert_eq!(
+            template_ref_of(&spec_at(&format!("/data/templates/rootfs/{hex}"))).unwrap(),
+            format!("sha256:{hex}")
+        );
+        for bad in [
+            "/some/dir",
+            "/",
+            "/x/abcd",
+            &format!("/x/{}", "zz".repeat(32)),
+        ] {
+            assert!(
+                matches!(
+                    template_ref_of(&spec_at(bad)).unwrap_err(),
+                    RuntimeError::InvalidSpec { .. }
+                ),
+                "{bad}"
+            );
+        }
+    }
+}
