@@ -198,6 +198,37 @@ enum SandboxCmd {
         #[arg(required = true, last = true)]
         cmd: Vec<String>,
     },
+    /// Freeze every process of a sandbox (cgroup freezer).
+    Pause {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// Thaw a paused sandbox.
+    Resume {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// Soft reset (level 1): kill leftover processes, clear /tmp, revoke the lease; /workspace stays.
+    Reset {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// End a call: release the lease, refresh the manifest, back to Idle for its scope.
+    Release {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// Show the environment manifest (runtimes, packages, dirty paths).
+    Manifest {
+        id: String,
+        /// Probe the sandbox now.
+        #[arg(long)]
+        refresh: bool,
+    },
     /// Copy a file in or out: one side is written ID:/path.
     Cp {
         src: String,
@@ -612,6 +643,11 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             let req = exec_request(cmd, &exec, token);
             return stream_exec(&c, &id, &req, json).await;
         }
+        SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
+        SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
+        SandboxCmd::Reset { id, token } => action(&c, &id, "reset", token, json).await?,
+        SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
+        SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
             let token = token.map(LeaseToken);
             let n = match (parse_remote(&src), parse_remote(&dst)) {
@@ -825,4 +861,20 @@ async fn pool(cmd: PoolCmd, json: bool) -> Result<i32, Failure> {
         );
     }
     Ok(0)
+}
+
+async fn action(
+    c: &Client,
+    id: &str,
+    what: &str,
+    token: Option<u64>,
+    json: bool,
+) -> Result<(), Failure> {
+    let s = c.sandbox_action(id, what, token.map(LeaseToken)).await?;
+    if json {
+        output::json(&s);
+    } else {
+        println!("{} {}", s.id, s.state);
+    }
+    Ok(())
 }

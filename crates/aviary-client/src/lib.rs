@@ -515,6 +515,33 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/{action}` for pause, resume, reset and release.
+    pub async fn sandbox_action(
+        &self,
+        id: &str,
+        action: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<Sandbox, ClientError> {
+        self.json(token_header(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/{action}")),
+            token,
+        ))
+        .await
+    }
+
+    /// `GET /v1/sandboxes/{id}/manifest`.
+    pub async fn manifest(
+        &self,
+        id: &str,
+        refresh: bool,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/manifest?refresh={refresh}"),
+        ))
+        .await
+    }
+
     pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),

@@ -562,6 +562,84 @@ async fn set_pool(
     Ok(Json(cp.set_pool(&c, &class, req).await?))
 }
 
+/// Freezes the sandbox's processes (cgroup freezer); fenced.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn pause(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.pause(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn resume(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.resume(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+/// Recycling level 1: kills leftover processes, clears /tmp, revokes the lease; /workspace stays.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn reset(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.reset(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+/// Ends a call: releases the lease, refreshes the manifest, sandbox back to Idle for its scope.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/release", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn release(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.release(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ManifestQuery {
+    /// Probe the sandbox now instead of returning the stored manifest.
+    #[serde(default)]
+    refresh: bool,
+}
+
+/// The environment manifest: template digest, runtimes, package sets and hashes, dirty paths.
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/manifest", params(ManifestQuery), responses((status = 200, body = aviary_reuse::EnvironmentManifest), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn manifest(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ManifestQuery>,
+) -> Result<Json<aviary_reuse::EnvironmentManifest>, OpError> {
+    Ok(Json(cp.manifest(&c, &id, q.refresh).await?))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -650,7 +728,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -685,6 +763,11 @@ pub fn router(cp: AppState) -> Router {
             post(lease_acquire).put(lease_renew).delete(lease_release),
         )
         .route("/v1/sandboxes/{id}/events", get(sandbox_events))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/sandboxes/{id}/reset", post(reset))
+        .route("/v1/sandboxes/{id}/release", post(release))
+        .route("/v1/sandboxes/{id}/manifest", get(manifest))
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key))

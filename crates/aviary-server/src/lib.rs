@@ -12,6 +12,7 @@
 pub mod config;
 pub mod error;
 pub mod http;
+pub mod lifecycle;
 pub mod metrics;
 pub mod ops;
 pub mod planning;
@@ -51,11 +52,13 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             format!("opening template store {}", cfg.templates_root().display())
         })?,
     );
+    let runtime = Arc::new(runtime);
     ControlPlane::new(
         cfg,
         registry.clone(),
         registry,
-        Arc::new(runtime),
+        runtime.clone(),
+        Some(runtime),
         templates,
     )
 }

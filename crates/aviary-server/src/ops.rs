@@ -55,7 +55,9 @@ pub struct LiveSandbox {
     pub envd: EnvdClient,
     /// The `sandbox_allocation` row whose usage is filled in at the end
     /// (-1: none; a pooled sandbox gets its row when it is claimed).
-    allocation_id: std::sync::atomic::AtomicI64,
+    pub(crate) allocation_id: std::sync::atomic::AtomicI64,
+    /// Frozen by `pause` (the cgroup freezer); exec and files are refused.
+    pub paused: std::sync::atomic::AtomicBool,
     /// Some exec in this sandbox ran into its timeout (telemetry).
     timed_out: std::sync::atomic::AtomicBool,
     /// Serializes fence pushes to this sandbox's envd.
@@ -67,6 +69,8 @@ pub struct ControlPlane {
     pub registry: Arc<dyn Registry>,
     pub leases: Arc<dyn LeaseStore>,
     pub runtime: Arc<dyn Runtime>,
+    /// The same runtime seen as `Pausable`, when it can pause.
+    pub pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     key_cache: StdMutex<HashMap<String, Caller>>,
@@ -132,6 +136,7 @@ impl ControlPlane {
         registry: Arc<dyn Registry>,
         leases: Arc<dyn LeaseStore>,
         runtime: Arc<dyn Runtime>,
+        pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
         templates: Arc<TemplateStore>,
     ) -> anyhow::Result<Arc<Self>> {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
@@ -142,6 +147,7 @@ impl ControlPlane {
             registry,
             leases,
             runtime,
+            pausable,
             templates,
             live: StdMutex::new(HashMap::new()),
             key_cache: StdMutex::new(HashMap::new()),
@@ -323,13 +329,18 @@ impl ControlPlane {
         let records = self.registry.list_sandboxes(None, false).await?;
         let actual = self.runtime.list().await.map_err(OpError::internal)?;
         for rec in &records {
-            let alive = actual.contains(&rec.id)
-                && matches!(
-                    self.runtime.status(&rec.id).await,
-                    Ok(aviary_runtime::RuntimeStatus::Running)
-                        | Ok(aviary_runtime::RuntimeStatus::Paused)
-                );
-            if rec.state.is_live() && alive {
+            let status = if actual.contains(&rec.id) {
+                self.runtime.status(&rec.id).await.ok()
+            } else {
+                None
+            };
+            if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Paused) {
+                // a frozen envd cannot answer; its fence is pushed on resume
+                let live = self.attach(&rec.id, EnvdClient::new(self.envd_socket(&rec.id)), None);
+                live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+                continue;
+            }
+            if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Running) {
                 let envd = EnvdClient::new(self.envd_socket(&rec.id));
                 if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
                     let live = self.attach(&rec.id, envd, None);
@@ -391,6 +402,7 @@ impl ControlPlane {
             envd,
             allocation_id: std::sync::atomic::AtomicI64::new(allocation_id.unwrap_or(-1)),
             timed_out: std::sync::atomic::AtomicBool::new(false),
+            paused: std::sync::atomic::AtomicBool::new(false),
             fence_lock: Mutex::new(()),
         });
         self.live
@@ -418,7 +430,11 @@ impl ControlPlane {
     }
 
     /// Pushes the lease store's current view of the lease to the sandbox's envd.
-    async fn push_fence(&self, id: &SandboxId, live: &LiveSandbox) -> Result<(), OpError> {
+    pub(crate) async fn push_fence(
+        &self,
+        id: &SandboxId,
+        live: &LiveSandbox,
+    ) -> Result<(), OpError> {
         let _g = live.fence_lock.lock().await;
         let current = self.leases.current(id, aviary_core::now()).await?;
         live.envd
@@ -443,7 +459,7 @@ impl ControlPlane {
         }
     }
 
-    async fn view(&self, rec: &SandboxRecord) -> Result<Sandbox, OpError> {
+    pub(crate) async fn view(&self, rec: &SandboxRecord) -> Result<Sandbox, OpError> {
         let owner = if rec.state.is_terminal() {
             None
         } else {
@@ -979,7 +995,11 @@ impl ControlPlane {
         }
     }
 
-    async fn check_fence(&self, id: &SandboxId, token: Option<LeaseToken>) -> Result<(), OpError> {
+    pub(crate) async fn check_fence(
+        &self,
+        id: &SandboxId,
+        token: Option<LeaseToken>,
+    ) -> Result<(), OpError> {
         self.leases
             .check(id, token, aviary_core::now())
             .await
@@ -988,7 +1008,7 @@ impl ControlPlane {
     }
 
     /// A sandbox that can run commands, with its fence checked.
-    async fn writable(
+    pub(crate) async fn writable(
         &self,
         caller: &Caller,
         id: &str,
@@ -1003,10 +1023,21 @@ impl ControlPlane {
         }
         self.check_fence(&rec.id, token).await?;
         let live = self.live(&rec.id)?;
+        Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
 
-    async fn readable(
+    fn not_paused(rec: &SandboxRecord, live: &LiveSandbox) -> Result<(), OpError> {
+        if live.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it is paused; resume it first".into(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn readable(
         &self,
         caller: &Caller,
         id: &str,
@@ -1019,6 +1050,7 @@ impl ControlPlane {
             });
         }
         let live = self.live(&rec.id)?;
+        Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
 

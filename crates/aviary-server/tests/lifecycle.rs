@@ -1,0 +1,173 @@
+//! Pause/resume, level-1 reset, release and the manifest, checked both
+//! through the API and by looking at the host (cgroups, processes).
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use aviary_core::api::CreateSandboxRequest;
+use aviary_core::{ErrorCode, SandboxState};
+use common::shell;
+
+fn cgroup_procs(id: &str) -> Vec<String> {
+    std::fs::read_to_string(format!("/sys/fs/cgroup/pids/aviary/{id}/cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_freezes_and_resume_thaws() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.exec(&id, &shell("sleep 1000 >/dev/null 2>&1 &"))
+        .await
+        .unwrap();
+    c.sandbox_action(&id, "pause", None).await.unwrap();
+    let state =
+        std::fs::read_to_string(format!("/sys/fs/cgroup/freezer/aviary/{id}/freezer.state"))
+            .unwrap();
+    assert_eq!(state.trim(), "FROZEN");
+    let e = c.exec(&id, &shell("true")).await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidState), "{e}");
+    assert_eq!(
+        c.sandbox_action(&id, "pause", None)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::InvalidState)
+    );
+    c.sandbox_action(&id, "resume", None).await.unwrap();
+    let state =
+        std::fs::read_to_string(format!("/sys/fs/cgroup/freezer/aviary/{id}/freezer.state"))
+            .unwrap();
+    assert_eq!(state.trim(), "THAWED");
+    assert_eq!(
+        c.exec(&id, &shell("echo back")).await.unwrap().stdout,
+        "back\n"
+    );
+    assert_eq!(
+        c.sandbox_action(&id, "resume", None)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::InvalidState)
+    );
+    let evs = c.events(Some(&id), None, None).await.unwrap().events;
+    assert!(
+        evs.iter().any(|e| e.event_type == "paused")
+            && evs.iter().any(|e| e.event_type == "resumed")
+    );
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soft_reset_kills_processes_clears_tmp_keeps_workspace() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let r = c
+        .exec(&id, &shell("sleep 1000 >/dev/null 2>&1 & (httpd -f -p 8080 -h /tmp >/dev/null 2>&1 &); echo junk > /tmp/junk; echo data > /workspace/keep; sleep 0.3; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | grep -c ' 0A '"))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.stdout.trim(),
+        "1",
+        "a port listens before the reset: {r:?}"
+    );
+    assert!(cgroup_procs(&id).len() >= 3, "{:?}", cgroup_procs(&id));
+    let lease = c.acquire_lease(&id, "agent", None).await.unwrap();
+    // reset is fenced like any write
+    assert_eq!(
+        c.sandbox_action(&id, "reset", None)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::LeaseRequired)
+    );
+    let s = c
+        .sandbox_action(&id, "reset", Some(lease.token))
+        .await
+        .unwrap();
+    assert_eq!(s.state, SandboxState::Idle);
+    assert!(s.lease_owner.is_none());
+
+    // from the host: only envd is left in the sandbox's cgroup
+    assert_eq!(cgroup_procs(&id).len(), 1, "{:?}", cgroup_procs(&id));
+    // from inside: no listener, /tmp empty, the workspace kept
+    let r = c
+        .exec(
+            &id,
+            &shell("cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | grep -c ' 0A '; ls -A /tmp | wc -l; cat /workspace/keep"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "0\n0\ndata\n", "{r:?}");
+    // the revoked lease's token is stale now
+    let mut stale = shell("true");
+    stale.token = Some(lease.token);
+    assert_eq!(
+        c.exec(&id, &stale).await.unwrap_err().code(),
+        Some(ErrorCode::StaleToken)
+    );
+    let evs = c.events(Some(&id), None, None).await.unwrap().events;
+    assert!(evs
+        .iter()
+        .any(|e| e.event_type == "reset" && e.new_state == Some(SandboxState::Sanitizing)));
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_ends_a_call_and_records_the_manifest() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let created = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap();
+    let id = created.sandbox.id.to_string();
+    let lease = c.acquire_lease(&id, "agent", None).await.unwrap();
+    let mut w = shell("mkdir -p /etc/app && echo x > /etc/app/conf && echo y > /workspace/out");
+    w.token = Some(lease.token);
+    c.exec(&id, &w).await.unwrap();
+    assert_eq!(
+        c.sandbox_action(&id, "release", None)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::LeaseRequired)
+    );
+    let s = c
+        .sandbox_action(&id, "release", Some(lease.token))
+        .await
+        .unwrap();
+    assert_eq!(s.state, SandboxState::Idle);
+    let m = c.manifest(&id, false).await.unwrap();
+    assert_eq!(
+        m["base_template_digest"],
+        created.sandbox.template_digest.as_str()
+    );
+    let dirty: Vec<String> = serde_json::from_value(m["dirty_paths"].clone()).unwrap();
+    assert!(dirty.iter().any(|p| p.starts_with("/etc/app")), "{dirty:?}");
+    c.delete_sandbox(&id, None).await.unwrap();
+    // the stored manifest outlives the sandbox
+    let m = c.manifest(&id, false).await.unwrap();
+    assert_eq!(
+        m["base_template_digest"],
+        created.sandbox.template_digest.as_str()
+    );
+}
