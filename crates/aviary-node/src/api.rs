@@ -125,6 +125,9 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// The scheduler's view of this node. Warm counts come from the pool
     /// manager (the node does not know which sandboxes are pooled).
+    /// `healthy` is true because the view is built from a successful `info`
+    /// answer: a node whose `info` failed keeps its last view with
+    /// `healthy = false` (and ages out through `last_seen`).
     pub fn to_view(
         &self,
         address: impl Into<String>,
