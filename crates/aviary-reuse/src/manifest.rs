@@ -88,7 +88,8 @@ impl DirtyLevel {
             )
         });
         match top {
-            "tmp" | "run" | "dev" | "proc" | "sys" => DirtyLevel::Clean,
+            // `.aviary` holds the platform's envd mount point, not user state
+            "tmp" | "run" | "dev" | "proc" | "sys" | ".aviary" => DirtyLevel::Clean,
             "var" if matches!(second, "tmp" | "log" | "cache" | "run" | "lock") => {
                 DirtyLevel::Clean
             }

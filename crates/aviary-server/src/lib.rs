@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod ops;
 pub mod planning;
 pub mod pools;
+pub mod scopes;
 
 use anyhow::Context;
 use config::ServerConfig;

@@ -74,6 +74,8 @@ pub struct ControlPlane {
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     key_cache: StdMutex<HashMap<String, Caller>>,
+    /// Execution guards of the scope buckets.
+    pub(crate) buckets: StdMutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// When `last_active_at` was last written per sandbox: execs update it
     /// at most every few seconds, off the request path.
     last_touch: StdMutex<HashMap<SandboxId, std::time::Instant>>,
@@ -151,6 +153,7 @@ impl ControlPlane {
             templates,
             live: StdMutex::new(HashMap::new()),
             key_cache: StdMutex::new(HashMap::new()),
+            buckets: StdMutex::new(HashMap::new()),
             last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
             metrics: crate::metrics::Metrics::default(),
@@ -537,17 +540,47 @@ impl ControlPlane {
             .ok_or_else(|| {
                 OpError::InvalidRequest(format!("unknown template {template_name:?}"))
             })?;
-        let scope = req.scope.unwrap_or(if req.user_id.is_some() {
-            Scope::User
-        } else {
-            Scope::Session
-        });
+        let scope =
+            aviary_reuse::effective_scope(req.scope.unwrap_or_default(), req.user_id.as_deref());
 
         let approved = self.decide(caller, &req, request_id).await?;
         let class = approved.class.clone();
         let resources = approved.limits;
         let network = approved.network;
         let expires_at = aviary_core::now() + time::Duration::seconds(ttl_s as i64);
+        let mut lease_req = lease_req;
+        let mut new_decision = None;
+        let bucket = self.bucket_of(caller, &req, scope)?;
+        let _guard = match &bucket {
+            Some(b) => Some(self.bucket_guard(b).await),
+            None => None,
+        };
+        if let Some(b) = &bucket {
+            match self
+                .reuse_in_bucket(
+                    caller,
+                    &req,
+                    b,
+                    scope,
+                    &template.digest,
+                    &approved.class,
+                    approved.network,
+                    lease_req.clone(),
+                    request_id,
+                )
+                .await?
+            {
+                crate::scopes::BucketOutcome::Reused(resp) => return Ok(*resp),
+                crate::scopes::BucketOutcome::New(d) => new_decision = Some(d),
+            }
+            if lease_req.is_none() && scope != Scope::Session {
+                // shared scopes hand out their sandbox under a lease
+                lease_req = Some((
+                    format!("scope:{b}"),
+                    Duration::from_secs(self.cfg.default_lease_ttl_s),
+                ));
+            }
+        }
         if let Some(hit) = self
             .try_pool(
                 caller,
@@ -632,11 +665,20 @@ impl ControlPlane {
                 let sandbox = self.view(&rec).await?;
                 Ok(CreateSandboxResponse {
                     sandbox,
-                    decision: Decision {
-                        action: "new_sandbox".into(),
-                        branch: "D".into(),
-                        reason: format!("cold create; class {class}: {}", approved.reason),
-                        score: 0.0,
+                    decision: match new_decision {
+                        Some(mut d) => {
+                            d.reason = format!(
+                                "cold create; {}; class {class}: {}",
+                                d.reason, approved.reason
+                            );
+                            d
+                        }
+                        None => Decision {
+                            action: "new_sandbox".into(),
+                            branch: "D".into(),
+                            reason: format!("cold create; class {class}: {}", approved.reason),
+                            score: 0.0,
+                        },
                     },
                     lease,
                 })

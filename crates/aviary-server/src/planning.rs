@@ -271,13 +271,22 @@ impl ControlPlane {
                     let ctx = parse_context(context)?;
                     let out = self.run_planner(caller, &ctx).await?;
                     let mut r = intent_request(&out.intent);
+                    let mut reason = out.intent.reason.clone();
                     if req.network.is_some() {
                         r.network_profile = Some(network_name.clone());
+                    } else if r.network_profile.as_deref().is_some_and(|n| n != "none") {
+                        // a recommendation only: the caller did not ask for a
+                        // network, and this node grants loopback only
+                        reason.push_str(&format!(
+                            "; planner suggested network {:?}, granted \"none\" (ask with `network` explicitly)",
+                            r.network_profile.as_deref().unwrap_or_default()
+                        ));
+                        r.network_profile = Some("none".into());
                     }
                     (
                         r,
                         out.intent.resource_class.clone(),
-                        out.intent.reason.clone(),
+                        reason,
                         out.intent.confidence,
                         out.intent.source.as_str().to_owned(),
                         out.trace.planner_input_hash.clone(),

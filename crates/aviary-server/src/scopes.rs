@@ -1,0 +1,289 @@
+//! Isolation scopes and safe reuse (DESIGN §1.5, §5; seed 000).
+//!
+//! A create that says who the sandbox is for (user / session / agent ids,
+//! or `scope: global`) lands in a *scope bucket*. Creates for one bucket are
+//! serialized by an execution guard; an existing sandbox of the bucket is
+//! reused only when the reuse checker proves it compatible (same tenant and
+//! security context, compatible environment manifest, healthy, untainted).
+//! Shared scopes (user, agent, global) hand the sandbox out under a lease:
+//! a second caller waits until the first releases (or the lease expires).
+//! SESSION is safe by construction and needs no lease.
+
+use crate::error::OpError;
+use crate::ops::{Caller, ControlPlane};
+use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Lease};
+use aviary_core::{SandboxState, Scope};
+use aviary_registry::NewEvent;
+use aviary_reuse::{
+    EnvironmentManifest, EnvironmentRequirements, ReuseAction, ReuseCandidate, ReuseChecker,
+    ReuseRequest,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a create waits for a shared sandbox's lease before answering
+/// `lease_held`.
+const SHARED_WAIT: Duration = Duration::from_secs(30);
+
+/// The outcome of looking into a bucket.
+pub(crate) enum BucketOutcome {
+    Reused(Box<CreateSandboxResponse>),
+    /// No sandbox could be reused; why (for the create's decision).
+    New(Decision),
+}
+
+pub(crate) fn requirements(req: &CreateSandboxRequest) -> Result<EnvironmentRequirements, OpError> {
+    let Some(ctx) = &req.intent else {
+        return Ok(EnvironmentRequirements::default());
+    };
+    let list = |k: &str| -> Vec<String> {
+        ctx.get(k)
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let flag = |k: &str| ctx.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+    EnvironmentRequirements::from_task(
+        &list("languages"),
+        &list("dependencies"),
+        flag("needs_browser"),
+        flag("needs_gpu"),
+        flag("needs_compile"),
+    )
+    .map_err(|e| OpError::InvalidRequest(format!("dependencies: {e}")))
+}
+
+impl ControlPlane {
+    /// The bucket of a create, when it names who the sandbox is for.
+    pub(crate) fn bucket_of(
+        &self,
+        caller: &Caller,
+        req: &CreateSandboxRequest,
+        scope: Scope,
+    ) -> Result<Option<String>, OpError> {
+        if req.user_id.is_none()
+            && req.session_id.is_none()
+            && req.agent.is_none()
+            && req.scope.is_none()
+        {
+            return Ok(None);
+        }
+        aviary_reuse::scope_bucket(
+            scope,
+            &caller.tenant,
+            req.user_id.as_deref(),
+            req.session_id.as_deref(),
+            req.agent.as_deref(),
+        )
+        .map(Some)
+        .map_err(|e| OpError::InvalidRequest(format!("scope: {e}")))
+    }
+
+    /// The execution guard of a bucket (held for the whole find-or-create).
+    pub(crate) async fn bucket_guard(&self, bucket: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let m = {
+            let mut map = self.buckets.lock().expect("bucket map poisoned");
+            map.entry(bucket.to_owned())
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
+                .clone()
+        };
+        m.lock_owned().await
+    }
+
+    /// Looks for a reusable sandbox in the bucket and hands it out.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn reuse_in_bucket(
+        &self,
+        caller: &Caller,
+        req: &CreateSandboxRequest,
+        bucket: &str,
+        scope: Scope,
+        template_digest: &str,
+        class: &str,
+        network: aviary_core::NetworkProfile,
+        lease_req: Option<(String, Duration)>,
+        request_id: Option<&str>,
+    ) -> Result<BucketOutcome, OpError> {
+        let request = ReuseRequest::from_create(
+            &caller.tenant,
+            req,
+            template_digest,
+            self.runtime.name(),
+            class,
+            network,
+            requirements(req)?,
+        );
+        // a shared scope's sandbox in use by another caller: wait for it
+        // (the lease is the execution guard), then judge it like any other
+        let start = Instant::now();
+        let rows = loop {
+            let rows: Vec<_> = self
+                .registry
+                .list_sandboxes(Some(&caller.tenant), false)
+                .await?
+                .into_iter()
+                .filter(|r| {
+                    aviary_reuse::scope_bucket(
+                        r.scope,
+                        &r.tenant,
+                        r.user_id.as_deref(),
+                        r.session_id.as_deref(),
+                        r.agent.as_deref(),
+                    )
+                    .as_deref()
+                        == Ok(bucket)
+                })
+                .collect();
+            let busy = rows.iter().any(|r| r.state == SandboxState::Leased);
+            let free = rows.iter().any(|r| r.state == SandboxState::Idle);
+            if scope == Scope::Session || !busy || free {
+                break rows;
+            }
+            if start.elapsed() >= SHARED_WAIT {
+                let owner = match self.leases.current(&rows[0].id, aviary_core::now()).await? {
+                    Some(l) => l.owner,
+                    None => "another caller".into(),
+                };
+                return Err(OpError::LeaseHeld {
+                    owner,
+                    expires_at: "its release".into(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let mut candidates = Vec::new();
+        for r in rows {
+            if !matches!(r.state, SandboxState::Idle | SandboxState::Leased) {
+                continue;
+            }
+            let Some(live) = self.live_opt(&r.id) else {
+                continue;
+            };
+            let mut manifest = self
+                .registry
+                .get_environment(&r.id)
+                .await?
+                .as_ref()
+                .and_then(EnvironmentManifest::from_record);
+            if manifest.is_none() && r.state == SandboxState::Idle {
+                // no compatibility proof yet: probe the sandbox now
+                manifest = self.refresh_manifest(&r, &live).await.ok();
+            }
+            let mut c = ReuseCandidate::from_record(&r, manifest);
+            c.healthy = !live.paused.load(std::sync::atomic::Ordering::SeqCst);
+            candidates.push((r, c));
+        }
+        let cands: Vec<ReuseCandidate> = candidates.iter().map(|(_, c)| c.clone()).collect();
+        let checker = ReuseChecker::default();
+        // when nothing is reusable, the first candidate's verdict says why
+        let best = checker
+            .pick_best(&request, &cands)
+            .or_else(|| cands.first().map(|c| (0, checker.check(&request, c))));
+        let (rec, decision) = match best {
+            Some((i, d)) if d.action == ReuseAction::Reuse => (candidates[i].0.clone(), d),
+            Some((i, d)) => {
+                self.reuse_event(caller, Some(&candidates[i].0.id), &d, request_id)
+                    .await?;
+                let mut api = d.to_api("D");
+                api.action = "new_sandbox".into();
+                api.reason = format!(
+                    "{} rejected ({}): {}",
+                    candidates[i].0.id,
+                    d.action.as_str(),
+                    d.reasons.join("; ")
+                );
+                return Ok(BucketOutcome::New(api));
+            }
+            None => {
+                return Ok(BucketOutcome::New(Decision {
+                    action: "new_sandbox".into(),
+                    branch: "D".into(),
+                    reason: format!("no sandbox in scope {bucket} yet"),
+                    score: 0.0,
+                }))
+            }
+        };
+        self.reuse_event(caller, Some(&rec.id), &decision, request_id)
+            .await?;
+        // hand it out: shared scopes through the lease (waiting for it)
+        let lease = match (scope, lease_req) {
+            (Scope::Session, None) => None,
+            (_, l) => {
+                let (owner, ttl) = l.unwrap_or_else(|| {
+                    (
+                        format!("scope:{bucket}"),
+                        Duration::from_secs(self.cfg.default_lease_ttl_s),
+                    )
+                });
+                Some(
+                    self.acquire_waiting(caller, &rec.id, &owner, ttl, request_id)
+                        .await?,
+                )
+            }
+        };
+        let rec = self.registry.get_sandbox(&rec.id).await?;
+        let mut api = decision.to_api("A");
+        api.reason = format!(
+            "container alive, work dir intact: {}",
+            decision.reasons.join("; ")
+        );
+        Ok(BucketOutcome::Reused(Box::new(CreateSandboxResponse {
+            sandbox: self.view(&rec).await?,
+            decision: api,
+            lease,
+        })))
+    }
+
+    async fn reuse_event(
+        &self,
+        caller: &Caller,
+        id: Option<&aviary_core::SandboxId>,
+        d: &aviary_reuse::ReuseDecision,
+        request_id: Option<&str>,
+    ) -> Result<(), OpError> {
+        self.registry
+            .append_event(NewEvent {
+                sandbox_id: id.cloned(),
+                tenant: caller.tenant.clone(),
+                event_type: "reuse_decision".into(),
+                old_state: None,
+                new_state: None,
+                request_id: request_id.map(str::to_owned),
+                metadata: serde_json::json!({"action": d.action.as_str(), "score": d.score, "reasons": d.reasons}),
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Acquires the sandbox's lease, waiting while another caller holds it.
+    async fn acquire_waiting(
+        &self,
+        caller: &Caller,
+        id: &aviary_core::SandboxId,
+        owner: &str,
+        ttl: Duration,
+        request_id: Option<&str>,
+    ) -> Result<Lease, OpError> {
+        let start = Instant::now();
+        loop {
+            let req = aviary_core::api::AcquireLeaseRequest {
+                owner: owner.to_owned(),
+                ttl_s: Some(ttl.as_secs().max(1)),
+            };
+            match self
+                .lease_acquire(caller, id.as_str(), req, request_id)
+                .await
+            {
+                Ok(l) => return Ok(l),
+                Err(OpError::LeaseHeld { .. }) if start.elapsed() < SHARED_WAIT => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
