@@ -41,8 +41,11 @@ use tokio::sync::mpsc;
 const CHANNEL_DEPTH: usize = 4;
 /// Concurrent `has`/`put` calls while snapshotting.
 const PUT_CONCURRENCY: usize = 4;
-/// Entries whose ctime is this close to the parent's scan start are re-read.
-const RACY_WINDOW_NS: i64 = 2_000_000_000;
+/// Entries whose ctime is this close to the parent's scan start are re-read next
+/// time: a write that lands in the same timestamp tick as our read would not change
+/// ctime. Linux stamps files from the coarse clock (one jiffy, <= 10 ms); 100 ms is a
+/// wide margin for filesystems with nanosecond timestamps (ext4, xfs, btrfs, tmpfs).
+const RACY_WINDOW_NS: i64 = 100_000_000;
 
 /// What to snapshot as.
 #[derive(Clone, Debug)]
@@ -1009,7 +1012,7 @@ mod tests {
             )
             .unwrap();
         }
-        tokio::time::sleep(std::time::Duration::from_millis(2100)).await;
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         let first = snapshot_dir(&store, &src, SnapshotRequest::new("t", "ws"))
             .await
             .unwrap();
