@@ -222,6 +222,33 @@ enum SandboxCmd {
         #[arg(long)]
         token: Option<u64>,
     },
+    /// Checkpoint the workspace and writable layer (content-defined chunks).
+    Snapshot {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// A new sandbox from a checkpoint of this one (a fresh checkpoint when none is named).
+    Fork {
+        id: String,
+        #[arg(long)]
+        snapshot: Option<String>,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// Snapshot and stop compute; `wake` restores it.
+    Hibernate {
+        id: String,
+        #[arg(long)]
+        token: Option<u64>,
+    },
+    /// New compute for a hibernating sandbox, restored from its snapshot.
+    Wake { id: String },
+    /// List checkpoints (of one sandbox, or all of yours).
+    Snapshots {
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
     /// Show the environment manifest (runtimes, packages, dirty paths).
     Manifest {
         id: String,
@@ -647,6 +674,35 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
         SandboxCmd::Reset { id, token } => action(&c, &id, "reset", token, json).await?,
         SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
+        SandboxCmd::Snapshot { id, token } => {
+            let s = c.snapshot(&id, token.map(LeaseToken)).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{}", s["id"].as_str().unwrap_or(""));
+                eprintln!(
+                    "{} bytes in the trees, {} new bytes stored",
+                    s["total_bytes"], s["new_bytes"]
+                );
+            }
+        }
+        SandboxCmd::Fork {
+            id,
+            snapshot,
+            token,
+        } => {
+            let r = c
+                .fork(&id, snapshot.as_deref(), token.map(LeaseToken))
+                .await?;
+            if json {
+                output::json(&r);
+            } else {
+                println!("{}", r.sandbox.id);
+            }
+        }
+        SandboxCmd::Hibernate { id, token } => action(&c, &id, "hibernate", token, json).await?,
+        SandboxCmd::Wake { id } => action(&c, &id, "wake", None, json).await?,
+        SandboxCmd::Snapshots { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
         SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
             let token = token.map(LeaseToken);

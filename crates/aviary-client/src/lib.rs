@@ -542,6 +542,43 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/snapshot`.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.json(token_header(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/snapshot")),
+            token,
+        ))
+        .await
+    }
+
+    /// `GET /v1/snapshots`.
+    pub async fn snapshots(&self, sandbox: Option<&str>) -> Result<serde_json::Value, ClientError> {
+        let q = sandbox
+            .map(|s| format!("?sandbox={}", urlencode(s)))
+            .unwrap_or_default();
+        self.json(self.req(Method::GET, &format!("/v1/snapshots{q}")))
+            .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/fork`.
+    pub async fn fork(
+        &self,
+        id: &str,
+        snapshot: Option<&str>,
+        token: Option<LeaseToken>,
+    ) -> Result<CreateSandboxResponse, ClientError> {
+        let body = serde_json::json!({"snapshot": snapshot, "token": token});
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/fork"))
+                .json(&body),
+        )
+        .await
+    }
+
     pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),

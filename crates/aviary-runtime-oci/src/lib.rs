@@ -114,6 +114,14 @@ pub struct OciRuntime {
 }
 
 /// Host paths of one sandbox.
+/// Where a sandbox's pre-staged writable layers are picked up from (see
+/// `create_inner`): `<state_dir>/<id>.seed`.
+pub fn seed_dir(sandbox_root: &std::path::Path) -> PathBuf {
+    let mut s = sandbox_root.as_os_str().to_owned();
+    s.push(".seed");
+    PathBuf::from(s)
+}
+
 struct SandboxDirs {
     root: PathBuf,
 }
@@ -404,6 +412,10 @@ impl OciRuntime {
         spec: &SandboxSpec,
         dirs: &SandboxDirs,
     ) -> Result<SandboxHandle, RuntimeError> {
+        // A control plane restoring a snapshot pre-stages the writable layers
+        // in `<state_dir>/<id>.seed/{upper,workspace}`; they are adopted
+        // (renamed into place, same filesystem) instead of starting empty.
+        let seed = seed_dir(&dirs.root);
         for d in [
             dirs.upper(),
             dirs.work(),
@@ -412,10 +424,23 @@ impl OciRuntime {
             dirs.workspace(),
             dirs.bundle(),
         ] {
+            let staged = d.file_name().map(|n| seed.join(n));
+            if let Some(staged) =
+                staged.filter(|s| (d == dirs.upper() || d == dirs.workspace()) && s.is_dir())
+            {
+                std::fs::rename(&staged, &d).map_err(|source| RuntimeError::CreateDir {
+                    path: d.clone(),
+                    source,
+                })?;
+                continue;
+            }
             std::fs::create_dir(&d).map_err(|source| RuntimeError::CreateDir {
                 path: d.clone(),
                 source,
             })?;
+        }
+        if seed.exists() {
+            let _ = std::fs::remove_dir_all(&seed);
         }
         host::mount_overlay(
             &spec.template_rootfs,
@@ -583,7 +608,11 @@ impl Runtime for OciRuntime {
         if let Err(e) = host::unmount_all_under(&dirs.root) {
             residue.push(e);
         }
-        for dir in [dirs.root.clone(), self.runtime_root().join(id.as_str())] {
+        for dir in [
+            dirs.root.clone(),
+            seed_dir(&dirs.root),
+            self.runtime_root().join(id.as_str()),
+        ] {
             // Unlinking is slow on some disks (ext4 with `discard`: 20-50 ms
             // per sandbox here); keep it off the async workers.
             let d = dir.clone();

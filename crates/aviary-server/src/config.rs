@@ -63,6 +63,9 @@ pub struct ServerConfig {
     pub max_sandbox_ttl_s: u64,
     /// How often leases and TTLs are checked.
     pub sweep_interval_ms: u64,
+    /// Idle sandboxes are hibernated (snapshot, compute stopped) after this
+    /// many seconds without activity; `None` keeps them warm forever.
+    pub idle_hibernate_s: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,6 +106,7 @@ impl ServerConfig {
             max_lease_ttl_s: 24 * 3600,
             max_sandbox_ttl_s: 7 * 24 * 3600,
             sweep_interval_ms: 500,
+            idle_hibernate_s: Some(900),
         }
     }
 

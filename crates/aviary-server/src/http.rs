@@ -640,6 +640,84 @@ async fn manifest(
     Ok(Json(cp.manifest(&c, &id, q.refresh).await?))
 }
 
+/// Checkpoint: workspace + writable layer as content-defined chunks (fenced).
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = crate::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn snapshot(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<crate::snapshots::SandboxSnapshot>), OpError> {
+    let rid = request_id(&headers);
+    Ok((
+        StatusCode::CREATED,
+        Json(
+            cp.snapshot(&c, &id, header_token(&headers)?, Some(&rid))
+                .await?,
+        ),
+    ))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotsQuery {
+    sandbox: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/snapshots", params(SnapshotsQuery), responses((status = 200, body = crate::snapshots::SnapshotList)), security(("api_key" = [])))]
+async fn snapshots(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiQuery(q): ApiQuery<SnapshotsQuery>,
+) -> Result<Json<crate::snapshots::SnapshotList>, OpError> {
+    Ok(Json(cp.list_snapshots(&c, q.sandbox.as_deref()).await?))
+}
+
+/// A new sandbox from a checkpoint of this one (a fresh one when none is named).
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = crate::snapshots::ForkRequest, responses((status = 201, body = CreateSandboxResponse), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn fork(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(mut req): ApiJson<crate::snapshots::ForkRequest>,
+) -> Result<(StatusCode, Json<CreateSandboxResponse>), OpError> {
+    let rid = request_id(&headers);
+    if req.token.is_none() {
+        req.token = header_token(&headers)?;
+    }
+    Ok((
+        StatusCode::CREATED,
+        Json(cp.fork(&c, &id, req, Some(&rid)).await?),
+    ))
+}
+
+/// Snapshot, then stop compute; the sandbox keeps its id and wakes from the snapshot.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/hibernate", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn hibernate(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(
+        cp.hibernate(&c, &id, header_token(&headers)?, Some(&rid))
+            .await?,
+    ))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/wake", responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn wake(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Sandbox>, OpError> {
+    let rid = request_id(&headers);
+    Ok(Json(cp.wake(&c, &id, Some(&rid)).await?))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -728,7 +806,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -768,6 +846,11 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/sandboxes/{id}/reset", post(reset))
         .route("/v1/sandboxes/{id}/release", post(release))
         .route("/v1/sandboxes/{id}/manifest", get(manifest))
+        .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
+        .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/sandboxes/{id}/hibernate", post(hibernate))
+        .route("/v1/sandboxes/{id}/wake", post(wake))
+        .route("/v1/snapshots", get(snapshots))
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key))

@@ -18,6 +18,7 @@ pub mod ops;
 pub mod planning;
 pub mod pools;
 pub mod scopes;
+pub mod snapshots;
 
 use anyhow::Context;
 use config::ServerConfig;

@@ -83,6 +83,7 @@ pub struct ControlPlane {
     pub metrics: crate::metrics::Metrics,
     pub planning: crate::planning::Planning,
     pub pools: crate::pools::Pools,
+    pub snapshots: aviary_snapshots::SnapshotService,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -144,6 +145,8 @@ impl ControlPlane {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
         let pools = crate::pools::Pools::new(&cfg.settings.pools, &cfg.data_dir);
+        let chunk_store = aviary_snapshots::LocalStore::open(cfg.data_dir.join("snapshots"))?;
+        let snapshots = aviary_snapshots::SnapshotService::new(Arc::new(chunk_store));
         Ok(Arc::new(ControlPlane {
             cfg,
             registry,
@@ -159,6 +162,7 @@ impl ControlPlane {
             metrics: crate::metrics::Metrics::default(),
             planning,
             pools,
+            snapshots,
         }))
     }
 
@@ -502,6 +506,17 @@ impl ControlPlane {
         req: CreateSandboxRequest,
         request_id: Option<&str>,
     ) -> Result<CreateSandboxResponse, OpError> {
+        self.create_seeded(caller, req, request_id, None).await
+    }
+
+    /// Create, optionally from a snapshot's layers (fork, restore branch C).
+    pub(crate) async fn create_seeded(
+        &self,
+        caller: &Caller,
+        req: CreateSandboxRequest,
+        request_id: Option<&str>,
+        seed: Option<crate::snapshots::SandboxSnapshot>,
+    ) -> Result<CreateSandboxResponse, OpError> {
         self.ensure_ready()?;
         for (what, v) in [
             ("user_id", &req.user_id),
@@ -550,7 +565,11 @@ impl ControlPlane {
         let expires_at = aviary_core::now() + time::Duration::seconds(ttl_s as i64);
         let mut lease_req = lease_req;
         let mut new_decision = None;
-        let bucket = self.bucket_of(caller, &req, scope)?;
+        let bucket = if seed.is_some() {
+            None
+        } else {
+            self.bucket_of(caller, &req, scope)?
+        };
         let _guard = match &bucket {
             Some(b) => Some(self.bucket_guard(b).await),
             None => None,
@@ -581,7 +600,9 @@ impl ControlPlane {
                 ));
             }
         }
-        if let Some(hit) = self
+        if seed.is_some() {
+            // a fork restores into fresh layers: no pooled sandbox fits
+        } else if let Some(hit) = self
             .try_pool(
                 caller,
                 &req,
@@ -657,6 +678,12 @@ impl ControlPlane {
         let allocation_id = Some(self.registry.insert_allocation(&allocation).await?);
 
         let spec = self.sandbox_spec(&id, &template, resources, network);
+        if let Some(snap) = &seed {
+            if let Err(e) = self.stage_seed(snap, &id).await {
+                self.fail_sandbox(&id, request_id, &e).await;
+                return Err(e);
+            }
+        }
         match self
             .start_runtime(&spec, rec, lease_req, allocation_id, request_id)
             .await
@@ -796,6 +823,24 @@ impl ControlPlane {
                 Err(e)
             }
         }
+    }
+
+    pub(crate) fn forget_live(&self, id: &SandboxId) {
+        self.live.lock().expect("live map poisoned").remove(id);
+        self.last_touch
+            .lock()
+            .expect("touch map poisoned")
+            .remove(id);
+    }
+
+    pub(crate) async fn template_info(&self, name: &str) -> Result<TemplateInfo, OpError> {
+        let store = self.templates.clone();
+        let n = name.to_owned();
+        tokio::task::spawn_blocking(move || store.get(&n))
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?
+            .ok_or_else(|| OpError::InvalidRequest(format!("unknown template {name:?}")))
     }
 
     fn lease_ttl(&self, ttl_s: Option<u64>) -> Result<Duration, OpError> {
@@ -1482,6 +1527,7 @@ impl ControlPlane {
                 }
             }
         }
+        self.hibernate_idle().await?;
         Ok(())
     }
 

@@ -155,6 +155,24 @@ impl ControlPlane {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        // branch C: the bucket's compute is gone (hibernated) but its
+        // snapshot is there: new compute, layers restored
+        let mut rows = rows;
+        let mut woken = None;
+        if !rows
+            .iter()
+            .any(|r| matches!(r.state, SandboxState::Idle | SandboxState::Leased))
+        {
+            if let Some(h) = rows
+                .iter()
+                .find(|r| r.state == SandboxState::Hibernating && !r.tainted)
+                .cloned()
+            {
+                let rec = self.wake_record(h, request_id).await?;
+                woken = Some(rec.id.clone());
+                rows = vec![rec];
+            }
+        }
         let mut candidates = Vec::new();
         for r in rows {
             if !matches!(r.state, SandboxState::Idle | SandboxState::Leased) {
@@ -226,11 +244,37 @@ impl ControlPlane {
             }
         };
         let rec = self.registry.get_sandbox(&rec.id).await?;
-        let mut api = decision.to_api("A");
-        api.reason = format!(
-            "container alive, work dir intact: {}",
-            decision.reasons.join("; ")
-        );
+        let (branch, how) = if woken.as_ref() == Some(&rec.id) {
+            (
+                "C",
+                "container was gone, new compute restored from its snapshot",
+            )
+        } else {
+            match self.last_snapshot(&rec.tenant, &rec.id) {
+                // branch B: compute alive, work dir lost: restore it in place
+                Some(snap) if self.workspace_lost(&rec, &snap) => {
+                    self.restore_workspace_live(&rec, &snap).await?;
+                    (
+                        "B",
+                        "container alive, work dir lost: restored from the last snapshot",
+                    )
+                }
+                _ => ("A", "container alive, work dir intact"),
+            }
+        };
+        let mut api = decision.to_api(branch);
+        api.reason = format!("{how}: {}", decision.reasons.join("; "));
+        self.registry
+            .append_event(NewEvent {
+                sandbox_id: Some(rec.id.clone()),
+                tenant: rec.tenant.clone(),
+                event_type: "restore_branch".into(),
+                old_state: Some(rec.state),
+                new_state: Some(rec.state),
+                request_id: request_id.map(str::to_owned),
+                metadata: serde_json::json!({"branch": branch, "reason": how}),
+            })
+            .await?;
         Ok(BucketOutcome::Reused(Box::new(CreateSandboxResponse {
             sandbox: self.view(&rec).await?,
             decision: api,

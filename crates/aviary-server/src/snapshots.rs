@@ -1,0 +1,542 @@
+//! Snapshots, fork, hibernate / wake and the restore branches (DESIGN §3
+//! Snapshot store, §5 four-branch restore).
+//!
+//! A sandbox snapshot is two content-defined, content-addressed tree
+//! snapshots in the chunk store — the workspace and the overlay's writable
+//! upper layer — plus a small index record (`<data>/snapshot-index/<id>.json`)
+//! tying them to the sandbox, its template and its parent snapshot, so
+//! snapshots form a tree. The sandbox is frozen while its trees are read, so
+//! a snapshot is consistent. Unchanged chunks are never written twice, and
+//! files unchanged since the parent snapshot are not even read again.
+//!
+//! Restoring never writes into a running overlay's upper dir: the layers are
+//! staged in `<state>/<id>.seed/` and adopted by the runtime at create.
+
+use crate::error::OpError;
+use crate::ops::{Caller, ControlPlane};
+use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
+use aviary_core::{LeaseToken, SandboxId, SandboxState};
+use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
+use aviary_snapshots::{RestoreOptions, SnapshotId, SnapshotRequest};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// One sandbox snapshot (a checkpoint).
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SandboxSnapshot {
+    pub id: String,
+    pub tenant: String,
+    pub sandbox_id: String,
+    /// The snapshot of the same lineage taken before this one.
+    pub parent: Option<String>,
+    /// Chunk-store manifest of `/workspace`.
+    pub workspace_manifest: String,
+    /// Chunk-store manifest of the writable layer (everything changed outside `/workspace`).
+    pub upper_manifest: String,
+    pub template: String,
+    pub template_digest: String,
+    pub resource_class: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: time::OffsetDateTime,
+    /// Bytes of files in both trees.
+    pub total_bytes: u64,
+    /// Chunk bytes this snapshot had to store (the rest was already there).
+    pub new_bytes: u64,
+    pub label: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SnapshotList {
+    pub snapshots: Vec<SandboxSnapshot>,
+}
+
+/// `POST /v1/sandboxes/{id}/fork`
+#[derive(Clone, Debug, Default, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Checkpoint to fork from; a fresh snapshot of the sandbox when absent.
+    #[serde(default)]
+    pub snapshot: Option<String>,
+    #[serde(default)]
+    pub token: Option<LeaseToken>,
+}
+
+fn valid_snapshot_id(s: &str) -> Result<(), OpError> {
+    if s.is_empty()
+        || s.len() > 64
+        || !s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(OpError::NotFound(format!("snapshot {s:?}")));
+    }
+    Ok(())
+}
+
+impl ControlPlane {
+    fn index_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("snapshot-index")
+    }
+
+    fn save_index(&self, s: &SandboxSnapshot) -> Result<(), OpError> {
+        let dir = self.index_dir();
+        std::fs::create_dir_all(&dir).map_err(OpError::internal)?;
+        let tmp = dir.join(format!(".{}.tmp", s.id));
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(s).map_err(OpError::internal)?,
+        )
+        .map_err(OpError::internal)?;
+        std::fs::rename(&tmp, dir.join(format!("{}.json", s.id))).map_err(OpError::internal)
+    }
+
+    /// A snapshot of the caller's tenant (others' are `not_found`).
+    pub(crate) fn load_snapshot(
+        &self,
+        caller_tenant: &str,
+        id: &str,
+    ) -> Result<SandboxSnapshot, OpError> {
+        valid_snapshot_id(id)?;
+        let bytes = std::fs::read(self.index_dir().join(format!("{id}.json")))
+            .map_err(|_| OpError::NotFound(format!("snapshot {id}")))?;
+        let s: SandboxSnapshot = serde_json::from_slice(&bytes).map_err(OpError::internal)?;
+        if s.tenant != caller_tenant {
+            return Err(OpError::NotFound(format!("snapshot {id}")));
+        }
+        Ok(s)
+    }
+
+    pub async fn list_snapshots(
+        &self,
+        caller: &Caller,
+        sandbox: Option<&str>,
+    ) -> Result<SnapshotList, OpError> {
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(self.index_dir()) {
+            for e in rd.flatten() {
+                let Ok(bytes) = std::fs::read(e.path()) else {
+                    continue;
+                };
+                let Ok(s) = serde_json::from_slice::<SandboxSnapshot>(&bytes) else {
+                    continue;
+                };
+                if s.tenant == caller.tenant && sandbox.is_none_or(|id| s.sandbox_id == id) {
+                    out.push(s);
+                }
+            }
+        }
+        out.sort_by_key(|s| s.created_at);
+        Ok(SnapshotList { snapshots: out })
+    }
+
+    /// The latest snapshot of a sandbox, if any.
+    pub(crate) fn last_snapshot(
+        &self,
+        tenant: &str,
+        sandbox: &SandboxId,
+    ) -> Option<SandboxSnapshot> {
+        let rd = std::fs::read_dir(self.index_dir()).ok()?;
+        rd.flatten()
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
+            .filter(|s| s.tenant == tenant && s.sandbox_id == sandbox.as_str())
+            .max_by_key(|s| s.created_at)
+    }
+
+    /// `POST /v1/sandboxes/{id}/snapshot` (fenced).
+    pub async fn snapshot(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        request_id: Option<&str>,
+    ) -> Result<SandboxSnapshot, OpError> {
+        let (rec, _live) = self.writable(caller, id, token).await?;
+        let snap = self.take_snapshot(&rec, "checkpoint").await?;
+        self.registry
+            .append_event(aviary_registry::NewEvent {
+                sandbox_id: Some(rec.id.clone()),
+                tenant: rec.tenant.clone(),
+                event_type: "snapshot_taken".into(),
+                old_state: Some(rec.state),
+                new_state: Some(rec.state),
+                request_id: request_id.map(str::to_owned),
+                metadata: serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes}),
+            })
+            .await?;
+        Ok(snap)
+    }
+
+    /// Snapshots the sandbox's workspace and writable layer, frozen.
+    pub(crate) async fn take_snapshot(
+        &self,
+        rec: &SandboxRecord,
+        label: &str,
+    ) -> Result<SandboxSnapshot, OpError> {
+        let root = self.cfg.runtime_state_dir().join(rec.id.as_str());
+        let parent = self.last_snapshot(&rec.tenant, &rec.id);
+        let live = self.live_opt(&rec.id);
+        let freeze = match (&self.pausable, &live) {
+            (Some(p), Some(l)) if !l.paused.load(Ordering::SeqCst) => {
+                p.pause(&rec.id).await.map_err(|e| {
+                    OpError::Internal(anyhow::Error::new(e).context("freeze for snapshot"))
+                })?;
+                true
+            }
+            _ => false,
+        };
+        let result = async {
+            let mut ws = SnapshotRequest::new(rec.tenant.clone(), format!("{label}/workspace"))
+                .sandbox(rec.id.clone());
+            let mut up = SnapshotRequest::new(rec.tenant.clone(), format!("{label}/upper"))
+                .sandbox(rec.id.clone());
+            if let Some(p) = &parent {
+                ws = ws.parent(
+                    p.workspace_manifest
+                        .parse::<SnapshotId>()
+                        .map_err(OpError::internal)?,
+                );
+                up = up.parent(
+                    p.upper_manifest
+                        .parse::<SnapshotId>()
+                        .map_err(OpError::internal)?,
+                );
+            }
+            let store = self.snapshots.store().clone();
+            let w = snapshot_tree(store.clone(), root.join("workspace"), ws).await?;
+            let u = snapshot_tree(store, root.join("upper"), up).await?;
+            Ok::<_, OpError>((w, u))
+        }
+        .await;
+        if freeze {
+            if let Some(p) = &self.pausable {
+                if let Err(e) = p.resume(&rec.id).await {
+                    tracing::error!(sandbox.id = %rec.id, error = %e, "could not thaw after snapshot");
+                }
+            }
+        }
+        let (w, u) = result?;
+        let snap = SandboxSnapshot {
+            id: w.id.as_str().to_owned(),
+            tenant: rec.tenant.clone(),
+            sandbox_id: rec.id.to_string(),
+            parent: parent.map(|p| p.id),
+            workspace_manifest: w.id.as_str().to_owned(),
+            upper_manifest: u.id.as_str().to_owned(),
+            template: rec.template.clone(),
+            template_digest: rec.template_digest.clone(),
+            resource_class: rec.resource_class.clone(),
+            created_at: aviary_core::now(),
+            total_bytes: w.total_bytes + u.total_bytes,
+            new_bytes: w.new_bytes + u.new_bytes,
+            label: label.to_owned(),
+        };
+        self.save_index(&snap)?;
+        if let Ok(Some(mut env)) = self.registry.get_environment(&rec.id).await {
+            env.snapshot_id = Some(snap.id.clone());
+            let _ = self.registry.upsert_environment(&env).await;
+        }
+        Ok(snap)
+    }
+
+    /// Restores a snapshot's two trees into `<state>/<id>.seed/`, where the
+    /// runtime picks them up at create.
+    pub(crate) async fn stage_seed(
+        &self,
+        snap: &SandboxSnapshot,
+        id: &SandboxId,
+    ) -> Result<(), OpError> {
+        let seed = aviary_runtime_oci::seed_dir(&self.cfg.runtime_state_dir().join(id.as_str()));
+        let _ = std::fs::remove_dir_all(&seed);
+        std::fs::create_dir_all(&seed).map_err(OpError::internal)?;
+        for (manifest, dir) in [
+            (&snap.workspace_manifest, "workspace"),
+            (&snap.upper_manifest, "upper"),
+        ] {
+            let mid: SnapshotId = manifest.parse().map_err(OpError::internal)?;
+            restore_tree(
+                self.snapshots.store().clone(),
+                snap.tenant.clone(),
+                mid,
+                seed.join(dir),
+            )
+            .await
+            .map_err(|e| match e {
+                aviary_snapshots::SnapshotError::Corrupt { .. } => OpError::InvalidState {
+                    state: SandboxState::Provisioning,
+                    what: format!("snapshot {} is corrupt: {e}", snap.id),
+                },
+                other => OpError::internal(other),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// A new sandbox from a checkpoint (copy of its layers; changes in the
+    /// fork never show in the parent).
+    pub async fn fork(
+        &self,
+        caller: &Caller,
+        id: &str,
+        req: ForkRequest,
+        request_id: Option<&str>,
+    ) -> Result<CreateSandboxResponse, OpError> {
+        let parent = self.sandbox_for(caller, id).await?;
+        let snap = match &req.snapshot {
+            Some(s) => {
+                let snap = self.load_snapshot(&caller.tenant, s)?;
+                if snap.sandbox_id != parent.id.as_str() {
+                    return Err(OpError::NotFound(format!("snapshot {s} of sandbox {id}")));
+                }
+                snap
+            }
+            None => self.snapshot(caller, id, req.token, request_id).await?,
+        };
+        let create = CreateSandboxRequest {
+            template: Some(snap.template.clone()),
+            class: Some(snap.resource_class.clone()),
+            ..Default::default()
+        };
+        let mut resp = self
+            .create_seeded(caller, create, request_id, Some(snap.clone()))
+            .await?;
+        resp.decision = Decision {
+            action: "fork".into(),
+            branch: "C".into(),
+            reason: format!("forked from snapshot {} of {}", snap.id, parent.id),
+            score: 1.0,
+        };
+        Ok(resp)
+    }
+
+    /// Idle → Hibernating: snapshot, then stop compute (the registry row
+    /// stays; `wake` restores it).
+    pub async fn hibernate(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        request_id: Option<&str>,
+    ) -> Result<Sandbox, OpError> {
+        let (rec, _live) = self.writable(caller, id, token).await?;
+        if rec.state != SandboxState::Idle {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "only an idle sandbox can hibernate".into(),
+            });
+        }
+        self.hibernate_record(rec, request_id, "requested").await
+    }
+
+    pub(crate) async fn hibernate_record(
+        &self,
+        rec: SandboxRecord,
+        request_id: Option<&str>,
+        why: &str,
+    ) -> Result<Sandbox, OpError> {
+        let snap = self.take_snapshot(&rec, "hibernate").await?;
+        let rec = self
+            .registry
+            .transition(
+                &rec.id,
+                rec.version,
+                &[SandboxState::Hibernating],
+                FenceCheck::Skip,
+                TransitionCtx {
+                    request_id: request_id.map(str::to_owned),
+                    event_type: Some("hibernated".into()),
+                    metadata: serde_json::json!({"snapshot": snap.id, "reason": why}),
+                },
+            )
+            .await?;
+        self.forget_live(&rec.id);
+        if let Err(e) = self.runtime.destroy(&rec.id).await {
+            tracing::warn!(sandbox.id = %rec.id, error = %e, "stopping hibernated compute failed");
+        }
+        self.view(&rec).await
+    }
+
+    /// Hibernating → Provisioning → Idle: new compute with the last snapshot.
+    pub async fn wake(
+        &self,
+        caller: &Caller,
+        id: &str,
+        request_id: Option<&str>,
+    ) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(caller, id).await?;
+        if rec.state != SandboxState::Hibernating {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "only a hibernating sandbox can be woken".into(),
+            });
+        }
+        let rec = self.wake_record(rec, request_id).await?;
+        self.view(&rec).await
+    }
+
+    pub(crate) async fn wake_record(
+        &self,
+        rec: SandboxRecord,
+        request_id: Option<&str>,
+    ) -> Result<SandboxRecord, OpError> {
+        let snap =
+            self.last_snapshot(&rec.tenant, &rec.id)
+                .ok_or_else(|| OpError::InvalidState {
+                    state: rec.state,
+                    what: "it has no snapshot to wake from".into(),
+                })?;
+        let rec = self
+            .registry
+            .transition(
+                &rec.id,
+                rec.version,
+                &[SandboxState::Provisioning],
+                FenceCheck::Skip,
+                TransitionCtx {
+                    request_id: request_id.map(str::to_owned),
+                    event_type: Some("waking".into()),
+                    metadata: serde_json::json!({"snapshot": snap.id}),
+                },
+            )
+            .await?;
+        let template = self.template_info(&rec.template).await?;
+        self.stage_seed(&snap, &rec.id).await?;
+        let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+        let (rec, live) = self.provision(&spec, rec, None).await?;
+        let (rec, _) = self
+            .finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
+            .await?;
+        Ok(rec)
+    }
+
+    /// Branch B: the compute is alive but its work dir is gone: restore the
+    /// last snapshot's workspace into the live sandbox.
+    pub(crate) async fn restore_workspace_live(
+        &self,
+        rec: &SandboxRecord,
+        snap: &SandboxSnapshot,
+    ) -> Result<(), OpError> {
+        let ws = self
+            .cfg
+            .runtime_state_dir()
+            .join(rec.id.as_str())
+            .join("workspace");
+        let mid: SnapshotId = snap.workspace_manifest.parse().map_err(OpError::internal)?;
+        // restore into a fresh dir beside it, then move the entries in (the
+        // workspace itself is a bind mount and must stay the same inode)
+        let staging = self
+            .cfg
+            .runtime_state_dir()
+            .join(format!("{}.restore", rec.id));
+        let _ = std::fs::remove_dir_all(&staging);
+        restore_tree(
+            self.snapshots.store().clone(),
+            snap.tenant.clone(),
+            mid,
+            staging.clone(),
+        )
+        .await
+        .map_err(OpError::internal)?;
+        for e in std::fs::read_dir(&staging)
+            .map_err(OpError::internal)?
+            .flatten()
+        {
+            let target = ws.join(e.file_name());
+            if !target.exists() {
+                std::fs::rename(e.path(), target).map_err(OpError::internal)?;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&staging);
+        Ok(())
+    }
+
+    /// True when the live workspace lost what the snapshot had.
+    pub(crate) fn workspace_lost(&self, rec: &SandboxRecord, snap: &SandboxSnapshot) -> bool {
+        let ws = self
+            .cfg
+            .runtime_state_dir()
+            .join(rec.id.as_str())
+            .join("workspace");
+        let empty = std::fs::read_dir(&ws)
+            .map(|mut r| r.next().is_none())
+            .unwrap_or(true);
+        empty && snap.total_bytes > 0
+    }
+
+    /// Hibernates idle sandboxes past the idle timeout (called by the sweep).
+    pub(crate) async fn hibernate_idle(&self) -> Result<(), OpError> {
+        let Some(limit) = self.cfg.idle_hibernate_s else {
+            return Ok(());
+        };
+        let now = aviary_core::now();
+        for rec in self.registry.list_sandboxes(None, false).await? {
+            if rec.state != SandboxState::Idle || rec.tenant.is_empty() {
+                continue;
+            }
+            let idle = (now - rec.last_active_at).as_seconds_f64();
+            let paused = self
+                .live_opt(&rec.id)
+                .is_some_and(|l| l.paused.load(Ordering::SeqCst));
+            if idle >= limit as f64 && !paused {
+                if let Err(e) = self
+                    .hibernate_record(rec.clone(), None, "idle timeout")
+                    .await
+                {
+                    tracing::warn!(sandbox.id = %rec.id, error = %e, "idle hibernation failed");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How long a wake may take before the caller sees an error.
+pub const WAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Runs a snapshot-store future on a blocking thread of its own. The
+/// chunk-store futures are not `Send` for every lifetime (a rustc limitation
+/// with closures in stream combinators), which axum handlers require.
+async fn off_thread<F, Fut, T>(f: F) -> Result<T, OpError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = T>,
+    T: Send + 'static,
+{
+    let h = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || h.block_on(f()))
+        .await
+        .map_err(OpError::internal)
+}
+
+async fn snapshot_tree(
+    store: std::sync::Arc<dyn aviary_snapshots::ChunkStore>,
+    root: PathBuf,
+    req: SnapshotRequest,
+) -> Result<aviary_snapshots::SnapshotManifest, OpError> {
+    off_thread(
+        move || async move { aviary_snapshots::snapshot_dir(store.as_ref(), &root, req).await },
+    )
+    .await?
+    .map_err(OpError::internal)
+}
+
+async fn restore_tree(
+    store: std::sync::Arc<dyn aviary_snapshots::ChunkStore>,
+    tenant: String,
+    id: SnapshotId,
+    target: PathBuf,
+) -> Result<aviary_snapshots::RestoreStats, aviary_snapshots::SnapshotError> {
+    off_thread(move || async move {
+        let m = store.get_manifest(&tenant, &id).await?;
+        aviary_snapshots::restore_dir(store.as_ref(), &m, &target, &RestoreOptions::default()).await
+    })
+    .await
+    .unwrap_or_else(|e| {
+        Err(aviary_snapshots::SnapshotError::NotFound {
+            what: format!("restore task: {e}"),
+        })
+    })
+}

@@ -1,0 +1,278 @@
+//! Snapshots, fork isolation, hibernate/wake and the four restore branches,
+//! against the real server, runtime and chunk store.
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use aviary_core::api::CreateSandboxRequest;
+use aviary_core::{ErrorCode, SandboxState};
+use common::shell;
+use std::time::Duration;
+
+fn session(s: &str) -> CreateSandboxRequest {
+    CreateSandboxRequest {
+        session_id: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_are_incremental_and_forks_are_isolated() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let p = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.exec(&p, &shell("head -c 3000000 /dev/urandom > /workspace/blob; echo v1 > /workspace/note; mkdir -p /etc/app && echo conf > /etc/app/x")).await.unwrap();
+    let s1 = c.snapshot(&p, None).await.unwrap();
+    assert!(s1["total_bytes"].as_u64().unwrap() >= 3_000_000, "{s1}");
+    assert!(s1["new_bytes"].as_u64().unwrap() >= 3_000_000, "{s1}");
+    // nothing changed: nothing new is stored
+    let s2 = c.snapshot(&p, None).await.unwrap();
+    assert_eq!(s2["new_bytes"].as_u64().unwrap(), 0, "{s2}");
+    assert_eq!(s2["parent"], s1["id"]);
+
+    // a fork from the first checkpoint has the workspace and the writable layer
+    let f = c.fork(&p, s1["id"].as_str(), None).await.unwrap();
+    assert_eq!(f.decision.action, "fork");
+    let fid = f.sandbox.id.to_string();
+    assert_ne!(fid, p);
+    let r = c
+        .exec(
+            &fid,
+            &shell("cat /workspace/note /etc/app/x; md5sum < /workspace/blob"),
+        )
+        .await
+        .unwrap();
+    let rp = c
+        .exec(&p, &shell("md5sum < /workspace/blob"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, format!("v1\nconf\n{}", rp.stdout));
+    // changes on either side never show on the other
+    c.exec(
+        &fid,
+        &shell("echo fork > /workspace/note; echo only-fork > /workspace/new"),
+    )
+    .await
+    .unwrap();
+    c.exec(&p, &shell("echo parent > /workspace/note"))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read_file(&p, "/workspace/note").await.unwrap(),
+        b"parent\n"
+    );
+    assert_eq!(
+        c.read_file(&fid, "/workspace/note").await.unwrap(),
+        b"fork\n"
+    );
+    assert_eq!(
+        c.stat(&p, "/workspace/new").await.unwrap_err().code(),
+        Some(ErrorCode::NotFound)
+    );
+
+    // another tenant cannot use the snapshot, nor see it
+    let k = c.create_key("other", false).await.unwrap().key;
+    let other = aviary_client::Client::new(&ts.url(), &k);
+    assert!(other.snapshots(None).await.unwrap()["snapshots"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    let mine = other
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    assert_eq!(
+        other
+            .fork(&mine, s1["id"].as_str(), None)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::NotFound)
+    );
+    assert_eq!(
+        other.fork(&p, None, None).await.unwrap_err().code(),
+        Some(ErrorCode::NotFound)
+    );
+    ts.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_chunk_is_detected_and_nothing_is_restored() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let p = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.exec(&p, &shell("head -c 2000000 /dev/urandom > /workspace/blob"))
+        .await
+        .unwrap();
+    let s = c.snapshot(&p, None).await.unwrap();
+    // flip one byte in every stored chunk file of at least 1 MB
+    let mut flipped = 0;
+    for entry in walk(&ts.data.join("snapshots")) {
+        let meta = std::fs::metadata(&entry).unwrap();
+        if meta.len() >= 1_000_000 {
+            let mut b = std::fs::read(&entry).unwrap();
+            b[100] ^= 0xff;
+            std::fs::write(&entry, b).unwrap();
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 0, "no chunk file found to corrupt");
+    let before = c.list_sandboxes(false).await.unwrap().sandboxes.len();
+    let e = c.fork(&p, s["id"].as_str(), None).await.unwrap_err();
+    assert!(e.to_string().contains("corrupt"), "{e}");
+    assert_eq!(
+        c.list_sandboxes(false).await.unwrap().sandboxes.len(),
+        before
+    );
+    // the parent is untouched
+    assert_eq!(
+        c.exec(&p, &shell("wc -c < /workspace/blob"))
+            .await
+            .unwrap()
+            .stdout
+            .trim(),
+        "2000000"
+    );
+    ts.cleanup().await;
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_four_restore_branches() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    // D: nothing in the scope yet
+    let d = c.create_sandbox(&session("b")).await.unwrap();
+    assert_eq!(d.decision.branch, "D", "{:?}", d.decision);
+    let id = d.sandbox.id.to_string();
+    c.exec(&id, &shell("echo kept > /workspace/f"))
+        .await
+        .unwrap();
+
+    // A: compute alive, work dir intact
+    let a = c.create_sandbox(&session("b")).await.unwrap();
+    assert_eq!(
+        (a.sandbox.id.as_str(), a.decision.branch.as_str()),
+        (id.as_str(), "A"),
+        "{:?}",
+        a.decision
+    );
+
+    // B: compute alive, work dir lost: restored from the last snapshot
+    c.snapshot(&id, None).await.unwrap();
+    c.exec(
+        &id,
+        &shell("rm -rf /workspace/* /workspace/.[!.]*; ls -A /workspace | wc -l"),
+    )
+    .await
+    .unwrap();
+    let b = c.create_sandbox(&session("b")).await.unwrap();
+    assert_eq!(
+        (b.sandbox.id.as_str(), b.decision.branch.as_str()),
+        (id.as_str(), "B"),
+        "{:?}",
+        b.decision
+    );
+    assert_eq!(c.read_file(&id, "/workspace/f").await.unwrap(), b"kept\n");
+
+    // C: compute gone (hibernated), snapshot there: new compute + restore
+    let h = c.sandbox_action(&id, "hibernate", None).await.unwrap();
+    assert_eq!(h.state, SandboxState::Hibernating);
+    assert!(
+        !ts.cp().runtime.list().await.unwrap().contains(&h.id),
+        "compute must be stopped"
+    );
+    assert_eq!(
+        c.exec(&id, &shell("true")).await.unwrap_err().code(),
+        Some(ErrorCode::InvalidState)
+    );
+    let cc = c.create_sandbox(&session("b")).await.unwrap();
+    assert_eq!(
+        (cc.sandbox.id.as_str(), cc.decision.branch.as_str()),
+        (id.as_str(), "C"),
+        "{:?}",
+        cc.decision
+    );
+    assert_eq!(cc.sandbox.state, SandboxState::Idle);
+    assert_eq!(c.read_file(&id, "/workspace/f").await.unwrap(), b"kept\n");
+    let evs = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
+    let branches: Vec<_> = evs
+        .iter()
+        .filter(|e| e.event_type == "restore_branch")
+        .map(|e| e.metadata["branch"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(branches, vec!["A", "B", "C"]);
+    ts.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sandboxes_hibernate_and_wake_with_their_files() {
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = common::config(&dir.path().join("d"), "busybox");
+    cfg.idle_hibernate_s = Some(1);
+    let ts = common::start_cfg(cfg).await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.exec(
+        &id,
+        &shell("echo zz > /workspace/z; echo etc > /etc/marker"),
+    )
+    .await
+    .unwrap();
+    let mut state = SandboxState::Idle;
+    for _ in 0..100 {
+        state = c.get_sandbox(&id).await.unwrap().state;
+        if state == SandboxState::Hibernating {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, SandboxState::Hibernating);
+    let w = c.sandbox_action(&id, "wake", None).await.unwrap();
+    assert_eq!(w.state, SandboxState::Idle);
+    let r = c
+        .exec(&id, &shell("cat /workspace/z /etc/marker"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "zz\netc\n");
+    ts.cleanup().await;
+}
