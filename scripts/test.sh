@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set-up command 2: installs what the tests need and runs the whole suite
 # (format, lints, unit, property, conformance and integration tests against
-# real crun/runc, overlayfs, cgroups and sockets). Run as root.
+# real crun/runc, overlayfs, cgroups, sockets, and real PostgreSQL, Redis and
+# S3-compatible servers that it starts here and stops at the end). Run as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh test
@@ -9,6 +10,13 @@ source scripts/deps.sh test
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 export AVIARY_TEST_TEMPLATE_CACHE=${AVIARY_TEST_TEMPLATE_CACHE:-/var/tmp/aviary-test-templates}
 mkdir -p "$AVIARY_TEST_TEMPLATE_CACHE"
+
+echo "== services (PostgreSQL, Redis, S3-compatible s3s-fs on loopback)"
+services_env=$(mktemp)
+trap 'scripts/services.sh stop >/dev/null 2>&1 || true; rm -f "$services_env"' EXIT
+scripts/services.sh start >"$services_env"
+# shellcheck disable=SC1090
+. "$services_env"
 
 echo "== fmt"
 cargo fmt --all -- --check
