@@ -369,8 +369,8 @@ mod node {
 
         // Latency of a remote exec round trip vs the local socket.
         let local = EnvdClient::new(handle.control_dir.join(ENVD_SOCKET_NAME));
-        let remote_ms = median_ms(&envd, 20).await;
-        let local_ms = median_ms(&local, 20).await;
+        let remote_ms = median_ms(&envd, 50).await;
+        let local_ms = median_ms(&local, 50).await;
         eprintln!(
             "node B: create {create_ms:.1} ms, envd ready {ready_ms:.1} ms, exec `true` p50 remote {remote_ms:.2} ms vs local {local_ms:.2} ms"
         );
