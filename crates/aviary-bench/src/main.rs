@@ -180,7 +180,9 @@ async fn main() -> anyhow::Result<()> {
     let mut warm_ids = Vec::new();
     for _ in 0..warm_n {
         let t = Instant::now();
-        let s = client.create_sandbox(&CreateSandboxRequest::default()).await?;
+        let s = client
+            .create_sandbox(&CreateSandboxRequest::default())
+            .await?;
         let r = client.exec(s.sandbox.id.as_str(), &true_cmd()).await?;
         let d = t.elapsed();
         anyhow::ensure!(r.exit_code == 0);
@@ -210,7 +212,11 @@ async fn main() -> anyhow::Result<()> {
     server.stop().await?;
 
     let api_cold = stats(api_cold);
-    let api_cold_copy = Stats { p50: api_cold.p50, p90: api_cold.p90, n: api_cold.n };
+    let api_cold_copy = Stats {
+        p50: api_cold.p50,
+        p90: api_cold.p90,
+        n: api_cold.n,
+    };
     let api_exec = stats(api_exec);
     println!("### Core path (issue 2)\n");
     println!(
@@ -258,8 +264,24 @@ async fn main() -> anyhow::Result<()> {
     println!("{}", row("`docker exec`", &docker_exec));
     println!("\nTarget: Aviary p50 ≤ 2 ms.\n");
     println!("| warm pool | p50 ms | p90 ms | n |\n|---|---|---|---|");
-    println!("{}", row("warm-pool acquire → first exec completes (API)", &(if warm.is_empty() { Err("no pool hits".to_owned()) } else { Ok(stats(warm)) })));
-    println!("{}", row("cold create → first exec completes (API, from above)", &Ok(Stats { ..api_cold_copy })));
+    println!(
+        "{}",
+        row(
+            "warm-pool acquire → first exec completes (API)",
+            &(if warm.is_empty() {
+                Err("no pool hits".to_owned())
+            } else {
+                Ok(stats(warm))
+            })
+        )
+    );
+    println!(
+        "{}",
+        row(
+            "cold create → first exec completes (API, from above)",
+            &Ok(Stats { ..api_cold_copy })
+        )
+    );
     println!("\nTarget: warm p50 ≤ 5 ms. Pool refill rate on this machine: {refill_rate:.1} sandboxes/s ({warm_n} sandboxes from empty).\n");
     println!("| host memory per idle sandbox | MiB |\n|---|---|");
     println!("| RSS of everything Aviary runs per sandbox (envd, PID 1; crun exits after start) | {per_rss_mib:.2} |");

@@ -113,6 +113,12 @@ struct CreateArgs {
     /// Task context JSON file for the resource planner (`-` reads stdin); ignored with --class.
     #[arg(long)]
     intent: Option<PathBuf>,
+    /// Start from a saved sandbox state (a snapshot id of yours).
+    #[arg(long)]
+    from_snapshot: Option<String>,
+    /// You manage this sandbox's life: the platform only stops (hibernates) it, never destroys it.
+    #[arg(long)]
+    user_managed: bool,
 }
 
 impl CreateArgs {
@@ -132,6 +138,8 @@ impl CreateArgs {
             network: self.network.clone(),
             ttl_s: self.ttl,
             lease: None,
+            from_snapshot: self.from_snapshot.clone(),
+            user_managed: self.user_managed,
         })
     }
 }

@@ -38,6 +38,13 @@ pub struct CreateSandboxRequest {
     /// Take a lease as part of the create.
     #[serde(default)]
     pub lease: Option<AcquireLeaseRequest>,
+    /// A saved sandbox state (snapshot id of this tenant) to start from.
+    #[serde(default)]
+    pub from_snapshot: Option<String>,
+    /// The caller manages this sandbox's life: the platform (TTL, idle
+    /// timeout) only stops it — snapshot and hibernate — and never destroys it.
+    #[serde(default)]
+    pub user_managed: bool,
 }
 
 /// A sandbox as the API shows it.
@@ -64,6 +71,9 @@ pub struct Sandbox {
     #[schema(value_type = Option<String>, format = DateTime)]
     pub expires_at: Option<OffsetDateTime>,
     pub tainted: bool,
+    /// Owned by the user: the platform only stops (hibernates) it, never destroys it.
+    #[serde(default)]
+    pub user_managed: bool,
     /// Optimistic-concurrency version of the registry row.
     pub version: i64,
     /// The live lease, if any (its token is shown only in the acquire/create answer).

@@ -40,6 +40,7 @@ pub use aviary_registry::Registry;
 const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0001_init.sql"),
     include_str!("../migrations/0002_environment_manifest.sql"),
+    include_str!("../migrations/0003_user_managed.sql"),
 ];
 
 /// How long a writer from another process waits for the write lock.

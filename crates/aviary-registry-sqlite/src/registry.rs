@@ -15,7 +15,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted";
+    expires_at, version, tainted, user_managed";
 
 fn col<'r, T>(row: &'r SqliteRow, name: &str) -> Result<T, RegistryError>
 where
@@ -67,6 +67,7 @@ fn sandbox_row(row: &SqliteRow) -> Result<SandboxRecord, RegistryError> {
             .transpose()?,
         version: col(row, "version")?,
         tainted: col(row, "tainted")?,
+        user_managed: col(row, "user_managed")?,
     })
 }
 
@@ -208,8 +209,8 @@ impl Registry for SqliteRegistry {
             "INSERT INTO sandbox_instance (sandbox_id, tenant_id, user_id, session_id, agent, \
              scope, runtime_provider, runtime_instance_id, node_id, resource_class, cpu, \
              memory_mb, disk_mb, pids, template_id, template_digest, network_profile, state, \
-             created_at, last_active_at, expires_at, version, tainted) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+             created_at, last_active_at, expires_at, version, tainted, user_managed) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
         )
         .bind(new.id.as_str())
         .bind(&new.tenant)
@@ -233,6 +234,7 @@ impl Registry for SqliteRegistry {
         .bind(micros(now))
         .bind(expires_at.map(micros))
         .bind(new.tainted)
+        .bind(new.user_managed)
         .execute(&mut *tx)
         .await
         .map_err(storage)?;
@@ -273,6 +275,7 @@ impl Registry for SqliteRegistry {
             expires_at,
             version: 0,
             tainted: new.tainted,
+            user_managed: new.user_managed,
         })
     }
 

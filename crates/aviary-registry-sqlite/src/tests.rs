@@ -67,7 +67,7 @@ async fn reopen_keeps_schema_and_tokens() {
         let reg = SqliteRegistry::open(&db.path).await.unwrap();
         assert_eq!(
             reg.schema_version().await.unwrap(),
-            2,
+            3,
             "migrations run once"
         );
         if round == 0 {

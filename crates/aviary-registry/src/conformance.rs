@@ -76,6 +76,7 @@ pub fn sample_sandbox(tenant: &str) -> NewSandbox {
         network_profile: NetworkProfile::None,
         expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
         tainted: false,
+        user_managed: false,
     }
 }
 

@@ -362,6 +362,7 @@ mod tests {
             expires_at: None,
             version: 3,
             tainted: true,
+            user_managed: false,
         };
         let json = serde_json::to_string(&rec).unwrap();
         let back: SandboxRecord = serde_json::from_str(&json).unwrap();

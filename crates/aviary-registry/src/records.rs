@@ -37,6 +37,9 @@ pub struct SandboxRecord {
     pub version: i64,
     /// Never reused once set (a policy violation, a suspicious exec, …).
     pub tainted: bool,
+    /// Owned by the user: the platform only stops it (hibernates), never destroys it.
+    #[serde(default)]
+    pub user_managed: bool,
 }
 
 impl SandboxRecord {
@@ -60,6 +63,7 @@ impl SandboxRecord {
             created_at: self.created_at,
             expires_at: self.expires_at,
             tainted: self.tainted,
+            user_managed: self.user_managed,
             version: self.version,
             lease_owner,
         }
@@ -102,6 +106,9 @@ pub struct NewSandbox {
     #[serde(with = "time::serde::rfc3339::option")]
     pub expires_at: Option<OffsetDateTime>,
     pub tainted: bool,
+    /// Owned by the user: the platform only stops it (hibernates), never destroys it.
+    #[serde(default)]
+    pub user_managed: bool,
 }
 
 /// An event to append. `tenant` is the tenant the event belongs to (`""`

@@ -1211,6 +1211,7 @@ mod tests {
             expires_at: None,
             version: 3,
             tainted: true,
+            user_managed: false,
         };
         let c = ReuseCandidate::from_record(&rec, None);
         assert!(!c.healthy);

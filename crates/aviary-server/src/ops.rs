@@ -506,7 +506,32 @@ impl ControlPlane {
         req: CreateSandboxRequest,
         request_id: Option<&str>,
     ) -> Result<CreateSandboxResponse, OpError> {
-        self.create_seeded(caller, req, request_id, None).await
+        let seed = match &req.from_snapshot {
+            Some(snap) => {
+                let s = self.load_snapshot(&caller.tenant, snap)?;
+                if req.template.as_ref().is_some_and(|t| *t != s.template) {
+                    return Err(OpError::InvalidRequest(format!(
+                        "snapshot {snap} was taken on template {:?}; it cannot be restored into {:?}",
+                        s.template,
+                        req.template.as_deref().unwrap_or_default()
+                    )));
+                }
+                let current = self.template_info(&s.template).await?;
+                if current.digest != s.template_digest {
+                    return Err(OpError::InvalidRequest(format!(
+                        "snapshot {snap} needs template {:?} at {}, which now has {}",
+                        s.template, s.template_digest, current.digest
+                    )));
+                }
+                Some(s)
+            }
+            None => None,
+        };
+        let mut req = req;
+        if let Some(s) = &seed {
+            req.template = Some(s.template.clone());
+        }
+        self.create_seeded(caller, req, request_id, seed).await
     }
 
     /// Create, optionally from a snapshot's layers (fork, restore branch C).
@@ -636,6 +661,7 @@ impl ControlPlane {
             network_profile: network,
             expires_at: Some(now + time::Duration::seconds(ttl_s as i64)),
             tainted: false,
+            user_managed: req.user_managed,
         };
         let rec = self
             .registry
@@ -1518,6 +1544,23 @@ impl ControlPlane {
             .await?;
         }
         for rec in self.registry.list_sandboxes(None, false).await? {
+            if rec.user_managed {
+                // the platform only stops a user-managed sandbox (on TTL
+                // expiry: snapshot and hibernate), it never destroys it
+                if rec.expires_at.is_some_and(|t| t <= now) && rec.state == SandboxState::Idle {
+                    if let Err(e) = self
+                        .hibernate_record(
+                            rec.clone(),
+                            None,
+                            "ttl expired (user-managed: stopped, not destroyed)",
+                        )
+                        .await
+                    {
+                        tracing::warn!(sandbox.id = %rec.id, error = %e, "ttl stop failed");
+                    }
+                }
+                continue;
+            }
             if rec.expires_at.is_some_and(|t| t <= now) && !rec.state.is_terminal() {
                 if let Err(e) = self
                     .destroy(rec.clone(), FenceCheck::Skip, None, "ttl expired")

@@ -375,6 +375,7 @@ impl ControlPlane {
             network_profile: aviary_core::NetworkProfile::None,
             expires_at: None,
             tainted: false,
+            user_managed: false,
         };
         let meta = serde_json::json!({"pool": {"class": class.name, "template": template.name}});
         let rec = self

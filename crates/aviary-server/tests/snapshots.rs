@@ -276,3 +276,78 @@ async fn idle_sandboxes_hibernate_and_wake_with_their_files() {
     assert_eq!(r.stdout, "zz\netc\n");
     ts.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_managed_sandboxes_are_stopped_never_destroyed_and_states_restore() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest {
+            user_managed: true,
+            ttl_s: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    assert!(c.get_sandbox(&id).await.unwrap().user_managed);
+    c.exec(&id, &shell("echo mine > /workspace/m"))
+        .await
+        .unwrap();
+    let mut state = SandboxState::Idle;
+    for _ in 0..100 {
+        state = c.get_sandbox(&id).await.unwrap().state;
+        if state != SandboxState::Idle {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        state,
+        SandboxState::Hibernating,
+        "TTL expiry stops a user-managed sandbox, it does not destroy it"
+    );
+
+    // a saved state to restore from: a new sandbox starts from its snapshot
+    let snap = c.snapshots(Some(&id)).await.unwrap()["snapshots"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    c.delete_sandbox(&id, None).await.unwrap();
+    let restored = c
+        .create_sandbox(&CreateSandboxRequest {
+            from_snapshot: Some(snap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read_file(restored.sandbox.id.as_str(), "/workspace/m")
+            .await
+            .unwrap(),
+        b"mine\n"
+    );
+    // into an incompatible template: refused, nothing created
+    let n = c.list_sandboxes(false).await.unwrap().sandboxes.len();
+    let e = c
+        .create_sandbox(&CreateSandboxRequest {
+            from_snapshot: Some(snap),
+            template: Some("default".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::InvalidRequest), "{e}");
+    assert_eq!(c.list_sandboxes(false).await.unwrap().sandboxes.len(), n);
+    let e = c
+        .create_sandbox(&CreateSandboxRequest {
+            from_snapshot: Some("snap-nope".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+    ts.cleanup().await;
+}
