@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod ops;
 pub mod planning;
 pub mod pools;
+pub mod projection;
 pub mod scopes;
 pub mod snapshots;
 

@@ -914,6 +914,7 @@ impl ControlPlane {
                 )
             })?;
         let live = self.attach(id, envd, allocation_id);
+        self.sync_projection(id, &live).await?;
         let rec = self
             .registry
             .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, "local")

@@ -244,6 +244,10 @@ impl ControlPlane {
             }
         };
         let rec = self.registry.get_sandbox(&rec.id).await?;
+        if let Some(live) = self.live_opt(&rec.id) {
+            // every start of a call sees the current projected files
+            self.sync_projection(&rec.id, &live).await?;
+        }
         let (branch, how) = if woken.as_ref() == Some(&rec.id) {
             (
                 "C",
