@@ -218,11 +218,14 @@ enum SandboxCmd {
         #[arg(long)]
         token: Option<u64>,
     },
-    /// Soft reset (level 1): kill leftover processes, clear /tmp, revoke the lease; /workspace stays.
+    /// Recycle: level 1 (default) kills leftover processes, clears /tmp, revokes the lease, keeps
+    /// /workspace; level 2 restores the clean checkpoint; level 3 destroys.
     Reset {
         id: String,
         #[arg(long)]
         token: Option<u64>,
+        #[arg(long, default_value_t = 1)]
+        level: u8,
     },
     /// End a call: release the lease, refresh the manifest, back to Idle for its scope.
     Release {
@@ -235,6 +238,9 @@ enum SandboxCmd {
         id: String,
         #[arg(long)]
         token: Option<u64>,
+        /// `clean` marks the checkpoint `reset --level 2` returns to.
+        #[arg(long, default_value = "checkpoint")]
+        label: String,
     },
     /// A new sandbox from a checkpoint of this one (a fresh checkpoint when none is named).
     Fork {
@@ -680,10 +686,19 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         }
         SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
-        SandboxCmd::Reset { id, token } => action(&c, &id, "reset", token, json).await?,
+        SandboxCmd::Reset { id, token, level } => {
+            let s = c.reset(&id, level, token.map(LeaseToken)).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{} {}", s.id, s.state);
+            }
+        }
         SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
-        SandboxCmd::Snapshot { id, token } => {
-            let s = c.snapshot(&id, token.map(LeaseToken)).await?;
+        SandboxCmd::Snapshot { id, token, label } => {
+            let s = c
+                .snapshot_labelled(&id, &label, token.map(LeaseToken))
+                .await?;
             if json {
                 output::json(&s);
             } else {

@@ -542,6 +542,40 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/reset?level=N`.
+    pub async fn reset(
+        &self,
+        id: &str,
+        level: u8,
+        token: Option<LeaseToken>,
+    ) -> Result<Sandbox, ClientError> {
+        self.json(token_header(
+            self.req(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/reset?level={level}"),
+            ),
+            token,
+        ))
+        .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/snapshot?label=L`.
+    pub async fn snapshot_labelled(
+        &self,
+        id: &str,
+        label: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<serde_json::Value, ClientError> {
+        self.json(token_header(
+            self.req(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/snapshot?label={}", urlencode(label)),
+            ),
+            token,
+        ))
+        .await
+    }
+
     /// `POST /v1/sandboxes/{id}/snapshot`.
     pub async fn snapshot(
         &self,

@@ -591,19 +591,34 @@ async fn resume(
     ))
 }
 
-/// Recycling level 1: kills leftover processes, clears /tmp, revokes the lease; /workspace stays.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+/// Recycling: level 1 kills leftover processes, clears /tmp, revokes the lease (/workspace stays);
+/// level 2 restores the clean checkpoint; level 3 destroys.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(ResetQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn reset(
     State(cp): State<AppState>,
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<ResetQuery>,
 ) -> Result<Json<Sandbox>, OpError> {
     let rid = request_id(&headers);
     Ok(Json(
-        cp.reset(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
+        cp.reset_level(
+            &c,
+            &id,
+            header_token(&headers)?,
+            q.level.unwrap_or(1),
+            Some(&rid),
+        )
+        .await?,
     ))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ResetQuery {
+    /// 1 soft reset (default), 2 back to the clean checkpoint, 3 hard destroy.
+    level: Option<u8>,
 }
 
 /// Ends a call: releases the lease, refreshes the manifest, sandbox back to Idle for its scope.
@@ -641,21 +656,30 @@ async fn manifest(
 }
 
 /// Checkpoint: workspace + writable layer as content-defined chunks (fenced).
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = crate::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = crate::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn snapshot(
     State(cp): State<AppState>,
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<LabelQuery>,
 ) -> Result<(StatusCode, Json<crate::snapshots::SandboxSnapshot>), OpError> {
     let rid = request_id(&headers);
+    let label = q.label.as_deref().unwrap_or("checkpoint");
     Ok((
         StatusCode::CREATED,
         Json(
-            cp.snapshot(&c, &id, header_token(&headers)?, Some(&rid))
+            cp.snapshot_labelled(&c, &id, header_token(&headers)?, label, Some(&rid))
                 .await?,
         ),
     ))
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct LabelQuery {
+    /// `clean` marks the checkpoint level-2 resets return to (default `checkpoint`).
+    label: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

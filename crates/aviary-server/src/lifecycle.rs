@@ -115,6 +115,89 @@ impl ControlPlane {
         self.view(&rec).await
     }
 
+    /// Recycling at a level: 1 soft reset, 2 back to a clean checkpoint,
+    /// 3 hard destroy.
+    pub async fn reset_level(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        level: u8,
+        request_id: Option<&str>,
+    ) -> Result<Sandbox, OpError> {
+        match level {
+            1 => self.reset(caller, id, token, request_id).await,
+            2 => {
+                self.reset_to_checkpoint(caller, id, token, request_id)
+                    .await
+            }
+            3 => self.delete(caller, id, token, request_id).await,
+            other => Err(OpError::InvalidRequest(format!(
+                "reset level must be 1, 2 or 3, got {other}"
+            ))),
+        }
+    }
+
+    /// Recycling level 2: the sandbox's layers are replaced by its clean
+    /// checkpoint (the latest snapshot labelled `clean`, else its first one):
+    /// compute stopped, layers restored, compute started, same id. The lease
+    /// is revoked. `Idle|Leased → Sanitizing → Idle`.
+    pub async fn reset_to_checkpoint(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        request_id: Option<&str>,
+    ) -> Result<Sandbox, OpError> {
+        let (rec, _live) = self.writable(caller, id, token).await?;
+        if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "only an idle or leased sandbox can be reset".into(),
+            });
+        }
+        let snaps = self
+            .list_snapshots(caller, Some(rec.id.as_str()))
+            .await?
+            .snapshots;
+        let clean = snaps
+            .iter()
+            .rev()
+            .find(|s| s.label == "clean")
+            .or_else(|| snaps.first())
+            .cloned()
+            .ok_or_else(|| OpError::InvalidState {
+                state: rec.state,
+                what: "it has no checkpoint to reset to (take one with `snapshot --label clean`)"
+                    .into(),
+            })?;
+        let rec = self
+            .registry
+            .transition(
+                &rec.id,
+                rec.version,
+                &[SandboxState::Sanitizing],
+                FenceCheck::Require(token),
+                ctx(
+                    request_id,
+                    "reset",
+                    serde_json::json!({"level": 2, "snapshot": clean.id}),
+                ),
+            )
+            .await?;
+        self.leases.revoke(&rec.id).await?;
+        self.forget_live(&rec.id);
+        self.runtime.destroy(&rec.id).await.map_err(|e| {
+            OpError::Internal(anyhow::Error::new(e).context("stop compute for reset"))
+        })?;
+        let template = self.template_info(&rec.template).await?;
+        self.stage_seed(&clean, &rec.id).await?;
+        let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+        let (rec, live) = self.provision(&spec, rec, None).await?;
+        let (rec, _) = self.finish_lock(rec, &live, &[], None, request_id).await?;
+        self.view(&rec).await
+    }
+
     /// Recycling level 1: kill leftover processes (closing their ports),
     /// clear temporary directories, revoke the lease (its token becomes
     /// stale); the workspace stays. `Idle|Leased → Sanitizing → Idle`.

@@ -154,8 +154,31 @@ impl ControlPlane {
         token: Option<LeaseToken>,
         request_id: Option<&str>,
     ) -> Result<SandboxSnapshot, OpError> {
+        self.snapshot_labelled(caller, id, token, "checkpoint", request_id)
+            .await
+    }
+
+    /// A checkpoint with a label (`clean` marks the one level-2 resets return to).
+    pub async fn snapshot_labelled(
+        &self,
+        caller: &Caller,
+        id: &str,
+        token: Option<LeaseToken>,
+        label: &str,
+        request_id: Option<&str>,
+    ) -> Result<SandboxSnapshot, OpError> {
+        if label.is_empty()
+            || label.len() > 32
+            || !label
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        {
+            return Err(OpError::InvalidRequest(
+                "snapshot label must be 1-32 of [a-z0-9-]".into(),
+            ));
+        }
         let (rec, _live) = self.writable(caller, id, token).await?;
-        let snap = self.take_snapshot(&rec, "checkpoint").await?;
+        let snap = self.take_snapshot(&rec, label).await?;
         self.registry
             .append_event(aviary_registry::NewEvent {
                 sandbox_id: Some(rec.id.clone()),

@@ -171,3 +171,54 @@ async fn release_ends_a_call_and_records_the_manifest() {
         created.sandbox.template_digest.as_str()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn level_two_returns_to_the_clean_checkpoint_and_level_three_destroys() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    c.exec(
+        &id,
+        &shell("echo base > /workspace/base; echo base > /etc/base"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        c.reset(&id, 2, None).await.unwrap_err().code(),
+        Some(ErrorCode::InvalidState),
+        "no checkpoint yet"
+    );
+    c.snapshot_labelled(&id, "clean", None).await.unwrap();
+    c.exec(&id, &shell("echo junk > /workspace/junk; echo junk > /etc/junk; rm /workspace/base; sleep 1000 >/dev/null 2>&1 &")).await.unwrap();
+    let s = c.reset(&id, 2, None).await.unwrap();
+    assert_eq!(s.state, SandboxState::Idle);
+    let r = c
+        .exec(
+            &id,
+            &shell("cat /workspace/base /etc/base; ls /workspace/junk /etc/junk 2>&1 | wc -l"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "base\nbase\n2\n", "{r:?}");
+    // fresh compute: only envd runs
+    assert_eq!(cgroup_procs(&id).len(), 1, "{:?}", cgroup_procs(&id));
+    assert_eq!(
+        c.reset(&id, 7, None).await.unwrap_err().code(),
+        Some(ErrorCode::InvalidRequest)
+    );
+
+    // level 3: destroyed, nothing left on the host
+    let gone = c.reset(&id, 3, None).await.unwrap();
+    assert_eq!(gone.state, SandboxState::Terminated);
+    assert!(!ts.cp().cfg.runtime_state_dir().join(&id).exists());
+    assert!(!std::path::Path::new(&format!("/sys/fs/cgroup/pids/aviary/{id}")).exists());
+    assert!(!std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .contains(&id));
+}
