@@ -9,7 +9,10 @@
 //! (and of the default): names are unique per section; every class has
 //! positive limits and at least one runtime and network profile, all of them
 //! defined; every tenant, pool and `server.default_class` refers only to
-//! defined classes, profiles and runtimes; pool bounds are ordered. Anything
+//! defined classes, profiles and runtimes; pool bounds are ordered; every
+//! projection's host path is absolute, existed at load time and is not a
+//! symlink, and its sandbox path is absolute, normalized (no `.`, `..`, empty
+//! components or trailing `/`) and unique. Anything
 //! else is a [`ConfigError`] naming `file:line:column` and the key, so a
 //! server with a bad file never starts.
 //!
@@ -18,7 +21,9 @@
 //! entirely (a file with one `[[class]]` has one class). Within `[server]`,
 //! `[planner]` and `[overcommit]` each key defaults on its own.
 //!
-//! No I/O besides [`Config::load`] reading the file; no global state.
+//! I/O: [`Config::load`] reads the file, and validation looks at each
+//! `[[projection]]` host path (it must exist when the configuration is
+//! loaded); no global state.
 #![forbid(unsafe_code)]
 
 mod error;
@@ -49,6 +54,19 @@ pub struct Config {
     pub pools: Vec<PoolSettings>,
     pub planner: PlannerSettings,
     pub overcommit: Overcommit,
+    /// `[[projection]]` tables, in file order (default: none).
+    pub projections: Vec<Projection>,
+}
+
+/// `[[projection]]`: a host file or directory synced one-way into every
+/// sandbox when it starts (workspace projection, seed 000: `AGENTS.md`,
+/// `skills/`, `knowledge/`, ...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Projection {
+    /// Absolute host path; it existed and was not a symlink when loaded.
+    pub host: PathBuf,
+    /// Absolute, normalized path in the sandbox (`/workspace/skills`).
+    pub sandbox: String,
 }
 
 /// `[server]`.
@@ -420,6 +438,7 @@ impl Default for Config {
                 llm: None,
             },
             overcommit: default_overcommit(),
+            projections: Vec::new(),
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::{
     Allowed, Config, ConfigError, LlmSettings, NetworkProfileDef, Overcommit, PlannerSettings,
-    PoolSettings, ResourceClass, Runtime, ServerSettings, Tenant,
+    PoolSettings, Projection, ResourceClass, Runtime, ServerSettings, Tenant,
 };
 use aviary_core::NetworkProfile;
 use serde::de::{self, Deserializer, SeqAccess, Unexpected, Visitor};
@@ -30,6 +30,8 @@ struct RawConfig {
     pools: Option<Vec<RawPool>>,
     planner: Option<RawPlanner>,
     overcommit: Option<RawOvercommit>,
+    #[serde(rename = "projection")]
+    projections: Option<Vec<RawProjection>>,
 }
 
 #[derive(Deserialize)]
@@ -111,6 +113,13 @@ struct RawLlm {
 struct RawOvercommit {
     cpu_ratio: Option<Spanned<f64>>,
     memory_ratio: Option<Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProjection {
+    host: Spanned<String>,
+    sandbox: Spanned<String>,
 }
 
 /// `"*"` or a list of names, each with its span.
@@ -270,6 +279,10 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
 
     let planner = check_planner(&ck, raw.planner)?;
     let overcommit = check_overcommit(&ck, raw.overcommit)?;
+    let projections = match raw.projections {
+        Some(list) => check_projections(&ck, list)?,
+        None => Vec::new(),
+    };
 
     Ok(Config {
         server,
@@ -279,6 +292,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         pools,
         planner,
         overcommit,
+        projections,
     })
 }
 
@@ -801,4 +815,103 @@ fn check_overcommit(
         }
     }
     Ok(o)
+}
+
+/// Sandbox paths the platform owns (envd and its socket); never projected into.
+const PLATFORM_PATHS: [&str; 2] = ["/.aviary", "/run/aviary"];
+
+/// `path` without a trailing `/`, if it is absolute and has only normal
+/// components (no `.`, `..`, empty components or NUL) and is not `/`.
+fn normalize_sandbox_path(path: &str) -> Option<String> {
+    let trimmed = path.strip_suffix('/').unwrap_or(path);
+    let rest = trimmed.strip_prefix('/')?;
+    if rest.is_empty()
+        || path.contains('\0')
+        || rest
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return None;
+    }
+    Some(trimmed.to_owned())
+}
+
+fn check_projections(
+    ck: &Checker<'_>,
+    list: Vec<RawProjection>,
+) -> Result<Vec<Projection>, ConfigError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, p) in list.into_iter().enumerate() {
+        let key = |field: &str| format!("projection[{i}].{field}");
+        let host = PathBuf::from(p.host.get_ref());
+        ck.check(
+            host.is_absolute() && !p.host.get_ref().contains('\0'),
+            &p.host.span(),
+            || key("host"),
+            || {
+                format!(
+                    "projection: host {:?} must be an absolute path",
+                    p.host.get_ref()
+                )
+            },
+        )?;
+        let meta = std::fs::symlink_metadata(&host).map_err(|e| {
+            ck.fail(
+                &p.host.span(),
+                key("host"),
+                format!("projection: host {} cannot be read: {e}", host.display()),
+            )
+        })?;
+        ck.check(
+            !meta.file_type().is_symlink(),
+            &p.host.span(),
+            || key("host"),
+            || {
+                format!(
+                    "projection: host {} is a symlink; name the real path instead",
+                    host.display()
+                )
+            },
+        )?;
+        ck.check(
+            meta.is_dir() || meta.is_file(),
+            &p.host.span(),
+            || key("host"),
+            || {
+                format!(
+                    "projection: host {} is neither a regular file nor a directory",
+                    host.display()
+                )
+            },
+        )?;
+        let raw_sandbox = p.sandbox.get_ref();
+        let sandbox = normalize_sandbox_path(raw_sandbox).ok_or_else(|| {
+            ck.fail(
+                &p.sandbox.span(),
+                key("sandbox"),
+                format!(
+                    "projection: sandbox path {raw_sandbox:?} must be absolute, not `/`, without `.`, `..` or empty components"
+                ),
+            )
+        })?;
+        if let Some(owned) = PLATFORM_PATHS
+            .iter()
+            .find(|o| sandbox == **o || sandbox.starts_with(&format!("{o}/")))
+        {
+            return Err(ck.fail(
+                &p.sandbox.span(),
+                key("sandbox"),
+                format!("projection: sandbox path {sandbox:?} is inside {owned}, which the platform owns"),
+            ));
+        }
+        ck.check(
+            seen.insert(sandbox.clone()),
+            &p.sandbox.span(),
+            || key("sandbox"),
+            || format!("projection: sandbox path {sandbox:?} is a target twice"),
+        )?;
+        out.push(Projection { host, sandbox });
+    }
+    Ok(out)
 }

@@ -781,3 +781,114 @@ mod robustness {
         }
     }
 }
+
+/// BASE plus `[[projection]]` tables, one per (host, sandbox).
+fn with_projections(list: &[(&str, &str)]) -> String {
+    let mut text = BASE.to_owned();
+    for (host, sandbox) in list {
+        text.push_str(&format!(
+            "\n[[projection]]\nhost = {host:?}\nsandbox = {sandbox:?}\n"
+        ));
+    }
+    text
+}
+
+#[test]
+fn projections_parse_and_normalize() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    std::fs::create_dir(&skills).unwrap();
+    let agents = dir.path().join("AGENTS.md");
+    std::fs::write(&agents, "# agent\n").unwrap();
+    let text = with_projections(&[
+        (agents.to_str().unwrap(), "/workspace/AGENTS.md"),
+        (skills.to_str().unwrap(), "/workspace/.agent/skills/"),
+    ]);
+    let c = Config::from_str(&text, ORIGIN).unwrap();
+    assert_eq!(
+        c.projections,
+        [
+            Projection {
+                host: agents,
+                sandbox: "/workspace/AGENTS.md".into()
+            },
+            Projection {
+                host: skills,
+                sandbox: "/workspace/.agent/skills".into()
+            },
+        ]
+    );
+    // Absent means none; an explicit empty list too.
+    assert!(Config::from_str(BASE, ORIGIN)
+        .unwrap()
+        .projections
+        .is_empty());
+    let empty = format!("projection = []\n{BASE}");
+    assert!(Config::from_str(&empty, ORIGIN)
+        .unwrap()
+        .projections
+        .is_empty());
+}
+
+#[test]
+fn bad_projections_name_their_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    std::fs::create_dir(&skills).unwrap();
+    let link = dir.path().join("etc-link");
+    std::os::unix::fs::symlink("/etc", &link).unwrap();
+    let skills = skills.to_str().unwrap();
+    let missing = dir.path().join("nope");
+    let missing = missing.to_str().unwrap();
+    let link = link.to_str().unwrap();
+    let cases: [(&[(&str, &str)], &str, &str, &str); 8] = [
+        (
+            &[("relative/skills", "/workspace/s")],
+            "relative/skills",
+            "host",
+            "must be an absolute path",
+        ),
+        (
+            &[(missing, "/workspace/s")],
+            missing,
+            "host",
+            "cannot be read",
+        ),
+        (&[(link, "/workspace/s")], link, "host", "is a symlink"),
+        (
+            &[(skills, "/workspace/../etc")],
+            "/workspace/../etc",
+            "sandbox",
+            "without `.`, `..`",
+        ),
+        (
+            &[(skills, "workspace/s")],
+            "workspace/s",
+            "sandbox",
+            "must be absolute",
+        ),
+        (&[(skills, "/")], "sandbox = \"/\"", "sandbox", "not `/`"),
+        (
+            &[(skills, "/run/aviary/x")],
+            "/run/aviary/x",
+            "sandbox",
+            "which the platform owns",
+        ),
+        (
+            &[(skills, "/workspace/s"), ("/etc", "/workspace/s/")],
+            "/workspace/s/",
+            "sandbox",
+            "is a target twice",
+        ),
+    ];
+    for (list, needle, field, message) in cases {
+        let text = with_projections(list);
+        let index = list.len() - 1;
+        expect_error(
+            &text,
+            line_of(&text, needle),
+            &format!("projection[{index}].{field}"),
+            message,
+        );
+    }
+}
