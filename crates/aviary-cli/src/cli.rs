@@ -53,6 +53,11 @@ enum Command {
     /// List and import templates.
     #[command(subcommand)]
     Template(TemplateCmd),
+    /// Run a node agent: this host's runtime, offered to a control plane over the network.
+    Node(NodeArgs),
+    /// Nodes known to the control plane; register agents (admin).
+    #[command(subcommand)]
+    Nodes(NodesCmd),
     /// Warm pools: sizes, hits and misses; change their bounds (admin).
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -327,6 +332,45 @@ enum TemplateCmd {
     Import { name: String, archive: PathBuf },
 }
 
+#[derive(Args, Debug)]
+struct NodeArgs {
+    /// Node id (recorded as each sandbox's `node`).
+    #[arg(long, default_value = "node-1")]
+    id: String,
+    /// Address the agent listens on.
+    #[arg(long, default_value = "127.0.0.1:7401")]
+    listen: SocketAddr,
+    /// Data directory of the agent (sandboxes, templates, node.token).
+    #[arg(long, default_value = "/var/lib/aviary-node")]
+    data_dir: PathBuf,
+    /// Bearer token the control plane must present (default: <data dir>/node.token, created if missing).
+    #[arg(long, env = "AVIARY_NODE_TOKEN")]
+    token: Option<String>,
+    /// Template store directory (default <data dir>/templates).
+    #[arg(long)]
+    templates_dir: Option<PathBuf>,
+    /// Static envd binary (default: aviary-envd next to this binary).
+    #[arg(long, env = "AVIARY_ENVD")]
+    envd: Option<PathBuf>,
+    /// OCI runtime: crun (default) or runc.
+    #[arg(long, default_value = "crun")]
+    runtime: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum NodesCmd {
+    /// List nodes with capacity, committed limits and health.
+    Ls,
+    /// Register a node agent.
+    Add {
+        id: String,
+        /// host:port of the agent
+        address: String,
+        #[arg(long)]
+        token: String,
+    },
+}
+
 #[derive(Subcommand, Debug)]
 enum PoolCmd {
     /// List warm pools.
@@ -441,6 +485,8 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
         Command::Pool(c) => pool(c, json).await,
+        Command::Node(a) => node(a).await,
+        Command::Nodes(c) => nodes(c, json).await,
     };
     match res {
         Ok(code) => code,
@@ -956,4 +1002,116 @@ async fn action(
         println!("{} {}", s.id, s.state);
     }
     Ok(())
+}
+
+async fn node(a: NodeArgs) -> Result<i32, Failure> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let fail = |e: String| Failure::usage(70, e);
+    std::fs::create_dir_all(&a.data_dir)
+        .map_err(|e| fail(format!("creating {}: {e}", a.data_dir.display())))?;
+    let token = match a.token {
+        Some(t) => t,
+        None => {
+            let p = a.data_dir.join("node.token");
+            match std::fs::read_to_string(&p) {
+                Ok(t) => t.trim().to_owned(),
+                Err(_) => {
+                    let t = format!("avn_{}", aviary_core::new_id("t").trim_start_matches("t-"));
+                    std::fs::write(&p, &t)
+                        .map_err(|e| fail(format!("writing {}: {e}", p.display())))?;
+                    use std::os::unix::fs::PermissionsExt;
+                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600));
+                    t
+                }
+            }
+        }
+    };
+    let binary = match a.runtime.as_str() {
+        "crun" => aviary_runtime_oci::OciBinary::Crun,
+        "runc" => aviary_runtime_oci::OciBinary::Runc,
+        other => {
+            return Err(Failure::usage(
+                64,
+                format!("unknown runtime {other:?} (crun|runc)"),
+            ))
+        }
+    };
+    let runtime = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
+        binary,
+        a.data_dir.join("sandboxes"),
+    ))
+    .map_err(|e| fail(format!("runtime: {e}")))?;
+    runtime
+        .probe()
+        .await
+        .map_err(|e| fail(format!("runtime self-check: {e}")))?;
+    let templates = aviary_templates::TemplateStore::open(
+        a.templates_dir
+            .unwrap_or_else(|| a.data_dir.join("templates")),
+    )
+    .map_err(|e| fail(format!("templates: {e}")))?;
+    let envd = find_envd(a.envd);
+    let running = aviary_node::start_node(aviary_node::NodeConfig {
+        id: a.id.clone(),
+        listen: a.listen,
+        token,
+        runtime: std::sync::Arc::new(runtime),
+        templates,
+        state_dir: a.data_dir.join("agent"),
+        capacity: aviary_node::Capacity::detect(),
+        provided_binds: vec![aviary_node::ProvidedBind::envd(envd)],
+    })
+    .await
+    .map_err(|e| fail(format!("{e}")))?;
+    eprintln!(
+        "aviary: node {} listening on {} (token in {}); register it with `aviary nodes add {} {} --token …`",
+        a.id,
+        running.addr(),
+        a.data_dir.join("node.token").display(),
+        a.id,
+        running.addr()
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| fail(e.to_string()))?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    running.stop().await;
+    Ok(0)
+}
+
+async fn nodes(cmd: NodesCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    let list = match cmd {
+        NodesCmd::Ls => c.nodes().await?,
+        NodesCmd::Add { id, address, token } => c.add_node(&id, &address, &token).await?,
+    };
+    if json {
+        output::json(&list);
+        return Ok(0);
+    }
+    println!(
+        "{:<12} {:<22} {:>6} {:>10} {:>8} {:>10} {:<8}",
+        "ID", "ADDRESS", "CPU", "MEM MiB", "CPU USED", "MEM USED", "HEALTHY"
+    );
+    for n in list["nodes"].as_array().into_iter().flatten() {
+        println!(
+            "{:<12} {:<22} {:>6} {:>10} {:>8.1} {:>10} {:<8}",
+            n["id"].as_str().unwrap_or(""),
+            n["address"].as_str().unwrap_or(""),
+            n["cpu_capacity"],
+            n["memory_capacity_mb"],
+            n["cpu_committed"].as_f64().unwrap_or(0.0),
+            n["memory_committed_mb"],
+            n["healthy"]
+        );
+    }
+    Ok(0)
 }

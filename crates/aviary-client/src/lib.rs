@@ -613,6 +613,23 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/nodes`.
+    pub async fn nodes(&self) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(Method::GET, "/v1/nodes")).await
+    }
+
+    /// `POST /v1/nodes`.
+    pub async fn add_node(
+        &self,
+        id: &str,
+        address: &str,
+        token: &str,
+    ) -> Result<serde_json::Value, ClientError> {
+        let body = serde_json::json!({"id": id, "address": address, "token": token});
+        self.json(self.req(Method::POST, "/v1/nodes").json(&body))
+            .await
+    }
+
     pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),

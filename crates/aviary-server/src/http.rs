@@ -265,7 +265,9 @@ async fn exec_stream(
                 false,
             ),
             Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => {
-                let oom = cp.exec_finish(&run.id, run.oom_before, &exit).await;
+                let oom = cp
+                    .exec_finish(&run.id, run.oom_before, run.runtime.as_ref(), &exit)
+                    .await;
                 cp.touch_lazily(&run.id);
                 (
                     ExecEvent::Exit {
@@ -742,6 +744,25 @@ async fn wake(
     Ok(Json(cp.wake(&c, &id, Some(&rid)).await?))
 }
 
+/// Every node (the local one and registered agents) as the scheduler sees it.
+#[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = crate::nodes::NodeList)), security(("api_key" = [])))]
+async fn nodes(
+    State(cp): State<AppState>,
+    Auth(_c): Auth,
+) -> Result<Json<crate::nodes::NodeList>, OpError> {
+    Ok(Json(cp.list_nodes().await?))
+}
+
+/// Registers an `aviary node` agent (admin only); it is asked for its info first.
+#[utoipa::path(post, path = "/v1/nodes", request_body = crate::nodes::AddNodeRequest, responses((status = 201, body = crate::nodes::NodeList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn add_node(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiJson(req): ApiJson<crate::nodes::AddNodeRequest>,
+) -> Result<(StatusCode, Json<crate::nodes::NodeList>), OpError> {
+    Ok((StatusCode::CREATED, Json(cp.add_node(&c, req).await?)))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -830,7 +851,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -875,6 +896,7 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/sandboxes/{id}/hibernate", post(hibernate))
         .route("/v1/sandboxes/{id}/wake", post(wake))
         .route("/v1/snapshots", get(snapshots))
+        .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key))

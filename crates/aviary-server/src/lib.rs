@@ -14,6 +14,7 @@ pub mod error;
 pub mod http;
 pub mod lifecycle;
 pub mod metrics;
+pub mod nodes;
 pub mod ops;
 pub mod planning;
 pub mod pools;
@@ -108,6 +109,7 @@ pub async fn start(
         .ensure_admin_key()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    cp.load_nodes().await;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("binding {listen}"))?;

@@ -53,15 +53,6 @@ impl ControlPlane {
         Ok(())
     }
 
-    fn pausable(&self) -> Result<&dyn aviary_runtime::Pausable, OpError> {
-        self.pausable.as_deref().ok_or_else(|| {
-            OpError::InvalidRequest(format!(
-                "runtime {} cannot pause sandboxes",
-                self.runtime.name()
-            ))
-        })
-    }
-
     /// Freezes every process of the sandbox (fenced like any write).
     pub async fn pause(
         &self,
@@ -71,7 +62,7 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<Sandbox, OpError> {
         let (rec, live) = self.writable(caller, id, token).await?;
-        self.pausable()?
+        self.runtime_for(&rec.node)?
             .pause(&rec.id)
             .await
             .map_err(|e| OpError::Internal(anyhow::Error::new(e).context("pause")))?;
@@ -103,7 +94,7 @@ impl ControlPlane {
                 what: "it is not paused".into(),
             });
         }
-        self.pausable()?
+        self.runtime_for(&rec.node)?
             .resume(&rec.id)
             .await
             .map_err(|e| OpError::Internal(anyhow::Error::new(e).context("resume")))?;
@@ -156,6 +147,7 @@ impl ControlPlane {
                 what: "only an idle or leased sandbox can be reset".into(),
             });
         }
+        Self::require_local(&rec, "a level-2 reset")?;
         let snaps = self
             .list_snapshots(caller, Some(rec.id.as_str()))
             .await?

@@ -84,6 +84,7 @@ pub struct ControlPlane {
     pub planning: crate::planning::Planning,
     pub pools: crate::pools::Pools,
     pub snapshots: aviary_snapshots::SnapshotService,
+    pub nodes: crate::nodes::Nodes,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -147,6 +148,14 @@ impl ControlPlane {
         let pools = crate::pools::Pools::new(&cfg.settings.pools, &cfg.data_dir);
         let chunk_store = aviary_snapshots::LocalStore::open(cfg.data_dir.join("snapshots"))?;
         let snapshots = aviary_snapshots::SnapshotService::new(Arc::new(chunk_store));
+        let nodes = crate::nodes::Nodes::new(
+            &cfg.data_dir,
+            aviary_scheduler::SchedulerConfig {
+                cpu_overcommit: cfg.settings.overcommit.cpu_ratio,
+                memory_overcommit: cfg.settings.overcommit.memory_ratio,
+                ..Default::default()
+            },
+        );
         Ok(Arc::new(ControlPlane {
             cfg,
             registry,
@@ -163,6 +172,7 @@ impl ControlPlane {
             planning,
             pools,
             snapshots,
+            nodes,
         }))
     }
 
@@ -336,6 +346,17 @@ impl ControlPlane {
         let records = self.registry.list_sandboxes(None, false).await?;
         let actual = self.runtime.list().await.map_err(OpError::internal)?;
         for rec in &records {
+            if rec.node != crate::nodes::LOCAL_NODE {
+                // on a remote node: re-attach through its agent when it answers
+                if let (Some(n), true) = (self.nodes.get(&rec.node), rec.state.is_live()) {
+                    let envd = n.runtime.envd(&rec.id);
+                    if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
+                        let live = self.attach(&rec.id, envd, None);
+                        self.push_fence(&rec.id, &live).await?;
+                    }
+                }
+                continue;
+            }
             let status = if actual.contains(&rec.id) {
                 self.runtime.status(&rec.id).await.ok()
             } else {
@@ -644,6 +665,18 @@ impl ControlPlane {
         }
         let id = SandboxId::generate();
         let now = aviary_core::now();
+        let node = if seed.is_some() {
+            crate::nodes::LOCAL_NODE.to_owned()
+        } else {
+            self.place(
+                &caller.tenant,
+                &class,
+                resources,
+                &template.digest,
+                request_id,
+            )
+            .await?
+        };
         let new = NewSandbox {
             id: id.clone(),
             tenant: caller.tenant.clone(),
@@ -657,7 +690,7 @@ impl ControlPlane {
             template_digest: template.digest.clone(),
             runtime: self.runtime.name().to_owned(),
             runtime_instance_id: None,
-            node: "local".into(),
+            node: node.clone(),
             network_profile: network,
             expires_at: Some(now + time::Duration::seconds(ttl_s as i64)),
             tainted: false,
@@ -902,10 +935,14 @@ impl ControlPlane {
         allocation_id: Option<i64>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let id = &spec.id;
-        let handle = self.runtime.create(spec).await.map_err(|e| {
+        let runtime = self.runtime_for(&rec.node)?;
+        let handle = runtime.create(spec).await.map_err(|e| {
             OpError::Internal(anyhow::Error::new(e).context("runtime could not create the sandbox"))
         })?;
-        let envd = EnvdClient::new(handle.control_dir.join("envd.sock"));
+        let envd = match self.nodes.get(&rec.node) {
+            Some(n) => n.runtime.envd(id),
+            None => EnvdClient::new(handle.control_dir.join("envd.sock")),
+        };
         envd.wait_ready(Duration::from_secs(10))
             .await
             .map_err(|e| {
@@ -917,7 +954,7 @@ impl ControlPlane {
         self.sync_projection(id, &live).await?;
         let rec = self
             .registry
-            .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, "local")
+            .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, &rec.node)
             .await?;
         Ok((rec, live))
     }
@@ -979,7 +1016,16 @@ impl ControlPlane {
     async fn fail_sandbox(&self, id: &SandboxId, request_id: Option<&str>, cause: &OpError) {
         tracing::warn!(sandbox.id = %id, error = format!("{:#}", anyhow_of(cause)), "create failed");
         self.live.lock().expect("live map poisoned").remove(id);
-        let destroy = self.runtime.destroy(id).await;
+        let node = self
+            .registry
+            .get_sandbox(id)
+            .await
+            .map(|r| r.node)
+            .unwrap_or_else(|_| crate::nodes::LOCAL_NODE.to_owned());
+        let destroy = match self.runtime_for(&node) {
+            Ok(rt) => rt.destroy(id).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
         let _ = self.leases.revoke(id).await;
         if let Ok(rec) = self.registry.get_sandbox(id).await {
             let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Failed) {
@@ -1056,11 +1102,14 @@ impl ControlPlane {
         if let Some(live) = &live {
             self.record_usage(&rec, live).await;
         }
-        let destroyed = self.runtime.destroy(&id).await;
+        let destroyed = match self.runtime_for(&rec.node) {
+            Ok(rt) => rt.destroy(&id).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
         if let Err(e) = &destroyed {
-            meta["cleanup_error"] = serde_json::Value::String(format!("{e}"));
+            meta["cleanup_error"] = serde_json::Value::String(e.to_string());
         }
         let rec = self
             .registry
@@ -1074,9 +1123,9 @@ impl ControlPlane {
             .await?;
         self.metrics.inc_destroy();
         if let Err(e) = destroyed {
-            return Err(OpError::Internal(
-                anyhow::Error::new(e).context("runtime teardown failed"),
-            ));
+            return Err(OpError::Internal(anyhow::anyhow!(
+                "runtime teardown failed: {e}"
+            )));
         }
         self.view(&rec).await
     }
@@ -1091,7 +1140,10 @@ impl ControlPlane {
         if alloc < 0 {
             return;
         }
-        let Ok(u) = self.runtime.usage(&rec.id).await else {
+        let Ok(rt) = self.runtime_for(&rec.node) else {
+            return;
+        };
+        let Ok(u) = rt.usage(&rec.id).await else {
             return;
         };
         let lifetime = (aviary_core::now() - rec.created_at)
@@ -1224,13 +1276,15 @@ impl ControlPlane {
     ) -> Result<ExecRun, OpError> {
         let spec = Self::exec_spec(req)?;
         let (rec, live) = self.writable(caller, id, req.token).await?;
-        let oom_before = self.runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
+        let runtime = self.runtime_for(&rec.node)?;
+        let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = live.envd.exec(spec, req.token.map(|t| t.0)).await?;
         self.metrics.inc_exec();
         Ok(ExecRun {
             id: rec.id,
             stream,
             oom_before,
+            runtime,
         })
     }
 
@@ -1239,6 +1293,7 @@ impl ControlPlane {
         &self,
         run_id: &SandboxId,
         oom_before: Option<u64>,
+        runtime: &dyn aviary_runtime::Pausable,
         exit: &aviary_envd_proto::ExitInfo,
     ) -> bool {
         if exit.timed_out {
@@ -1252,7 +1307,7 @@ impl ControlPlane {
         if exit.exit_code == 0 {
             return false;
         }
-        match (oom_before, self.runtime.usage(run_id).await) {
+        match (oom_before, runtime.usage(run_id).await) {
             (Some(b), Ok(u)) => u.oom_kills > b,
             _ => false,
         }
@@ -1299,7 +1354,9 @@ impl ControlPlane {
                     append_capped(&mut err, &d, cap, &mut truncated)
                 }
                 aviary_envd_proto::ExecEvent::Exit(exit) => {
-                    let oom = self.exec_finish(&run.id, run.oom_before, &exit).await;
+                    let oom = self
+                        .exec_finish(&run.id, run.oom_before, run.runtime.as_ref(), &exit)
+                        .await;
                     self.touch_lazily(&run.id);
                     return Ok(ExecResult {
                         exit_code: exit.exit_code,
@@ -1678,6 +1735,8 @@ pub struct ExecRun {
     pub id: SandboxId,
     pub stream: aviary_envd_proto::ExecStream,
     pub oom_before: Option<u64>,
+    /// The runtime the sandbox runs on (for the OOM counter after the exit).
+    pub runtime: Arc<dyn aviary_runtime::Pausable>,
 }
 
 fn append_capped(buf: &mut Vec<u8>, data: &[u8], cap: usize, truncated: &mut bool) {

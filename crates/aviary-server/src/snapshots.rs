@@ -199,6 +199,7 @@ impl ControlPlane {
         rec: &SandboxRecord,
         label: &str,
     ) -> Result<SandboxSnapshot, OpError> {
+        Self::require_local(rec, "snapshotting")?;
         let root = self.cfg.runtime_state_dir().join(rec.id.as_str());
         let parent = self.last_snapshot(&rec.tenant, &rec.id);
         let live = self.live_opt(&rec.id);

@@ -1,0 +1,337 @@
+//! Nodes and placement: the local node plus `aviary node` agents reached
+//! over the network (DESIGN §3 Scheduler, Nodes and runtimes).
+//!
+//! "What" a sandbox gets is decided before (planner + policy); this module
+//! only decides *where*: it builds a scheduler view of every node (capacity,
+//! committed limits, runtimes, templates present, warm count, health) and
+//! lets `aviary-scheduler` filter and score them (best-of-K). The decision
+//! and its score are events. Node tokens are kept in `<data>/nodes.json`
+//! (mode 0600) so a restarted control plane reconnects.
+
+use crate::error::OpError;
+use crate::ops::{Caller, ControlPlane};
+use aviary_core::ResourceLimits;
+use aviary_node::RemoteRuntime;
+use aviary_scheduler::{NodeView, PlacementRequest, Scheduler, SchedulerConfig};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+pub const LOCAL_NODE: &str = "local";
+
+pub struct RemoteNode {
+    pub id: String,
+    pub address: String,
+    token: String,
+    pub runtime: Arc<RemoteRuntime>,
+}
+
+pub struct Nodes {
+    map: RwLock<HashMap<String, Arc<RemoteNode>>>,
+    file: PathBuf,
+    scheduler: Scheduler,
+}
+
+/// `POST /v1/nodes` (admin): register a node agent.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AddNodeRequest {
+    pub id: String,
+    /// `host:port` of the agent.
+    pub address: String,
+    /// The agent's bearer token.
+    pub token: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Saved {
+    id: String,
+    address: String,
+    token: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct NodeList {
+    #[schema(value_type = Vec<Object>)]
+    pub nodes: Vec<NodeView>,
+}
+
+impl Nodes {
+    pub fn new(data_dir: &std::path::Path, cfg: SchedulerConfig) -> Self {
+        Nodes {
+            map: RwLock::new(HashMap::new()),
+            file: data_dir.join("nodes.json"),
+            scheduler: Scheduler::new(cfg),
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<RemoteNode>> {
+        self.map.read().expect("nodes poisoned").get(id).cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<RemoteNode>> {
+        self.map
+            .read()
+            .expect("nodes poisoned")
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.read().expect("nodes poisoned").is_empty()
+    }
+
+    fn save(&self) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let saved: Vec<Saved> = self
+            .all()
+            .iter()
+            .map(|n| Saved {
+                id: n.id.clone(),
+                address: n.address.clone(),
+                token: n.token.clone(),
+            })
+            .collect();
+        let tmp = self.file.with_extension("tmp");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(&saved)?)?;
+        f.sync_all()?;
+        std::fs::rename(tmp, &self.file)
+    }
+}
+
+fn host_capacity() -> (f64, u64) {
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get() as f64)
+        .unwrap_or(1.0);
+    let mem_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| {
+                    l.split_whitespace()
+                        .nth(1)
+                        .and_then(|v| v.parse::<u64>().ok())
+                })
+        })
+        .unwrap_or(0);
+    (cpus, mem_kib / 1024)
+}
+
+impl ControlPlane {
+    /// Reconnects the nodes registered before a restart.
+    pub async fn load_nodes(&self) {
+        let Ok(bytes) = std::fs::read(&self.nodes.file) else {
+            return;
+        };
+        let Ok(saved) = serde_json::from_slice::<Vec<Saved>>(&bytes) else {
+            return;
+        };
+        for s in saved {
+            match RemoteRuntime::connect(s.address.clone(), s.token.clone()).await {
+                Ok((rt, _)) => {
+                    self.nodes.map.write().expect("nodes poisoned").insert(
+                        s.id.clone(),
+                        Arc::new(RemoteNode {
+                            id: s.id,
+                            address: s.address,
+                            token: s.token,
+                            runtime: Arc::new(rt),
+                        }),
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(node = %s.id, error = %e, "node did not answer; not placing there")
+                }
+            }
+        }
+    }
+
+    pub async fn add_node(
+        &self,
+        caller: &Caller,
+        req: AddNodeRequest,
+    ) -> Result<NodeList, OpError> {
+        if !caller.admin {
+            return Err(OpError::Forbidden(
+                "registering nodes needs an admin key".into(),
+            ));
+        }
+        if req.id.is_empty()
+            || req.id.len() > 64
+            || req.id == LOCAL_NODE
+            || !req
+                .id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        {
+            return Err(OpError::InvalidRequest(
+                "node id must be 1-64 of [A-Za-z0-9._-] and not \"local\"".into(),
+            ));
+        }
+        if req.address.parse::<std::net::SocketAddr>().is_err() {
+            return Err(OpError::InvalidRequest(
+                "node address must be ip:port".into(),
+            ));
+        }
+        let (rt, info) = RemoteRuntime::connect(req.address.clone(), req.token.clone())
+            .await
+            .map_err(|e| {
+                OpError::InvalidRequest(format!(
+                    "node {} at {} did not accept the registration: {e}",
+                    req.id, req.address
+                ))
+            })?;
+        self.registry
+            .upsert_node(&aviary_registry::NodeRecord {
+                id: req.id.clone(),
+                address: req.address.clone(),
+                runtimes: info.runtimes.clone(),
+                cpu: info.capacity.cpu,
+                memory_mb: info.capacity.memory_mb,
+                healthy: true,
+                last_seen: aviary_core::now(),
+            })
+            .await?;
+        self.nodes.map.write().expect("nodes poisoned").insert(
+            req.id.clone(),
+            Arc::new(RemoteNode {
+                id: req.id,
+                address: req.address,
+                token: req.token,
+                runtime: Arc::new(rt),
+            }),
+        );
+        self.nodes.save().map_err(OpError::internal)?;
+        self.list_nodes().await
+    }
+
+    /// Every node as the scheduler sees it now.
+    pub async fn list_nodes(&self) -> Result<NodeList, OpError> {
+        Ok(NodeList {
+            nodes: self.node_views().await?,
+        })
+    }
+
+    async fn node_views(&self) -> Result<Vec<NodeView>, OpError> {
+        let now = aviary_core::now();
+        let (cpu, mem) = host_capacity();
+        let mut committed = (0.0, 0u64);
+        for r in self.registry.list_sandboxes(None, false).await? {
+            if r.node == LOCAL_NODE
+                && (r.state.is_live() || r.state == aviary_core::SandboxState::Provisioning)
+            {
+                committed.0 += r.resources.cpu;
+                committed.1 += r.resources.memory_mb;
+            }
+        }
+        let store = self.templates.clone();
+        let templates = tokio::task::spawn_blocking(move || store.list())
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?;
+        let mut views = vec![NodeView {
+            id: LOCAL_NODE.into(),
+            address: LOCAL_NODE.into(),
+            runtimes: vec![self.runtime.name().to_owned()],
+            templates: templates.iter().map(|t| t.digest.clone()).collect(),
+            cpu_capacity: cpu,
+            memory_capacity_mb: mem,
+            cpu_committed: committed.0,
+            memory_committed_mb: committed.1,
+            cpu_used: 0.0,
+            memory_used_mb: 0,
+            warm: HashMap::new(),
+            healthy: true,
+            last_seen: now,
+        }];
+        for n in self.nodes.all() {
+            match n.runtime.info().await {
+                Ok(info) => views.push(info.to_view(n.address.clone(), HashMap::new(), now)),
+                Err(e) => {
+                    tracing::warn!(node = %n.id, error = %e, "node info failed; not placing there")
+                }
+            }
+        }
+        Ok(views)
+    }
+
+    /// Where a new sandbox runs. With no remote node registered this is the
+    /// local node without asking the scheduler (no extra latency).
+    pub(crate) async fn place(
+        &self,
+        tenant: &str,
+        class: &str,
+        limits: ResourceLimits,
+        template_digest: &str,
+        request_id: Option<&str>,
+    ) -> Result<String, OpError> {
+        if self.nodes.is_empty() {
+            return Ok(LOCAL_NODE.into());
+        }
+        let views = self.node_views().await?;
+        let req = PlacementRequest {
+            class: class.to_owned(),
+            limits,
+            template_digest: template_digest.to_owned(),
+            runtime: self.runtime.name().to_owned(),
+        };
+        let decision = self
+            .nodes
+            .scheduler
+            .place(&views, &req, aviary_core::now())
+            .map_err(|e| OpError::Unavailable(format!("no node can take the sandbox: {e}")))?;
+        self.registry
+            .append_event(aviary_registry::NewEvent {
+                sandbox_id: None,
+                tenant: tenant.to_owned(),
+                event_type: "placement".into(),
+                old_state: None,
+                new_state: None,
+                request_id: request_id.map(str::to_owned),
+                metadata: serde_json::to_value(&decision).unwrap_or_default(),
+            })
+            .await?;
+        Ok(decision.node_id)
+    }
+
+    /// The runtime that runs sandboxes of `node`.
+    pub(crate) fn runtime_for(
+        &self,
+        node: &str,
+    ) -> Result<Arc<dyn aviary_runtime::Pausable>, OpError> {
+        if node == LOCAL_NODE {
+            return self
+                .pausable
+                .clone()
+                .ok_or_else(|| OpError::internal(anyhow::anyhow!("local runtime is not set up")));
+        }
+        self.nodes
+            .get(node)
+            .map(|n| n.runtime.clone() as Arc<dyn aviary_runtime::Pausable>)
+            .ok_or_else(|| OpError::Unavailable(format!("node {node} is not connected")))
+    }
+
+    /// Refuses work that needs the sandbox's layers on this host.
+    pub(crate) fn require_local(
+        rec: &aviary_registry::SandboxRecord,
+        what: &str,
+    ) -> Result<(), OpError> {
+        if rec.node != LOCAL_NODE {
+            return Err(OpError::InvalidRequest(format!(
+                "{what} is not supported yet for sandboxes on remote node {}",
+                rec.node
+            )));
+        }
+        Ok(())
+    }
+}

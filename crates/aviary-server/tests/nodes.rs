@@ -1,0 +1,151 @@
+//! Placement across nodes: two `aviary node` agents on loopback ports (real
+//! crun each, own state dirs) plus the local node; the scheduler's decision
+//! is an event, and a sandbox placed on an agent works through its envd.
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use aviary_core::api::CreateSandboxRequest;
+use aviary_core::ErrorCode;
+use std::sync::Arc;
+
+async fn agent(
+    dir: &std::path::Path,
+    id: &str,
+    cpu: f64,
+    memory_mb: u64,
+) -> (aviary_node::RunningNode, String) {
+    let state = dir.join(id);
+    let rt = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
+        aviary_runtime_oci::OciBinary::Crun,
+        state.join("sandboxes"),
+    ))
+    .unwrap();
+    let token = format!("token-{id}");
+    let node = aviary_node::start_node(aviary_node::NodeConfig {
+        id: id.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: token.clone(),
+        runtime: Arc::new(rt),
+        templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
+        state_dir: state.join("agent"),
+        capacity: aviary_node::Capacity { cpu, memory_mb },
+        provided_binds: vec![aviary_node::ProvidedBind::envd(common::envd_binary())],
+    })
+    .await
+    .unwrap();
+    (node, token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_are_placed_on_node_agents_and_work_there() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let dir = tempfile::Builder::new()
+        .prefix("avn")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let (a, ta) = agent(dir.path(), "node-a", 64.0, 262_144).await;
+    let (b, tb) = agent(dir.path(), "node-b", 32.0, 131_072).await;
+
+    // registration is admin-only and checks the token with the agent
+    let user = aviary_client::Client::new(&ts.url(), &c.create_key("t", false).await.unwrap().key);
+    assert_eq!(
+        user.add_node("node-a", &a.addr().to_string(), &ta)
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::Forbidden)
+    );
+    assert_eq!(
+        c.add_node("node-a", &a.addr().to_string(), "wrong")
+            .await
+            .unwrap_err()
+            .code(),
+        Some(ErrorCode::InvalidRequest)
+    );
+    c.add_node("node-a", &a.addr().to_string(), &ta)
+        .await
+        .unwrap();
+    let list = c
+        .add_node("node-b", &b.addr().to_string(), &tb)
+        .await
+        .unwrap();
+    let ids: Vec<_> = list["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids, vec!["local", "node-a", "node-b"]);
+
+    // the big agents always beat this 2-core host on load after placement
+    let s = c
+        .create_sandbox(&CreateSandboxRequest {
+            class: Some("compute-large".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .sandbox;
+    assert!(
+        s.node == "node-a" || s.node == "node-b",
+        "placed on {}",
+        s.node
+    );
+    let evs = c.events(None, None, Some(1000)).await.unwrap().events;
+    let placement = evs
+        .iter()
+        .rev()
+        .find(|e| e.event_type == "placement")
+        .expect("placement event");
+    assert_eq!(placement.metadata["node_id"], s.node.as_str());
+    assert_eq!(
+        placement.metadata["candidates"].as_array().unwrap().len(),
+        3
+    );
+
+    // the sandbox works through the agent's envd
+    let id = s.id.to_string();
+    let r = c
+        .exec(&id, &common::shell("echo remote; hostname"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "remote\nsandbox\n");
+    c.write_file(&id, "/workspace/x", b"over the network".to_vec(), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        c.read_file(&id, "/workspace/x").await.unwrap(),
+        b"over the network"
+    );
+    c.sandbox_action(&id, "pause", None).await.unwrap();
+    c.sandbox_action(&id, "resume", None).await.unwrap();
+    // work that needs the layers on this host says so
+    assert_eq!(
+        c.snapshot(&id, None).await.unwrap_err().code(),
+        Some(ErrorCode::InvalidRequest)
+    );
+    let nodes = c.nodes().await.unwrap();
+    let on = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == s.node.as_str())
+        .unwrap()
+        .clone();
+    assert!(on["cpu_committed"].as_f64().unwrap() >= 8.0, "{on}");
+    c.delete_sandbox(&id, None).await.unwrap();
+    let nodes = c.nodes().await.unwrap();
+    let on = nodes["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == s.node.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(on["cpu_committed"].as_f64().unwrap(), 0.0, "{on}");
+    a.stop().await;
+    b.stop().await;
+}
