@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build --release --locked -p aviary-bench
+cargo build --release --locked -p aviary-snapshots --example snapshot_bench
 AVIARY_ENVD=$(scripts/build-envd.sh)
 export AVIARY_ENVD
 out=$(mktemp)
@@ -30,4 +31,24 @@ new = re.sub(r"<!-- core:start -->.*?<!-- core:end -->", lambda m: section, text
 open("BENCHMARKS.md", "w").write(new)
 PY
 rm -f "$out" "$section"
+
+# snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd
+snap_out=$(mktemp)
+"$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$snap_out"
+section=$(mktemp)
+{
+  echo "<!-- snapshots:start -->"
+  echo "Measured $(date -u +%Y-%m-%d) on: $machine."
+  echo
+  cat "$snap_out"
+  echo "<!-- snapshots:end -->"
+} >"$section"
+python3 - "$section" <<'PY'
+import re, sys
+section = open(sys.argv[1]).read().rstrip("\n")
+text = open("BENCHMARKS.md").read()
+new = re.sub(r"<!-- snapshots:start -->.*?<!-- snapshots:end -->", lambda m: section, text, flags=re.S)
+open("BENCHMARKS.md", "w").write(new)
+PY
+rm -f "$snap_out" "$section"
 echo "BENCHMARKS.md updated" >&2

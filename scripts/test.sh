@@ -26,4 +26,4 @@ export AVIARY_ENVD
 echo "== clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"
-cargo test --workspace --locked -- --test-threads="${AVIARY_TEST_THREADS:-4}"
+cargo test --workspace --locked --no-fail-fast -- --test-threads="${AVIARY_TEST_THREADS:-4}"
