@@ -841,7 +841,9 @@ fn bad_projections_name_their_line() {
     let missing = dir.path().join("nope");
     let missing = missing.to_str().unwrap();
     let link = link.to_str().unwrap();
-    let cases: [(&[(&str, &str)], &str, &str, &str); 8] = [
+    // (projections, text on the offending line, field, message part)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a str, &'a str, &'a str);
+    let cases: [Case<'_>; 8] = [
         (
             &[("relative/skills", "/workspace/s")],
             "relative/skills",
