@@ -54,6 +54,8 @@ pub struct Config {
     pub pools: Vec<PoolSettings>,
     pub planner: PlannerSettings,
     pub overcommit: Overcommit,
+    /// `[snapshots]`: where snapshot chunks and manifests are kept.
+    pub snapshots: SnapshotSettings,
     /// `[[projection]]` tables, in file order (default: none).
     pub projections: Vec<Projection>,
 }
@@ -273,6 +275,38 @@ impl fmt::Debug for LlmSettings {
     }
 }
 
+/// `[snapshots]`: the snapshot store (seed 000's snapshot specs: local,
+/// S3/OSS, Redis, PostgreSQL/JDBC).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct SnapshotSettings {
+    pub store: SnapshotStore,
+}
+
+/// One snapshot store. Secrets are named by environment variable, never
+/// written in the file.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub enum SnapshotStore {
+    /// Content-addressed chunks under `<data dir>/snapshots`.
+    #[default]
+    Local,
+    S3 {
+        endpoint: String,
+        region: String,
+        bucket: String,
+        prefix: String,
+        access_key_env: String,
+        secret_key_env: String,
+    },
+    Redis {
+        url: String,
+        prefix: String,
+    },
+    Postgres {
+        url_env: String,
+        namespace: String,
+    },
+}
+
 /// `[overcommit]`: how far the sum of the limits committed on one node may
 /// exceed its real capacity.
 ///
@@ -438,6 +472,7 @@ impl Default for Config {
                 llm: None,
             },
             overcommit: default_overcommit(),
+            snapshots: SnapshotSettings::default(),
             projections: Vec::new(),
         }
     }

@@ -30,6 +30,7 @@ struct RawConfig {
     pools: Option<Vec<RawPool>>,
     planner: Option<RawPlanner>,
     overcommit: Option<RawOvercommit>,
+    snapshots: Option<RawSnapshots>,
     #[serde(rename = "projection")]
     projections: Option<Vec<RawProjection>>,
 }
@@ -113,6 +114,21 @@ struct RawLlm {
 struct RawOvercommit {
     cpu_ratio: Option<Spanned<f64>>,
     memory_ratio: Option<Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSnapshots {
+    store: Spanned<String>,
+    endpoint: Option<Spanned<String>>,
+    region: Option<Spanned<String>>,
+    bucket: Option<Spanned<String>>,
+    prefix: Option<Spanned<String>>,
+    access_key_env: Option<Spanned<String>>,
+    secret_key_env: Option<Spanned<String>>,
+    url: Option<Spanned<String>>,
+    url_env: Option<Spanned<String>>,
+    namespace: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -279,6 +295,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
 
     let planner = check_planner(&ck, raw.planner)?;
     let overcommit = check_overcommit(&ck, raw.overcommit)?;
+    let snapshots = check_snapshots(&ck, raw.snapshots)?;
     let projections = match raw.projections {
         Some(list) => check_projections(&ck, list)?,
         None => Vec::new(),
@@ -292,6 +309,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         pools,
         planner,
         overcommit,
+        snapshots,
         projections,
     })
 }
@@ -789,6 +807,64 @@ fn check_planner(
         });
     }
     Ok(planner)
+}
+
+fn check_snapshots(
+    ck: &Checker<'_>,
+    raw: Option<RawSnapshots>,
+) -> Result<crate::SnapshotSettings, ConfigError> {
+    use crate::SnapshotStore;
+    let Some(raw) = raw else {
+        return Ok(crate::SnapshotSettings::default());
+    };
+    let kind = raw.store.get_ref().as_str();
+    let need = |field: &str, v: &Option<Spanned<String>>| -> Result<String, ConfigError> {
+        match v {
+            Some(v) if !v.get_ref().trim().is_empty() => Ok(v.get_ref().clone()),
+            _ => ck
+                .check(
+                    false,
+                    &raw.store.span(),
+                    || format!("snapshots.{field}"),
+                    || format!("snapshots: store = {kind:?} needs `{field}`"),
+                )
+                .map(|_| String::new()),
+        }
+    };
+    let opt = |v: &Option<Spanned<String>>, d: &str| {
+        v.as_ref()
+            .map(|s| s.get_ref().clone())
+            .unwrap_or_else(|| d.to_owned())
+    };
+    let store = match kind {
+        "local" => SnapshotStore::Local,
+        "s3" => SnapshotStore::S3 {
+            endpoint: need("endpoint", &raw.endpoint)?,
+            region: opt(&raw.region, "us-east-1"),
+            bucket: need("bucket", &raw.bucket)?,
+            prefix: opt(&raw.prefix, "aviary/"),
+            access_key_env: need("access_key_env", &raw.access_key_env)?,
+            secret_key_env: need("secret_key_env", &raw.secret_key_env)?,
+        },
+        "redis" => SnapshotStore::Redis {
+            url: need("url", &raw.url)?,
+            prefix: opt(&raw.prefix, "aviary"),
+        },
+        "postgres" => SnapshotStore::Postgres {
+            url_env: need("url_env", &raw.url_env)?,
+            namespace: opt(&raw.namespace, "aviary"),
+        },
+        other => {
+            ck.check(
+                false,
+                &raw.store.span(),
+                || "snapshots.store".to_owned(),
+                || format!("snapshots: store must be local, s3, redis or postgres, got {other:?}"),
+            )?;
+            SnapshotStore::Local
+        }
+    };
+    Ok(crate::SnapshotSettings { store })
 }
 
 fn check_overcommit(

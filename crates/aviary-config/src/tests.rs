@@ -894,3 +894,34 @@ fn bad_projections_name_their_line() {
         );
     }
 }
+
+#[test]
+fn snapshot_stores_parse_and_incomplete_ones_name_their_line() {
+    let s3 = "[snapshots]\nstore = \"s3\"\nendpoint = \"http://127.0.0.1:9000\"\nbucket = \"b\"\naccess_key_env = \"AK\"\nsecret_key_env = \"SK\"\n";
+    let c = Config::from_str(s3, "t.toml").unwrap();
+    assert!(
+        matches!(c.snapshots.store, crate::SnapshotStore::S3 { ref bucket, .. } if bucket == "b")
+    );
+    let redis = "[snapshots]\nstore = \"redis\"\nurl = \"redis://127.0.0.1:6379/0\"\n";
+    assert!(matches!(
+        Config::from_str(redis, "t.toml").unwrap().snapshots.store,
+        crate::SnapshotStore::Redis { .. }
+    ));
+    let text = "[snapshots]\nstore = \"s3\"\nendpoint = \"http://x:1\"\n";
+    expect_error(
+        text,
+        line_of(text, "store = \"s3\""),
+        "snapshots.bucket",
+        "needs `bucket`",
+    );
+    let text = "[snapshots]\nstore = \"ftp\"\n";
+    expect_error(
+        text,
+        line_of(text, "store = \"ftp\""),
+        "snapshots.store",
+        "must be local, s3, redis or postgres",
+    );
+    let text = "[snapshots]\nstore = \"local\"\nbukket = 1\n";
+    let e = Config::from_str(text, "t.toml").unwrap_err();
+    assert!(e.to_string().contains("bukket"), "{e}");
+}

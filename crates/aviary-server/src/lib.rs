@@ -56,6 +56,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             format!("opening template store {}", cfg.templates_root().display())
         })?,
     );
+    let chunk_store = open_snapshot_store(&cfg).await?;
     let runtime = Arc::new(runtime);
     ControlPlane::new(
         cfg,
@@ -64,7 +65,53 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         runtime.clone(),
         Some(runtime),
         templates,
+        chunk_store,
     )
+}
+
+/// The configured snapshot store (`[snapshots]`).
+pub async fn open_snapshot_store(
+    cfg: &ServerConfig,
+) -> anyhow::Result<Arc<dyn aviary_snapshots::ChunkStore>> {
+    use aviary_config::SnapshotStore;
+    let env = |name: &str| {
+        std::env::var(name)
+            .with_context(|| format!("snapshot store: environment variable {name} is not set"))
+    };
+    Ok(match &cfg.settings.snapshots.store {
+        SnapshotStore::Local => Arc::new(aviary_snapshots::LocalStore::open(
+            cfg.data_dir.join("snapshots"),
+        )?),
+        SnapshotStore::S3 {
+            endpoint,
+            region,
+            bucket,
+            prefix,
+            access_key_env,
+            secret_key_env,
+        } => Arc::new(
+            aviary_snapshots::S3Store::connect(aviary_snapshots::S3Config {
+                endpoint: endpoint.clone(),
+                region: region.clone(),
+                bucket: bucket.clone(),
+                access_key: env(access_key_env)?,
+                secret_key: env(secret_key_env)?,
+                prefix: prefix.clone(),
+            })
+            .await
+            .context("connecting to the S3 snapshot store")?,
+        ),
+        SnapshotStore::Redis { url, prefix } => Arc::new(
+            aviary_snapshots::RedisStore::connect(url, prefix)
+                .await
+                .context("connecting to the Redis snapshot store")?,
+        ),
+        SnapshotStore::Postgres { url_env, namespace } => Arc::new(
+            aviary_snapshots::PgStore::connect(&env(url_env)?, namespace)
+                .await
+                .context("connecting to the PostgreSQL snapshot store")?,
+        ),
+    })
 }
 
 /// A server started in this process (used by `aviary serve` and the tests).

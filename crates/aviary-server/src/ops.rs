@@ -142,12 +142,12 @@ impl ControlPlane {
         runtime: Arc<dyn Runtime>,
         pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
         templates: Arc<TemplateStore>,
+        chunk_store: Arc<dyn aviary_snapshots::ChunkStore>,
     ) -> anyhow::Result<Arc<Self>> {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
         let pools = crate::pools::Pools::new(&cfg.settings.pools, &cfg.data_dir);
-        let chunk_store = aviary_snapshots::LocalStore::open(cfg.data_dir.join("snapshots"))?;
-        let snapshots = aviary_snapshots::SnapshotService::new(Arc::new(chunk_store));
+        let snapshots = aviary_snapshots::SnapshotService::new(chunk_store);
         let nodes = crate::nodes::Nodes::new(
             &cfg.data_dir,
             aviary_scheduler::SchedulerConfig {
@@ -859,6 +859,11 @@ impl ControlPlane {
         let live = self.live(&id)?;
         live.allocation_id
             .store(alloc_id, std::sync::atomic::Ordering::Relaxed);
+        // host files may have changed while it waited in the pool
+        if let Err(e) = self.sync_projection(&id, &live).await {
+            self.fail_sandbox(&id, request_id, &e).await;
+            return Err(e);
+        }
         self.metrics.inc_create();
         match self
             .finish_lock(rec, &live, &[], lease_req, request_id)

@@ -351,3 +351,93 @@ async fn user_managed_sandboxes_are_stopped_never_destroyed_and_states_restore()
     assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
     ts.cleanup().await;
 }
+
+/// The same snapshot → fork round trip on every configured snapshot store
+/// (the real servers that scripts/test.sh starts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_round_trip_on_every_store() {
+    let stores: Vec<(&str, Option<aviary_config::SnapshotStore>)> = vec![
+        ("local", Some(aviary_config::SnapshotStore::Local)),
+        (
+            "redis",
+            std::env::var("AVIARY_TEST_REDIS_URL").ok().map(|url| {
+                aviary_config::SnapshotStore::Redis {
+                    url,
+                    prefix: format!("srv-{}", std::process::id()),
+                }
+            }),
+        ),
+        (
+            "postgres",
+            std::env::var("AVIARY_TEST_POSTGRES_URL").ok().map(|_| {
+                aviary_config::SnapshotStore::Postgres {
+                    url_env: "AVIARY_TEST_POSTGRES_URL".into(),
+                    namespace: format!("srv{}", std::process::id()),
+                }
+            }),
+        ),
+        (
+            "s3",
+            std::env::var("AVIARY_TEST_S3_ENDPOINT")
+                .ok()
+                .map(|endpoint| aviary_config::SnapshotStore::S3 {
+                    endpoint,
+                    region: "us-east-1".into(),
+                    bucket: std::env::var("AVIARY_TEST_S3_BUCKET").unwrap_or_default(),
+                    prefix: format!("srv-{}/", std::process::id()),
+                    access_key_env: "AVIARY_TEST_S3_ACCESS_KEY".into(),
+                    secret_key_env: "AVIARY_TEST_S3_SECRET_KEY".into(),
+                }),
+        ),
+    ];
+    for (name, store) in stores {
+        let Some(store) = store else {
+            eprintln!("SKIPPED: snapshot store {name}: its AVIARY_TEST_* variables are not set (run scripts/services.sh start)");
+            continue;
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("avt")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let mut cfg = common::config(&dir.path().join("d"), "busybox");
+        cfg.settings.snapshots.store = store;
+        let ts = common::start_cfg(cfg).await;
+        let c = &ts.client;
+        let p = c
+            .create_sandbox(&CreateSandboxRequest::default())
+            .await
+            .unwrap()
+            .sandbox
+            .id
+            .to_string();
+        c.exec(
+            &p,
+            &shell(&format!(
+                "head -c 1500000 /dev/urandom > /workspace/b; echo {name} > /workspace/n"
+            )),
+        )
+        .await
+        .unwrap();
+        let s = c.snapshot(&p, None).await.unwrap();
+        assert!(s["new_bytes"].as_u64().unwrap() >= 1_500_000, "{name}: {s}");
+        let f = c
+            .fork(&p, s["id"].as_str(), None)
+            .await
+            .unwrap()
+            .sandbox
+            .id
+            .to_string();
+        let a = c
+            .exec(&p, &shell("md5sum < /workspace/b; cat /workspace/n"))
+            .await
+            .unwrap();
+        let b = c
+            .exec(&f, &shell("md5sum < /workspace/b; cat /workspace/n"))
+            .await
+            .unwrap();
+        assert_eq!(a.stdout, b.stdout, "{name}");
+        assert!(b.stdout.ends_with(&format!("{name}\n")));
+        eprintln!("snapshot store {name}: round trip ok");
+        ts.cleanup().await;
+    }
+}
