@@ -62,6 +62,31 @@ pub struct LiveSandbox {
     timed_out: std::sync::atomic::AtomicBool,
     /// Serializes fence pushes to this sandbox's envd.
     fence_lock: Mutex<()>,
+    /// Execs running now (an idle sandbox is one with none).
+    pub(crate) active_execs: std::sync::atomic::AtomicUsize,
+    /// Last exec start or end, for the idle timeout.
+    pub(crate) last_activity: StdMutex<std::time::Instant>,
+}
+
+/// Counts a running exec on its sandbox until dropped.
+pub struct ExecGuard(Arc<LiveSandbox>);
+
+impl ExecGuard {
+    fn new(live: Arc<LiveSandbox>) -> Self {
+        live.active_execs
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        *live.last_activity.lock().expect("activity poisoned") = std::time::Instant::now();
+        ExecGuard(live)
+    }
+}
+
+impl Drop for ExecGuard {
+    fn drop(&mut self) {
+        self.0
+            .active_execs
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        *self.0.last_activity.lock().expect("activity poisoned") = std::time::Instant::now();
+    }
 }
 
 pub struct ControlPlane {
@@ -431,6 +456,8 @@ impl ControlPlane {
             allocation_id: std::sync::atomic::AtomicI64::new(allocation_id.unwrap_or(-1)),
             timed_out: std::sync::atomic::AtomicBool::new(false),
             paused: std::sync::atomic::AtomicBool::new(false),
+            active_execs: std::sync::atomic::AtomicUsize::new(0),
+            last_activity: StdMutex::new(std::time::Instant::now()),
             fence_lock: Mutex::new(()),
         });
         self.live
@@ -1290,6 +1317,7 @@ impl ControlPlane {
             stream,
             oom_before,
             runtime,
+            busy: ExecGuard::new(live.clone()),
         })
     }
 
@@ -1742,6 +1770,8 @@ pub struct ExecRun {
     pub oom_before: Option<u64>,
     /// The runtime the sandbox runs on (for the OOM counter after the exit).
     pub runtime: Arc<dyn aviary_runtime::Pausable>,
+    /// Keeps the sandbox counted busy while the exec runs.
+    pub busy: ExecGuard,
 }
 
 fn append_capped(buf: &mut Vec<u8>, data: &[u8], cap: usize, truncated: &mut bool) {

@@ -361,6 +361,14 @@ impl ControlPlane {
         request_id: Option<&str>,
         why: &str,
     ) -> Result<Sandbox, OpError> {
+        let _lifecycle = self.bucket_guard(&format!("lifecycle/{}", rec.id)).await;
+        let rec = self.registry.get_sandbox(&rec.id).await?;
+        if rec.state != SandboxState::Idle {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "only an idle sandbox can hibernate".into(),
+            });
+        }
         let snap = self.take_snapshot(&rec, "hibernate").await?;
         let rec = self
             .registry
@@ -406,6 +414,14 @@ impl ControlPlane {
         rec: SandboxRecord,
         request_id: Option<&str>,
     ) -> Result<SandboxRecord, OpError> {
+        let _lifecycle = self.bucket_guard(&format!("lifecycle/{}", rec.id)).await;
+        let rec = self.registry.get_sandbox(&rec.id).await?;
+        if rec.state != SandboxState::Hibernating {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it is not hibernating".into(),
+            });
+        }
         let snap =
             self.last_snapshot(&rec.tenant, &rec.id)
                 .ok_or_else(|| OpError::InvalidState {
@@ -500,11 +516,23 @@ impl ControlPlane {
             if rec.state != SandboxState::Idle || rec.tenant.is_empty() {
                 continue;
             }
-            let idle = (now - rec.last_active_at).as_seconds_f64();
-            let paused = self
-                .live_opt(&rec.id)
+            let live = self.live_opt(&rec.id);
+            let idle = match &live {
+                Some(l) => l
+                    .last_activity
+                    .lock()
+                    .expect("activity poisoned")
+                    .elapsed()
+                    .as_secs_f64(),
+                None => (now - rec.last_active_at).as_seconds_f64(),
+            };
+            let busy = live
+                .as_ref()
+                .is_some_and(|l| l.active_execs.load(Ordering::SeqCst) > 0);
+            let paused = live
+                .as_ref()
                 .is_some_and(|l| l.paused.load(Ordering::SeqCst));
-            if idle >= limit as f64 && !paused {
+            if idle >= limit as f64 && !paused && !busy {
                 if let Err(e) = self
                     .hibernate_record(rec.clone(), None, "idle timeout")
                     .await

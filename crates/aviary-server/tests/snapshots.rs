@@ -242,7 +242,7 @@ async fn idle_sandboxes_hibernate_and_wake_with_their_files() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.idle_hibernate_s = Some(1);
+    cfg.idle_hibernate_s = Some(2);
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
     let id = c
