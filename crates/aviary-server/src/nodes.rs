@@ -70,13 +70,17 @@ impl Nodes {
         self.map.read().expect("nodes poisoned").get(id).cloned()
     }
 
+    /// Every registered node, by id.
     pub fn all(&self) -> Vec<Arc<RemoteNode>> {
-        self.map
+        let mut v: Vec<_> = self
+            .map
             .read()
             .expect("nodes poisoned")
             .values()
             .cloned()
-            .collect()
+            .collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
     }
 
     pub fn is_empty(&self) -> bool {
