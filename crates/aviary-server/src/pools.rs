@@ -334,18 +334,22 @@ impl ControlPlane {
                 .cloned()
                 .collect();
             let handed = pool.handed_out.lock().expect("pool poisoned").len() as u32;
+            // pool_min is a floor on the total (idle + handed out), buffer_min
+            // a floor on idle ones; pool_max caps the total. Idle sandboxes
+            // above both buffer_max and what pool_min needs are trimmed.
+            let room = s.pool_max.saturating_sub(handed);
             let target = s
                 .buffer_min
                 .max(s.pool_min.saturating_sub(handed))
-                .min(s.buffer_max.max(s.buffer_min))
-                .min(s.pool_max.saturating_sub(handed));
+                .min(room);
+            let keep = s.buffer_max.max(target).min(room);
             let mut have = idle.len() as u32;
             while have < target {
                 self.start_pooled(&class, &template).await?;
                 started += 1;
                 have += 1;
             }
-            for extra in idle.iter().skip(target as usize) {
+            for extra in idle.iter().skip(keep as usize) {
                 let _ = self.destroy_pooled(extra.clone()).await;
             }
         }
