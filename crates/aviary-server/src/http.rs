@@ -763,6 +763,16 @@ async fn add_node(
     Ok((StatusCode::CREATED, Json(cp.add_node(&c, req).await?)))
 }
 
+/// Snapshot retention and chunk garbage collection (admin only).
+#[utoipa::path(post, path = "/v1/snapshots/gc", request_body = crate::snapshots::GcRequest, responses((status = 200, body = crate::snapshots::GcResult), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn gc_snapshots(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    ApiJson(req): ApiJson<crate::snapshots::GcRequest>,
+) -> Result<Json<crate::snapshots::GcResult>, OpError> {
+    Ok(Json(cp.gc_snapshots(&c, req).await?))
+}
+
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
@@ -851,7 +861,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node),
+          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -896,6 +906,7 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/sandboxes/{id}/hibernate", post(hibernate))
         .route("/v1/sandboxes/{id}/wake", post(wake))
         .route("/v1/snapshots", get(snapshots))
+        .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))

@@ -592,3 +592,84 @@ async fn restore_tree(
         })
     })
 }
+
+/// `POST /v1/snapshots/gc` (admin): retention, then a sweep of chunks no
+/// remaining snapshot references.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Snapshots kept per sandbox (newest first); the rest are deleted.
+    pub keep_last: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct GcResult {
+    pub snapshots_deleted: Vec<String>,
+    pub chunks_kept: u64,
+    pub chunks_deleted: u64,
+}
+
+impl ControlPlane {
+    /// Applies retention to every tenant's snapshots and sweeps unreferenced
+    /// chunks. Snapshots other snapshots name as parent stay readable: a
+    /// manifest holds its full chunk list, so deleting a parent never breaks
+    /// a child.
+    pub async fn gc_snapshots(&self, caller: &Caller, req: GcRequest) -> Result<GcResult, OpError> {
+        if !caller.admin {
+            return Err(OpError::Forbidden(
+                "snapshot garbage collection needs an admin key".into(),
+            ));
+        }
+        if req.keep_last == 0 || req.keep_last > 10_000 {
+            return Err(OpError::InvalidRequest(
+                "keep_last must be between 1 and 10000".into(),
+            ));
+        }
+        let mut all: Vec<SandboxSnapshot> = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(self.index_dir()) {
+            for e in rd.flatten() {
+                if let Some(s) = std::fs::read(e.path())
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
+                {
+                    all.push(s);
+                }
+            }
+        }
+        let mut by_sandbox: std::collections::BTreeMap<(String, String), Vec<SandboxSnapshot>> =
+            Default::default();
+        for s in all {
+            by_sandbox
+                .entry((s.tenant.clone(), s.sandbox_id.clone()))
+                .or_default()
+                .push(s);
+        }
+        let store = self.snapshots.store().clone();
+        let mut deleted = Vec::new();
+        for (_, mut list) in by_sandbox {
+            list.sort_by_key(|s| std::cmp::Reverse(s.created_at));
+            for old in list.into_iter().skip(req.keep_last) {
+                for m in [&old.workspace_manifest, &old.upper_manifest] {
+                    let id: SnapshotId = m.parse().map_err(OpError::internal)?;
+                    let (st, tenant) = (store.clone(), old.tenant.clone());
+                    off_thread(move || async move { st.delete_manifest(&tenant, &id).await })
+                        .await?
+                        .or_else(|e| if e.is_not_found() { Ok(()) } else { Err(e) })
+                        .map_err(OpError::internal)?;
+                }
+                let _ = std::fs::remove_file(self.index_dir().join(format!("{}.json", old.id)));
+                deleted.push(old.id);
+            }
+        }
+        let st = store.clone();
+        let report =
+            off_thread(move || async move { aviary_snapshots::collect_garbage(st.as_ref()).await })
+                .await?
+                .map_err(OpError::internal)?;
+        Ok(GcResult {
+            snapshots_deleted: deleted,
+            chunks_kept: report.chunks_kept,
+            chunks_deleted: report.chunks_deleted,
+        })
+    }
+}

@@ -441,3 +441,83 @@ async fn snapshots_round_trip_on_every_store() {
         ts.cleanup().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_and_gc_free_unreferenced_chunks_only() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let p = c
+        .create_sandbox(&CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    for i in 0..3 {
+        c.exec(
+            &p,
+            &shell(&format!(
+                "head -c 1200000 /dev/urandom > /workspace/v{i}; rm -f /workspace/v{}",
+                i.max(1) - 1
+            )),
+        )
+        .await
+        .unwrap();
+        c.snapshot(&p, None).await.unwrap();
+    }
+    let chunks = |dir: &std::path::Path| walk(dir).len();
+    let before = chunks(&ts.data.join("snapshots"));
+    let raw = c
+        .raw(
+            reqwest::Method::POST,
+            "/v1/snapshots/gc",
+            Some(br#"{"keep_last": 1}"#.to_vec()),
+            Some(&ts.key),
+        )
+        .await
+        .unwrap();
+    assert_eq!(raw.0.as_u16(), 200, "{}", raw.1);
+    assert_eq!(
+        raw.1["snapshots_deleted"].as_array().unwrap().len(),
+        2,
+        "{}",
+        raw.1
+    );
+    assert!(raw.1["chunks_deleted"].as_u64().unwrap() > 0, "{}", raw.1);
+    assert!(chunks(&ts.data.join("snapshots")) < before);
+    // the kept snapshot still restores completely
+    let left = c.snapshots(Some(&p)).await.unwrap()["snapshots"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(left.len(), 1);
+    let f = c
+        .fork(&p, left[0]["id"].as_str(), None)
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+    let a = c
+        .exec(&p, &shell("cd /workspace && md5sum v2"))
+        .await
+        .unwrap();
+    let b = c
+        .exec(&f, &shell("cd /workspace && md5sum v2"))
+        .await
+        .unwrap();
+    assert_eq!(a.stdout, b.stdout);
+    // only admins
+    let user_key = c.create_key("u", false).await.unwrap().key;
+    let (status, body) = c
+        .raw(
+            reqwest::Method::POST,
+            "/v1/snapshots/gc",
+            Some(br#"{"keep_last": 1}"#.to_vec()),
+            Some(&user_key),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status.as_u16(), 403, "{body}");
+    ts.cleanup().await;
+}
