@@ -224,3 +224,69 @@ async fn an_oom_moves_the_next_plan_for_that_workload_up_a_class() {
         "{after}"
     );
 }
+
+/// A local OpenAI-compatible endpoint: its first answer is a good intent,
+/// every later one asks for 64 CPUs.
+async fn fake_llm() -> std::net::SocketAddr {
+    use axum::routing::post;
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move |axum::Json(body): axum::Json<serde_json::Value>| {
+            let calls = calls.clone();
+            async move {
+                assert_eq!(body["response_format"]["type"], "json_schema");
+                let n = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let cpu = if n == 0 { 2.0 } else { 64.0 };
+                let content = json!({
+                    "resource_class": "python-ds", "cpu": cpu, "memory_mb": 4096, "disk_mb": 20480,
+                    "network_profile": "none", "ttl_s": 1200, "needs_gpu": false, "confidence": 0.8,
+                    "reason": "pandas over a medium CSV"
+                })
+                .to_string();
+                axum::Json(json!({
+                    "id": "c", "object": "chat.completion", "model": "m",
+                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]
+                }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_llm_planner_is_used_and_a_hostile_answer_falls_back() {
+    let llm = fake_llm().await;
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = common::config(&dir.path().join("d"), "busybox");
+    cfg.settings.planner.llm = Some(aviary_config::LlmSettings {
+        base_url: format!("http://{llm}/v1"),
+        model: "test-model".into(),
+        api_key: None,
+        api_key_env: None,
+        timeout_ms: 2000,
+    });
+    let ts = common::start_cfg(cfg).await;
+    let c = &ts.client;
+    let ctx = json!({"task": "summarise a CSV of sales with pandas", "dependencies": ["pandas"]});
+    let good = c.plan(&ctx).await.unwrap();
+    assert_eq!(good["intent"]["source"], "llm", "{good}");
+    assert_eq!(good["intent"]["resource_class"], "python-ds");
+    // asks for 64 CPUs: rejected, heuristics answer, the failure is in the trace
+    let hostile = c.plan(&ctx).await.unwrap();
+    assert_eq!(hostile["intent"]["source"], "heuristic", "{hostile}");
+    assert_eq!(hostile["trace"]["fell_back"], true);
+    assert!(
+        hostile["intent"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("llm planner failed"),
+        "{hostile}"
+    );
+}
