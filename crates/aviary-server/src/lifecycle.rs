@@ -10,7 +10,7 @@ use crate::ops::{Caller, ControlPlane, LiveSandbox};
 use aviary_core::api::Sandbox;
 use aviary_core::{LeaseToken, SandboxState};
 use aviary_envd_proto::ExecSpec;
-use aviary_registry::{FenceCheck, NewEvent, SandboxRecord, TransitionCtx};
+use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
 use aviary_reuse::{EnvironmentManifest, ProbeOutputs};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -32,27 +32,6 @@ fn ctx(request_id: Option<&str>, event: &str, metadata: serde_json::Value) -> Tr
 }
 
 impl ControlPlane {
-    async fn event(
-        &self,
-        rec: &SandboxRecord,
-        event: &str,
-        request_id: Option<&str>,
-        metadata: serde_json::Value,
-    ) -> Result<(), OpError> {
-        self.registry
-            .append_event(NewEvent {
-                sandbox_id: Some(rec.id.clone()),
-                tenant: rec.tenant.clone(),
-                event_type: event.into(),
-                old_state: Some(rec.state),
-                new_state: Some(rec.state),
-                request_id: request_id.map(str::to_owned),
-                metadata,
-            })
-            .await?;
-        Ok(())
-    }
-
     /// Freezes every process of the sandbox (fenced like any write).
     pub async fn pause(
         &self,

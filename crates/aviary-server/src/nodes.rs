@@ -87,9 +87,8 @@ impl Nodes {
         self.map.read().expect("nodes poisoned").is_empty()
     }
 
+    /// Tokens included: written with mode 0600, atomically.
     fn save(&self) -> std::io::Result<()> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
         let saved: Vec<Saved> = self
             .all()
             .iter()
@@ -99,16 +98,7 @@ impl Nodes {
                 token: n.token.clone(),
             })
             .collect();
-        let tmp = self.file.with_extension("tmp");
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&serde_json::to_vec_pretty(&saved)?)?;
-        f.sync_all()?;
-        std::fs::rename(tmp, &self.file)
+        crate::ops::write_secret_file(&self.file, &serde_json::to_string_pretty(&saved)?)
     }
 }
 
@@ -294,17 +284,15 @@ impl ControlPlane {
             .scheduler
             .place(&views, &req, aviary_core::now())
             .map_err(|e| OpError::Unavailable(format!("no node can take the sandbox: {e}")))?;
-        self.registry
-            .append_event(aviary_registry::NewEvent {
-                sandbox_id: None,
-                tenant: tenant.to_owned(),
-                event_type: "placement".into(),
-                old_state: None,
-                new_state: None,
-                request_id: request_id.map(str::to_owned),
-                metadata: serde_json::to_value(&decision).unwrap_or_default(),
-            })
-            .await?;
+        self.record_event(
+            tenant,
+            None,
+            None,
+            "placement",
+            request_id,
+            serde_json::to_value(&decision).unwrap_or_default(),
+        )
+        .await?;
         Ok(decision.node_id)
     }
 

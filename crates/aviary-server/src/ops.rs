@@ -619,15 +619,7 @@ impl ControlPlane {
             .clone()
             .unwrap_or_else(|| self.cfg.default_template.clone());
         valid_name("template", &template_name)?;
-        let store = self.templates.clone();
-        let tn = template_name.clone();
-        let template = tokio::task::spawn_blocking(move || store.get(&tn))
-            .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?
-            .ok_or_else(|| {
-                OpError::InvalidRequest(format!("unknown template {template_name:?}"))
-            })?;
+        let template = self.template_info(&template_name).await?;
         let scope =
             aviary_reuse::effective_scope(req.scope.unwrap_or_default(), req.user_id.as_deref());
 
@@ -1048,18 +1040,14 @@ impl ControlPlane {
     async fn fail_sandbox(&self, id: &SandboxId, request_id: Option<&str>, cause: &OpError) {
         tracing::warn!(sandbox.id = %id, error = format!("{:#}", anyhow_of(cause)), "create failed");
         self.live.lock().expect("live map poisoned").remove(id);
-        let node = self
-            .registry
-            .get_sandbox(id)
-            .await
-            .map(|r| r.node)
-            .unwrap_or_else(|_| crate::nodes::LOCAL_NODE.to_owned());
-        let destroy = match self.runtime_for(&node) {
-            Ok(rt) => rt.destroy(id).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
+        let rec = self.registry.get_sandbox(id).await;
+        let node = rec
+            .as_ref()
+            .map(|r| r.node.as_str())
+            .unwrap_or(crate::nodes::LOCAL_NODE);
+        let destroy = self.destroy_compute(node, id).await;
         let _ = self.leases.revoke(id).await;
-        if let Ok(rec) = self.registry.get_sandbox(id).await {
+        if let Ok(rec) = rec {
             let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Failed) {
                 &[SandboxState::Failed, SandboxState::Terminated]
             } else {
@@ -1094,6 +1082,14 @@ impl ControlPlane {
         let rec = self.sandbox_for(caller, id).await?;
         self.destroy(rec, FenceCheck::Require(token), request_id, "deleted")
             .await
+    }
+
+    /// Removes a sandbox's compute from the runtime of its node.
+    async fn destroy_compute(&self, node: &str, id: &SandboxId) -> Result<(), String> {
+        match self.runtime_for(node) {
+            Ok(rt) => rt.destroy(id).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Sanitizing → runtime destroy → Terminated.
@@ -1134,10 +1130,7 @@ impl ControlPlane {
         if let Some(live) = &live {
             self.record_usage(&rec, live).await;
         }
-        let destroyed = match self.runtime_for(&rec.node) {
-            Ok(rt) => rt.destroy(&id).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        };
+        let destroyed = self.destroy_compute(&rec.node, &id).await;
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
         if let Err(e) = &destroyed {
@@ -1346,6 +1339,50 @@ impl ControlPlane {
         }
     }
 
+    /// Writes one event row: the single path for events that are not
+    /// state transitions (those are written by `Registry::transition`).
+    pub(crate) async fn record_event(
+        &self,
+        tenant: &str,
+        sandbox_id: Option<&SandboxId>,
+        state: Option<SandboxState>,
+        event_type: &str,
+        request_id: Option<&str>,
+        metadata: serde_json::Value,
+    ) -> Result<(), OpError> {
+        self.registry
+            .append_event(NewEvent {
+                sandbox_id: sandbox_id.cloned(),
+                tenant: tenant.to_owned(),
+                event_type: event_type.to_owned(),
+                old_state: state,
+                new_state: state,
+                request_id: request_id.map(str::to_owned),
+                metadata,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// An event about a sandbox that leaves its state as it is.
+    pub(crate) async fn event(
+        &self,
+        rec: &SandboxRecord,
+        event_type: &str,
+        request_id: Option<&str>,
+        metadata: serde_json::Value,
+    ) -> Result<(), OpError> {
+        self.record_event(
+            &rec.tenant,
+            Some(&rec.id),
+            Some(rec.state),
+            event_type,
+            request_id,
+            metadata,
+        )
+        .await
+    }
+
     /// Records activity on a sandbox without a registry write per exec.
     pub fn touch_lazily(&self, id: &SandboxId) {
         let now = std::time::Instant::now();
@@ -1524,17 +1561,15 @@ impl ControlPlane {
             )
             .await?;
         } else {
-            self.registry
-                .append_event(NewEvent {
-                    sandbox_id: Some(rec.id.clone()),
-                    tenant: rec.tenant.clone(),
-                    event_type: "lease_acquired".into(),
-                    old_state: Some(rec.state),
-                    new_state: Some(rec.state),
-                    request_id: request_id.map(str::to_owned),
-                    metadata: meta,
-                })
-                .await?;
+            self.record_event(
+                &rec.tenant,
+                Some(&rec.id),
+                Some(rec.state),
+                "lease_acquired",
+                request_id,
+                meta,
+            )
+            .await?;
         }
         Ok(lease)
     }
@@ -1738,17 +1773,15 @@ impl ControlPlane {
         self.registry
             .upsert_template(&template_record(&info))
             .await?;
-        self.registry
-            .append_event(NewEvent {
-                sandbox_id: None,
-                tenant: caller.tenant.clone(),
-                event_type: "template_imported".into(),
-                old_state: None,
-                new_state: None,
-                request_id: None,
-                metadata: serde_json::json!({"name": info.name, "digest": info.digest}),
-            })
-            .await?;
+        self.record_event(
+            &caller.tenant,
+            None,
+            None,
+            "template_imported",
+            None,
+            serde_json::json!({"name": info.name, "digest": info.digest}),
+        )
+        .await?;
         Ok(template_api(&info))
     }
 
@@ -1826,7 +1859,7 @@ fn new_api_key() -> String {
     format!("avk_{}", hex::encode(b))
 }
 
-fn write_secret_file(path: &Path, content: &str) -> std::io::Result<()> {
+pub(crate) fn write_secret_file(path: &Path, content: &str) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     if let Some(dir) = path.parent() {

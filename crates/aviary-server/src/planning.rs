@@ -16,7 +16,7 @@ use aviary_planner::{
     TelemetryRules,
 };
 use aviary_policy::{IntentRequest, PolicyGuard, TenantUsage};
-use aviary_registry::{AllocationRecord, NewEvent};
+use aviary_registry::AllocationRecord;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -324,17 +324,15 @@ impl ControlPlane {
                 Err(d) => {
                     let mut meta = d.to_event_metadata();
                     meta["recommended_class"] = serde_json::Value::String(recommended.clone());
-                    self.registry
-                        .append_event(NewEvent {
-                            sandbox_id: None,
-                            tenant: caller.tenant.clone(),
-                            event_type: aviary_policy::Denial::EVENT_TYPE.into(),
-                            old_state: None,
-                            new_state: None,
-                            request_id: request_id.map(str::to_owned),
-                            metadata: meta,
-                        })
-                        .await?;
+                    self.record_event(
+                        &caller.tenant,
+                        None,
+                        None,
+                        aviary_policy::Denial::EVENT_TYPE,
+                        request_id,
+                        meta,
+                    )
+                    .await?;
                     return Err(OpError::Forbidden(format!(
                         "policy denied the sandbox: {} [{}]",
                         d.message,

@@ -312,13 +312,8 @@ impl ControlPlane {
             if s.runtime.as_str() != self.runtime.name() {
                 continue;
             }
-            let store = self.templates.clone();
-            let tn = s.template.clone();
-            let Some(template) = tokio::task::spawn_blocking(move || store.get(&tn))
-                .await
-                .map_err(OpError::internal)?
-                .map_err(OpError::internal)?
-            else {
+            // a pool whose template is not (yet) there has nothing to start
+            let Ok(template) = self.template_info(&s.template).await else {
                 continue;
             };
             let Some(class) = self.cfg.settings.class(&s.class).cloned() else {

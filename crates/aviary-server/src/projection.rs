@@ -36,7 +36,6 @@ use crate::ops::{ControlPlane, LiveSandbox};
 use async_trait::async_trait;
 use aviary_core::SandboxId;
 use aviary_envd_proto::EnvdError;
-use aviary_registry::NewEvent;
 use aviary_reuse::projection::{
     apply, ProjectionPlanner, ProjectionRoot, ProjectionTarget, RemoteIndex, TargetError,
 };
@@ -268,40 +267,36 @@ impl ControlPlane {
                 self.store_index(id, next_index);
                 let ms = started.elapsed().as_millis() as u64;
                 tracing::debug!(sandbox.id = %id, uploaded = report.uploaded, deleted = report.deleted, skipped = report.skipped, ms, "projection synced");
-                self.registry
-                    .append_event(NewEvent {
-                        sandbox_id: Some(id.clone()),
-                        tenant,
-                        event_type: "projection_synced".into(),
-                        old_state: None,
-                        new_state: None,
-                        request_id: None,
-                        metadata: serde_json::json!({
-                            "uploaded": report.uploaded,
-                            "deleted": report.deleted,
-                            "skipped": report.skipped,
-                            "bytes_uploaded": report.bytes_uploaded,
-                            "repaired": repaired,
-                            "roots": settings.len(),
-                            "duration_ms": ms,
-                        }),
-                    })
-                    .await?;
+                self.record_event(
+                    &tenant,
+                    Some(id),
+                    None,
+                    "projection_synced",
+                    None,
+                    serde_json::json!({
+                        "uploaded": report.uploaded,
+                        "deleted": report.deleted,
+                        "skipped": report.skipped,
+                        "bytes_uploaded": report.bytes_uploaded,
+                        "repaired": repaired,
+                        "roots": settings.len(),
+                        "duration_ms": ms,
+                    }),
+                )
+                .await?;
                 Ok(())
             }
             Err(why) => {
                 tracing::warn!(sandbox.id = %id, error = %why, "workspace projection failed");
-                self.registry
-                    .append_event(NewEvent {
-                        sandbox_id: Some(id.clone()),
-                        tenant,
-                        event_type: "projection_failed".into(),
-                        old_state: None,
-                        new_state: None,
-                        request_id: None,
-                        metadata: serde_json::json!({"error": why}),
-                    })
-                    .await?;
+                self.record_event(
+                    &tenant,
+                    Some(id),
+                    None,
+                    "projection_failed",
+                    None,
+                    serde_json::json!({"error": why}),
+                )
+                .await?;
                 Err(OpError::Unavailable(format!(
                     "workspace projection failed: {why}"
                 )))

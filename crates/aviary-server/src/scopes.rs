@@ -13,7 +13,6 @@ use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Lease};
 use aviary_core::{SandboxState, Scope};
-use aviary_registry::NewEvent;
 use aviary_reuse::{
     EnvironmentManifest, EnvironmentRequirements, ReuseAction, ReuseCandidate, ReuseChecker,
     ReuseRequest,
@@ -24,6 +23,27 @@ use std::time::{Duration, Instant};
 /// How long a create waits for a shared sandbox's lease before answering
 /// `lease_held`.
 const SHARED_WAIT: Duration = Duration::from_secs(30);
+
+/// A held execution guard; see [`ControlPlane::bucket_guard`].
+pub(crate) struct BucketGuard<'a> {
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+    key: String,
+    cp: &'a ControlPlane,
+}
+
+impl Drop for BucketGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let mut map = self.cp.buckets.lock().expect("bucket map poisoned");
+        // only the map holds it now: nobody waits for this bucket
+        if map
+            .get(&self.key)
+            .is_some_and(|m| Arc::strong_count(m) == 1)
+        {
+            map.remove(&self.key);
+        }
+    }
+}
 
 /// The outcome of looking into a bucket.
 pub(crate) enum BucketOutcome {
@@ -84,14 +104,20 @@ impl ControlPlane {
     }
 
     /// The execution guard of a bucket (held for the whole find-or-create).
-    pub(crate) async fn bucket_guard(&self, bucket: &str) -> tokio::sync::OwnedMutexGuard<()> {
+    /// The map entry goes away with its last holder, so the map stays as
+    /// small as the number of buckets in use.
+    pub(crate) async fn bucket_guard(&self, bucket: &str) -> BucketGuard<'_> {
         let m = {
             let mut map = self.buckets.lock().expect("bucket map poisoned");
             map.entry(bucket.to_owned())
                 .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
                 .clone()
         };
-        m.lock_owned().await
+        BucketGuard {
+            guard: Some(m.lock_owned().await),
+            key: bucket.to_owned(),
+            cp: self,
+        }
     }
 
     /// Looks for a reusable sandbox in the bucket and hands it out.
@@ -268,17 +294,15 @@ impl ControlPlane {
         };
         let mut api = decision.to_api(branch);
         api.reason = format!("{how}: {}", decision.reasons.join("; "));
-        self.registry
-            .append_event(NewEvent {
-                sandbox_id: Some(rec.id.clone()),
-                tenant: rec.tenant.clone(),
-                event_type: "restore_branch".into(),
-                old_state: Some(rec.state),
-                new_state: Some(rec.state),
-                request_id: request_id.map(str::to_owned),
-                metadata: serde_json::json!({"branch": branch, "reason": how}),
-            })
-            .await?;
+        self.record_event(
+            &rec.tenant,
+            Some(&rec.id),
+            Some(rec.state),
+            "restore_branch",
+            request_id,
+            serde_json::json!({"branch": branch, "reason": how}),
+        )
+        .await?;
         Ok(BucketOutcome::Reused(Box::new(CreateSandboxResponse {
             sandbox: self.view(&rec).await?,
             decision: api,
@@ -293,17 +317,7 @@ impl ControlPlane {
         d: &aviary_reuse::ReuseDecision,
         request_id: Option<&str>,
     ) -> Result<(), OpError> {
-        self.registry
-            .append_event(NewEvent {
-                sandbox_id: id.cloned(),
-                tenant: caller.tenant.clone(),
-                event_type: "reuse_decision".into(),
-                old_state: None,
-                new_state: None,
-                request_id: request_id.map(str::to_owned),
-                metadata: serde_json::json!({"action": d.action.as_str(), "score": d.score, "reasons": d.reasons}),
-            })
-            .await?;
+        self.record_event(&caller.tenant, id, None, "reuse_decision", request_id, serde_json::json!({"action": d.action.as_str(), "score": d.score, "reasons": d.reasons})).await?;
         Ok(())
     }
 

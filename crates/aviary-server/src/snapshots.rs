@@ -179,17 +179,7 @@ impl ControlPlane {
         }
         let (rec, _live) = self.writable(caller, id, token).await?;
         let snap = self.take_snapshot(&rec, label).await?;
-        self.registry
-            .append_event(aviary_registry::NewEvent {
-                sandbox_id: Some(rec.id.clone()),
-                tenant: rec.tenant.clone(),
-                event_type: "snapshot_taken".into(),
-                old_state: Some(rec.state),
-                new_state: Some(rec.state),
-                request_id: request_id.map(str::to_owned),
-                metadata: serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes}),
-            })
-            .await?;
+        self.record_event(&rec.tenant, Some(&rec.id), Some(rec.state), "snapshot_taken", request_id, serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes})).await?;
         Ok(snap)
     }
 
