@@ -99,13 +99,7 @@ async fn create_exec_and_delete() {
 async fn timeout_kills_the_process_group() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     let mut req = shell("sleep 300 & sleep 300; echo never");
     req.timeout_s = Some(0.5);
     let r = c.exec(&id, &req).await.unwrap();
@@ -125,13 +119,7 @@ async fn timeout_kills_the_process_group() {
 async fn memory_limit_oom_is_reported() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     // dd touches a 3000 MiB buffer: past the 2 GiB limit of the class
     let r = c
         .exec(&id, &shell("dd if=/dev/zero of=/dev/null bs=3000M count=1"))
@@ -150,13 +138,7 @@ async fn memory_limit_oom_is_reported() {
 async fn streaming_exec_delivers_large_output_incrementally() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     // 64 MiB through the stream
     let req = shell("head -c 67108864 /dev/zero; echo done >&2");
     let mut s = c.exec_stream(&id, &req).await.unwrap();
@@ -189,13 +171,7 @@ async fn streaming_exec_delivers_large_output_incrementally() {
 async fn files_round_trip_and_confinement() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     let data = b"a,b\n1,2\n3,4\n".to_vec();
     assert_eq!(
         c.write_file(&id, "/workspace/data.csv", data.clone(), None)
@@ -274,13 +250,7 @@ async fn files_round_trip_and_confinement() {
 async fn leases_fence_every_mutating_call() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     let l1 = c.acquire_lease(&id, "agent-a", Some(60)).await.unwrap();
     assert_eq!(
         c.get_sandbox(&id).await.unwrap().state,
@@ -447,13 +417,7 @@ async fn tenants_cannot_see_each_other() {
     let k2 = admin.create_key("tenant-two", false).await.unwrap();
     let one = aviary_client::Client::new(&ts.url(), &k1.key);
     let two = aviary_client::Client::new(&ts.url(), &k2.key);
-    let id = one
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(&one).await;
     assert_eq!(one.get_sandbox(&id).await.unwrap().tenant, "tenant-one");
 
     assert_eq!(
@@ -681,13 +645,7 @@ async fn bad_input_gets_clear_4xx_and_changes_nothing() {
     );
 
     // bad exec bodies against a real sandbox change nothing in it
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     for body in [
         br#"{"cmd":[]}"#.to_vec(),
         br#"{"shell":"true","timeout_s":-1}"#.to_vec(),
@@ -720,13 +678,7 @@ async fn bad_input_gets_clear_4xx_and_changes_nothing() {
 async fn events_record_every_transition() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     c.delete_sandbox(&id, None).await.unwrap();
     let evs = c.events(Some(&id), None, None).await.unwrap().events;
     let path: Vec<_> = evs.iter().filter_map(|e| e.new_state).collect();
@@ -820,13 +772,7 @@ async fn restart_reattaches_and_keeps_tokens_monotonic() {
     let data = dir.path().join("d");
     let mut ts = common::start_on(&data, "busybox").await;
     let c = ts.client.clone();
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(&c).await;
     c.write_file(&id, "/workspace/keep", b"kept".to_vec(), None)
         .await
         .unwrap();

@@ -21,13 +21,7 @@ fn cgroup_procs(id: &str) -> Vec<String> {
 async fn pause_freezes_and_resume_thaws() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     c.exec(&id, &shell("sleep 1000 >/dev/null 2>&1 &"))
         .await
         .unwrap();
@@ -73,13 +67,7 @@ async fn pause_freezes_and_resume_thaws() {
 async fn soft_reset_kills_processes_clears_tmp_keeps_workspace() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     let r = c
         .exec(&id, &shell("sleep 1000 >/dev/null 2>&1 & (httpd -f -p 8080 -h /tmp >/dev/null 2>&1 &); echo junk > /tmp/junk; echo data > /workspace/keep; sleep 0.3; cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | grep -c ' 0A '"))
         .await
@@ -176,13 +164,7 @@ async fn release_ends_a_call_and_records_the_manifest() {
 async fn level_two_returns_to_the_clean_checkpoint_and_level_three_destroys() {
     let ts = common::start().await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     c.exec(
         &id,
         &shell("echo base > /workspace/base; echo base > /etc/base"),

@@ -21,13 +21,7 @@ fn session(s: &str) -> CreateSandboxRequest {
 async fn snapshots_are_incremental_and_forks_are_isolated() {
     let ts = common::start().await;
     let c = &ts.client;
-    let p = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let p = common::new_sandbox(c).await;
     c.exec(&p, &shell("head -c 3000000 /dev/urandom > /workspace/blob; echo v1 > /workspace/note; mkdir -p /etc/app && echo conf > /etc/app/x")).await.unwrap();
     let s1 = c.snapshot(&p, None).await.unwrap();
     assert!(s1["total_bytes"].as_u64().unwrap() >= 3_000_000, "{s1}");
@@ -84,13 +78,7 @@ async fn snapshots_are_incremental_and_forks_are_isolated() {
         .as_array()
         .unwrap()
         .is_empty());
-    let mine = other
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let mine = common::new_sandbox(&other).await;
     assert_eq!(
         other
             .fork(&mine, s1["id"].as_str(), None)
@@ -110,13 +98,7 @@ async fn snapshots_are_incremental_and_forks_are_isolated() {
 async fn a_corrupt_chunk_is_detected_and_nothing_is_restored() {
     let ts = common::start().await;
     let c = &ts.client;
-    let p = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let p = common::new_sandbox(c).await;
     c.exec(&p, &shell("head -c 2000000 /dev/urandom > /workspace/blob"))
         .await
         .unwrap();
@@ -245,13 +227,7 @@ async fn idle_sandboxes_hibernate_and_wake_with_their_files() {
     cfg.idle_hibernate_s = Some(2);
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
-    let id = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let id = common::new_sandbox(c).await;
     c.exec(
         &id,
         &shell("echo zz > /workspace/z; echo etc > /etc/marker"),
@@ -403,13 +379,7 @@ async fn snapshots_round_trip_on_every_store() {
         cfg.settings.snapshots.store = store;
         let ts = common::start_cfg(cfg).await;
         let c = &ts.client;
-        let p = c
-            .create_sandbox(&CreateSandboxRequest::default())
-            .await
-            .unwrap()
-            .sandbox
-            .id
-            .to_string();
+        let p = common::new_sandbox(c).await;
         c.exec(
             &p,
             &shell(&format!(
@@ -446,13 +416,7 @@ async fn snapshots_round_trip_on_every_store() {
 async fn retention_and_gc_free_unreferenced_chunks_only() {
     let ts = common::start().await;
     let c = &ts.client;
-    let p = c
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id
-        .to_string();
+    let p = common::new_sandbox(c).await;
     for i in 0..3 {
         c.exec(
             &p,

@@ -150,3 +150,13 @@ impl TestServer {
         aviary_runtime::Runtime::destroy(&rt, id).await.unwrap();
     }
 }
+
+/// A sandbox with the default settings; its id.
+pub async fn new_sandbox(c: &aviary_client::Client) -> String {
+    c.create_sandbox(&aviary_core::api::CreateSandboxRequest::default())
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string()
+}
