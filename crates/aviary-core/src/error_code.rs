@@ -32,6 +32,16 @@ pub enum ErrorCode {
     InvalidArchive,
     /// Runtime or dependency unavailable right now.
     Unavailable,
+    /// Too many requests for this key (or connections); retry after `Retry-After`.
+    RateLimited,
+    /// No node has room for the sandbox within the configured over-commit.
+    CapacityExhausted,
+    /// The sandbox's daemon is busy (all of its lanes in use); retry after `Retry-After`.
+    Busy,
+    /// The sandbox's runtime or in-sandbox daemon is gone; the sandbox is Lost.
+    SandboxLost,
+    /// The sandbox refused the operation on that path (read-only, not permitted, not a regular file).
+    PermissionDenied,
     /// Anything else; details are in the server log, never in the body.
     Internal,
 }
@@ -41,15 +51,17 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::InvalidPath | ErrorCode::InvalidArchive => 400,
             ErrorCode::Unauthorized => 401,
-            ErrorCode::Forbidden => 403,
+            ErrorCode::Forbidden | ErrorCode::PermissionDenied => 403,
             ErrorCode::NotFound => 404,
             ErrorCode::LeaseRequired
             | ErrorCode::StaleToken
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
-            | ErrorCode::Conflict => 409,
+            | ErrorCode::Conflict
+            | ErrorCode::SandboxLost => 409,
             ErrorCode::PayloadTooLarge => 413,
-            ErrorCode::Unavailable => 503,
+            ErrorCode::RateLimited => 429,
+            ErrorCode::Unavailable | ErrorCode::CapacityExhausted | ErrorCode::Busy => 503,
             ErrorCode::Internal => 500,
         }
     }
@@ -69,6 +81,11 @@ impl ErrorCode {
             ErrorCode::Conflict => "conflict",
             ErrorCode::InvalidArchive => "invalid_archive",
             ErrorCode::Unavailable => "unavailable",
+            ErrorCode::RateLimited => "rate_limited",
+            ErrorCode::CapacityExhausted => "capacity_exhausted",
+            ErrorCode::Busy => "busy",
+            ErrorCode::SandboxLost => "sandbox_lost",
+            ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
         }
     }
@@ -80,14 +97,17 @@ impl ErrorCode {
         match self {
             ErrorCode::InvalidRequest | ErrorCode::InvalidPath | ErrorCode::InvalidArchive => 64,
             ErrorCode::PayloadTooLarge => 64,
-            ErrorCode::Unauthorized | ErrorCode::Forbidden => 77,
+            ErrorCode::Unauthorized | ErrorCode::Forbidden | ErrorCode::PermissionDenied => 77,
             ErrorCode::NotFound => 66,
             ErrorCode::LeaseRequired
             | ErrorCode::StaleToken
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
-            | ErrorCode::Conflict => 75,
-            ErrorCode::Unavailable => 69,
+            | ErrorCode::Conflict
+            | ErrorCode::RateLimited
+            | ErrorCode::Busy
+            | ErrorCode::SandboxLost => 75,
+            ErrorCode::Unavailable | ErrorCode::CapacityExhausted => 69,
             ErrorCode::Internal => 70,
         }
     }

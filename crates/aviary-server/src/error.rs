@@ -34,6 +34,18 @@ pub enum OpError {
     InvalidArchive(String),
     #[error("{0}")]
     Unavailable(String),
+    /// Too many requests; the client should retry after `retry_after_s`.
+    #[error("{message}")]
+    RateLimited { message: String, retry_after_s: u64 },
+    #[error("{0}")]
+    CapacityExhausted(String),
+    /// The sandbox's envd has no free lane; retry shortly.
+    #[error("{0}")]
+    Busy(String),
+    #[error("{0}")]
+    SandboxLost(String),
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("internal error")]
     Internal(#[source] anyhow::Error),
 }
@@ -54,7 +66,22 @@ impl OpError {
             OpError::Conflict => ErrorCode::Conflict,
             OpError::InvalidArchive(_) => ErrorCode::InvalidArchive,
             OpError::Unavailable(_) => ErrorCode::Unavailable,
+            OpError::RateLimited { .. } => ErrorCode::RateLimited,
+            OpError::CapacityExhausted(_) => ErrorCode::CapacityExhausted,
+            OpError::Busy(_) => ErrorCode::Busy,
+            OpError::SandboxLost(_) => ErrorCode::SandboxLost,
+            OpError::PermissionDenied(_) => ErrorCode::PermissionDenied,
             OpError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// Seconds a client should wait before retrying, for the codes that ask for it.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            OpError::RateLimited { retry_after_s, .. } => Some(*retry_after_s),
+            OpError::Busy(_) => Some(1),
+            OpError::CapacityExhausted(_) => Some(5),
+            _ => None,
         }
     }
 
@@ -88,7 +115,15 @@ impl IntoResponse for OpError {
         }
         let status = StatusCode::from_u16(self.code().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(self.body(None))).into_response()
+        let retry_after = self.retry_after_s();
+        let mut response = (status, axum::Json(self.body(None))).into_response();
+        if let Some(s) = retry_after {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(s),
+            );
+        }
+        response
     }
 }
 
