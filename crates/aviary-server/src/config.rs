@@ -66,6 +66,16 @@ pub struct ServerConfig {
     /// Idle sandboxes are hibernated (snapshot, compute stopped) after this
     /// many seconds without activity; `None` keeps them warm forever.
     pub idle_hibernate_s: Option<u64>,
+    /// How often the sweep asks every live sandbox's envd for its health
+    /// (a dead envd turns its sandbox `Lost`).
+    pub health_probe_interval_ms: u64,
+    /// How often unreferenced snapshot chunks are collected in the
+    /// background (also once at start-up).
+    pub chunk_gc_interval_s: u64,
+    /// An unreferenced chunk is deleted only once it has been seen
+    /// unreferenced for this long (a snapshot in flight elsewhere writes its
+    /// chunks before its manifest).
+    pub chunk_gc_grace_s: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +117,9 @@ impl ServerConfig {
             max_sandbox_ttl_s: 7 * 24 * 3600,
             sweep_interval_ms: 500,
             idle_hibernate_s: Some(900),
+            health_probe_interval_ms: 5_000,
+            chunk_gc_interval_s: 600,
+            chunk_gc_grace_s: 3_600,
         }
     }
 
