@@ -83,6 +83,41 @@ pub struct ServerSettings {
     pub default_template: String,
     /// Class used when a create names neither a class nor an intent.
     pub default_class: String,
+    /// The HTTP edge's limits against floods and slow clients.
+    pub edge: EdgeSettings,
+}
+
+/// The HTTP edge's limits (keys of `[server]`). Every value is positive.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EdgeSettings {
+    /// A client must send a request's headers within this time, and a kept-alive
+    /// connection may sit idle between requests no longer; then it is closed.
+    pub header_read_timeout_ms: u64,
+    /// A request body may stall this long between two chunks before the
+    /// request fails and the connection is closed.
+    pub body_read_timeout_ms: u64,
+    /// Connections open at once; more are answered 503 and closed at once.
+    pub max_connections: u32,
+    /// Requests per second per API key, sustained (token bucket refill).
+    pub rate_limit_per_s: f64,
+    /// Requests per API key allowed in a burst (token bucket size).
+    pub rate_limit_burst: u32,
+    /// Environment variable holding the bearer token `GET /metrics` accepts
+    /// besides an admin key; empty: admin keys only.
+    pub metrics_token_env: String,
+}
+
+impl EdgeSettings {
+    /// The metrics token, read from the environment at use time; `None` when
+    /// no variable is configured or it is unset or empty.
+    pub fn metrics_token(&self) -> Option<String> {
+        if self.metrics_token_env.is_empty() {
+            return None;
+        }
+        std::env::var(&self.metrics_token_env)
+            .ok()
+            .filter(|t| !t.is_empty())
+    }
 }
 
 /// An OCI runtime a sandbox can run on.
@@ -385,6 +420,18 @@ pub(crate) fn default_server() -> ServerSettings {
         runtime: Runtime::Crun,
         default_template: "default".into(),
         default_class: "python-small".into(),
+        edge: default_edge(),
+    }
+}
+
+pub(crate) fn default_edge() -> EdgeSettings {
+    EdgeSettings {
+        header_read_timeout_ms: 10_000,
+        body_read_timeout_ms: 30_000,
+        max_connections: 1024,
+        rate_limit_per_s: 50.0,
+        rate_limit_burst: 100,
+        metrics_token_env: "AVIARY_METRICS_TOKEN".into(),
     }
 }
 

@@ -43,6 +43,12 @@ struct RawServer {
     runtime: Option<Runtime>,
     default_template: Option<Spanned<String>>,
     default_class: Option<Spanned<String>>,
+    header_read_timeout_ms: Option<Spanned<u64>>,
+    body_read_timeout_ms: Option<Spanned<u64>>,
+    max_connections: Option<Spanned<u32>>,
+    rate_limit_per_s: Option<Spanned<f64>>,
+    rate_limit_burst: Option<Spanned<u32>>,
+    metrics_token_env: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -228,6 +234,14 @@ fn valid_name(n: &str, max_len: usize) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
 
+/// `[A-Za-z_][A-Za-z0-9_]*`, what a shell accepts as a variable name.
+fn valid_env_name(n: &str) -> bool {
+    n.chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
 /// `example.org` or `*.example.org`: dot-separated labels of a-z, 0-9, '-'.
 fn valid_domain(d: &str) -> bool {
     let host = d.strip_prefix("*.").unwrap_or(d);
@@ -353,6 +367,75 @@ fn check_server(
         if let Some(c) = raw.default_class {
             class_span = c.span();
             s.default_class = c.into_inner();
+        }
+        let e = &mut s.edge;
+        for (name, raw, field) in [
+            (
+                "header_read_timeout_ms",
+                raw.header_read_timeout_ms,
+                &mut e.header_read_timeout_ms,
+            ),
+            (
+                "body_read_timeout_ms",
+                raw.body_read_timeout_ms,
+                &mut e.body_read_timeout_ms,
+            ),
+        ] {
+            if let Some(v) = raw {
+                ck.check(
+                    *v.get_ref() > 0,
+                    &v.span(),
+                    || format!("server.{name}"),
+                    || format!("server: {name} must be > 0"),
+                )?;
+                *field = v.into_inner();
+            }
+        }
+        for (name, raw, field) in [
+            (
+                "max_connections",
+                raw.max_connections,
+                &mut e.max_connections,
+            ),
+            (
+                "rate_limit_burst",
+                raw.rate_limit_burst,
+                &mut e.rate_limit_burst,
+            ),
+        ] {
+            if let Some(v) = raw {
+                ck.check(
+                    *v.get_ref() > 0,
+                    &v.span(),
+                    || format!("server.{name}"),
+                    || format!("server: {name} must be > 0"),
+                )?;
+                *field = v.into_inner();
+            }
+        }
+        if let Some(v) = raw.rate_limit_per_s {
+            let r = *v.get_ref();
+            ck.check(
+                r.is_finite() && r > 0.0,
+                &v.span(),
+                || "server.rate_limit_per_s".into(),
+                || "server: rate_limit_per_s must be a number > 0".into(),
+            )?;
+            e.rate_limit_per_s = r;
+        }
+        if let Some(v) = raw.metrics_token_env {
+            ck.check(
+                v.get_ref().is_empty() || valid_env_name(v.get_ref()),
+                &v.span(),
+                || "server.metrics_token_env".into(),
+                || {
+                    format!(
+                        "server: metrics_token_env {:?} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*, or \"\" for none)",
+                        v.get_ref()
+                    )
+                },
+            )?;
+            e.metrics_token_env = v.into_inner();
         }
     }
     ck.check(

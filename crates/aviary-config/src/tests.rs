@@ -925,3 +925,77 @@ fn snapshot_stores_parse_and_incomplete_ones_name_their_line() {
     let e = Config::from_str(text, "t.toml").unwrap_err();
     assert!(e.to_string().contains("bukket"), "{e}");
 }
+
+#[test]
+fn edge_limits_parse_and_default_one_by_one() {
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"small\"\nheader_read_timeout_ms = 250\nmax_connections = 8\nrate_limit_per_s = 2.5\nmetrics_token_env = \"\"",
+    );
+    let c = Config::from_str(&text, ORIGIN).unwrap();
+    let e = &c.server.edge;
+    assert_eq!(e.header_read_timeout_ms, 250);
+    assert_eq!(e.max_connections, 8);
+    assert_eq!(e.rate_limit_per_s, 2.5);
+    assert_eq!(
+        e.metrics_token(),
+        None,
+        "empty variable name: admin keys only"
+    );
+    // the keys left out keep their defaults
+    let d = crate::default_edge();
+    assert_eq!(e.body_read_timeout_ms, d.body_read_timeout_ms);
+    assert_eq!(e.rate_limit_burst, d.rate_limit_burst);
+}
+
+#[test]
+fn bad_edge_limits_are_rejected() {
+    for (line, key, message) in [
+        (
+            "header_read_timeout_ms = 0",
+            "server.header_read_timeout_ms",
+            "must be > 0",
+        ),
+        (
+            "body_read_timeout_ms = 0",
+            "server.body_read_timeout_ms",
+            "must be > 0",
+        ),
+        (
+            "max_connections = 0",
+            "server.max_connections",
+            "must be > 0",
+        ),
+        (
+            "rate_limit_burst = 0",
+            "server.rate_limit_burst",
+            "must be > 0",
+        ),
+        (
+            "rate_limit_per_s = 0.0",
+            "server.rate_limit_per_s",
+            "must be a number > 0",
+        ),
+        (
+            "rate_limit_per_s = nan",
+            "server.rate_limit_per_s",
+            "must be a number > 0",
+        ),
+        (
+            "metrics_token_env = \"A=B\"",
+            "server.metrics_token_env",
+            "not an environment variable name",
+        ),
+        (
+            "metrics_token_env = \"1X\"",
+            "server.metrics_token_env",
+            "not an environment variable name",
+        ),
+    ] {
+        let text = edit(
+            "default_class = \"small\"",
+            &format!("default_class = \"small\"\n{line}"),
+        );
+        expect_error(&text, 4, key, message);
+    }
+}
