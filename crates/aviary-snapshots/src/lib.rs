@@ -31,7 +31,7 @@ mod tree;
 
 pub use chunker::ChunkerConfig;
 pub use error::SnapshotError;
-pub use gc::{apply_retention, collect_garbage, GcReport, RetentionPolicy};
+pub use gc::{apply_retention, collect_garbage, GcReport, GraceSweep, RetentionPolicy};
 pub use hash::{validate_tenant, ChunkHash, SnapshotId};
 pub use manifest::{Entry, EntryKind, ManifestKey, SnapshotManifest};
 pub use service::SnapshotService;

@@ -1,19 +1,21 @@
 //! [`SnapshotService`]: one store plus the lock that keeps GC from sweeping chunks a
-//! running snapshot is about to reference. This is what the server holds.
+//! running snapshot is about to reference, and the state of the unattended
+//! [`GraceSweep`]. This is what the server holds.
 
 use crate::error::SnapshotError;
-use crate::gc::{apply_retention, collect_garbage, GcReport, RetentionPolicy};
+use crate::gc::{apply_retention, collect_garbage, GcReport, GraceSweep, RetentionPolicy};
 use crate::hash::SnapshotId;
 use crate::manifest::SnapshotManifest;
 use crate::store::ChunkStore;
 use crate::tree::{restore_dir, snapshot_dir, RestoreOptions, RestoreStats, SnapshotRequest};
 use std::path::Path;
 use std::sync::Arc;
-use tokio::sync::RwLock;
+use tokio::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub struct SnapshotService {
     store: Arc<dyn ChunkStore>,
     gc_lock: RwLock<()>,
+    grace_sweep: Arc<Mutex<GraceSweep>>,
 }
 
 impl SnapshotService {
@@ -21,7 +23,25 @@ impl SnapshotService {
         SnapshotService {
             store,
             gc_lock: RwLock::new(()),
+            grace_sweep: Arc::new(Mutex::new(GraceSweep::new())),
         }
+    }
+
+    /// Held by a caller that writes a snapshot through [`Self::store`] itself
+    /// (chunks, then manifest): no GC sweeps while it is held.
+    pub async fn hold_for_snapshot(&self) -> RwLockReadGuard<'_, ()> {
+        self.gc_lock.read().await
+    }
+
+    /// Held by a caller that sweeps through [`Self::store`] itself: no snapshot
+    /// runs while it is held.
+    pub async fn hold_for_gc(&self) -> RwLockWriteGuard<'_, ()> {
+        self.gc_lock.write().await
+    }
+
+    /// The first-seen times of the unattended sweep (run it under [`Self::hold_for_gc`]).
+    pub fn grace_sweep(&self) -> Arc<Mutex<GraceSweep>> {
+        self.grace_sweep.clone()
     }
 
     pub fn store(&self) -> &Arc<dyn ChunkStore> {
