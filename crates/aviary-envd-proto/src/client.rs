@@ -7,7 +7,13 @@
 //! kills the exec's process group.
 //!
 //! Two transports carry the same frames:
-//! - **unix** ([`EnvdClient::new`]): the sandbox's envd socket on this host;
+//! - **unix** ([`EnvdClient::new`]): the sandbox's envd socket on this host.
+//!   The socket path's final component must not be a symlink (checked with
+//!   `lstat` before every connect). With [`EnvdClient::expect_peer_pid`] every
+//!   connection is also checked with `SO_PEERCRED` before the request is sent:
+//!   its peer must be the sandbox's init process (envd, which called `listen`
+//!   on the socket itself), so a socket swapped for another sandbox's is
+//!   refused with [`EnvdError::PeerMismatch`];
 //! - **node** ([`EnvdClient::remote`]): a TCP connection to the node agent
 //!   that runs the sandbox. The client sends one HTTP/1.1 request,
 //!   `GET /node/v1/sandboxes/{id}/envd` with `Authorization: Bearer <node
@@ -58,6 +64,16 @@ pub enum EnvdError {
     StaleToken,
     #[error("permission denied: {0}")]
     PermissionDenied(String),
+    /// The path is a FIFO, socket or device where a regular file is required.
+    #[error("not a regular file: {0}")]
+    NotRegularFile(String),
+    /// The sandbox's disk or quota is full.
+    #[error("no space left in the sandbox: {0}")]
+    NoSpace(String),
+    /// The process listening on the socket is not the sandbox's init process:
+    /// the socket is not the one of this sandbox. Nothing was sent.
+    #[error("envd socket peer is pid {got:?}, not the sandbox init {expected}")]
+    PeerMismatch { expected: u32, got: Option<i32> },
     /// envd refused the request as malformed.
     #[error("bad request: {0}")]
     BadRequest(String),
@@ -92,18 +108,22 @@ impl EnvdError {
             ErrorCode::LeaseRequired => EnvdError::LeaseRequired,
             ErrorCode::StaleToken => EnvdError::StaleToken,
             ErrorCode::PermissionDenied => EnvdError::PermissionDenied(m),
+            ErrorCode::NotRegularFile => EnvdError::NotRegularFile(m),
+            ErrorCode::NoSpace => EnvdError::NoSpace(m),
             ErrorCode::BadRequest => EnvdError::BadRequest(m),
             ErrorCode::Busy => EnvdError::Busy,
             ErrorCode::Internal => EnvdError::Remote(m),
         }
     }
 
-    /// envd cannot be reached (yet): worth retrying while it starts.
+    /// envd cannot be reached (yet): worth retrying while it starts. A refused
+    /// socket path (a symlink) is not: it will not fix itself.
     fn is_not_ready(&self) -> bool {
-        matches!(
-            self,
-            EnvdError::Connect(_) | EnvdError::Transport(_) | EnvdError::Node { status: 503, .. }
-        )
+        match self {
+            EnvdError::Connect(e) => e.kind() != io::ErrorKind::InvalidInput,
+            EnvdError::Transport(_) | EnvdError::Node { status: 503, .. } => true,
+            _ => false,
+        }
     }
 
     fn unexpected(kind: FrameKind) -> EnvdError {
@@ -339,14 +359,38 @@ const MAX_NODE_ANSWER: usize = 16 * 1024;
 #[derive(Debug, Clone)]
 pub struct EnvdClient {
     transport: EnvdTransport,
+    /// Unix transport: the pid (in the host's PID namespace) that every
+    /// connection's peer must have.
+    expected_peer_pid: Option<u32>,
 }
 
 impl EnvdClient {
-    /// A client for the envd unix socket at `socket` on this host.
+    /// A client for the envd unix socket at `socket` on this host. It does not
+    /// check who listens on the socket: use [`EnvdClient::expect_peer_pid`]
+    /// whenever the sandbox's init pid is known.
     pub fn new(socket: impl Into<PathBuf>) -> Self {
         EnvdClient {
             transport: EnvdTransport::Unix(socket.into()),
+            expected_peer_pid: None,
         }
+    }
+
+    /// Requires the peer of every unix connection to be process `pid` (the
+    /// sandbox's init, i.e. its envd, as seen from this host): after connecting
+    /// and before sending anything the client reads `SO_PEERCRED` and fails
+    /// with [`EnvdError::PeerMismatch`] on any other peer. envd calls `listen`
+    /// on its socket itself, so the kernel names envd's pid for its
+    /// connections. Has no effect on a [`EnvdClient::remote`] client (the node
+    /// agent owns that connection).
+    #[must_use]
+    pub fn expect_peer_pid(mut self, pid: u32) -> Self {
+        self.expected_peer_pid = Some(pid);
+        self
+    }
+
+    /// The pid every unix connection's peer must have, if verified.
+    pub fn expected_peer_pid(&self) -> Option<u32> {
+        self.expected_peer_pid
     }
 
     /// A client for the envd of sandbox `sandbox_id` on the node agent at
@@ -362,6 +406,7 @@ impl EnvdClient {
                 sandbox_id: sandbox_id.into(),
                 token: node_token.into(),
             },
+            expected_peer_pid: None,
         }
     }
 
@@ -379,10 +424,9 @@ impl EnvdClient {
 
     async fn open(&self) -> Result<Conn, EnvdError> {
         match &self.transport {
-            EnvdTransport::Unix(p) => UnixStream::connect(p)
+            EnvdTransport::Unix(p) => connect_unix(p, self.expected_peer_pid)
                 .await
-                .map(Conn::Unix)
-                .map_err(EnvdError::Connect),
+                .map(Conn::Unix),
             EnvdTransport::Node {
                 addr,
                 sandbox_id,
@@ -403,8 +447,15 @@ impl EnvdClient {
     }
 
     async fn connect(&self, req: &Request) -> Result<Conn, EnvdError> {
+        // Encoded first: an oversized request (huge argv or env) is the
+        // caller's mistake and never needs a connection.
+        let payload = encode_json(req).map_err(|e| match e {
+            ProtoError::MessageTooLarge { .. } => {
+                EnvdError::BadRequest(format!("envd request too large: {e}"))
+            }
+            other => EnvdError::Protocol(other),
+        })?;
         let mut conn = self.open().await?;
-        let payload = encode_json(req).map_err(EnvdError::Protocol)?;
         write_frame(&mut conn, FrameKind::Request, &payload).await?;
         Ok(conn)
     }
@@ -633,6 +684,36 @@ impl EnvdClient {
             .await?,
         )
     }
+}
+
+/// Connects to the envd socket at `path`: never through a symlink, and (when
+/// `expected_pid` is set) only to a socket whose listener is that process.
+async fn connect_unix(path: &Path, expected_pid: Option<u32>) -> Result<UnixStream, EnvdError> {
+    // lstat: a final symlink could point at another sandbox's socket. (A
+    // symlink in a parent directory is the host's own layout and allowed.)
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_symlink() => {
+            return Err(EnvdError::Connect(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} is a symlink; an envd socket is never reached through one",
+                    path.display()
+                ),
+            )))
+        }
+        // A missing path is reported by connect, like before.
+        _ => {}
+    }
+    let stream = UnixStream::connect(path)
+        .await
+        .map_err(EnvdError::Connect)?;
+    if let Some(expected) = expected_pid {
+        let got = stream.peer_cred().map_err(EnvdError::Connect)?.pid();
+        if got != i32::try_from(expected).ok() {
+            return Err(EnvdError::PeerMismatch { expected, got });
+        }
+    }
+    Ok(stream)
 }
 
 fn expect_ok(r: Response) -> Result<(), EnvdError> {
@@ -978,6 +1059,126 @@ mod tests {
         let c = EnvdClient::remote(addr, "sbx", "tok");
         c.set_fence(Some(3)).await.unwrap();
         h.await.unwrap();
+    }
+
+    /// A private directory for a test socket (the crate has no tempfile dep).
+    struct TestDir(PathBuf);
+
+    impl TestDir {
+        fn new(tag: &str) -> TestDir {
+            let d = std::env::temp_dir().join(format!(
+                "aviary-envd-proto-{tag}-{}-{:?}",
+                std::process::id(),
+                Instant::now()
+            ));
+            std::fs::create_dir_all(&d).unwrap();
+            TestDir(d)
+        }
+    }
+
+    impl Drop for TestDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A fake envd in this process: answers every request with `Response::Ok`
+    /// and counts the requests it received.
+    fn fake_envd(
+        listener: tokio::net::UnixListener,
+    ) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = std::sync::Arc::clone(&served);
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut h = [0u8; FRAME_HEADER_LEN];
+                if s.read_exact(&mut h).await.is_err() {
+                    continue; // the client hung up without a request
+                }
+                let (_, len) = decode_header(h).unwrap();
+                let mut p = vec![0u8; len as usize];
+                s.read_exact(&mut p).await.unwrap();
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let body = encode_json(&Response::Ok).unwrap();
+                write_raw_frame(&mut s, FrameKind::Response, &body)
+                    .await
+                    .unwrap();
+            }
+        });
+        served
+    }
+
+    #[test]
+    fn a_verified_client_checks_the_peer_pid_and_refuses_symlinks() {
+        block_on(a_verified_client_checks_the_peer_pid_and_refuses_symlinks_async());
+    }
+
+    async fn a_verified_client_checks_the_peer_pid_and_refuses_symlinks_async() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = TestDir::new("peer");
+        let socket = dir.0.join("envd.sock");
+        let served = fake_envd(tokio::net::UnixListener::bind(&socket).unwrap());
+        let me = std::process::id();
+
+        // The listener is this process: the right pid is accepted.
+        let ok = EnvdClient::new(&socket).expect_peer_pid(me);
+        assert_eq!(ok.expected_peer_pid(), Some(me));
+        ok.set_fence(Some(1)).await.unwrap();
+        assert_eq!(served.load(SeqCst), 1);
+
+        // Any other expected pid: refused after connect, before the request.
+        let wrong = EnvdClient::new(&socket).expect_peer_pid(me + 1);
+        match wrong.set_fence(Some(2)).await.unwrap_err() {
+            EnvdError::PeerMismatch { expected, got } => {
+                assert_eq!((expected, got), (me + 1, i32::try_from(me).ok()));
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = wrong.wait_ready(Duration::from_secs(5)).await.unwrap_err();
+        assert!(matches!(e, EnvdError::PeerMismatch { .. }), "{e:?}");
+        assert!(e.to_string().contains("not the sandbox init"), "{e}");
+
+        // A symlink to a (valid) socket is refused before connecting, verified or not.
+        let link = dir.0.join("link.sock");
+        std::os::unix::fs::symlink(&socket, &link).unwrap();
+        for c in [
+            EnvdClient::new(&link),
+            EnvdClient::new(&link).expect_peer_pid(me),
+        ] {
+            match c.set_fence(Some(3)).await.unwrap_err() {
+                EnvdError::Connect(e) => {
+                    assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+                    assert!(e.to_string().contains("symlink"), "{e}");
+                }
+                other => panic!("{other:?}"),
+            }
+            // Not retried as "envd not up yet".
+            let e = c.wait_ready(Duration::from_secs(5)).await.unwrap_err();
+            assert!(matches!(e, EnvdError::Connect(_)), "{e:?}");
+        }
+        // Let the fake envd see any stray request, then check none arrived.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(served.load(SeqCst), 1);
+
+        // The unverified client still works on the real path.
+        EnvdClient::new(&socket).set_fence(None).await.unwrap();
+        assert_eq!(served.load(SeqCst), 2);
+    }
+
+    #[test]
+    fn an_oversized_request_is_a_bad_request() {
+        block_on(async {
+            let c = EnvdClient::new("/nonexistent/envd.sock");
+            let spec = ExecSpec {
+                argv: vec!["x".repeat(crate::MAX_JSON_FRAME as usize)],
+                ..ExecSpec::default()
+            };
+            match c.exec(spec, None).await.unwrap_err() {
+                EnvdError::BadRequest(m) => assert!(m.contains("65536"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        });
     }
 
     #[test]

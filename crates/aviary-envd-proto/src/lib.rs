@@ -117,8 +117,10 @@ pub enum ProtoError {
     UnexpectedFrame(FrameKind),
     /// A JSON payload did not parse as the expected message.
     DecodeJson(serde_json::Error),
-    /// A message could not be encoded (or its encoding exceeds [`MAX_JSON_FRAME`]).
+    /// A message could not be encoded.
     EncodeJson(String),
+    /// A message's encoding is larger than [`MAX_JSON_FRAME`].
+    MessageTooLarge { len: usize },
 }
 
 impl fmt::Display for ProtoError {
@@ -131,13 +133,17 @@ impl fmt::Display for ProtoError {
             ProtoError::FrameTooLarge { kind, len } => {
                 write!(
                     f,
-                    "{kind:?} frame of {len} bytes exceeds {}",
+                    "{kind:?} frame of {len} bytes exceeds the limit of {} bytes",
                     kind.max_len()
                 )
             }
             ProtoError::UnexpectedFrame(k) => write!(f, "unexpected {k:?} frame"),
             ProtoError::DecodeJson(_) => write!(f, "decode json message"),
             ProtoError::EncodeJson(m) => write!(f, "encode json message: {m}"),
+            ProtoError::MessageTooLarge { len } => write!(
+                f,
+                "message of {len} bytes exceeds the limit of {MAX_JSON_FRAME} bytes"
+            ),
         }
     }
 }
@@ -220,10 +226,7 @@ pub fn write_frame(w: &mut impl Write, kind: FrameKind, payload: &[u8]) -> Resul
 pub fn encode_json<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtoError> {
     let v = serde_json::to_vec(msg).map_err(|e| ProtoError::EncodeJson(e.to_string()))?;
     if v.len() > MAX_JSON_FRAME as usize {
-        return Err(ProtoError::EncodeJson(format!(
-            "message of {} bytes exceeds {MAX_JSON_FRAME}",
-            v.len()
-        )));
+        return Err(ProtoError::MessageTooLarge { len: v.len() });
     }
     Ok(v)
 }
@@ -362,6 +365,12 @@ pub enum ErrorCode {
     LeaseRequired,
     StaleToken,
     PermissionDenied,
+    /// The path names a FIFO, socket, device (or other non-regular file) where
+    /// a regular file is required. Refused at once, never opened for I/O that
+    /// could block.
+    NotRegularFile,
+    /// The sandbox's disk (or its quota) is full: `ENOSPC`, `EDQUOT`, `EFBIG`.
+    NoSpace,
     /// The request was malformed or violated the protocol.
     BadRequest,
     /// envd refused the connection because it is at its connection limit.
