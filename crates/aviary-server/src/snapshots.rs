@@ -203,6 +203,8 @@ impl ControlPlane {
             _ => false,
         };
         let result = async {
+            // chunks land before their manifest: no GC sweep in between
+            let _no_gc = self.snapshots.hold_for_snapshot().await;
             let mut ws = SnapshotRequest::new(rec.tenant.clone(), format!("{label}/workspace"))
                 .sandbox(rec.id.clone());
             let mut up = SnapshotRequest::new(rec.tenant.clone(), format!("{label}/upper"))
@@ -635,6 +637,7 @@ impl ControlPlane {
                 .push(s);
         }
         let store = self.snapshots.store().clone();
+        let _no_snapshots = self.snapshots.hold_for_gc().await;
         let mut deleted = Vec::new();
         for (_, mut list) in by_sandbox {
             list.sort_by_key(|s| std::cmp::Reverse(s.created_at));
@@ -661,5 +664,26 @@ impl ControlPlane {
             chunks_kept: report.chunks_kept,
             chunks_deleted: report.chunks_deleted,
         })
+    }
+}
+
+impl ControlPlane {
+    /// The unattended chunk GC (start-up and background): deletes chunks no
+    /// snapshot references once they have been unreferenced for
+    /// `chunk_gc_grace_s` — what a snapshot interrupted by a crash left behind.
+    pub async fn collect_unreferenced_chunks(&self) -> Result<aviary_snapshots::GcReport, OpError> {
+        let grace = time::Duration::seconds(self.cfg.chunk_gc_grace_s.min(i64::MAX as u64) as i64);
+        let _no_snapshots = self.snapshots.hold_for_gc().await;
+        let store = self.snapshots.store().clone();
+        let sweep = self.snapshots.grace_sweep();
+        off_thread(move || async move {
+            sweep
+                .lock()
+                .await
+                .sweep(store.as_ref(), grace, aviary_core::now())
+                .await
+        })
+        .await?
+        .map_err(OpError::internal)
     }
 }
