@@ -451,20 +451,35 @@ async fn envd(
             ),
         });
     }
-    let socket = {
+    let endpoint = {
         let map = node.placed.lock().unwrap_or_else(|p| p.into_inner());
         map.get(&id)
-            .map(|p| p.handle.control_dir.join(ENVD_SOCKET_NAME))
+            .map(|p| p.handle.envd_endpoint())
             .ok_or_else(|| NodeError::FindSandbox { id: id.to_string() })?
     };
     // Connect before answering 101, so that "envd not up yet" is an HTTP
     // error the client can retry on, not a dead stream.
-    let unix = UnixStream::connect(&socket)
+    let unix = UnixStream::connect(&endpoint.socket)
         .await
         .map_err(|source| NodeError::ConnectEnvd {
             id: id.to_string(),
             source,
         })?;
+    // The socket is host-only, and its peer must be the sandbox's init:
+    // anything else is not this sandbox's envd.
+    let peer = unix.peer_cred().ok().and_then(|c| c.pid());
+    if peer != i32::try_from(endpoint.peer_pid).ok() {
+        return Err(NodeError::ConnectEnvd {
+            id: id.to_string(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "envd socket peer is pid {peer:?}, not the sandbox init {}",
+                    endpoint.peer_pid
+                ),
+            ),
+        });
+    }
     let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
         match on_upgrade.await {

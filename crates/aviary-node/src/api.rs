@@ -31,9 +31,9 @@ use time::OffsetDateTime;
 #[doc(no_inline)]
 pub use aviary_runtime::{ResourceUsage, SandboxHandle};
 
-/// Name of envd's socket in a sandbox's control dir (the control plane
-/// starts envd with `--socket /run/aviary/envd.sock`).
-pub const ENVD_SOCKET_NAME: &str = "envd.sock";
+/// Name of envd's socket in a sandbox's host-only control dir (the runtime
+/// binds it and hands it to envd, started with `--listen-fd 3`).
+pub use aviary_runtime::ENVD_SOCKET_NAME;
 /// The `Upgrade` protocol token of the envd route.
 pub const ENVD_UPGRADE_PROTOCOL: &str = "aviary-envd";
 /// Largest template archive `PUT /node/v1/templates/{name}` accepts.

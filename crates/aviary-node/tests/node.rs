@@ -201,8 +201,8 @@ mod node {
             hostname: "sbx-node".into(),
             init: vec![
                 ENVD_IN_SANDBOX.into(),
-                "--socket".into(),
-                format!("/run/aviary/{ENVD_SOCKET_NAME}"),
+                "--listen-fd".into(),
+                "3".into(),
             ],
             env: vec!["PATH=/bin:/usr/bin".into()],
             // A control-plane path: the node must put its own envd here.

@@ -122,6 +122,57 @@ pub fn mount_overlay(
     })
 }
 
+/// Mounts the overlay of one sandbox on `<dir>/rootfs` with option strings
+/// that name no host path: the mount runs in a thread of its own whose
+/// working directory (unshared from the process with `CLONE_FS`) is `dir`,
+/// and the layers are given as `lowerdir=lower,upperdir=upper,workdir=work`,
+/// where `<dir>/lower` is a symlink to `lower` made here. The kernel keeps
+/// those strings as given, and they are what the sandbox reads in its
+/// `/proc/self/mountinfo` — the host data dir stays out of sight.
+pub fn mount_sandbox_overlay(dir: &Path, lower: &Path) -> Result<(), RuntimeError> {
+    if !overlay_safe(lower) {
+        return Err(RuntimeError::InvalidSpec {
+            reason: format!("path {lower:?} cannot be used in an overlay mount"),
+        });
+    }
+    let link = dir.join("lower");
+    match std::fs::symlink_metadata(&link) {
+        Ok(_) => std::fs::remove_file(&link).map_err(|source| RuntimeError::WriteFile {
+            path: link.clone(),
+            source,
+        })?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => return Err(RuntimeError::ReadFile { path: link, source }),
+    }
+    std::os::unix::fs::symlink(lower, &link).map_err(|source| RuntimeError::WriteFile {
+        path: link.clone(),
+        source,
+    })?;
+    let dir_owned = dir.to_path_buf();
+    let target = dir.join("rootfs");
+    std::thread::scope(|scope| {
+        scope
+            .spawn(move || -> Result<(), nix::Error> {
+                // Private cwd for this thread only; it ends with the thread.
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS)?;
+                nix::unistd::chdir(&dir_owned)?;
+                nix::mount::mount(
+                    Some("overlay"),
+                    "rootfs",
+                    Some("overlay"),
+                    MsFlags::MS_NODEV | MsFlags::MS_NOSUID,
+                    Some("lowerdir=lower,upperdir=upper,workdir=work"),
+                )
+            })
+            .join()
+            .unwrap_or(Err(nix::Error::EIO))
+    })
+    .map_err(|e| RuntimeError::MountOverlay {
+        path: target,
+        source: e.into(),
+    })
+}
+
 /// Unmounts everything at or below `dir`, deepest first. A busy mount is
 /// detached lazily rather than left behind.
 pub fn unmount_all_under(dir: &Path) -> Result<(), RuntimeError> {

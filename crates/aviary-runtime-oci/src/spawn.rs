@@ -59,6 +59,28 @@ impl Spawner for ProcessSpawner {
                 });
             }
         }
+        if let Some(fd) = request.pass_fd {
+            let target = aviary_runtime::ENVD_LISTEN_FD;
+            // SAFETY: runs in the forked child before exec and only calls
+            // dup2(2) and fcntl(2), async-signal-safe system calls, on plain
+            // integers; no allocation, no locks. `fd` is kept open by the
+            // caller until `run` returns, so it is valid in the child.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if fd == target {
+                        // dup2 onto itself keeps FD_CLOEXEC: clear it by hand.
+                        let flags = libc::fcntl(fd, libc::F_GETFD);
+                        if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
+                        {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    } else if libc::dup2(fd, target) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let child = cmd.spawn()?;
         match tokio::time::timeout(request.timeout, child.wait_with_output()).await {
             Ok(out) => {

@@ -147,7 +147,8 @@ pub async fn check_refusals(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
 }
 
 /// Looks inside: hostname, memory/pids/cpu limits visible in the sandbox's
-/// cgroup, /workspace and /run/aviary shared with the host dirs.
+/// cgroup, /workspace shared with the host dir; the host-only control dir
+/// (envd's socket) and the host's state dir are not visible inside.
 pub async fn check_limits_visible(
     rt: &dyn Runtime,
     inspector: &dyn Inspector,
@@ -216,7 +217,21 @@ pub async fn check_limits_visible(
         "/workspace is the host workspace dir"
     );
     std::fs::write(handle.control_dir.join("hello"), "from-host").expect("write control");
-    assert_eq!(run(&["cat", "/run/aviary/hello"]).await, "from-host");
+    assert_eq!(
+        run(&["sh", "-c", "cat /run/aviary/hello 2>/dev/null || echo absent"]).await,
+        "absent",
+        "the control dir is host-only"
+    );
+    let mountinfo = run(&["cat", "/proc/self/mountinfo"]).await;
+    let state_dir = handle
+        .control_dir
+        .parent()
+        .and_then(|sandbox| sandbox.parent())
+        .expect("control dir is <state>/<id>/control");
+    assert!(
+        !mountinfo.contains(&*state_dir.to_string_lossy()),
+        "the sandbox's mountinfo names the host state dir {state_dir:?}:\n{mountinfo}"
+    );
 
     rt.destroy(&spec.id).await.expect("destroy");
 }

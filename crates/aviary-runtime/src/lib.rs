@@ -32,8 +32,19 @@ use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// Where the control directory is mounted inside every sandbox.
+/// A path inside every sandbox that is reserved for the platform (no bind may
+/// target it). Nothing is mounted there any more: envd's socket lives in a
+/// host-only directory and reaches envd as an inherited fd (see
+/// [`ENVD_LISTEN_FD`]).
 pub const CONTROL_MOUNT: &str = "/run/aviary";
+/// File name of envd's listening socket inside [`SandboxHandle::control_dir`].
+pub const ENVD_SOCKET_NAME: &str = "envd.sock";
+/// The fd number at which PID 1 (envd, `--listen-fd 3`) inherits its
+/// listening socket. The runtime creates and binds the socket on the host in
+/// the sandbox's host-only control dir and passes it on; envd calls
+/// `listen()` itself, so the kernel's peer credentials of every connection
+/// name the sandbox's init process, which the host verifies.
+pub const ENVD_LISTEN_FD: i32 = 3;
 /// Where the workspace directory is mounted inside every sandbox.
 pub const WORKSPACE_MOUNT: &str = "/workspace";
 
@@ -73,13 +84,32 @@ pub struct SandboxHandle {
     pub runtime: String,
     /// The backend's own name for the sandbox (container id, VM name, ...).
     pub runtime_instance_id: String,
-    /// Host directory created by the runtime, bind-mounted read-write at
-    /// [`CONTROL_MOUNT`] in the sandbox (envd's socket lives here).
+    /// Host-only directory created by the runtime, never visible inside the
+    /// sandbox; envd's listening socket ([`ENVD_SOCKET_NAME`]) lives here.
     pub control_dir: PathBuf,
     /// Host directory bind-mounted read-write at [`WORKSPACE_MOUNT`].
     pub workspace_dir: PathBuf,
     /// Host pid of the sandbox's PID 1.
     pub init_pid: u32,
+}
+
+/// How the host reaches a sandbox's envd, and how it recognises it: the
+/// socket path is in a directory the sandbox cannot see, and the peer of every
+/// connection must be `peer_pid` (the sandbox's init, as seen from the host).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvdEndpoint {
+    pub socket: PathBuf,
+    pub peer_pid: u32,
+}
+
+impl SandboxHandle {
+    /// The envd endpoint of a sandbox this host created.
+    pub fn envd_endpoint(&self) -> EnvdEndpoint {
+        EnvdEndpoint {
+            socket: self.control_dir.join(ENVD_SOCKET_NAME),
+            peer_pid: self.init_pid,
+        }
+    }
 }
 
 /// What the runtime says about one sandbox.
@@ -122,6 +152,14 @@ pub trait Runtime: Send + Sync {
     /// The sandboxes this runtime actually has (for the reconciler), including
     /// half-torn-down ones that `destroy` should finish.
     async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError>;
+    /// Where the host connects to a running sandbox's envd (after a restart,
+    /// when no [`SandboxHandle`] is at hand). Runtimes whose sandboxes are
+    /// not on this host answer [`RuntimeError::Unsupported`].
+    async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        Err(RuntimeError::Unsupported {
+            what: format!("a host envd endpoint for {id} on runtime {}", self.name()),
+        })
+    }
 }
 
 /// A runtime that can freeze and thaw all processes of a sandbox.

@@ -40,6 +40,10 @@ pub struct SpawnRequest {
     pub isolation: SpawnIsolation,
     /// The child is killed when it runs longer than this.
     pub timeout: Duration,
+    /// An open fd of the caller handed to the child as fd
+    /// [`crate::ENVD_LISTEN_FD`] (3); the caller keeps it open until `run`
+    /// returns. Everything else the caller has open stays close-on-exec.
+    pub pass_fd: Option<i32>,
 }
 
 impl SpawnRequest {
@@ -50,6 +54,7 @@ impl SpawnRequest {
             stdio: SpawnStdio::Capture,
             isolation: SpawnIsolation::None,
             timeout: Duration::from_secs(30),
+            pass_fd: None,
         }
     }
 

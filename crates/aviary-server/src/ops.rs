@@ -33,7 +33,16 @@ use tokio::sync::{watch, Mutex};
 
 /// Where envd sits inside every sandbox, and where it listens.
 pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
-pub const ENVD_SOCKET_IN_SANDBOX: &str = "/run/aviary/envd.sock";
+/// PID 1's arguments after the envd path: serve the listening socket the
+/// runtime binds on the host and passes as fd 3 (socket activation).
+pub const ENVD_INIT_ARGS: [&str; 2] = ["--listen-fd", "3"];
+
+/// The client of a local sandbox's envd: its host-only socket, and every
+/// connection's peer checked to be the sandbox's init (a socket the sandbox
+/// could have swapped in would belong to another process).
+pub(crate) fn envd_client(ep: &aviary_runtime::EnvdEndpoint) -> EnvdClient {
+    EnvdClient::new(ep.socket.clone()).expect_peer_pid(ep.peer_pid)
+}
 
 /// Who is calling, resolved from the API key.
 #[derive(Clone, Debug)]
@@ -389,16 +398,19 @@ impl ControlPlane {
             };
             if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Paused) {
                 // a frozen envd cannot answer; its fence is pushed on resume
-                let live = self.attach(&rec.id, EnvdClient::new(self.envd_socket(&rec.id)), None);
-                live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
-                continue;
+                if let Ok(envd) = self.local_envd(&rec.id).await {
+                    let live = self.attach(&rec.id, envd, None);
+                    live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+                    continue;
+                }
             }
             if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Running) {
-                let envd = EnvdClient::new(self.envd_socket(&rec.id));
-                if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
-                    let live = self.attach(&rec.id, envd, None);
-                    self.push_fence(&rec.id, &live).await?;
-                    continue;
+                if let Ok(envd) = self.local_envd(&rec.id).await {
+                    if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
+                        let live = self.attach(&rec.id, envd, None);
+                        self.push_fence(&rec.id, &live).await?;
+                        continue;
+                    }
                 }
             }
             if rec.state.is_terminal() {
@@ -437,12 +449,15 @@ impl ControlPlane {
         Ok(())
     }
 
-    fn envd_socket(&self, id: &SandboxId) -> PathBuf {
-        self.cfg
-            .runtime_state_dir()
-            .join(id.as_str())
-            .join("control")
-            .join("envd.sock")
+    /// The envd client of a sandbox on the local runtime, found through the
+    /// runtime (never a path built here) and bound to its init's pid.
+    async fn local_envd(&self, id: &SandboxId) -> Result<EnvdClient, OpError> {
+        let ep = self
+            .runtime
+            .envd_endpoint(id)
+            .await
+            .map_err(OpError::internal)?;
+        Ok(envd_client(&ep))
     }
 
     fn attach(
@@ -812,8 +827,8 @@ impl ControlPlane {
             hostname: "sandbox".into(),
             init: vec![
                 ENVD_IN_SANDBOX.into(),
-                "--socket".into(),
-                ENVD_SOCKET_IN_SANDBOX.into(),
+                ENVD_INIT_ARGS[0].into(),
+                ENVD_INIT_ARGS[1].into(),
             ],
             env: vec![
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
@@ -965,7 +980,7 @@ impl ControlPlane {
         })?;
         let envd = match self.nodes.get(&rec.node) {
             Some(n) => n.runtime.envd(id),
-            None => EnvdClient::new(handle.control_dir.join("envd.sock")),
+            None => envd_client(&handle.envd_endpoint()),
         };
         envd.wait_ready(Duration::from_secs(10))
             .await
