@@ -653,8 +653,10 @@ impl Registry for SqliteRegistry {
         .await
         .map_err(storage)?;
         sqlx::query(
-            "INSERT INTO api_key (key_hash, tenant_id, admin, created_at) VALUES (?, ?, ?, ?)",
+            "INSERT INTO api_key (key_id, key_hash, tenant_id, admin, created_at) \
+             VALUES (?, ?, ?, ?, ?)",
         )
+        .bind(aviary_core::new_id("key"))
         .bind(key_hash)
         .bind(tenant)
         .bind(admin)
@@ -666,22 +668,47 @@ impl Registry for SqliteRegistry {
     }
 
     async fn find_api_key(&self, key_hash: &str) -> Result<Option<ApiKeyRecord>, RegistryError> {
-        let row = sqlx::query(
-            "SELECT key_hash, tenant_id, admin, created_at FROM api_key WHERE key_hash = ?",
-        )
+        let row = sqlx::query(&format!(
+            "{API_KEY_COLUMNS} WHERE key_hash = ? AND revoked_at IS NULL"
+        ))
         .bind(key_hash)
         .fetch_optional(&self.reader)
         .await
         .map_err(storage)?;
-        row.map(|r| {
-            Ok(ApiKeyRecord {
-                key_hash: col(&r, "key_hash")?,
-                tenant: col(&r, "tenant_id")?,
-                admin: col(&r, "admin")?,
-                created_at: from_micros(col(&r, "created_at")?)?,
-            })
-        })
-        .transpose()
+        row.map(|r| api_key_record(&r)).transpose()
+    }
+
+    async fn list_api_keys(&self) -> Result<Vec<ApiKeyRecord>, RegistryError> {
+        sqlx::query(&format!("{API_KEY_COLUMNS} ORDER BY created_at, rowid"))
+            .fetch_all(&self.reader)
+            .await
+            .map_err(storage)?
+            .iter()
+            .map(api_key_record)
+            .collect()
+    }
+
+    async fn revoke_api_key(
+        &self,
+        id: &str,
+        at: OffsetDateTime,
+    ) -> Result<ApiKeyRecord, RegistryError> {
+        let mut tx = self.begin_write().await.map_err(storage)?;
+        sqlx::query("UPDATE api_key SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL")
+            .bind(micros(at))
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(storage)?;
+        let row = sqlx::query(&format!("{API_KEY_COLUMNS} WHERE key_id = ?"))
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(storage)?
+            .ok_or(RegistryError::NotFound)?;
+        let rec = api_key_record(&row)?;
+        tx.commit().await.map_err(storage)?;
+        Ok(rec)
     }
 
     async fn insert_allocation(&self, a: &AllocationRecord) -> Result<i64, RegistryError> {
@@ -801,4 +828,20 @@ impl Registry for SqliteRegistry {
         })
         .transpose()
     }
+}
+
+const API_KEY_COLUMNS: &str =
+    "SELECT key_id, key_hash, tenant_id, admin, created_at, revoked_at FROM api_key";
+
+fn api_key_record(r: &SqliteRow) -> Result<ApiKeyRecord, RegistryError> {
+    Ok(ApiKeyRecord {
+        id: col(r, "key_id")?,
+        key_hash: col(r, "key_hash")?,
+        tenant: col(r, "tenant_id")?,
+        admin: col(r, "admin")?,
+        created_at: from_micros(col(r, "created_at")?)?,
+        revoked_at: col::<Option<i64>>(r, "revoked_at")?
+            .map(from_micros)
+            .transpose()?,
+    })
 }

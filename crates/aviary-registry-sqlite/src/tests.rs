@@ -67,7 +67,7 @@ async fn reopen_keeps_schema_and_tokens() {
         let reg = SqliteRegistry::open(&db.path).await.unwrap();
         assert_eq!(
             reg.schema_version().await.unwrap(),
-            3,
+            4,
             "migrations run once"
         );
         if round == 0 {
@@ -370,4 +370,42 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
         .await
         .unwrap_err();
     assert!(matches!(e, RegistryError::Conflict), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_from_before_revocation_get_ids_and_keep_working() {
+    let db = FileDb::new();
+    // a schema-3 database with two keys, as an older build left it
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&db.path)
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+    for m in &MIGRATIONS[..3] {
+        sqlx::raw_sql(m).execute(&pool).await.unwrap();
+    }
+    sqlx::raw_sql(
+        "PRAGMA user_version = 3; \
+         INSERT INTO tenant (tenant_id, created_at) VALUES ('t', 1); \
+         INSERT INTO api_key (key_hash, tenant_id, admin, created_at) VALUES ('h1', 't', 1, 1), ('h2', 't', 0, 2);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    let keys = reg.list_api_keys().await.unwrap();
+    assert_eq!(keys.len(), 2);
+    assert!(keys.iter().all(|k| k.id.starts_with("key-")), "{keys:?}");
+    assert_ne!(keys[0].id, keys[1].id);
+    assert!(reg.find_api_key("h1").await.unwrap().unwrap().admin);
+    reg.revoke_api_key(&keys[0].id, aviary_core::now())
+        .await
+        .unwrap();
+    assert_eq!(reg.find_api_key("h1").await.unwrap(), None);
 }

@@ -45,6 +45,7 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
         templates_upsert,
         nodes_upsert,
         api_keys_map_to_tenants,
+        api_keys_list_and_revoke,
         allocations_record_usage,
         environments_upsert,
     );
@@ -625,6 +626,60 @@ pub async fn api_keys_map_to_tenants<R: Registry>(r: &R) {
         RegistryError::Duplicate
     );
     assert!(!format!("{k:?}").contains(&hash), "Debug redacts the hash");
+}
+
+pub async fn api_keys_list_and_revoke<R: Registry>(r: &R) {
+    let t = tenant();
+    let (h1, h2) = (new_id("hash"), new_id("hash"));
+    r.insert_api_key(&h1, &t, false).await.unwrap();
+    r.insert_api_key(&h2, &t, true).await.unwrap();
+    let mine = |all: Vec<ApiKeyRecord>| -> Vec<ApiKeyRecord> {
+        all.into_iter().filter(|k| k.tenant == t).collect()
+    };
+    let listed = mine(r.list_api_keys().await.unwrap());
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert_eq!(
+        listed
+            .iter()
+            .map(|k| k.key_hash.as_str())
+            .collect::<Vec<_>>(),
+        vec![h1.as_str(), h2.as_str()],
+        "oldest first"
+    );
+    assert!(listed.iter().all(|k| k.revoked_at.is_none()));
+    assert_ne!(listed[0].id, listed[1].id, "ids are unique");
+    assert!(!listed[0].id.contains(&h1), "the id is not the hash");
+    let k1 = r.find_api_key(&h1).await.unwrap().unwrap();
+    assert_eq!(k1, listed[0], "find and list agree");
+
+    let at = time::macros::datetime!(2031-02-03 4:05:06 UTC);
+    let revoked = r.revoke_api_key(&k1.id, at).await.unwrap();
+    assert_eq!(revoked.revoked_at, Some(at));
+    assert_eq!(revoked.id, k1.id);
+    assert_eq!(
+        r.find_api_key(&h1).await.unwrap(),
+        None,
+        "a revoked key is not found"
+    );
+    assert!(r.find_api_key(&h2).await.unwrap().is_some(), "others stay");
+    // revoking again keeps the first time
+    let later = at + time::Duration::hours(1);
+    assert_eq!(
+        r.revoke_api_key(&k1.id, later).await.unwrap().revoked_at,
+        Some(at)
+    );
+    let listed = mine(r.list_api_keys().await.unwrap());
+    assert_eq!(listed[0].revoked_at, Some(at), "listing shows revoked keys");
+    assert_eq!(listed[1].revoked_at, None);
+    assert_eq!(
+        r.revoke_api_key("key-no-such", at).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+    // a revoked hash cannot be registered again
+    assert_eq!(
+        r.insert_api_key(&h1, &t, false).await.unwrap_err(),
+        RegistryError::Duplicate
+    );
 }
 
 pub async fn allocations_record_usage<R: Registry>(r: &R) {

@@ -236,7 +236,18 @@ pub trait Registry: Send + Sync {
         tenant: &str,
         admin: bool,
     ) -> Result<(), RegistryError>;
+    /// The key with this hash, unless it was revoked: a revoked key is
+    /// `None` here, exactly like an unknown one.
     async fn find_api_key(&self, key_hash: &str) -> Result<Option<ApiKeyRecord>, RegistryError>;
+    /// Every key, revoked ones included, in the order they were created.
+    async fn list_api_keys(&self) -> Result<Vec<ApiKeyRecord>, RegistryError>;
+    /// Revokes the key with this id at `at` and returns it; revoking a revoked
+    /// key keeps its first `revoked_at`. An unknown id is `NotFound`.
+    async fn revoke_api_key(
+        &self,
+        id: &str,
+        at: OffsetDateTime,
+    ) -> Result<ApiKeyRecord, RegistryError>;
 
     /// Records a planner decision; `a.id` and `a.usage` are ignored. Returns
     /// the new id.
@@ -382,10 +393,12 @@ mod tests {
     #[test]
     fn api_key_debug_hides_the_hash() {
         let k = ApiKeyRecord {
+            id: "key-1".into(),
             key_hash: "deadbeef".into(),
             tenant: "acme".into(),
             admin: true,
             created_at: time::macros::datetime!(2030-01-01 0:00 UTC),
+            revoked_at: None,
         };
         let shown = format!("{k:?}");
         assert!(!shown.contains("deadbeef"), "{shown}");

@@ -175,20 +175,28 @@ pub struct NodeRecord {
 /// An API key, stored by hash only.
 #[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApiKeyRecord {
+    /// Public handle of the key (listing, revocation); not a secret and not
+    /// derived from it.
+    pub id: String,
     pub key_hash: String,
     pub tenant: String,
     pub admin: bool,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// Set once the key is revoked; a revoked key never authenticates again.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub revoked_at: Option<OffsetDateTime>,
 }
 
 impl std::fmt::Debug for ApiKeyRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApiKeyRecord")
+            .field("id", &self.id)
             .field("key_hash", &"<redacted>")
             .field("tenant", &self.tenant)
             .field("admin", &self.admin)
             .field("created_at", &self.created_at)
+            .field("revoked_at", &self.revoked_at)
             .finish()
     }
 }
