@@ -224,6 +224,17 @@ pub enum Rejection {
     },
 }
 
+impl Rejection {
+    /// The node is up and able, only full: waiting (or freeing capacity)
+    /// helps, unlike a missing runtime or an unhealthy node.
+    pub fn is_capacity(&self) -> bool {
+        matches!(
+            self,
+            Rejection::CpuFull { .. } | Rejection::MemoryFull { .. }
+        )
+    }
+}
+
 impl fmt::Display for Rejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -319,6 +330,19 @@ pub enum ScheduleError {
     /// Every node was rejected (or there were none); the reasons are kept.
     #[error("no node can take the sandbox ({} considered)", candidates.len())]
     NoFeasibleNode { candidates: Vec<Candidate> },
+}
+
+impl ScheduleError {
+    /// Some node was rejected only for lack of capacity under its
+    /// over-commit limit: the request could fit later.
+    pub fn is_capacity(&self) -> bool {
+        match self {
+            ScheduleError::InvalidRequest { .. } => false,
+            ScheduleError::NoFeasibleNode { candidates } => candidates.iter().any(|c| {
+                matches!(&c.outcome, CandidateOutcome::Rejected { rejection } if rejection.is_capacity())
+            }),
+        }
+    }
 }
 
 /// The placement engine. Cheap to share (`&self` methods).

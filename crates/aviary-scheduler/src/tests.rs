@@ -142,6 +142,45 @@ fn overcommit_lets_committed_exceed_capacity_up_to_the_ratio() {
 }
 
 #[test]
+fn a_lone_node_past_its_overcommit_is_refused_as_capacity() {
+    // the local node alone, as the control plane sees it with no agents:
+    // 2 CPUs at ratio 4 take eight 1-CPU sandboxes, not a ninth
+    let s = Scheduler::with_seed(
+        SchedulerConfig {
+            cpu_overcommit: 4.0,
+            memory_overcommit: 100.0,
+            ..SchedulerConfig::default()
+        },
+        1,
+    );
+    let mut local = vec![node("local", 2.0, 4096)];
+    let r = req("python-small", 1.0, 256);
+    for _ in 0..8 {
+        let d = s.place(&local, &r, t0()).unwrap();
+        assert_eq!(d.node_id, "local");
+        local[0].commit(&r.limits);
+    }
+    let err = s.place(&local, &r, t0()).unwrap_err();
+    assert!(err.is_capacity(), "{err:?}");
+    let ScheduleError::NoFeasibleNode { candidates } = err else {
+        panic!("expected NoFeasibleNode");
+    };
+    assert_eq!(
+        rejection_of(&candidates, "local"),
+        Some(&Rejection::CpuFull {
+            committed: 8.0,
+            requested: 1.0,
+            limit: 8.0
+        })
+    );
+    // a node that lacks the runtime is not "full"
+    let mut other = node("other", 2.0, 4096);
+    other.runtimes = vec!["runc".into()];
+    let err = s.place(&[other], &r, t0()).unwrap_err();
+    assert!(!err.is_capacity());
+}
+
+#[test]
 fn unhealthy_and_stale_nodes_are_never_chosen() {
     let mut nodes = three();
     nodes[2].healthy = false; // n8, the emptiest
