@@ -20,9 +20,10 @@
 //! mount namespace in which that cgroup2 mount is detached (see [`spawn`]).
 //!
 //! Limits: cpu (CFS quota), memory (+swap = memory) and pids are enforced by
-//! cgroups. `disk_mb` is **not enforced yet**: overlay upper dirs and
-//! workspaces share the host file system (a loop-mounted image or an XFS
-//! project quota would bound them). No user namespace yet: root inside is
+//! cgroups. `disk_mb` bounds `upper/` and `workspace/` together: each
+//! sandbox dir is its own loop-mounted ext4 image of `disk_mb` MiB
+//! (`<state_dir>/<id>.img`, see [`quota`]), so a full sandbox gets `ENOSPC`
+//! inside (unless `OciConfig::disk_quota` is off). No user namespace yet: root inside is
 //! host root, contained by dropped capabilities, seccomp and no-new-privs.
 //!
 //! Concurrency: `OciRuntime` is `Send + Sync`; calls for different sandboxes
@@ -30,9 +31,11 @@
 
 pub mod config;
 mod host;
+pub mod quota;
 pub mod seccomp;
 mod spawn;
 
+pub use quota::{disk_image, MIN_DISK_MB};
 pub use spawn::ProcessSpawner;
 
 use async_trait::async_trait;
@@ -79,6 +82,9 @@ pub struct OciConfig {
     pub tmp_size_mb: u64,
     /// Longest a single runtime command may take before it is killed.
     pub command_timeout: Duration,
+    /// Enforce each sandbox's `disk_mb` with a file system of its own (see
+    /// [`quota`]). Off only on purpose: sandboxes can then fill the host disk.
+    pub disk_quota: bool,
 }
 
 impl OciConfig {
@@ -90,6 +96,7 @@ impl OciConfig {
             cgroup_parent: "aviary".into(),
             tmp_size_mb: 256,
             command_timeout: Duration::from_secs(30),
+            disk_quota: true,
         }
     }
 }
@@ -111,6 +118,7 @@ pub struct OciRuntime {
     cgroups: CgroupLayout,
     /// cgroup2 mount crun must not see on hybrid hosts.
     hide_for_crun: Vec<PathBuf>,
+    disks: quota::SandboxDisks,
 }
 
 /// Host paths of one sandbox.
@@ -220,7 +228,10 @@ impl OciRuntime {
             .binary_path
             .clone()
             .unwrap_or_else(|| PathBuf::from(config.binary.name()));
+        let disks = quota::SandboxDisks::new(config.disk_quota, config.command_timeout);
+        disks.recover(&config.state_dir);
         Ok(OciRuntime {
+            disks,
             cgroups: CgroupLayout {
                 hierarchies,
                 parent: config.cgroup_parent.clone(),
@@ -377,6 +388,10 @@ impl OciRuntime {
                 self.config.state_dir
             ))
         })?;
+        self.disks
+            .probe(&*self.spawner, &self.config.state_dir)
+            .await
+            .map_err(probe_err)?;
         Ok(ProbeReport {
             version,
             cgroup_mode,
@@ -414,7 +429,7 @@ impl OciRuntime {
     ) -> Result<SandboxHandle, RuntimeError> {
         // A control plane restoring a snapshot pre-stages the writable layers
         // in `<state_dir>/<id>.seed/{upper,workspace}`; they are adopted
-        // (renamed into place, same filesystem) instead of starting empty.
+        // (moved onto the sandbox's disk, see `quota`) instead of starting empty.
         let seed = seed_dir(&dirs.root);
         for d in [
             dirs.upper(),
@@ -428,10 +443,7 @@ impl OciRuntime {
             if let Some(staged) =
                 staged.filter(|s| (d == dirs.upper() || d == dirs.workspace()) && s.is_dir())
             {
-                std::fs::rename(&staged, &d).map_err(|source| RuntimeError::CreateDir {
-                    path: d.clone(),
-                    source,
-                })?;
+                self.disks.adopt(&*self.spawner, &staged, &d).await?;
                 continue;
             }
             std::fs::create_dir(&d).map_err(|source| RuntimeError::CreateDir {
@@ -573,7 +585,15 @@ impl Runtime for OciRuntime {
                 })
             }
         }
-        match self.create_inner(spec, &dirs).await {
+        let created = match self
+            .disks
+            .attach(&*self.spawner, &dirs.root, spec.resources.disk_mb)
+            .await
+        {
+            Ok(()) => self.create_inner(spec, &dirs).await,
+            Err(e) => Err(e),
+        };
+        match created {
             Ok(h) => Ok(h),
             Err(e) => {
                 tracing::warn!(error = %e, "create failed, tearing down");
@@ -606,6 +626,10 @@ impl Runtime for OciRuntime {
             residue.push(e);
         }
         if let Err(e) = host::unmount_all_under(&dirs.root) {
+            residue.push(e);
+        }
+        // Before the dir: an image without its dir would be invisible to list().
+        if let Err(e) = self.disks.release(&dirs.root) {
             residue.push(e);
         }
         for dir in [

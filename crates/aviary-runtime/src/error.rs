@@ -46,6 +46,12 @@ pub enum RuntimeError {
         #[source]
         source: std::io::Error,
     },
+    #[error("mount sandbox disk at {path:?}")]
+    MountDisk {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("unmount {path:?}")]
     Unmount {
         path: PathBuf,

@@ -1,0 +1,529 @@
+//! Per-sandbox disk quotas: `disk_mb` bounds the overlay's writable layer
+//! and `/workspace` together.
+//!
+//! Each sandbox dir `<state_dir>/<id>` is the mount point of the sandbox's own
+//! ext4 file system: a sparse image file `<state_dir>/<id>.img` of exactly
+//! `disk_mb` MiB, attached to a loop device (auto-clear, direct I/O) and
+//! mounted with `discard`. Everything the sandbox can write on disk — `upper/`,
+//! `work/`, `workspace/` — lives on it, so a full sandbox gets `ENOSPC`
+//! ("No space left on device") inside, `df` inside shows the class's size, and
+//! the host file system holds at most `disk_mb` for it (deleted files are
+//! punched out of the image again through `discard`).
+//!
+//! Why not project quotas (XFS `prjquota`, as Docker's overlay2 does, or ext4
+//! `project`): the kernels this runs on are built without `CONFIG_XFS_QUOTA`
+//! and without `CONFIG_QFMT_V2` ("XFS: quota support not available in this
+//! kernel", "EXT4: kernel was not built with CONFIG_QUOTA and CONFIG_QFMT_V2"),
+//! so neither mounts with project quotas. A file system per sandbox needs
+//! only the loop driver and `mkfs.ext4`.
+//!
+//! Invariants: the image exists only while the sandbox dir does (it is
+//! created after the dir is claimed and removed before the dir at destroy),
+//! so `list()`, which sees sandbox dirs, sees every image. The loop device
+//! is auto-clear: unmounting the file system frees it, so there is nothing
+//! else to release. After a host reboot the images of surviving sandbox dirs
+//! are mounted again when the runtime is constructed.
+//!
+//! Cross-file-system moves: a layer staged outside the sandbox disk
+//! (`<id>.seed/`) cannot be renamed into it (`EXDEV`); [`SandboxDisks::adopt`]
+//! copies it with `cp -a` (owners, modes, xattrs, hard links and overlay
+//! whiteouts kept) instead.
+//!
+//! Concurrency: stateless; everything derives from paths, so calls for
+//! different sandboxes run concurrently. The loop ioctls and `mount(2)` are
+//! plain syscalls (this module's `unsafe`); `mkfs.ext4` and `cp` run through
+//! the runtime's [`Spawner`].
+
+use aviary_runtime::{RuntimeError, SpawnRequest, Spawner};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Smallest sandbox disk: an ext4 journal and its metadata need a few MiB.
+pub const MIN_DISK_MB: u64 = 32;
+
+const MIB: u64 = 1024 * 1024;
+
+/// The sandbox disks of one runtime (or none, when quotas are off).
+#[derive(Clone, Debug)]
+pub(crate) struct SandboxDisks {
+    enabled: bool,
+    /// `mkfs.ext4`, looked up in `PATH`.
+    mkfs: PathBuf,
+    /// Longest `mkfs.ext4` may take.
+    timeout: Duration,
+}
+
+/// Where the disk image of the sandbox whose dir is `sandbox_root` lives:
+/// `<state_dir>/<id>.img`, beside (not inside) its mount point.
+pub fn disk_image(sandbox_root: &Path) -> PathBuf {
+    let mut s = sandbox_root.as_os_str().to_owned();
+    s.push(".img");
+    PathBuf::from(s)
+}
+
+impl SandboxDisks {
+    pub fn new(enabled: bool, timeout: Duration) -> Self {
+        if !enabled {
+            tracing::warn!(
+                "DISK QUOTAS ARE DISABLED (disk_quota = false): disk_mb is not enforced and \
+                 any sandbox can fill the host file system"
+            );
+        }
+        SandboxDisks {
+            enabled,
+            mkfs: PathBuf::from("mkfs.ext4"),
+            timeout,
+        }
+    }
+
+    /// Gives the freshly claimed, empty sandbox dir `root` its own file system
+    /// of `disk_mb` MiB. On failure the caller destroys the sandbox, which
+    /// unmounts and removes whatever this left.
+    pub async fn attach(
+        &self,
+        spawner: &dyn Spawner,
+        root: &Path,
+        disk_mb: u64,
+    ) -> Result<(), RuntimeError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if disk_mb < MIN_DISK_MB {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!(
+                    "disk_mb {disk_mb} is below the smallest sandbox disk ({MIN_DISK_MB} MiB)"
+                ),
+            });
+        }
+        let image = disk_image(root);
+        create_sparse(&image, disk_mb.saturating_mul(MIB)).map_err(|source| {
+            RuntimeError::WriteFile {
+                path: image.clone(),
+                source,
+            }
+        })?;
+        self.mkfs(spawner, &image).await?;
+        let mount_image = image.clone();
+        let target = root.to_path_buf();
+        tokio::task::spawn_blocking(move || mount_disk(&mount_image, &target))
+            .await
+            .unwrap_or_else(|join| Err(io::Error::other(join.to_string())))
+            .map_err(|source| RuntimeError::MountDisk {
+                path: root.to_path_buf(),
+                source,
+            })
+    }
+
+    async fn mkfs(&self, spawner: &dyn Spawner, image: &Path) -> Result<(), RuntimeError> {
+        let mut req = SpawnRequest::new(self.mkfs.clone(), mkfs_args(image));
+        req.timeout = self.timeout;
+        let out = spawner
+            .run(&req)
+            .await
+            .map_err(|source| RuntimeError::Spawn {
+                program: format!(
+                    "{} (disk quotas need e2fsprogs, or disk_quota = false)",
+                    self.mkfs.display()
+                ),
+                source,
+            })?;
+        if !out.success() {
+            return Err(RuntimeError::InvokeRuntime {
+                action: "mkfs.ext4".into(),
+                detail: format!(
+                    "exit {:?}: {}",
+                    out.code,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Removes the disk image of `root` (after its file system was unmounted;
+    /// an image still attached is freed when the loop device lets go).
+    pub fn release(&self, root: &Path) -> Result<(), RuntimeError> {
+        let image = disk_image(root);
+        match std::fs::remove_file(&image) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(RuntimeError::RemoveDir {
+                path: image,
+                source,
+            }),
+        }
+    }
+
+    /// Moves the staged layer `staged` to `dest` inside the sandbox: a rename
+    /// when both are on one file system, else a faithful copy (`cp -a`)
+    /// whose source the caller removes afterwards. A layer larger than the
+    /// sandbox's disk fails here with `ENOSPC`.
+    pub async fn adopt(
+        &self,
+        spawner: &dyn Spawner,
+        staged: &Path,
+        dest: &Path,
+    ) -> Result<(), RuntimeError> {
+        match std::fs::rename(staged, dest) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {}
+            Err(source) => {
+                return Err(RuntimeError::CreateDir {
+                    path: dest.to_path_buf(),
+                    source,
+                })
+            }
+        }
+        let mut req = SpawnRequest::new(
+            "cp",
+            vec![
+                "-a".into(),
+                "--no-target-directory".into(),
+                "--".into(),
+                staged.display().to_string(),
+                dest.display().to_string(),
+            ],
+        );
+        // Bounded by the disk size, not by a command's usual runtime.
+        req.timeout = self.timeout.max(Duration::from_secs(1800));
+        let out = spawner
+            .run(&req)
+            .await
+            .map_err(|source| RuntimeError::Spawn {
+                program: "cp".into(),
+                source,
+            })?;
+        if !out.success() {
+            return Err(RuntimeError::InvokeRuntime {
+                action: format!("copy staged layer {staged:?}"),
+                detail: format!(
+                    "exit {:?}: {}",
+                    out.code,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// After a host reboot the sandbox dirs are empty mount points: mount
+    /// their images again, so their layers come back for the reconciler
+    /// (and for destroy). Images whose sandbox dir is gone are leftovers of
+    /// an interrupted destroy and are removed. Best effort: failures are
+    /// logged, and destroy cleans up what could not be mounted.
+    pub fn recover(&self, state_dir: &Path) {
+        let Ok(state_dev) = std::fs::metadata(state_dir).map(|m| m.dev()) else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(state_dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".img")) else {
+                continue;
+            };
+            if id.parse::<aviary_core::SandboxId>().is_err() {
+                continue;
+            }
+            let image = e.path();
+            let root = state_dir.join(id);
+            match std::fs::metadata(&root) {
+                Ok(m) if m.dev() != state_dev => {} // mounted
+                Ok(_) if self.enabled => {
+                    if let Err(error) = mount_disk(&image, &root) {
+                        tracing::warn!(sandbox.id = id, %error, "cannot mount sandbox disk again");
+                    } else {
+                        tracing::info!(sandbox.id = id, "mounted sandbox disk again");
+                    }
+                }
+                Ok(_) => {
+                    tracing::warn!(sandbox.id = id, "sandbox disk not mounted: quotas are off")
+                }
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                    let _ = std::fs::remove_file(&image);
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Checks end to end that a sandbox disk can be made, mounted, filled to
+    /// `ENOSPC` and removed under `state_dir`.
+    pub async fn probe(&self, spawner: &dyn Spawner, state_dir: &Path) -> Result<(), String> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if !Path::new("/dev/loop-control").exists() {
+            return Err(
+                "disk quotas need loop devices and /dev/loop-control is missing \
+                 (modprobe loop), or set disk_quota = false"
+                    .into(),
+            );
+        }
+        let root = state_dir.join(format!(".probe-disk-{}", std::process::id()));
+        let _ = std::fs::create_dir(&root);
+        let result = async {
+            self.attach(spawner, &root, MIN_DISK_MB)
+                .await
+                .map_err(|e| aviary_runtime::conformance::chain(&e))?;
+            fill_until_full(&root.join("fill"))
+        }
+        .await;
+        let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
+        let _ = self.release(&root);
+        let _ = std::fs::remove_dir_all(&root);
+        result.map_err(|e| format!("sandbox disk quotas do not work in {state_dir:?}: {e}"))
+    }
+}
+
+fn mkfs_args(image: &Path) -> Vec<String> {
+    vec![
+        "-q".into(),
+        "-F".into(),
+        // 4 KiB blocks match the loop device's block size (direct I/O).
+        "-b".into(),
+        "4096".into(),
+        // No blocks reserved for root: root inside is the tenant.
+        "-m".into(),
+        "0".into(),
+        // Leave inode tables and journal unwritten: the image is sparse and
+        // reads back zeros; this keeps mkfs at a few ms and a few MiB.
+        "-E".into(),
+        "lazy_itable_init=1,lazy_journal_init=1,nodiscard".into(),
+        image.display().to_string(),
+    ]
+}
+
+fn create_sparse(path: &Path, bytes: u64) -> io::Result<()> {
+    let f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_len(bytes)
+}
+
+/// Writes zeros to `file` until the file system says it is full; `Ok` only
+/// when that was `ENOSPC`.
+fn fill_until_full(file: &Path) -> Result<(), String> {
+    use std::io::Write;
+    let mut f = File::create(file).map_err(|e| format!("create {file:?}: {e}"))?;
+    let block = vec![0u8; MIB as usize];
+    for _ in 0..(MIN_DISK_MB * 2) {
+        if let Err(e) = f.write_all(&block).and_then(|()| f.sync_data()) {
+            return if e.raw_os_error() == Some(libc::ENOSPC) {
+                Ok(())
+            } else {
+                Err(format!("writing {file:?}: {e}"))
+            };
+        }
+    }
+    Err(format!(
+        "{} MiB fit on a {MIN_DISK_MB} MiB disk",
+        MIN_DISK_MB * 2
+    ))
+}
+
+// <linux/loop.h>
+const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
+const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
+const LO_FLAGS_DIRECT_IO: u32 = 16;
+
+#[repr(C)]
+struct LoopInfo64 {
+    lo_device: u64,
+    lo_inode: u64,
+    lo_rdevice: u64,
+    lo_offset: u64,
+    lo_sizelimit: u64,
+    lo_number: u32,
+    lo_encrypt_type: u32,
+    lo_encrypt_key_size: u32,
+    lo_flags: u32,
+    lo_file_name: [u8; 64],
+    lo_crypt_name: [u8; 64],
+    lo_encrypt_key: [u8; 32],
+    lo_init: [u64; 2],
+}
+
+#[repr(C)]
+struct LoopConfig {
+    fd: u32,
+    block_size: u32,
+    info: LoopInfo64,
+    reserved: [u64; 8],
+}
+
+/// Attaches `image` to a free loop device (auto-clear, direct I/O, 4 KiB
+/// blocks) and mounts its ext4 at `target`. The device fd is closed on
+/// return; the mount keeps the device, and unmounting frees it.
+fn mount_disk(image: &Path, target: &Path) -> io::Result<()> {
+    let backing = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(image)?;
+    let control = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open("/dev/loop-control")?;
+    let mut name = [0u8; 64];
+    let bytes = image.as_os_str().as_encoded_bytes();
+    let n = bytes.len().min(name.len() - 1);
+    name[..n].copy_from_slice(&bytes[..n]);
+    let config = LoopConfig {
+        fd: u32::try_from(backing.as_raw_fd()).map_err(io::Error::other)?,
+        block_size: 4096,
+        info: LoopInfo64 {
+            lo_device: 0,
+            lo_inode: 0,
+            lo_rdevice: 0,
+            lo_offset: 0,
+            lo_sizelimit: 0,
+            lo_number: 0,
+            lo_encrypt_type: 0,
+            lo_encrypt_key_size: 0,
+            lo_flags: LO_FLAGS_AUTOCLEAR | LO_FLAGS_DIRECT_IO,
+            lo_file_name: name,
+            lo_crypt_name: [0; 64],
+            lo_encrypt_key: [0; 32],
+            lo_init: [0; 2],
+        },
+        reserved: [0; 8],
+    };
+    // Another process may take the free device between the two ioctls.
+    for _ in 0..32 {
+        // SAFETY: LOOP_CTL_GET_FREE takes no argument and only returns a
+        // device number; `control` is an open fd for the duration of the call.
+        let number = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE) };
+        if number < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let device_path = PathBuf::from(format!("/dev/loop{number}"));
+        let device = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&device_path)?;
+        // SAFETY: LOOP_CONFIGURE reads a `struct loop_config`, which
+        // `LoopConfig` mirrors field for field (`#[repr(C)]`, size checked in
+        // the tests); the pointer is valid for the call and the kernel does
+        // not keep it. `device` and `backing` are open fds.
+        let rc = unsafe {
+            libc::ioctl(
+                device.as_raw_fd(),
+                LOOP_CONFIGURE,
+                &config as *const LoopConfig,
+            )
+        };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EBUSY) {
+                continue;
+            }
+            return Err(err);
+        }
+        // The device fd is closed on return either way; with auto-clear
+        // the device is released as soon as nothing holds it (here: when
+        // the mount fails, or later when it is unmounted).
+        return nix::mount::mount(
+            Some(&device_path),
+            target,
+            Some("ext4"),
+            nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
+            // noinit_itable: no background zeroing of the inode tables (the
+            // image is sparse, they read back as zeros anyway).
+            Some("discard,noinit_itable"),
+        )
+        .map_err(io::Error::from);
+    }
+    Err(io::Error::other("no free loop device after 32 tries"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aviary_runtime::{RecordingSpawner, SpawnOutput};
+
+    #[test]
+    fn loop_config_matches_the_kernel_layout() {
+        assert_eq!(std::mem::size_of::<LoopInfo64>(), 232);
+        assert_eq!(std::mem::size_of::<LoopConfig>(), 304);
+    }
+
+    #[test]
+    fn image_sits_beside_the_sandbox_dir() {
+        assert_eq!(
+            disk_image(Path::new("/s/sbx-abc")),
+            PathBuf::from("/s/sbx-abc.img")
+        );
+    }
+
+    #[tokio::test]
+    async fn too_small_disks_are_refused_before_any_work() {
+        let dir = tempfile::tempdir().unwrap();
+        let spawner = RecordingSpawner::new();
+        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let root = dir.path().join("sbx");
+        let err = disks.attach(&spawner, &root, 8).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::InvalidSpec { .. }), "{err:?}");
+        assert!(spawner.requests().is_empty());
+        assert!(!disk_image(&root).exists());
+    }
+
+    #[tokio::test]
+    async fn mkfs_failure_is_reported_with_its_stderr() {
+        let dir = tempfile::tempdir().unwrap();
+        let spawner = RecordingSpawner::new();
+        spawner.push(Ok(SpawnOutput::failed(1, "bad blocks")));
+        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let root = dir.path().join("sbx");
+        let err = disks.attach(&spawner, &root, 64).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "mkfs.ext4 failed: exit Some(1): bad blocks"
+        );
+        let req = &spawner.requests()[0];
+        assert_eq!(req.program, PathBuf::from("mkfs.ext4"));
+        assert_eq!(
+            req.args.last().unwrap(),
+            &disk_image(&root).display().to_string()
+        );
+        let image = std::fs::metadata(disk_image(&root)).unwrap();
+        assert_eq!(image.len(), 64 * MIB, "exactly disk_mb");
+        assert_eq!(image.blocks(), 0, "sparse");
+        disks.release(&root).unwrap();
+        assert!(!disk_image(&root).exists());
+        disks.release(&root).unwrap();
+    }
+
+    #[tokio::test]
+    async fn disabled_disks_do_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let spawner = RecordingSpawner::new();
+        let disks = SandboxDisks::new(false, Duration::from_secs(5));
+        disks.attach(&spawner, dir.path(), 1).await.unwrap();
+        assert!(spawner.requests().is_empty());
+        disks.probe(&spawner, dir.path()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn adopt_renames_on_one_file_system() {
+        let dir = tempfile::tempdir().unwrap();
+        let spawner = RecordingSpawner::new();
+        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let (staged, dest) = (dir.path().join("seed"), dir.path().join("upper"));
+        std::fs::create_dir(&staged).unwrap();
+        std::fs::write(staged.join("f"), "x").unwrap();
+        disks.adopt(&spawner, &staged, &dest).await.unwrap();
+        assert_eq!(std::fs::read_to_string(dest.join("f")).unwrap(), "x");
+        assert!(spawner.requests().is_empty(), "no copy needed");
+    }
+}

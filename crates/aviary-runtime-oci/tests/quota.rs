@@ -1,0 +1,441 @@
+//! Disk quotas on the real thing: crun, a loop device and ext4 per sandbox.
+//! `disk_mb` must bound the overlay's writable layer and `/workspace`
+//! together, with `ENOSPC` inside and the host file system untouched.
+//! They need root; each test prints why and returns when it cannot run.
+
+#[cfg(test)]
+mod quota {
+    use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
+    use aviary_runtime::conformance;
+    use aviary_runtime::{BindMount, Runtime, SandboxSpec, SpawnOutput};
+    use aviary_runtime_oci::{disk_image, seed_dir, OciBinary, OciConfig, OciRuntime};
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+    use tokio::sync::Mutex;
+
+    /// The tests count host-wide things (mounts, loop devices).
+    static LOCK: Mutex<()> = Mutex::const_new(());
+
+    const DISK_MB: u64 = 64;
+    const MIB: u64 = 1024 * 1024;
+
+    const APPLETS: &[&str] = &[
+        "sh", "sleep", "cat", "ls", "dd", "df", "rm", "sync", "echo", "true", "mkdir", "stat",
+        "head", "grep", "awk", "tr", "wc",
+    ];
+
+    struct Fixture {
+        dir: tempfile::TempDir,
+        template: PathBuf,
+        state: PathBuf,
+        envd: PathBuf,
+    }
+
+    fn fixture() -> Option<Fixture> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIP: the disk quota tests need root (loop devices, mounts)");
+            return None;
+        }
+        for (path, install) in [
+            ("/usr/bin/crun", "apt-get install crun"),
+            ("/bin/busybox", "apt-get install busybox-static"),
+            ("/dev/loop-control", "modprobe loop"),
+            ("/usr/sbin/mkfs.ext4", "apt-get install e2fsprogs"),
+        ] {
+            if !Path::new(path).exists() {
+                eprintln!("SKIP: {path} missing ({install})");
+                return None;
+            }
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("aviary-quota-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let template = dir.path().join("template");
+        let bin = template.join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        for d in ["etc", "proc", "sys", "dev", "tmp", "root"] {
+            std::fs::create_dir_all(template.join(d)).unwrap();
+        }
+        std::fs::write(
+            template.join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\n",
+        )
+        .unwrap();
+        std::fs::copy("/bin/busybox", bin.join("busybox")).unwrap();
+        for a in APPLETS {
+            std::os::unix::fs::symlink("busybox", bin.join(a)).unwrap();
+        }
+        let envd = dir.path().join("fake-envd");
+        std::fs::write(&envd, "#!/bin/sh\necho envd\n").unwrap();
+        let state = dir.path().join("state");
+        Some(Fixture {
+            template,
+            state,
+            envd,
+            dir,
+        })
+    }
+
+    impl Drop for Fixture {
+        /// Destroys what a failed test left, so no mount or loop device
+        /// outlives the test.
+        fn drop(&mut self) {
+            let state = self.state.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    if !state.exists() {
+                        return;
+                    }
+                    let oci = OciRuntime::new(OciConfig::new(OciBinary::Crun, &state)).unwrap();
+                    for id in oci.list().await.unwrap() {
+                        if let Err(e) = oci.destroy(&id).await {
+                            eprintln!("fixture cleanup of {id}: {}", conformance::chain(&e));
+                        }
+                    }
+                });
+            })
+            .join()
+            .unwrap();
+        }
+    }
+
+    fn runtime(f: &Fixture) -> OciRuntime {
+        OciRuntime::new(OciConfig::new(OciBinary::Crun, &f.state)).unwrap()
+    }
+
+    fn spec_for(f: &Fixture, disk_mb: u64) -> SandboxSpec {
+        SandboxSpec {
+            id: SandboxId::generate(),
+            template_rootfs: f.template.clone(),
+            resources: ResourceLimits {
+                cpu: 1.0,
+                memory_mb: 256,
+                disk_mb,
+                pids: 64,
+            },
+            network: NetworkProfile::None,
+            hostname: "sbx-quota".into(),
+            init: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "trap 'exit 0' TERM; while :; do sleep 1; done".into(),
+            ],
+            env: vec![],
+            binds: vec![BindMount {
+                host: f.envd.clone(),
+                sandbox: "/.aviary/envd".into(),
+                read_only: true,
+            }],
+        }
+    }
+
+    async fn sh(rt: &OciRuntime, id: &SandboxId, script: &str) -> SpawnOutput {
+        rt.exec(id, &["/bin/sh", "-c", script]).await.unwrap()
+    }
+
+    fn text(out: &SpawnOutput) -> String {
+        format!(
+            "exit {:?}, stdout {:?}, stderr {:?}",
+            out.code,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    /// Mount points at or below `dir` in this mount namespace.
+    fn mounts_under(dir: &Path) -> Vec<String> {
+        let d = dir.to_str().unwrap();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| m == d || m.starts_with(&format!("{d}/")))
+            .collect()
+    }
+
+    /// Loop devices whose backing file is `image`.
+    fn loops_backed_by(image: &Path) -> usize {
+        let want = image.to_str().unwrap();
+        std::fs::read_dir("/sys/block")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("loop/backing_file"))
+                    .is_ok_and(|b| b.trim().trim_end_matches(" (deleted)") == want)
+            })
+            .count()
+    }
+
+    /// Bytes the image really takes on the host file system.
+    fn allocated(image: &Path) -> u64 {
+        std::fs::metadata(image).unwrap().blocks() * 512
+    }
+
+    #[tokio::test]
+    async fn full_sandbox_gets_enospc_on_workspace_and_root_from_one_budget() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = runtime(&f);
+        rt.probe().await.unwrap();
+        let spec = spec_for(&f, DISK_MB);
+        let h = rt.create(&spec).await.unwrap();
+        let image = disk_image(&f.state.join(spec.id.as_str()));
+
+        // df inside shows the class's disk, for / and /workspace alike.
+        let df = sh(&rt, &spec.id, "df -m /workspace / | tail -n 2").await;
+        assert!(df.success(), "{}", text(&df));
+        for line in String::from_utf8_lossy(&df.stdout).lines() {
+            let size: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+            assert!(size <= DISK_MB && size >= DISK_MB / 2, "df: {line}");
+        }
+
+        // 200 MB into /workspace: ENOSPC inside.
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/workspace/big bs=1M count=200 conv=fsync",
+        )
+        .await;
+        assert!(!out.success(), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("No space left on device"),
+            "{}",
+            text(&out)
+        );
+        // The overlay's writable layer shares that budget: nothing fits on /.
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/root/big bs=1M count=8 conv=fsync",
+        )
+        .await;
+        assert!(!out.success(), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("No space left on device"),
+            "{}",
+            text(&out)
+        );
+        // Freeing /workspace makes room on /, and then / fills up by itself.
+        let out = sh(
+            &rt,
+            &spec.id,
+            "rm -f /workspace/big /root/big && sync && \
+             dd if=/dev/zero of=/root/some bs=1M count=16 conv=fsync",
+        )
+        .await;
+        assert!(out.success(), "{}", text(&out));
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/root/big bs=1M count=200 conv=fsync",
+        )
+        .await;
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("No space left on device"),
+            "{}",
+            text(&out)
+        );
+        // ... after which /workspace is full too.
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/workspace/more bs=1M count=8 conv=fsync",
+        )
+        .await;
+        assert!(!out.success(), "{}", text(&out));
+
+        // The host holds at most disk_mb for all of it.
+        assert!(
+            allocated(&image) <= DISK_MB * MIB,
+            "image takes {} bytes",
+            allocated(&image)
+        );
+        assert!(h.workspace_dir.starts_with(f.state.join(spec.id.as_str())));
+        rt.destroy(&spec.id).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn destroy_releases_disk_loop_device_and_dirs() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = runtime(&f);
+        let spec = spec_for(&f, DISK_MB);
+        rt.create(&spec).await.unwrap();
+        let root = f.state.join(spec.id.as_str());
+        let image = disk_image(&root);
+        assert_eq!(loops_backed_by(&image), 1);
+        assert!(mounts_under(&root).contains(&root.display().to_string()));
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/workspace/f bs=1M count=20 conv=fsync",
+        )
+        .await;
+        assert!(out.success(), "{}", text(&out));
+
+        rt.destroy(&spec.id).await.unwrap();
+        assert!(!root.exists());
+        assert!(!image.exists());
+        assert_eq!(mounts_under(&f.state), Vec::<String>::new());
+        assert_eq!(loops_backed_by(&image), 0, "loop device freed");
+        assert!(rt.list().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn restart_reuses_mounted_disks_and_remounts_after_reboot() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let first = runtime(&f);
+        let spec = spec_for(&f, DISK_MB);
+        first.create(&spec).await.unwrap();
+        let root = f.state.join(spec.id.as_str());
+        let out = sh(&first, &spec.id, "echo kept > /workspace/note").await;
+        assert!(out.success(), "{}", text(&out));
+        let mounts = mounts_under(&root);
+
+        // A server restart: a second runtime on the same state dir changes
+        // no mount and drives the running sandbox.
+        let second = runtime(&f);
+        assert_eq!(mounts_under(&root), mounts);
+        let out = sh(&second, &spec.id, "cat /workspace/note").await;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "kept\n",
+            "{}",
+            text(&out)
+        );
+        assert_eq!(loops_backed_by(&disk_image(&root)), 1);
+
+        // A reboot: processes and mounts gone, dirs and images left.
+        let out = second
+            .exec(&spec.id, &["/bin/sh", "-c", "sync"])
+            .await
+            .unwrap();
+        assert!(out.success());
+        let crun = std::process::Command::new("crun")
+            .args(["--root"])
+            .arg(f.state.join("crun-state"))
+            .args(["delete", "--force", spec.id.as_str()])
+            .status()
+            .unwrap();
+        assert!(crun.success());
+        for m in mounts.iter().rev() {
+            nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH).unwrap();
+        }
+        assert!(!root.join("workspace").exists(), "disk is unmounted");
+        let third = runtime(&f);
+        assert_eq!(
+            std::fs::read_to_string(root.join("workspace/note")).unwrap(),
+            "kept\n",
+            "the sandbox's layers come back"
+        );
+        third.destroy(&spec.id).await.unwrap();
+        assert!(!root.exists());
+        assert!(!disk_image(&root).exists());
+        assert_eq!(mounts_under(&f.state), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn staged_seed_layers_are_adopted_onto_the_disk() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = runtime(&f);
+        std::fs::create_dir_all(&f.state).unwrap();
+        let spec = spec_for(&f, DISK_MB);
+        let seed = seed_dir(&f.state.join(spec.id.as_str()));
+        std::fs::create_dir_all(seed.join("workspace/src")).unwrap();
+        std::fs::write(seed.join("workspace/src/main.py"), "print(42)\n").unwrap();
+        std::fs::create_dir_all(seed.join("upper/root")).unwrap();
+        std::fs::write(seed.join("upper/root/.profile"), "export A=1\n").unwrap();
+        // An overlay whiteout: /etc/passwd was deleted in the snapshot.
+        std::fs::create_dir_all(seed.join("upper/etc")).unwrap();
+        nix::sys::stat::mknod(
+            &seed.join("upper/etc/passwd"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::from_bits_truncate(0o000),
+            0,
+        )
+        .unwrap();
+
+        rt.create(&spec).await.unwrap();
+        assert!(!seed.exists(), "seed consumed");
+        let out = sh(
+            &rt,
+            &spec.id,
+            "cat /workspace/src/main.py /root/.profile; test -e /etc/passwd || echo gone",
+        )
+        .await;
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "print(42)\nexport A=1\ngone\n",
+            "{}",
+            text(&out)
+        );
+        // The adopted layers count against the disk like everything else.
+        let out = sh(
+            &rt,
+            &spec.id,
+            "dd if=/dev/zero of=/workspace/src/big bs=1M count=200 conv=fsync",
+        )
+        .await;
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("No space left on device"),
+            "{}",
+            text(&out)
+        );
+        rt.destroy(&spec.id).await.unwrap();
+
+        // A seed larger than the disk: create fails and leaves nothing.
+        let spec = spec_for(&f, DISK_MB);
+        let seed = seed_dir(&f.state.join(spec.id.as_str()));
+        std::fs::create_dir_all(seed.join("workspace")).unwrap();
+        let big = std::fs::File::create(seed.join("workspace/big")).unwrap();
+        // Real blocks (a sparse file would copy sparse).
+        std::io::Write::write_all(&mut &big, &vec![7u8; (DISK_MB * 2 * MIB) as usize]).unwrap();
+        let err = rt.create(&spec).await.unwrap_err();
+        let chain = conformance::chain(&err);
+        assert!(chain.contains("No space left on device"), "{chain}");
+        assert!(!f.state.join(spec.id.as_str()).exists());
+        assert!(!disk_image(&f.state.join(spec.id.as_str())).exists());
+        assert!(!seed.exists());
+        assert_eq!(mounts_under(&f.state), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn quotas_off_keeps_the_sandbox_on_the_host_file_system() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let mut config = OciConfig::new(OciBinary::Crun, &f.state);
+        config.disk_quota = false;
+        let rt = OciRuntime::new(config).unwrap();
+        let spec = spec_for(&f, DISK_MB);
+        rt.create(&spec).await.unwrap();
+        let root = f.state.join(spec.id.as_str());
+        assert!(!disk_image(&root).exists());
+        assert_eq!(
+            std::fs::metadata(&root).unwrap().dev(),
+            std::fs::metadata(f.dir.path()).unwrap().dev()
+        );
+        rt.destroy(&spec.id).await.unwrap();
+        assert!(!root.exists());
+    }
+
+    #[tokio::test]
+    async fn disks_smaller_than_the_minimum_are_refused() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = runtime(&f);
+        let spec = spec_for(&f, 4);
+        let err = rt.create(&spec).await.unwrap_err();
+        assert!(
+            conformance::chain(&err).contains("smallest sandbox disk"),
+            "{err}"
+        );
+        assert!(!f.state.join(spec.id.as_str()).exists());
+    }
+}
