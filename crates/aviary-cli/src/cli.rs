@@ -198,14 +198,14 @@ enum SandboxCmd {
     Rm {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// Run a command in a sandbox; output streams live; exits with its code.
     Exec {
         id: String,
         /// Lease token (required while the sandbox is leased).
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
         #[command(flatten)]
         exec: ExecOpts,
         #[arg(required = true, last = true)]
@@ -215,20 +215,20 @@ enum SandboxCmd {
     Pause {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// Thaw a paused sandbox.
     Resume {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// Recycle: level 1 (default) kills leftover processes, clears /tmp, revokes the lease, keeps
     /// /workspace; level 2 restores the clean checkpoint; level 3 destroys.
     Reset {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
         #[arg(long, default_value_t = 1)]
         level: u8,
     },
@@ -236,13 +236,13 @@ enum SandboxCmd {
     Release {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// Checkpoint the workspace and writable layer (content-defined chunks).
     Snapshot {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
         /// `clean` marks the checkpoint `reset --level 2` returns to.
         #[arg(long, default_value = "checkpoint")]
         label: String,
@@ -253,13 +253,13 @@ enum SandboxCmd {
         #[arg(long)]
         snapshot: Option<String>,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// Snapshot and stop compute; `wake` restores it.
     Hibernate {
         id: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
     /// New compute for a hibernating sandbox, restored from its snapshot.
     Wake { id: String },
@@ -280,7 +280,7 @@ enum SandboxCmd {
         src: String,
         dst: String,
         #[arg(long)]
-        token: Option<u64>,
+        token: Option<LeaseToken>,
     },
 }
 
@@ -299,7 +299,7 @@ enum LeaseCmd {
     Renew {
         id: String,
         #[arg(long)]
-        token: u64,
+        token: LeaseToken,
         #[arg(long)]
         ttl: Option<u64>,
     },
@@ -307,7 +307,7 @@ enum LeaseCmd {
     Release {
         id: String,
         #[arg(long)]
-        token: u64,
+        token: LeaseToken,
     },
 }
 
@@ -585,7 +585,7 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
     Ok(0)
 }
 
-fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<u64>) -> ExecRequest {
+fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) -> ExecRequest {
     let (cmd, shell) = if cmd.len() == 1 && cmd[0].contains(' ') {
         (None, Some(cmd[0].clone()))
     } else {
@@ -598,7 +598,7 @@ fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<u64>) -> ExecRe
         env: opts.env.iter().cloned().collect(),
         stdin: None,
         timeout_s: opts.timeout,
-        token: token.map(LeaseToken),
+        token,
     }
 }
 
@@ -648,7 +648,7 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let created = c.create_sandbox(&req).await?;
     let id = created.sandbox.id.to_string();
     let token = created.lease.as_ref().map(|l| l.token);
-    let ereq = exec_request(a.cmd, &a.exec, token.map(|t| t.0));
+    let ereq = exec_request(a.cmd, &a.exec, token);
     let res = tokio::select! {
         r = stream_exec(&c, &id, &ereq, json) => r,
         _ = tokio::signal::ctrl_c() => Ok(130),
@@ -714,7 +714,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             }
         }
         SandboxCmd::Rm { id, token } => {
-            let s = c.delete_sandbox(&id, token.map(LeaseToken)).await?;
+            let s = c.delete_sandbox(&id, token).await?;
             if json {
                 output::json(&s);
             } else {
@@ -733,7 +733,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
         SandboxCmd::Reset { id, token, level } => {
-            let s = c.reset(&id, level, token.map(LeaseToken)).await?;
+            let s = c.reset(&id, level, token).await?;
             if json {
                 output::json(&s);
             } else {
@@ -743,7 +743,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
         SandboxCmd::Snapshot { id, token, label } => {
             let s = c
-                .snapshot_labelled(&id, &label, token.map(LeaseToken))
+                .snapshot_labelled(&id, &label, token)
                 .await?;
             if json {
                 output::json(&s);
@@ -761,7 +761,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             token,
         } => {
             let r = c
-                .fork(&id, snapshot.as_deref(), token.map(LeaseToken))
+                .fork(&id, snapshot.as_deref(), token)
                 .await?;
             if json {
                 output::json(&r);
@@ -774,8 +774,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Snapshots { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
         SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
-            let token = token.map(LeaseToken);
-            let n = match (parse_remote(&src), parse_remote(&dst)) {
+                        let n = match (parse_remote(&src), parse_remote(&dst)) {
                 (None, Some((id, path))) => c.upload(id, Path::new(&src), path, token).await?,
                 (Some((id, path)), None) => {
                     let local = if Path::new(&dst).is_dir() {
@@ -814,7 +813,7 @@ async fn lease(cmd: LeaseCmd, json: bool) -> Result<i32, Failure> {
             }
         }
         LeaseCmd::Renew { id, token, ttl } => {
-            let l = c.renew_lease(&id, LeaseToken(token), ttl).await?;
+            let l = c.renew_lease(&id, token, ttl).await?;
             if json {
                 output::json(&l);
             } else {
@@ -822,7 +821,7 @@ async fn lease(cmd: LeaseCmd, json: bool) -> Result<i32, Failure> {
             }
         }
         LeaseCmd::Release { id, token } => {
-            c.release_lease(&id, LeaseToken(token)).await?;
+            c.release_lease(&id, token).await?;
             if json {
                 output::json(&serde_json::json!({"released": true}));
             }
@@ -992,10 +991,10 @@ async fn action(
     c: &Client,
     id: &str,
     what: &str,
-    token: Option<u64>,
+    token: Option<LeaseToken>,
     json: bool,
 ) -> Result<(), Failure> {
-    let s = c.sandbox_action(id, what, token.map(LeaseToken)).await?;
+    let s = c.sandbox_action(id, what, token).await?;
     if json {
         output::json(&s);
     } else {

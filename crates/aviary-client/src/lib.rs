@@ -146,7 +146,7 @@ fn parse_sse_frame(frame: &str) -> Result<Option<StreamItem>, ClientError> {
 
 fn token_header(rb: RequestBuilder, token: Option<LeaseToken>) -> RequestBuilder {
     match token {
-        Some(t) => rb.header(LEASE_TOKEN_HEADER, t.0.to_string()),
+        Some(t) => rb.header(LEASE_TOKEN_HEADER, t.to_string()),
         None => rb,
     }
 }

@@ -14,7 +14,7 @@ mod resources;
 mod state;
 
 pub use error_code::{ErrorBody, ErrorCode, ErrorDetail};
-pub use ids::{new_id, IdError, LeaseToken, SandboxId};
+pub use ids::{new_id, IdError, LeaseToken, LeaseTokenError, SandboxId, LEASE_SECRET_LEN};
 pub use resources::{NetworkProfile, ResourceLimits, Scope};
 pub use state::{SandboxState, StateError};
 

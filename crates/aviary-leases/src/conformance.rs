@@ -69,11 +69,11 @@ pub async fn unknown_sandbox_is_not_found<H: LeaseHarness>(h: &H) {
     let e = s.check(&ghost, None, T0).await.unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "check on an unknown sandbox");
     let e = s
-        .renew(&ghost, LeaseToken(1), MINUTE, T0)
+        .renew(&ghost, LeaseToken::generate(1), MINUTE, T0)
         .await
         .unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "renew on an unknown sandbox");
-    let e = s.release(&ghost, LeaseToken(1), T0).await.unwrap_err();
+    let e = s.release(&ghost, LeaseToken::generate(1), T0).await.unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "release on an unknown sandbox");
     let e = s.revoke(&ghost).await.unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "revoke on an unknown sandbox");
@@ -93,7 +93,7 @@ pub async fn zero_ttl_is_invalid<H: LeaseHarness>(h: &H) {
 pub async fn tokens_increase_across_release<H: LeaseHarness>(h: &H) {
     let s = h.open().await;
     let sb = h.create_sandbox(&s).await;
-    let mut last = LeaseToken(0);
+    let mut last = LeaseToken::from_parts(0, [0; aviary_core::LEASE_SECRET_LEN]);
     for i in 0..4 {
         let l = s.acquire(&sb, "owner-a", MINUTE, at(i)).await.unwrap();
         assert!(l.token > last, "token {} after {}", l.token, last);
@@ -104,7 +104,7 @@ pub async fn tokens_increase_across_release<H: LeaseHarness>(h: &H) {
         s.release(&sb, l.token, at(i)).await.unwrap();
         last = l.token;
     }
-    assert!(last >= LeaseToken(4), "four grants, last token {last}");
+    assert!(last.fence() >= 4, "four grants, last token {last:?}");
 }
 
 pub async fn tokens_increase_across_expiry<H: LeaseHarness>(h: &H) {
@@ -162,7 +162,7 @@ pub async fn renew_extends_only_with_current_token<H: LeaseHarness>(h: &H) {
     // alive past the original expiry
     assert_eq!(s.current(&sb, at(100)).await.unwrap(), Some(renewed));
 
-    for bad in [old.token, LeaseToken(l.token.0 + 1)] {
+    for bad in [old.token, LeaseToken::generate(l.token.fence() + 1)] {
         let e = s.renew(&sb, bad, MINUTE, at(60)).await.unwrap_err();
         assert_eq!(e, LeaseError::StaleToken, "renew with token {bad}");
     }
@@ -176,7 +176,7 @@ pub async fn release_needs_current_token<H: LeaseHarness>(h: &H) {
     let s = h.open().await;
     let sb = h.create_sandbox(&s).await;
     let l = s.acquire(&sb, "a", MINUTE, T0).await.unwrap();
-    let stale = LeaseToken(l.token.0 - 1);
+    let stale = LeaseToken::generate(l.token.fence() - 1);
     let e = s.release(&sb, stale, at(1)).await.unwrap_err();
     assert_eq!(e, LeaseError::StaleToken);
     assert_eq!(s.current(&sb, at(1)).await.unwrap(), Some(l.clone()));
@@ -220,7 +220,7 @@ pub async fn check_follows_the_fencing_rules<H: LeaseHarness>(h: &H) {
     let sb = h.create_sandbox(&s).await;
     // unleased
     assert_eq!(s.check(&sb, None, T0).await.unwrap(), Fence::Unleased);
-    let e = s.check(&sb, Some(LeaseToken(1)), T0).await.unwrap_err();
+    let e = s.check(&sb, Some(LeaseToken::generate(1)), T0).await.unwrap_err();
     assert_eq!(e, LeaseError::StaleToken, "token on an unleased sandbox");
     // leased
     let l = s.acquire(&sb, "a", MINUTE, T0).await.unwrap();
@@ -230,7 +230,12 @@ pub async fn check_follows_the_fencing_rules<H: LeaseHarness>(h: &H) {
     );
     let e = s.check(&sb, None, at(1)).await.unwrap_err();
     assert_eq!(e, LeaseError::LeaseRequired);
-    for bad in [LeaseToken(l.token.0 - 1), LeaseToken(l.token.0 + 1)] {
+    for bad in [
+        LeaseToken::generate(l.token.fence() - 1),
+        LeaseToken::generate(l.token.fence() + 1),
+        // the current fence with a guessed secret
+        LeaseToken::generate(l.token.fence()),
+    ] {
         let e = s.check(&sb, Some(bad), at(1)).await.unwrap_err();
         assert_eq!(e, LeaseError::StaleToken, "token {bad}");
     }
@@ -310,8 +315,8 @@ pub async fn concurrent_acquires_have_one_winner<H: LeaseHarness>(h: &H) {
     assert_eq!(held, TASKS - 1);
     let w = &winners[0];
     assert_eq!(
-        w.token,
-        LeaseToken(first.token.0 + 1),
+        w.token.fence(),
+        first.token.fence() + 1,
         "one grant, one step"
     );
     assert_eq!(s.current(&sb, at(2)).await.unwrap().as_ref(), Some(w));

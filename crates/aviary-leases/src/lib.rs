@@ -160,7 +160,7 @@ pub fn fence_rule(
         (None, None) => Ok(Fence::Unleased),
         (None, Some(_)) => Err(LeaseError::StaleToken),
         (Some(_), None) => Err(LeaseError::LeaseRequired),
-        (Some(live), Some(t)) if live == t => Ok(Fence::Leased(live)),
+        (Some(live), Some(t)) if live.matches(&t) => Ok(Fence::Leased(live)),
         (Some(_), Some(_)) => Err(LeaseError::StaleToken),
     }
 }
@@ -189,7 +189,7 @@ mod tests {
 
     #[test]
     fn fence_rule_table() {
-        let t = LeaseToken(7);
+        let t = LeaseToken::generate(7);
         assert_eq!(fence_rule(None, None).unwrap(), Fence::Unleased);
         assert_eq!(
             fence_rule(None, Some(t)).unwrap_err(),
@@ -201,11 +201,16 @@ mod tests {
         );
         assert_eq!(fence_rule(Some(t), Some(t)).unwrap(), Fence::Leased(t));
         assert_eq!(
-            fence_rule(Some(t), Some(LeaseToken(6))).unwrap_err(),
+            fence_rule(Some(t), Some(LeaseToken::generate(6))).unwrap_err(),
             LeaseError::StaleToken
         );
         assert_eq!(
-            fence_rule(Some(t), Some(LeaseToken(8))).unwrap_err(),
+            fence_rule(Some(t), Some(LeaseToken::generate(8))).unwrap_err(),
+            LeaseError::StaleToken
+        );
+        // The right fence with a guessed secret is no capability.
+        assert_eq!(
+            fence_rule(Some(t), Some(LeaseToken::from_parts(7, [0; 16]))).unwrap_err(),
             LeaseError::StaleToken
         );
     }

@@ -70,7 +70,7 @@ impl LeaseStore for MemoryLeaseStore {
         let lease = Lease {
             sandbox_id: sandbox.clone(),
             owner: owner.to_owned(),
-            token: LeaseToken(slot.counter),
+            token: LeaseToken::generate(slot.counter),
             acquired_at: now,
             expires_at,
         };
@@ -89,7 +89,7 @@ impl LeaseStore for MemoryLeaseStore {
         let mut slots = self.lock();
         let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
         match slot.lease.as_mut() {
-            Some(l) if now < l.expires_at && l.token == token => {
+            Some(l) if now < l.expires_at && l.token.matches(&token) => {
                 l.expires_at = expires_at;
                 Ok(l.clone())
             }
@@ -106,7 +106,7 @@ impl LeaseStore for MemoryLeaseStore {
         let mut slots = self.lock();
         let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
         match slot.live(now) {
-            Some(l) if l.token == token => {
+            Some(l) if l.token.matches(&token) => {
                 slot.lease = None;
                 Ok(())
             }

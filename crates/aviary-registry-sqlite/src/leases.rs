@@ -11,15 +11,20 @@ use sqlx::{Executor, Row, Sqlite};
 use std::time::Duration;
 use time::OffsetDateTime;
 
-fn token_of(v: i64) -> Result<LeaseToken, LeaseError> {
-    u64::try_from(v)
-        .map(LeaseToken)
-        .map_err(|_| LeaseError::Storage(format!("bad stored token {v}")))
+/// The stored token: fence `lease_version` + hex `lease_secret`. A lease
+/// from before secrets existed (empty secret) gets the all-zero secret, which
+/// no client can present (tokens it parses are whatever it sent, and a grant
+/// never hands out zeros), so it only expires.
+pub(crate) fn token_of(v: i64, secret_hex: &str) -> Result<LeaseToken, LeaseError> {
+    let fence =
+        u64::try_from(v).map_err(|_| LeaseError::Storage(format!("bad stored token {v}")))?;
+    let secret = LeaseToken::secret_from_hex(secret_hex).unwrap_or([0; aviary_core::LEASE_SECRET_LEN]);
+    Ok(LeaseToken::from_parts(fence, secret))
 }
 
 fn token_param(t: LeaseToken) -> i64 {
     // A token above i64::MAX was never granted, so it can match no row.
-    i64::try_from(t.0).unwrap_or(-1)
+    i64::try_from(t.fence()).unwrap_or(-1)
 }
 
 fn lease_row(row: &SqliteRow) -> Result<Lease, LeaseError> {
@@ -30,7 +35,12 @@ fn lease_row(row: &SqliteRow) -> Result<Lease, LeaseError> {
             .parse()
             .map_err(|_| LeaseError::Storage(format!("bad stored sandbox id {id:?}")))?,
         owner: row.try_get("lease_owner").map_err(get)?,
-        token: token_of(row.try_get("lease_version").map_err(get)?)?,
+        token: token_of(
+            row.try_get("lease_version").map_err(get)?,
+            &row.try_get::<Option<String>, _>("lease_secret")
+                .map_err(get)?
+                .unwrap_or_default(),
+        )?,
         acquired_at: from_micros(row.try_get("acquired_at").map_err(get)?)
             .map_err(lease_from_registry)?,
         expires_at: from_micros(row.try_get("expires_at").map_err(get)?)
@@ -49,7 +59,7 @@ where
     E: Executor<'e, Database = Sqlite>,
 {
     let row = sqlx::query(
-        "SELECT i.sandbox_id, l.lease_owner, l.lease_version, l.acquired_at, l.expires_at \
+        "SELECT i.sandbox_id, l.lease_owner, l.lease_version, l.lease_secret, l.acquired_at, l.expires_at \
          FROM sandbox_instance i \
          LEFT JOIN sandbox_lease l ON l.sandbox_id = i.sandbox_id AND l.expires_at > ?2 \
          WHERE i.sandbox_id = ?1",
@@ -114,12 +124,16 @@ impl LeaseStore for SqliteRegistry {
         .fetch_one(&mut *tx)
         .await
         .map_err(lease_storage)?;
+        let fence = u64::try_from(token)
+            .map_err(|_| LeaseError::Storage(format!("bad stored token {token}")))?;
+        let granted = LeaseToken::generate(fence);
         sqlx::query(
             "INSERT INTO sandbox_lease \
-             (sandbox_id, lease_owner, lease_version, acquired_at, heartbeat_at, expires_at) \
-             VALUES (?1, ?2, ?3, ?4, ?4, ?5) \
+             (sandbox_id, lease_owner, lease_version, lease_secret, acquired_at, heartbeat_at, expires_at) \
+             VALUES (?1, ?2, ?3, ?6, ?4, ?4, ?5) \
              ON CONFLICT (sandbox_id) DO UPDATE SET lease_owner = excluded.lease_owner, \
-             lease_version = excluded.lease_version, acquired_at = excluded.acquired_at, \
+             lease_version = excluded.lease_version, lease_secret = excluded.lease_secret, \
+             acquired_at = excluded.acquired_at, \
              heartbeat_at = excluded.heartbeat_at, expires_at = excluded.expires_at",
         )
         .bind(sandbox.as_str())
@@ -127,6 +141,7 @@ impl LeaseStore for SqliteRegistry {
         .bind(token)
         .bind(micros(now))
         .bind(micros(expires_at))
+        .bind(granted.secret_hex())
         .execute(&mut *tx)
         .await
         .map_err(lease_storage)?;
@@ -134,7 +149,7 @@ impl LeaseStore for SqliteRegistry {
         Ok(Lease {
             sandbox_id: sandbox.clone(),
             owner: owner.to_owned(),
-            token: token_of(token)?,
+            token: granted,
             acquired_at: now,
             expires_at,
         })
@@ -151,13 +166,14 @@ impl LeaseStore for SqliteRegistry {
         let expires_at = expiry(now, ttl)?;
         let row = sqlx::query(
             "UPDATE sandbox_lease SET expires_at = ?3, heartbeat_at = ?4 \
-             WHERE sandbox_id = ?1 AND lease_version = ?2 AND expires_at > ?4 \
-             RETURNING sandbox_id, lease_owner, lease_version, acquired_at, expires_at",
+             WHERE sandbox_id = ?1 AND lease_version = ?2 AND lease_secret = ?5 AND expires_at > ?4 \
+             RETURNING sandbox_id, lease_owner, lease_version, lease_secret, acquired_at, expires_at",
         )
         .bind(sandbox.as_str())
         .bind(token_param(token))
         .bind(micros(expires_at))
         .bind(micros(now))
+        .bind(token.secret_hex())
         .fetch_optional(&self.writer)
         .await
         .map_err(lease_storage)?;
@@ -175,11 +191,12 @@ impl LeaseStore for SqliteRegistry {
     ) -> Result<(), LeaseError> {
         let done = sqlx::query(
             "DELETE FROM sandbox_lease \
-             WHERE sandbox_id = ?1 AND lease_version = ?2 AND expires_at > ?3",
+             WHERE sandbox_id = ?1 AND lease_version = ?2 AND lease_secret = ?4 AND expires_at > ?3",
         )
         .bind(sandbox.as_str())
         .bind(token_param(token))
         .bind(micros(truncate(now)))
+        .bind(token.secret_hex())
         .execute(&self.writer)
         .await
         .map_err(lease_storage)?;
@@ -211,7 +228,7 @@ impl LeaseStore for SqliteRegistry {
     async fn expire_due(&self, now: OffsetDateTime) -> Result<Vec<Lease>, LeaseError> {
         let rows = sqlx::query(
             "DELETE FROM sandbox_lease WHERE expires_at <= ? \
-             RETURNING sandbox_id, lease_owner, lease_version, acquired_at, expires_at",
+             RETURNING sandbox_id, lease_owner, lease_version, lease_secret, acquired_at, expires_at",
         )
         .bind(micros(truncate(now)))
         .fetch_all(&self.writer)

@@ -42,6 +42,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0002_environment_manifest.sql"),
     include_str!("../migrations/0003_user_managed.sql"),
     include_str!("../migrations/0004_api_key_revocation.sql"),
+    include_str!("../migrations/0005_lease_secret.sql"),
 ];
 
 /// How long a writer from another process waits for the write lock.

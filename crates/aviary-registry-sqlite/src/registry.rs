@@ -323,7 +323,7 @@ impl Registry for SqliteRegistry {
         let mut tx = self.begin_write().await.map_err(storage)?;
         // the live lease is read in the transaction that writes the state
         let row = sqlx::query(
-            "SELECT i.state, i.version, i.tenant_id, l.lease_version \
+            "SELECT i.state, i.version, i.tenant_id, l.lease_version, l.lease_secret \
              FROM sandbox_instance i \
              LEFT JOIN sandbox_lease l ON l.sandbox_id = i.sandbox_id AND l.expires_at > ?2 \
              WHERE i.sandbox_id = ?1",
@@ -339,8 +339,13 @@ impl Registry for SqliteRegistry {
             return Err(RegistryError::Conflict);
         }
         if let FenceCheck::Require(token) = fence {
+            let secret = col::<Option<String>>(&row, "lease_secret")?.unwrap_or_default();
             let live = col::<Option<i64>>(&row, "lease_version")?
-                .map(|t| to_u64(t).map(aviary_core::LeaseToken))
+                .map(|t| {
+                    to_u64(t)?;
+                    crate::leases::token_of(t, &secret)
+                        .map_err(|e| RegistryError::Storage(e.to_string()))
+                })
                 .transpose()?;
             fence_rule(live, token)?;
         }

@@ -344,7 +344,7 @@ pub async fn transition_checks_the_fence<R: Registry + LeaseStore>(r: &R) {
             &s.id,
             rec.version,
             &[Leased],
-            FenceCheck::Require(Some(LeaseToken(1))),
+            FenceCheck::Require(Some(LeaseToken::generate(1))),
             TransitionCtx::default(),
         )
         .await
@@ -367,7 +367,7 @@ pub async fn transition_checks_the_fence<R: Registry + LeaseStore>(r: &R) {
         .await
         .unwrap_err();
     assert_eq!(e, RegistryError::LeaseRequired);
-    let stale = LeaseToken(lease.token.0 + 1);
+    let stale = LeaseToken::generate(lease.token.fence() + 1);
     let e = r
         .transition(
             &s.id,

@@ -88,7 +88,7 @@ impl EnvdTarget<'_> {
             .leases
             .current(id, aviary_core::now())
             .await?
-            .map(|l| l.token.0))
+            .map(|l| l.token.fence()))
     }
 
     /// After a fence refusal: envd and the lease store disagree (a lease

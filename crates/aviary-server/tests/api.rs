@@ -268,7 +268,7 @@ async fn leases_fence_every_mutating_call() {
         ErrorCode::LeaseRequired
     );
     let mut with = shell("echo ok");
-    with.token = Some(LeaseToken(l1.token.0 + 1));
+    with.token = Some(LeaseToken::generate(l1.token.fence() + 1));
     assert_eq!(
         code(c.exec(&id, &with).await.unwrap_err()),
         ErrorCode::StaleToken
@@ -295,7 +295,7 @@ async fn leases_fence_every_mutating_call() {
     );
     assert_eq!(
         code(
-            c.delete_sandbox(&id, Some(LeaseToken(0)))
+            c.delete_sandbox(&id, Some(LeaseToken::generate(0)))
                 .await
                 .unwrap_err()
         ),
@@ -315,7 +315,7 @@ async fn leases_fence_every_mutating_call() {
     assert!(renewed.expires_at > l1.expires_at);
     assert_eq!(
         code(
-            c.renew_lease(&id, LeaseToken(l1.token.0 + 7), None)
+            c.renew_lease(&id, LeaseToken::generate(l1.token.fence() + 7), None)
                 .await
                 .unwrap_err()
         ),
@@ -387,7 +387,7 @@ async fn lease_at_create_and_fencing_inside_envd() {
         timeout: None,
     };
     let e = envd
-        .exec_collect(spec.clone(), Some(lease.token.0 + 1))
+        .exec_collect(spec.clone(), Some(lease.token.fence() + 1))
         .await
         .expect_err("stale token must fail");
     assert!(
@@ -402,7 +402,7 @@ async fn lease_at_create_and_fencing_inside_envd() {
         matches!(e, aviary_envd_proto::EnvdError::LeaseRequired),
         "{e:?}"
     );
-    let ok = envd.exec_collect(spec, Some(lease.token.0)).await.unwrap();
+    let ok = envd.exec_collect(spec, Some(lease.token.fence())).await.unwrap();
     assert_eq!(ok.exit.exit_code, 0);
     c.delete_sandbox(id.as_str(), Some(lease.token))
         .await
