@@ -1,16 +1,19 @@
 //! Generates the OCI runtime `config.json` of one sandbox.
 //!
 //! Pure: turns a [`SandboxSpec`] plus the host paths of its per-sandbox
-//! directories into an [`oci_spec::runtime::Spec`]. Unit-tested without a
-//! runtime; the integration tests check the result from inside a sandbox.
+//! directories (and, when it has one, its user-id range, see [`crate::idmap`])
+//! into an [`oci_spec::runtime::Spec`]. Unit-tested without a runtime; the
+//! integration tests check the result from inside a sandbox.
 
+use crate::idmap::{IdRange, RANGE_SIZE};
 use crate::seccomp;
 use aviary_runtime::{SandboxSpec, CONTROL_MOUNT, WORKSPACE_MOUNT};
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroup,
-    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder, LinuxNamespaceBuilder,
-    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, Mount, MountBuilder,
-    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMapping, LinuxIdMappingBuilder,
+    LinuxMemoryBuilder, LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder,
+    LinuxResourcesBuilder, Mount, MountBuilder, ProcessBuilder, RootBuilder, Spec, SpecBuilder,
+    UserBuilder,
 };
 use oci_spec::OciSpecError;
 use std::collections::HashSet;
@@ -64,6 +67,17 @@ pub struct BundleInputs<'a> {
     pub cgroups_path: String,
     /// Size of the private /tmp tmpfs.
     pub tmp_size_mb: u64,
+    /// Run in a user namespace whose root is this host range; `None` keeps
+    /// root inside equal to host root.
+    pub id_range: Option<IdRange>,
+}
+
+fn id_mappings(range: IdRange) -> Result<Vec<LinuxIdMapping>, OciSpecError> {
+    Ok(vec![LinuxIdMappingBuilder::default()
+        .container_id(0u32)
+        .host_id(range.host_first)
+        .size(RANGE_SIZE)
+        .build()?])
 }
 
 fn mount(dest: &str, typ: &str, source: &str, options: &[&str]) -> Result<Mount, OciSpecError> {
@@ -241,19 +255,30 @@ pub fn build_spec(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Spec,
         )
         .build()?;
 
-    let namespaces = [
+    let mut namespace_types = vec![
         LinuxNamespaceType::Pid,
         LinuxNamespaceType::Network,
         LinuxNamespaceType::Ipc,
         LinuxNamespaceType::Uts,
         LinuxNamespaceType::Mount,
         LinuxNamespaceType::Cgroup,
-    ]
-    .into_iter()
-    .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
-    .collect::<Result<Vec<_>, _>>()?;
+    ];
+    if inputs.id_range.is_some() {
+        namespace_types.push(LinuxNamespaceType::User);
+    }
+    let namespaces = namespace_types
+        .into_iter()
+        .map(|typ| LinuxNamespaceBuilder::default().typ(typ).build())
+        .collect::<Result<Vec<_>, _>>()?;
 
-    let linux = LinuxBuilder::default()
+    let mut linux = LinuxBuilder::default();
+    if let Some(range) = inputs.id_range {
+        // Same map for gids: files keep their group relation to their owner.
+        linux = linux
+            .uid_mappings(id_mappings(range)?)
+            .gid_mappings(id_mappings(range)?);
+    }
+    let linux = linux
         .namespaces(namespaces)
         .cgroups_path(PathBuf::from(&inputs.cgroups_path))
         .resources(resources)
@@ -315,6 +340,10 @@ mod tests {
     use serde_json::Value;
 
     fn config() -> Value {
+        config_with(None)
+    }
+
+    fn config_with(id_range: Option<IdRange>) -> Value {
         let spec = SandboxSpec {
             id: SandboxId::generate(),
             template_rootfs: "/t".into(),
@@ -340,6 +369,7 @@ mod tests {
             workspace_dir: Path::new("/s/x/workspace"),
             cgroups_path: "/aviary/x".into(),
             tmp_size_mb: 100,
+            id_range,
         };
         serde_json::to_value(build_spec(&spec, &inputs).unwrap()).unwrap()
     }
@@ -438,5 +468,34 @@ mod tests {
             .iter()
             .any(|o| o == "ro"));
         assert_eq!(c["root"]["readonly"], false);
+    }
+
+    #[test]
+    fn user_namespace_maps_root_to_the_range() {
+        let c = config_with(Some(IdRange {
+            host_first: 0x4003_0000,
+        }));
+        let ns: Vec<&str> = c["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["type"].as_str().unwrap())
+            .collect();
+        assert!(ns.contains(&"user"), "{ns:?}");
+        for key in ["uidMappings", "gidMappings"] {
+            let m = &c["linux"][key];
+            assert_eq!(m.as_array().unwrap().len(), 1, "{key}: {m}");
+            assert_eq!(m[0]["containerID"], 0);
+            assert_eq!(m[0]["hostID"], 0x4003_0000);
+            assert_eq!(m[0]["size"], 65_536);
+        }
+        assert_eq!(c["process"]["user"]["uid"], 0, "root inside");
+        let plain = config();
+        assert!(plain["linux"]["uidMappings"].is_null());
+        assert!(!plain["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["type"] == "user"));
     }
 }

@@ -23,14 +23,19 @@
 //! cgroups. `disk_mb` bounds `upper/` and `workspace/` together: each
 //! sandbox dir is its own loop-mounted ext4 image of `disk_mb` MiB
 //! (`<state_dir>/<id>.img`, see [`quota`]), so a full sandbox gets `ENOSPC`
-//! inside (unless `OciConfig::disk_quota` is off). No user namespace yet: root inside is
-//! host root, contained by dropped capabilities, seccomp and no-new-privs.
+//! inside (unless `OciConfig::disk_quota` is off).
+//!
+//! Each sandbox runs in a user namespace of its own: root inside is an
+//! unprivileged host id range per sandbox, and the template is seen through
+//! an idmapped mount (see [`idmap`]); capabilities, seccomp and
+//! no-new-privs still apply on top.
 //!
 //! Concurrency: `OciRuntime` is `Send + Sync`; calls for different sandboxes
 //! run concurrently; calls for one sandbox must be serialised by the caller.
 
 pub mod config;
 mod host;
+pub mod idmap;
 pub mod quota;
 pub mod seccomp;
 mod spawn;
@@ -85,6 +90,9 @@ pub struct OciConfig {
     /// Enforce each sandbox's `disk_mb` with a file system of its own (see
     /// [`quota`]). Off only on purpose: sandboxes can then fill the host disk.
     pub disk_quota: bool,
+    /// Host ids for user namespaces, one range per sandbox (see [`idmap`]).
+    /// `None` runs sandboxes without one: root inside is host root.
+    pub user_namespace: Option<idmap::IdPool>,
 }
 
 impl OciConfig {
@@ -97,6 +105,7 @@ impl OciConfig {
             tmp_size_mb: 256,
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
+            user_namespace: Some(idmap::IdPool::default()),
         }
     }
 }
@@ -262,6 +271,12 @@ impl OciRuntime {
 
     fn cgroups_path(&self, id: &SandboxId) -> String {
         format!("/{}/{}", self.config.cgroup_parent, id)
+    }
+
+    /// Whether a sandbox may still have files or processes on this host, so
+    /// its user-id range must stay claimed.
+    fn may_hold_ids(&self, id: &SandboxId) -> bool {
+        self.dirs(id).root.exists() || self.cgroups.dirs(id).iter().any(|d| d.exists())
     }
 
     /// Whether the runtime binary has state for this container.
@@ -454,12 +469,25 @@ impl OciRuntime {
         if seed.exists() {
             let _ = std::fs::remove_dir_all(&seed);
         }
-        host::mount_overlay(
-            &spec.template_rootfs,
-            &dirs.upper(),
-            &dirs.work(),
-            &dirs.rootfs(),
-        )?;
+        let id_range = match &self.config.user_namespace {
+            Some(pool) => Some(idmap::claim(&self.config.state_dir, pool, &spec.id, &|o| {
+                self.may_hold_ids(o)
+            })?),
+            None => None,
+        };
+        let lower = match id_range {
+            Some(range) => idmap::prepare_sandbox(
+                &dirs.root,
+                &spec.template_rootfs,
+                &[dirs.upper(), dirs.workspace(), dirs.control()],
+                range,
+            )?,
+            None => spec.template_rootfs.clone(),
+        };
+        host::mount_overlay(&lower, &dirs.upper(), &dirs.work(), &dirs.rootfs())?;
+        if id_range.is_some() {
+            idmap::detach_lower(&dirs.root)?;
+        }
         let rootfs = dirs.rootfs();
         let control = dirs.control();
         let workspace = dirs.workspace();
@@ -469,6 +497,7 @@ impl OciRuntime {
             workspace_dir: &workspace,
             cgroups_path: self.cgroups_path(&spec.id),
             tmp_size_mb: self.config.tmp_size_mb,
+            id_range,
         };
         let oci = config::build_spec(spec, &inputs).map_err(|e| RuntimeError::BuildConfig {
             source: Box::new(e),
@@ -648,6 +677,10 @@ impl Runtime for OciRuntime {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(source) => residue.push(RuntimeError::RemoveDir { path: dir, source }),
             }
+        }
+        // Kept while anything of the sandbox remains (see `idmap`).
+        if let Err(e) = idmap::release(&self.config.state_dir, id, &|o| self.may_hold_ids(o)) {
+            residue.push(e);
         }
         // A failed `delete` whose leftovers were then removed by hand is fine.
         let mut all = residue.into_iter();
