@@ -13,7 +13,12 @@
 //!
 //! After the leader exits, output is drained until both pipes close or for a
 //! short grace period (a backgrounded process may keep them open); processes
-//! left in the group after a normal exit keep running.
+//! left in the group after a normal exit keep running (until the fence moves:
+//! see [`crate::sweep`]).
+//!
+//! The process is spawned while the fence gate is held and the token still
+//! matches, so no exec authorised by an old token can start after the fence
+//! moved and escape the sweep.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -48,6 +53,8 @@ pub struct ExecRequest {
     pub env: Vec<(String, String)>,
     pub stdin: bool,
     pub timeout: Option<Duration>,
+    /// The lease token the exec was sent with, checked again at the spawn.
+    pub token: Option<u64>,
 }
 
 /// State shared between the pump and the controller of one exec.
@@ -75,9 +82,12 @@ fn bad(message: impl Into<String>) -> ErrorBody {
 }
 
 fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
-    let code = match e.kind() {
-        io::ErrorKind::NotFound => ErrorCode::NotFound,
-        io::ErrorKind::PermissionDenied => ErrorCode::PermissionDenied,
+    let code = match e.raw_os_error() {
+        Some(libc::ENOENT) => ErrorCode::NotFound,
+        Some(libc::EACCES | libc::EPERM) => ErrorCode::PermissionDenied,
+        Some(libc::ENOTDIR | libc::ELOOP | libc::ENAMETOOLONG) => ErrorCode::InvalidPath,
+        // Not an executable format the kernel knows.
+        Some(libc::ENOEXEC) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
     };
     ErrorBody {
@@ -97,11 +107,17 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     };
     for (k, v) in &req.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(bad(format!("invalid environment variable {k:?}")));
+            return Err(bad(format!(
+                "invalid environment variable {k:?}: the name must be non-empty without '=' \
+                 or NUL, the value without NUL"
+            )));
         }
     }
     if req.argv.iter().any(|a| a.contains('\0')) {
         return Err(bad("argv contains a NUL byte"));
+    }
+    if let Some(cwd) = &req.cwd {
+        check_cwd(cwd)?;
     }
     let mut cmd = Command::new(argv0);
     cmd.args(&req.argv[1..])
@@ -128,6 +144,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     let ctl_sock = conn.try_clone().map_err(|e| internal("clone socket", &e))?;
     let (wake_r, wake_w) = sys::pipe().map_err(|e| internal("create pipe", &e))?;
 
+    let gate = envd.enter_fence(req.token)?;
     let (mut child, exit_rx) = envd
         .reaper
         .spawn(&mut cmd)
@@ -135,6 +152,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     let started = Instant::now();
     let pgid = child.id() as i32;
     envd.exec_started(pgid);
+    drop(gate);
     let shared = Arc::new(ExecShared {
         pgid,
         exited: Mutex::new(false),
@@ -182,6 +200,24 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
         let _ = write_frame(conn, FrameKind::Response, &payload);
     }
     Ok(())
+}
+
+/// Refuses a working directory that cannot work, with a message that says why
+/// (spawn would only report a bare errno).
+fn check_cwd(cwd: &str) -> Result<(), ErrorBody> {
+    let invalid = |why: String| ErrorBody {
+        code: ErrorCode::InvalidPath,
+        message: format!("exec cwd {cwd:?} {why}"),
+    };
+    if cwd.contains('\0') {
+        return Err(bad("exec cwd contains a NUL byte"));
+    }
+    match std::fs::metadata(cwd) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(invalid("is not a directory".into())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(invalid("does not exist".into())),
+        Err(e) => Err(invalid(format!("cannot be used: {e}"))),
+    }
 }
 
 fn internal(what: &str, e: &io::Error) -> ErrorBody {

@@ -15,6 +15,16 @@
 //! Inside a sandbox the root is `/` and this is exactly what the sandboxed
 //! processes see; with `--root DIR` (tests) it confines the file API to DIR.
 //!
+//! Only regular files are read or replaced: a FIFO, socket or device could
+//! block a reader (or writer) forever and pin one of envd's connections, so it
+//! is refused at once with `NotRegularFile`. Reads open with `O_NONBLOCK` (an
+//! open of a FIFO without a writer returns at once) and `O_NOCTTY`, check the
+//! open descriptor with `fstat`, and only then switch back to blocking I/O.
+//!
+//! Writes are staged ([`SandboxFs::stage_write`]): the content goes to a
+//! temporary file, and [`StagedWrite::commit`] publishes it with one rename, so
+//! the caller can re-check the lease fence right before the write lands.
+//!
 //! Concurrency: stateless apart from the root descriptor; safe from any thread.
 
 use std::collections::VecDeque;
@@ -49,7 +59,12 @@ pub fn map_io(path: &str, e: &io::Error) -> ErrorBody {
         Some(libc::ENOENT) => ErrorCode::NotFound,
         Some(libc::EEXIST) => ErrorCode::AlreadyExists,
         Some(libc::ENOTEMPTY) => ErrorCode::NotEmpty,
-        Some(libc::EACCES | libc::EPERM | libc::EROFS) => ErrorCode::PermissionDenied,
+        // EBUSY/ETXTBSY: the target is a mount point (e.g. the read-only bind
+        // of envd itself) or a running binary.
+        Some(libc::EACCES | libc::EPERM | libc::EROFS | libc::EBUSY | libc::ETXTBSY) => {
+            ErrorCode::PermissionDenied
+        }
+        Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG) => ErrorCode::NoSpace,
         Some(
             libc::EXDEV
             | libc::ELOOP
@@ -204,12 +219,17 @@ impl SandboxFs {
         Ok((dir, name.clone()))
     }
 
-    /// Opens a regular file for reading; returns it with its size.
+    /// Opens a regular file for reading; returns it with its size. Anything
+    /// else is refused without blocking (see the module docs).
     pub fn open_read(&self, path: &str) -> FsResult<(File, u64)> {
         let comps = parse(path)?;
         let fd = self
-            .resolve(&comps, libc::O_RDONLY)
-            .map_err(|e| map_io(path, &e))?;
+            .resolve(&comps, libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOCTTY)
+            .map_err(|e| match e.raw_os_error() {
+                // open(2) of a unix socket file.
+                Some(libc::ENXIO) => not_regular(path, "a socket or an absent device"),
+                _ => map_io(path, &e),
+            })?;
         let st = sys::fstatat(fd.as_fd(), "").map_err(|e| map_io(path, &e))?;
         if st.is_dir() {
             return Err(err(
@@ -217,17 +237,24 @@ impl SandboxFs {
                 format!("{path}: is a directory"),
             ));
         }
+        if !st.is_file() {
+            return Err(not_regular(path, kind_name(&st)));
+        }
+        sys::set_nonblocking(fd.as_fd(), false).map_err(|e| map_io(path, &e))?;
         Ok((File::from(fd), st.size))
     }
 
-    /// Creates or atomically replaces a file: `fill` writes the content into a
-    /// temporary file in the same directory, which is then renamed over `path`.
-    pub fn write(
+    /// Stages a file that [`StagedWrite::commit`] then creates or atomically
+    /// replaces: `fill` writes the content into a temporary file in the same
+    /// directory, which the commit renames over `path`. Dropping the staged
+    /// write removes the temporary file. A directory, FIFO, socket or device
+    /// at `path` is refused; a symlink is replaced, not followed.
+    pub fn stage_write(
         &self,
         path: &str,
         mode: Option<u32>,
         fill: impl FnOnce(&mut File) -> FsResult<u64>,
-    ) -> FsResult<u64> {
+    ) -> FsResult<StagedWrite> {
         let comps = parse(path)?;
         let (dir, name) = self.resolve_parent(path, &comps)?;
         // A replaced regular file keeps its permissions (unless `mode` is given) and owner.
@@ -239,6 +266,7 @@ impl SandboxFs {
                 ))
             }
             Ok(st) if st.is_file() => Some(st),
+            Ok(st) if !st.is_symlink() => return Err(not_regular(path, kind_name(&st))),
             _ => None,
         };
         let mode = mode
@@ -257,21 +285,24 @@ impl SandboxFs {
             0o600,
         )
         .map_err(|e| map_io(path, &e))?;
+        // From here on, dropping `staged` removes the temporary file.
+        let mut staged = StagedWrite {
+            dir,
+            tmp,
+            name,
+            path: path.to_owned(),
+            bytes: 0,
+            committed: false,
+        };
         let mut file = File::from(fd);
-        let result = fill(&mut file).and_then(|n| {
-            if let Some(st) = existing {
-                // Best effort: only root may give a file away; envd normally is root.
-                let _ = sys::fchown(file.as_fd(), st.uid, st.gid);
-            }
-            // After fchown, which clears set-id bits.
-            sys::fchmod(file.as_fd(), mode).map_err(|e| map_io(path, &e))?;
-            sys::renameat(dir.as_fd(), &tmp, &name).map_err(|e| map_io(path, &e))?;
-            Ok(n)
-        });
-        if result.is_err() {
-            let _ = sys::unlinkat(dir.as_fd(), &tmp, false);
+        staged.bytes = fill(&mut file)?;
+        if let Some(st) = existing {
+            // Best effort: only root may give a file away; envd normally is root.
+            let _ = sys::fchown(file.as_fd(), st.uid, st.gid);
         }
-        result
+        // After fchown, which clears set-id bits.
+        sys::fchmod(file.as_fd(), mode).map_err(|e| map_io(path, &e))?;
+        Ok(staged)
     }
 
     /// Lists a directory (following a symlinked directory inside the root).
@@ -347,6 +378,54 @@ impl SandboxFs {
     }
 }
 
+/// A file written to a temporary name, not yet published; see
+/// [`SandboxFs::stage_write`].
+pub struct StagedWrite {
+    dir: OwnedFd,
+    tmp: String,
+    name: String,
+    path: String,
+    bytes: u64,
+    committed: bool,
+}
+
+impl StagedWrite {
+    /// Publishes the file under its name (one rename); returns its size.
+    pub fn commit(mut self) -> FsResult<u64> {
+        sys::renameat(self.dir.as_fd(), &self.tmp, &self.name)
+            .map_err(|e| map_io(&self.path, &e))?;
+        self.committed = true;
+        Ok(self.bytes)
+    }
+}
+
+impl Drop for StagedWrite {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = sys::unlinkat(self.dir.as_fd(), &self.tmp, false);
+        }
+    }
+}
+
+fn not_regular(path: &str, what: &str) -> ErrorBody {
+    err(
+        ErrorCode::NotRegularFile,
+        format!("{path}: is {what}, not a regular file"),
+    )
+}
+
+fn kind_name(st: &Stat) -> &'static str {
+    match st.mode & libc::S_IFMT {
+        libc::S_IFIFO => "a FIFO",
+        libc::S_IFSOCK => "a socket",
+        libc::S_IFCHR => "a character device",
+        libc::S_IFBLK => "a block device",
+        libc::S_IFDIR => "a directory",
+        libc::S_IFLNK => "a symlink",
+        _ => "a special file",
+    }
+}
+
 /// Removes the directory `name` inside `parent` and everything below it, without
 /// following symlinks. Iterative, so depth is bounded by open descriptors, not stack.
 fn remove_tree(parent: OwnedFd, name: OsString) -> io::Result<()> {
@@ -414,6 +493,67 @@ mod tests {
         ]
     }
 
+    fn write(
+        fs: &SandboxFs,
+        p: &str,
+        mode: Option<u32>,
+        fill: impl FnOnce(&mut File) -> FsResult<u64>,
+    ) -> FsResult<u64> {
+        fs.stage_write(p, mode, fill)?.commit()
+    }
+
+    #[test]
+    fn non_regular_files_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let made = std::process::Command::new("mkfifo")
+            .arg(root.join("fifo"))
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let _sock = std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
+        symlink("fifo", root.join("to-fifo")).unwrap();
+        for fs in both(root) {
+            // No writer on the FIFO: a blocking open or read would hang here.
+            for p in ["/fifo", "/to-fifo", "/sock"] {
+                let e = read_all(&fs, p).unwrap_err();
+                assert_eq!(e.code, ErrorCode::NotRegularFile, "{p}: {e:?}");
+            }
+            for p in ["/fifo", "/sock"] {
+                let e = write(&fs, p, None, |_| Ok(0)).unwrap_err();
+                assert_eq!(e.code, ErrorCode::NotRegularFile, "{p}: {e:?}");
+            }
+            assert!(read_all(&fs, "/fifo").unwrap_err().message.contains("FIFO"));
+        }
+        // A symlink to a FIFO is itself replaced by a write, like any symlink.
+        write(&both(root)[0], "/to-fifo", None, |_| Ok(0)).unwrap();
+        assert!(std::fs::symlink_metadata(root.join("to-fifo"))
+            .unwrap()
+            .is_file());
+        // A device node, when this process may create one.
+        let mknod = std::process::Command::new("mknod")
+            .arg(root.join("null"))
+            .args(["c", "1", "3"])
+            .status();
+        if mknod.is_ok_and(|s| s.success()) {
+            for fs in both(root) {
+                let e = read_all(&fs, "/null").unwrap_err();
+                assert_eq!(e.code, ErrorCode::NotRegularFile, "{e:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn errnos_map_to_stable_codes() {
+        let code = |errno| map_io("/p", &io::Error::from_raw_os_error(errno)).code;
+        for errno in [libc::EROFS, libc::EACCES, libc::EPERM, libc::EBUSY] {
+            assert_eq!(code(errno), ErrorCode::PermissionDenied, "{errno}");
+        }
+        for errno in [libc::ENOSPC, libc::EDQUOT] {
+            assert_eq!(code(errno), ErrorCode::NoSpace, "{errno}");
+        }
+    }
+
     fn read_all(fs: &SandboxFs, p: &str) -> FsResult<Vec<u8>> {
         let (mut f, _) = fs.open_read(p)?;
         let mut v = Vec::new();
@@ -479,12 +619,11 @@ mod tests {
                 fs.mkdir("/q/r", false).unwrap_err().code,
                 ErrorCode::NotFound
             );
-            let n = fs
-                .write("/x/y/file", Some(0o600), |f| {
-                    f.write_all(b"hello").unwrap();
-                    Ok(5)
-                })
-                .unwrap();
+            let n = write(&fs, "/x/y/file", Some(0o600), |f| {
+                f.write_all(b"hello").unwrap();
+                Ok(5)
+            })
+            .unwrap();
             assert_eq!(n, 5);
             let st = fs.stat("/x/y/file").unwrap();
             assert_eq!(
@@ -492,13 +631,21 @@ mod tests {
                 (FileKind::File, 5, 0o600, "/x/y/file")
             );
             // A failing writer leaves neither a temp file nor a changed target.
-            let e = fs
-                .write("/x/y/file", None, |f| {
-                    f.write_all(b"partial").unwrap();
-                    Err(err(ErrorCode::Internal, "source failed"))
-                })
-                .unwrap_err();
+            let e = write(&fs, "/x/y/file", None, |f| {
+                f.write_all(b"partial").unwrap();
+                Err(err(ErrorCode::Internal, "source failed"))
+            })
+            .unwrap_err();
             assert_eq!(e.message, "source failed");
+            assert_eq!(read_all(&fs, "/x/y/file").unwrap(), b"hello");
+            // So does a staged write that is never committed.
+            let staged = fs
+                .stage_write("/x/y/file", None, |f| {
+                    f.write_all(b"never").unwrap();
+                    Ok(5)
+                })
+                .unwrap();
+            drop(staged);
             assert_eq!(read_all(&fs, "/x/y/file").unwrap(), b"hello");
             let names: Vec<_> = fs
                 .list("/x/y")
@@ -529,7 +676,7 @@ mod tests {
         std::os::unix::fs::chown(&f, Some(1234), Some(4321)).unwrap();
         std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o751)).unwrap();
         let fs = SandboxFs::open(dir.path(), true).unwrap();
-        fs.write("/owned", None, |w| {
+        write(&fs, "/owned", None, |w| {
             w.write_all(b"new").unwrap();
             Ok(3)
         })

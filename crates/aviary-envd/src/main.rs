@@ -1,14 +1,34 @@
 //! envd: the daemon that runs as PID 1 inside every Aviary sandbox.
 //!
-//! It serves the `aviary-envd-proto` protocol on a unix socket (the host's
-//! control plane connects through a bind-mounted directory): exec with streamed
-//! output and process-group kill, confined file operations, health, and the
-//! lease fence that every mutating call is checked against.
+//! It serves the `aviary-envd-proto` protocol on a unix socket: exec with
+//! streamed output and process-group kill, confined file operations, health,
+//! and the lease fence that every mutating call is checked against.
 //!
-//! As PID 1 it reaps every zombie in the sandbox and, on SIGTERM from outside
-//! the sandbox, kills everything and exits. It also runs as an ordinary process
+//! **The socket.** In a sandbox the socket is *activated*: the host creates an
+//! `AF_UNIX` `SOCK_STREAM` socket, binds it in a host-only directory that the
+//! sandbox cannot see, does not listen on it, and passes it down as an
+//! inherited descriptor (`--listen-fd 3`, e.g. `crun run --preserve-fds 1`).
+//! envd checks that the descriptor is such a socket (and exits 1 otherwise),
+//! marks it close-on-exec so no process it starts inherits it, and calls
+//! `listen` itself, so that `SO_PEERCRED` of every connection names envd's own
+//! pid: the host checks that the peer is the sandbox's init process. Code in
+//! the sandbox can therefore neither replace the path the host connects to nor
+//! reach envd's socket at all. `--socket PATH` (bind a path and listen) remains
+//! for tests and development.
+//!
+//! **PID 1.** As PID 1 it reaps every zombie in the sandbox and, on SIGTERM from
+//! outside the sandbox, kills everything and exits. It makes itself
+//! non-dumpable at start, so root inside the sandbox (without `CAP_SYS_PTRACE`
+//! over envd's user namespace) can neither ptrace it, take its descriptors with
+//! `pidfd_getfd`, nor open `/proc/1/fd`. It also runs as an ordinary process
 //! (tests): it then makes itself a child subreaper so it still reaps the orphans
 //! of the processes it started.
+//!
+//! **Leases.** A new lease starts with no processes left from the previous
+//! holder: whenever the fence moves to a different value (new holder, expiry,
+//! release, first lease), envd kills every other process in the sandbox and
+//! waits until they are reaped before it records the new fence and answers
+//! (see `sweep`); a renewal (same value) kills nothing.
 //!
 //! Threads: the main thread accepts; one thread per connection (bounded); one
 //! signal thread waits for SIGCHLD/SIGTERM/SIGINT (blocked everywhere else) and
@@ -20,6 +40,7 @@ mod exec;
 mod files;
 mod reaper;
 mod server;
+mod sweep;
 mod sys;
 
 use std::os::unix::fs::FileTypeExt;
@@ -33,10 +54,14 @@ use aviary_envd_proto::{ErrorBody, ErrorCode};
 use crate::files::SandboxFs;
 use crate::server::Envd;
 
-const USAGE: &str =
-    "usage: aviary-envd --socket PATH [--root DIR] [--trust-all-peers] [--no-openat2]
+const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH) [--root DIR] [--trust-all-peers] [--no-openat2]
 
-  --socket PATH       unix socket to serve (a stale socket file is replaced)
+  --listen-fd N       serve the inherited socket N (socket activation): an AF_UNIX
+                      SOCK_STREAM socket, bound by the host and not yet listening.
+                      envd refuses any other descriptor, makes it close-on-exec
+                      and calls listen() itself, so SO_PEERCRED names envd
+  --socket PATH       bind and serve a unix socket at PATH (a stale socket file is
+                      replaced). For tests: code in the sandbox can reach PATH
   --root DIR          root of the file API and default exec cwd (default /);
                       file paths are confined to DIR
   --trust-all-peers   accept set_fence from any peer. Without it only peers in an
@@ -46,8 +71,16 @@ const USAGE: &str =
   --no-openat2        resolve paths in userspace instead of openat2 (tests)
   --version";
 
+/// Where envd listens.
+enum Listen {
+    /// An inherited socket (socket activation).
+    Fd(i32),
+    /// A path envd binds itself.
+    Path(PathBuf),
+}
+
 struct Args {
-    socket: PathBuf,
+    listen: Listen,
     root: PathBuf,
     trust_all_peers: bool,
     openat2: bool,
@@ -55,6 +88,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut socket = None;
+    let mut listen_fd = None;
     let mut root = PathBuf::from("/");
     let mut trust_all_peers = false;
     let mut openat2 = true;
@@ -63,6 +97,14 @@ fn parse_args() -> Result<Args, String> {
         match a.to_str() {
             Some("--socket") => {
                 socket = Some(PathBuf::from(it.next().ok_or("--socket needs a value")?))
+            }
+            Some("--listen-fd") => {
+                let v = it.next().ok_or("--listen-fd needs a value")?;
+                let fd = v
+                    .to_str()
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .ok_or_else(|| format!("--listen-fd {v:?} is not a descriptor number"))?;
+                listen_fd = Some(fd);
             }
             Some("--root") => root = PathBuf::from(it.next().ok_or("--root needs a value")?),
             Some("--trust-all-peers") => trust_all_peers = true,
@@ -78,8 +120,18 @@ fn parse_args() -> Result<Args, String> {
             _ => return Err(format!("unknown argument {a:?}\n{USAGE}")),
         }
     }
+    let listen = match (listen_fd, socket) {
+        (Some(fd), None) => Listen::Fd(fd),
+        (None, Some(path)) => Listen::Path(path),
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "--listen-fd and --socket exclude each other\n{USAGE}"
+            ))
+        }
+        (None, None) => return Err(format!("--listen-fd or --socket is required\n{USAGE}")),
+    };
     Ok(Args {
-        socket: socket.ok_or_else(|| format!("--socket is required\n{USAGE}"))?,
+        listen,
         root,
         trust_all_peers,
         openat2,
@@ -110,11 +162,32 @@ fn main() {
         }
     };
     let pid1 = sys::getpid() == 1;
-    if !pid1 {
-        if let Err(e) = sys::set_child_subreaper() {
-            eprintln!("envd: set child subreaper (orphans will not be reaped): {e}");
+    if pid1 {
+        if let Err(e) = sys::set_not_dumpable() {
+            eprintln!("envd: make envd non-dumpable: {e}");
+            std::process::exit(1);
         }
+    } else if let Err(e) = sys::set_child_subreaper() {
+        eprintln!("envd: set child subreaper (orphans will not be reaped): {e}");
     }
+    // The inherited socket is adopted before envd opens any descriptor of its
+    // own, so that a missing fd N can never be mistaken for one of them.
+    let (listener, socket_path) = match &args.listen {
+        Listen::Fd(fd) => match sys::adopt_listen_fd(*fd) {
+            Ok(l) => (l, None),
+            Err(e) => {
+                eprintln!("envd: --listen-fd {fd}: {e}");
+                std::process::exit(1);
+            }
+        },
+        Listen::Path(path) => match bind(path) {
+            Ok(l) => (l, Some(path.clone())),
+            Err(e) => {
+                eprintln!("envd: bind {}: {e}", path.display());
+                std::process::exit(1);
+            }
+        },
+    };
     let fs = match SandboxFs::open(&args.root, args.openat2) {
         Ok(fs) => fs,
         Err(e) => {
@@ -122,21 +195,13 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let listener = match bind(&args.socket) {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("envd: bind {}: {e}", args.socket.display());
-            std::process::exit(1);
-        }
-    };
     let envd = Arc::new(Envd::new(args.root, fs, pid1, args.trust_all_peers));
 
     let sig_envd = Arc::clone(&envd);
-    let socket_path = args.socket.clone();
     let spawned = std::thread::Builder::new()
         .name("envd-signals".into())
         .stack_size(64 * 1024)
-        .spawn(move || signal_loop(&sig_envd, &socket_path));
+        .spawn(move || signal_loop(&sig_envd, socket_path.as_deref()));
     if let Err(e) = spawned {
         eprintln!("envd: start signal thread: {e}");
         std::process::exit(1);
@@ -169,7 +234,7 @@ fn main() {
 }
 
 /// Reaps children on SIGCHLD and shuts down on SIGTERM/SIGINT.
-fn signal_loop(envd: &Envd, socket: &Path) {
+fn signal_loop(envd: &Envd, socket: Option<&Path>) {
     loop {
         envd.reaper.reap_available();
         // The timeout is a safety net for processes that join the sandbox from
@@ -192,13 +257,15 @@ fn signal_loop(envd: &Envd, socket: &Path) {
     }
 }
 
-fn shutdown(envd: &Envd, socket: &Path) -> ! {
+fn shutdown(envd: &Envd, socket: Option<&Path>) -> ! {
     if envd.pid1 {
         sys::kill_all(libc::SIGKILL);
     } else {
         envd.kill_running_groups();
     }
-    let _ = std::fs::remove_file(socket);
+    if let Some(socket) = socket {
+        let _ = std::fs::remove_file(socket);
+    }
     // Give the kernel a moment to deliver the kills, then reap what died.
     std::thread::sleep(Duration::from_millis(20));
     envd.reaper.reap_available();

@@ -6,10 +6,24 @@
 //!   outside the sandbox only (SO_PEERCRED pid 0 = a peer in an ancestor PID
 //!   namespace) unless `--trust-all-peers` was given, and never lowers the fence
 //!   below the highest value seen.
-//! - Mutating operations check the fence before doing anything.
+//! - Moving the fence to a different value (a new holder, an expiry, a release,
+//!   a first lease) first ends every process in the sandbox but envd
+//!   ([`crate::sweep`]); setting the same value again is a renewal and kills
+//!   nothing. So a new lease starts with no process left from the previous
+//!   holder. If processes survive the bounded wait, the fence still moves (the
+//!   old token is refused from then on) but the answer is an error, and the
+//!   next `set_fence`, even to the same value, sweeps again.
+//! - Mutating operations check the fence before doing anything, and again at
+//!   the moment they take effect (exec: the spawn; write: the rename that
+//!   publishes the file; mkdir/remove: the whole call) while holding the *fence
+//!   gate* for reading. `set_fence` holds the gate for writing across the sweep
+//!   and the move, so no work authorised by an old token starts or lands after
+//!   the fence moved.
 //!
 //! Concurrency: one thread per connection, at most [`MAX_CONNECTIONS`]; the
-//! fence and the exec table are behind mutexes held only for map/field updates.
+//! fence and the exec table are behind mutexes held only for map/field updates;
+//! the fence gate (a read-write lock) is held by readers only around the
+//! effect of one fenced call.
 
 use std::collections::HashSet;
 use std::io::{Read, Write};
@@ -17,7 +31,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use aviary_envd_proto::{
@@ -28,17 +42,35 @@ use aviary_envd_proto::{
 use crate::exec::{self, ExecRequest};
 use crate::files::{map_io, SandboxFs};
 use crate::reaper::Reaper;
-use crate::sys;
+use crate::{sweep, sys};
 
 /// Most connections served at once; more are answered `Busy`.
 pub const MAX_CONNECTIONS: usize = 128;
 /// How long envd waits for the next frame from a client (outside exec).
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 struct Fence {
     current: Option<u64>,
     highest: Option<u64>,
+    /// Whether the last move of the fence ended every process of the previous
+    /// holder; when not, the next `set_fence` sweeps even for the same value.
+    swept: bool,
+}
+
+impl Default for Fence {
+    fn default() -> Fence {
+        Fence {
+            current: None,
+            highest: None,
+            swept: true,
+        }
+    }
+}
+
+/// Held (for reading) while a fenced call takes effect; see the module docs.
+pub struct FenceGuard<'a> {
+    _gate: RwLockReadGuard<'a, ()>,
 }
 
 /// Daemon-wide state.
@@ -51,6 +83,7 @@ pub struct Envd {
     pub fs: SandboxFs,
     pub reaper: Reaper,
     fence: Mutex<Fence>,
+    fence_gate: RwLock<()>,
     running_groups: Mutex<HashSet<i32>>,
     connections: AtomicUsize,
 }
@@ -72,6 +105,7 @@ impl Envd {
             fs,
             reaper: Reaper::default(),
             fence: Mutex::new(Fence::default()),
+            fence_gate: RwLock::new(()),
             running_groups: Mutex::new(HashSet::new()),
             connections: AtomicUsize::new(0),
         }
@@ -97,20 +131,59 @@ impl Envd {
         }
     }
 
-    /// Moves the fence; refuses to go below the highest fence seen.
+    /// Checks `token` against the fence and holds the fence gate: the fence
+    /// cannot move until the returned guard is dropped.
+    pub fn enter_fence(&self, token: Option<u64>) -> Result<FenceGuard<'_>, ErrorBody> {
+        let gate = self.fence_gate.read().unwrap_or_else(|p| p.into_inner());
+        self.check_token(token)?;
+        Ok(FenceGuard { _gate: gate })
+    }
+
+    /// Runs `op` if `token` is the current fence, with the fence held still.
+    pub fn fenced<T>(
+        &self,
+        token: Option<u64>,
+        op: impl FnOnce() -> Result<T, ErrorBody>,
+    ) -> Result<T, ErrorBody> {
+        let _gate = self.enter_fence(token)?;
+        op()
+    }
+
+    /// Moves the fence; refuses to go below the highest fence seen. A move to a
+    /// different value first ends every other process in the sandbox (see the
+    /// module docs); a renewal (same value) kills nothing.
     pub fn set_fence(&self, token: Option<u64>) -> Result<(), ErrorBody> {
-        let mut f = self.fence();
+        let _gate = self.fence_gate.write().unwrap_or_else(|p| p.into_inner());
+        let before = *self.fence();
         if let Some(t) = token {
-            if f.highest.is_some_and(|h| t < h) {
+            if before.highest.is_some_and(|h| t < h) {
                 return Err(fail(
                     ErrorCode::StaleToken,
                     format!("fence {t} is below the highest fence seen"),
                 ));
             }
-            f.highest = Some(t);
+        }
+        let swept = if before.current != token || !before.swept {
+            sweep::end_all_processes(self)
+        } else {
+            Ok(())
+        };
+        let mut f = self.fence();
+        if token.is_some() {
+            f.highest = token;
         }
         f.current = token;
-        Ok(())
+        f.swept = swept.is_ok();
+        swept.map_err(|left| {
+            fail(
+                ErrorCode::Internal,
+                format!(
+                    "{left} process(es) of the previous lease holder survived SIGKILL for {:?}; \
+                     the fence moved but the sandbox is not clean",
+                    sweep::SWEEP_TIMEOUT
+                ),
+            )
+        })
     }
 
     pub fn exec_started(&self, pgid: i32) {
@@ -257,15 +330,18 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
                     env,
                     stdin,
                     timeout: timeout_ms.map(Duration::from_millis),
+                    token,
                 },
             )?;
         }
         Request::ReadFile { path } => read_file(envd, conn, &path)?,
         Request::WriteFile { path, mode, token } => {
             envd.check_token(token)?;
-            let n = envd
+            let staged = envd
                 .fs
-                .write(&path, mode, |file| receive_data(conn, file, &path))?;
+                .stage_write(&path, mode, |file| receive_data(conn, file, &path))?;
+            // Checked again at the rename: the fence may have moved during the upload.
+            let n = envd.fenced(token, || staged.commit())?;
             send_response(conn, &Response::Written { bytes: n });
         }
         Request::ListDir { path } => {
@@ -281,8 +357,7 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             parents,
             token,
         } => {
-            envd.check_token(token)?;
-            envd.fs.mkdir(&path, parents)?;
+            envd.fenced(token, || envd.fs.mkdir(&path, parents))?;
             send_response(conn, &Response::Ok);
         }
         Request::Remove {
@@ -290,8 +365,7 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             recursive,
             token,
         } => {
-            envd.check_token(token)?;
-            envd.fs.remove(&path, recursive)?;
+            envd.fenced(token, || envd.fs.remove(&path, recursive))?;
             send_response(conn, &Response::Ok);
         }
     }

@@ -105,6 +105,86 @@ pub fn peer_pid(sock: BorrowedFd<'_>) -> io::Result<i32> {
     Ok(cred.pid)
 }
 
+fn getsockopt_int(fd: RawFd, opt: libc::c_int) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are live locals of the size passed in `len`.
+    cvt(unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            opt,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(v)
+}
+
+/// Takes over the inherited descriptor `fd` as envd's listening socket
+/// (socket activation): it must be an open `AF_UNIX` `SOCK_STREAM` socket
+/// other than stdio. Marks it close-on-exec, so no exec'd process inherits it,
+/// and calls `listen` on it here, so that the kernel records envd's own pid
+/// as the peer of every connection (`SO_PEERCRED`).
+pub fn adopt_listen_fd(fd: RawFd) -> io::Result<std::os::unix::net::UnixListener> {
+    let refuse = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
+    if fd <= 2 {
+        return Err(refuse(format!("fd {fd} is stdio, not a socket")));
+    }
+    // SAFETY: F_GETFD only reads the flags of `fd`; it fails with EBADF when
+    // the descriptor is not open, and touches nothing else.
+    let flags = cvt(unsafe { libc::fcntl(fd, libc::F_GETFD) })
+        .map_err(|e| refuse(format!("fd {fd} was not inherited: {e}")))?;
+    let domain = match getsockopt_int(fd, libc::SO_DOMAIN) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSOCK) => {
+            return Err(refuse(format!("fd {fd} is not a socket")))
+        }
+        r => r?,
+    };
+    let kind = getsockopt_int(fd, libc::SO_TYPE)?;
+    if domain != libc::AF_UNIX || kind != libc::SOCK_STREAM {
+        return Err(refuse(format!(
+            "fd {fd} is a socket of domain {domain} type {kind}, not AF_UNIX SOCK_STREAM"
+        )));
+    }
+    // SAFETY: F_SETFD on the open descriptor checked above.
+    cvt(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) })?;
+    // SAFETY: plain syscall on the open socket checked above. Listening again
+    // on an already listening socket is allowed and re-records our pid.
+    cvt(unsafe { libc::listen(fd, libc::SOMAXCONN) })?;
+    // SAFETY: `fd` is open (F_GETFD succeeded), is a unix stream socket, and
+    // nothing else in this process owns it: it was inherited, and envd adopts
+    // it once, at start, before opening any descriptor of its own.
+    Ok(unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) })
+}
+
+/// Makes envd non-dumpable: processes without `CAP_SYS_PTRACE` over it
+/// (root inside the sandbox included) can then neither ptrace it, nor take
+/// its descriptors with `pidfd_getfd`, nor open `/proc/1/fd/*`. Not inherited
+/// across exec, so exec'd processes are unaffected.
+pub fn set_not_dumpable() -> io::Result<()> {
+    // SAFETY: PR_SET_DUMPABLE takes one integer argument.
+    cvt(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0 as libc::c_ulong, 0, 0, 0) })?;
+    Ok(())
+}
+
+/// Whether any process other than this one could be signalled (`kill(-1, 0)`).
+/// As PID 1 of a PID namespace: whether anything but envd is left in the
+/// sandbox (unreaped zombies count).
+pub fn any_other_process() -> bool {
+    // SAFETY: signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(-1, 0) };
+    !(r == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH))
+}
+
+/// Sends `sig` to process `pid` (> 1).
+pub fn kill_pid(pid: i32, sig: libc::c_int) {
+    if pid > 1 {
+        // SAFETY: plain syscall; pid > 1 so this is never a group or "everyone".
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
 /// `poll(2)`; returns the number of ready descriptors (0 on timeout or EINTR).
 pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
     // SAFETY: the pointer and length describe the caller's live slice.

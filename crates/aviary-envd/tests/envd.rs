@@ -4,8 +4,11 @@
 #[cfg(test)]
 mod e2e {
     use std::io::{Read, Write};
-    use std::os::unix::fs::symlink;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::{symlink, FileTypeExt};
     use std::os::unix::net::UnixStream as StdUnixStream;
+    use std::os::unix::process::CommandExt;
     use std::path::{Path, PathBuf};
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
@@ -25,6 +28,8 @@ mod e2e {
         _dir: tempfile::TempDir,
         socket: PathBuf,
         root: PathBuf,
+        /// Activated daemons: the pid the client requires as the socket's peer.
+        peer_pid: Option<u32>,
     }
 
     impl Daemon {
@@ -48,6 +53,7 @@ mod e2e {
                 _dir: dir,
                 socket,
                 root,
+                peer_pid: None,
             };
             d.client()
                 .wait_ready(Duration::from_secs(10))
@@ -86,6 +92,7 @@ mod e2e {
                 _dir: dir,
                 socket,
                 root,
+                peer_pid: None,
             };
             d.client()
                 .wait_ready(Duration::from_secs(10))
@@ -95,7 +102,60 @@ mod e2e {
         }
 
         fn client(&self) -> EnvdClient {
-            EnvdClient::new(&self.socket)
+            match self.peer_pid {
+                Some(pid) => EnvdClient::new(&self.socket).expect_peer_pid(pid),
+                None => EnvdClient::new(&self.socket),
+            }
+        }
+
+        /// Starts envd the way the host does: on a socket bound in a directory
+        /// of its own and not listening, passed as fd 3 (`--listen-fd 3`). With
+        /// `pid1`, as PID 1 of a new PID namespace, behind `wrapper` (a command
+        /// prefix such as `setpriv …`). The client verifies the peer pid.
+        async fn start_activated(pid1: bool, wrapper: &[&str]) -> Option<Daemon> {
+            if pid1 && !pid_namespaces_work() {
+                return None;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let socket = dir.path().join("envd.sock");
+            let root = dir.path().join("root");
+            std::fs::create_dir(&root).unwrap();
+            let sock = bound_unlistened_socket(&socket, libc::SOCK_STREAM);
+            let mut argv: Vec<String> = Vec::new();
+            if pid1 {
+                argv.extend(
+                    ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+                        .map(String::from),
+                );
+            }
+            argv.extend(wrapper.iter().map(|a| a.to_string()));
+            argv.push(envd_bin());
+            argv.extend(["--listen-fd".into(), "3".into(), "--root".into()]);
+            argv.push(root.to_str().unwrap().to_owned());
+            let mut cmd = Command::new(&argv[0]);
+            cmd.args(&argv[1..]).stdin(Stdio::null());
+            pass_as_fd3(&mut cmd, sock.as_raw_fd());
+            let child = cmd.spawn().unwrap();
+            drop(sock);
+            let mut d = Daemon {
+                child,
+                _dir: dir,
+                socket,
+                root,
+                peer_pid: None,
+            };
+            // As PID 1, envd is the child of `unshare`: wait until it exists.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while pid1 && d.envd_pid() == d.child.id() as i32 {
+                assert!(Instant::now() < deadline, "unshare never forked envd");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            d.peer_pid = Some(d.envd_pid() as u32);
+            d.client()
+                .wait_ready(Duration::from_secs(10))
+                .await
+                .unwrap();
+            Some(d)
         }
 
         /// Host pid of envd itself (the child of `unshare` in PID-1 mode).
@@ -122,6 +182,66 @@ mod e2e {
         fn drop(&mut self) {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+    }
+
+    fn pid_namespaces_work() -> bool {
+        let probe = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "true"])
+            .status();
+        let ok = probe.map(|s| s.success()).unwrap_or(false);
+        if !ok {
+            eprintln!("SKIPPED: `unshare --pid --fork --mount-proc` does not work here (needs root and util-linux)");
+        }
+        ok
+    }
+
+    /// An AF_UNIX socket of `kind` bound at `path` and not listening, as the
+    /// host creates envd's socket.
+    fn bound_unlistened_socket(path: &Path, kind: libc::c_int) -> OwnedFd {
+        // SAFETY: plain syscall; the result is checked.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, kind | libc::SOCK_CLOEXEC, 0) };
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: an all-zero sockaddr_un is a valid (empty) address.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_os_str().as_bytes();
+        assert!(bytes.len() < addr.sun_path.len(), "socket path too long");
+        for (d, b) in addr.sun_path.iter_mut().zip(bytes) {
+            *d = *b as libc::c_char;
+        }
+        // SAFETY: `addr` is an initialised sockaddr_un of the size passed.
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0, "bind: {}", std::io::Error::last_os_error());
+        fd
+    }
+
+    /// Makes `fd` the spawned child's descriptor 3, inheritable.
+    fn pass_as_fd3(cmd: &mut Command, fd: RawFd) {
+        // SAFETY: between fork and exec the closure only calls dup2 and fcntl,
+        // which are async-signal-safe, and allocates nothing.
+        unsafe {
+            cmd.pre_exec(move || {
+                if fd == 3 {
+                    // dup2(3, 3) would keep close-on-exec: clear it instead.
+                    let flags = libc::fcntl(3, libc::F_GETFD);
+                    if flags == -1 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) == -1
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                } else if libc::dup2(fd, 3) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
         }
     }
 
@@ -287,14 +407,6 @@ mod e2e {
         assert!(process_exists(bg));
         kill_pid(bg);
         assert!(wait_gone(bg), "background process {bg} was not reaped");
-
-        let mut spec = sh("true");
-        spec.cwd = Some("/no/such/dir".into());
-        let e = c.exec_collect(spec, None).await.unwrap_err();
-        assert!(
-            matches!(&e, EnvdError::NotFound(m) if m.contains("/no/such/dir")),
-            "{e:?}"
-        );
     }
 
     fn kill_pid(pid: i32) {
@@ -834,5 +946,441 @@ mod e2e {
         t.elapsed() / 200,
         envd_bin()
     );
+    }
+
+    // ---- Security hardening (issue 7) -------------------------------------
+
+    /// Finding 1: envd serves a socket the host bound and handed down; the
+    /// kernel names envd as the peer, and no exec'd process inherits the socket.
+    #[tokio::test]
+    async fn socket_activation_serves_an_inherited_unlistened_socket() {
+        let d = Daemon::start_activated(false, &[]).await.unwrap();
+        let envd_pid = d.child.id();
+        let h = d.client().health().await.unwrap();
+        assert!(!h.pid1);
+        let conn = tokio::net::UnixStream::connect(&d.socket).await.unwrap();
+        assert_eq!(
+            conn.peer_cred().unwrap().pid(),
+            Some(i32::try_from(envd_pid).unwrap())
+        );
+        drop(conn);
+        // The verified client refuses a socket served by anyone else.
+        let e = EnvdClient::new(&d.socket)
+            .expect_peer_pid(envd_pid + 1)
+            .health()
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EnvdError::PeerMismatch { .. }), "{e:?}");
+        // An exec'd process holds no socket at all: its stdio are pipes, and the
+        // listening socket (and the connection) are close-on-exec.
+        let out = d
+            .client()
+            .exec_collect(
+                sh("for f in /proc/$$/fd/*; do echo \"$f $(readlink $f)\"; done"),
+                None,
+            )
+            .await
+            .unwrap();
+        let fds = String::from_utf8(out.stdout).unwrap();
+        assert!(fds.contains("pipe:"), "{fds}");
+        assert!(
+            !fds.contains("socket:"),
+            "an exec inherited a socket: {fds}"
+        );
+    }
+
+    /// Runs envd with `args` and `fd3` as its descriptor 3; returns its exit
+    /// code and stderr (it must exit by itself).
+    fn run_envd_expecting_exit(args: &[&str], fd3: Option<RawFd>) -> (Option<i32>, String) {
+        let mut cmd = Command::new(envd_bin());
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some(fd) = fd3 {
+            pass_as_fd3(&mut cmd, fd);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("envd {args:?} kept running: it accepted what it must refuse");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        (status.code(), err)
+    }
+
+    #[test]
+    fn listen_fd_refuses_anything_but_a_unix_stream_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().to_str().unwrap().to_owned();
+        let file = std::fs::File::create(dir.path().join("plain")).unwrap();
+        let dgram = bound_unlistened_socket(&dir.path().join("dgram.sock"), libc::SOCK_DGRAM);
+        let args = ["--listen-fd", "3", "--root", root.as_str()];
+        let cases: [(&str, Option<RawFd>, &str); 3] = [
+            ("regular file", Some(file.as_raw_fd()), "is not a socket"),
+            (
+                "datagram socket",
+                Some(dgram.as_raw_fd()),
+                "not AF_UNIX SOCK_STREAM",
+            ),
+            ("nothing inherited", None, "was not inherited"),
+        ];
+        for (name, fd, why) in cases {
+            let (code, err) = run_envd_expecting_exit(&args, fd);
+            assert_eq!(code, Some(1), "{name}: {err}");
+            assert!(err.contains(why), "{name}: {err}");
+        }
+        let (code, err) =
+            run_envd_expecting_exit(&["--listen-fd", "1", "--root", root.as_str()], None);
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("stdio"), "{err}");
+        let (code, err) = run_envd_expecting_exit(
+            &[
+                "--listen-fd",
+                "3",
+                "--socket",
+                "/tmp/x.sock",
+                "--root",
+                root.as_str(),
+            ],
+            None,
+        );
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("exclude each other"), "{err}");
+    }
+
+    /// Finding 1 (PID 1): root inside the sandbox, with the sandbox's
+    /// capabilities (no CAP_SYS_PTRACE), cannot reach envd's descriptors
+    /// through /proc/1; and the host-side peer check names envd's host pid.
+    #[tokio::test]
+    async fn pid1_envd_is_activated_and_not_dumpable_for_sandbox_root() {
+        if !Path::new("/usr/bin/setpriv").exists() {
+            eprintln!("SKIPPED: setpriv (util-linux) missing");
+            return;
+        }
+        let wrapper = ["/usr/bin/setpriv", "--bounding-set", "-sys_ptrace"];
+        let Some(d) = Daemon::start_activated(true, &wrapper).await else {
+            return;
+        };
+        let c = d.client();
+        assert!(c.health().await.unwrap().pid1);
+        c.set_fence(Some(1)).await.unwrap();
+        // Listing /proc/1/fd is allowed to root; reading where the descriptors
+        // lead (or opening them) needs ptrace access, which non-dumpable denies.
+        let out = c
+            .exec_collect(sh("ls -l /proc/1/fd/"), Some(1))
+            .await
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            !stdout.contains(" -> ") && stderr.contains("Permission denied"),
+            "envd's descriptors are readable from inside the sandbox: {stdout} {stderr}"
+        );
+        // Processes envd starts stay ordinary (dumpable).
+        let out = c
+            .exec_collect(sh("ls /proc/self/fd >/dev/null"), Some(1))
+            .await
+            .unwrap();
+        assert_eq!(out.exit.exit_code, 0);
+
+        // As PID 1 a new fence ends every process of the namespace, daemons
+        // that left their session included, before set_fence answers.
+        let out = c
+            .exec_collect(
+                sh("setsid sh -c 'sleep 100' </dev/null >/dev/null 2>&1 & sleep 100 </dev/null >/dev/null 2>&1 & echo started"),
+                Some(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, b"started\n");
+        c.set_fence(Some(2)).await.unwrap();
+        let out = c
+            .exec_collect(sh("ls -d /proc/[0-9]* | wc -l"), Some(2))
+            .await
+            .unwrap();
+        // PID 1, the sh and its ls (wc may have run before ls's /proc read, or not).
+        let n: u32 = String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(
+            n <= 4,
+            "{n} processes left in the sandbox after the fence moved"
+        );
+    }
+
+    /// Finding 3: an exec still running under the old token, and a daemon it
+    /// left behind in its own session, are gone before set_fence answers; their
+    /// writes never land. A renewal kills nothing.
+    #[tokio::test]
+    async fn moving_the_fence_ends_the_previous_holders_processes() {
+        let d = Daemon::start(&["--trust-all-peers"]).await;
+        let c = d.client();
+        c.set_fence(Some(1)).await.unwrap();
+        let stale = d.root.join("stale");
+        let daemon_stale = d.root.join("daemon-stale");
+        let mut running = c
+            .exec(
+                sh(&format!("echo $$; sleep 1; echo x > {}", stale.display())),
+                Some(1),
+            )
+            .await
+            .unwrap();
+        let ExecEvent::Stdout(line) = running.next().await.unwrap() else {
+            panic!("expected the pid first")
+        };
+        let exec_pid: i32 = String::from_utf8(line).unwrap().trim().parse().unwrap();
+        let out = c
+            .exec_collect(
+                sh(&format!(
+                    "setsid sh -c 'sleep 1; echo y > {}' </dev/null >/dev/null 2>&1 & echo $!",
+                    daemon_stale.display()
+                )),
+                Some(1),
+            )
+            .await
+            .unwrap();
+        let daemon_pid: i32 = String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(process_exists(exec_pid) && process_exists(daemon_pid));
+
+        // A new holder: everything of the old one is dead and reaped on return.
+        c.set_fence(Some(2)).await.unwrap();
+        assert!(
+            !process_exists(exec_pid),
+            "the old exec survived the fence move"
+        );
+        assert!(
+            !process_exists(daemon_pid),
+            "the old exec's daemon survived"
+        );
+        match running.next().await.unwrap() {
+            ExecEvent::Exit(e) => assert_eq!(e.signal, Some(9)),
+            other => panic!("{other:?}"),
+        }
+        // Past the moment they would have written.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(!stale.exists() && !daemon_stale.exists());
+
+        // A renewal (same fence) leaves the holder's processes alone.
+        let out = c
+            .exec_collect(
+                sh("sleep 100 </dev/null >/dev/null 2>&1 & echo $!"),
+                Some(2),
+            )
+            .await
+            .unwrap();
+        let bg: i32 = String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        c.set_fence(Some(2)).await.unwrap();
+        assert!(process_exists(bg), "a renewal killed the holder's process");
+        // Release (Some -> None) ends them.
+        c.set_fence(None).await.unwrap();
+        assert!(!process_exists(bg), "a release left the holder's process");
+        assert_eq!(c.health().await.unwrap().running_execs, 0);
+    }
+
+    /// Finding 5: FIFOs, sockets and the like are refused at once, so parallel
+    /// reads of a FIFO cannot pin envd's connections.
+    #[tokio::test]
+    async fn non_regular_files_are_refused_and_cannot_exhaust_envd() {
+        let d = Daemon::start(&[]).await;
+        let c = d.client();
+        let made = Command::new("mkfifo")
+            .arg(d.root.join("fifo"))
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let _sock = std::os::unix::net::UnixListener::bind(d.root.join("envd.sock")).unwrap();
+        let reads = (0..130).map(|_| {
+            let c = c.clone();
+            tokio::spawn(async move { c.read_file("/fifo", None).await.map(|_| ()) })
+        });
+        // A guard against the old hang, not a timing assertion.
+        let results =
+            tokio::time::timeout(Duration::from_secs(60), futures_join_all(reads.collect()))
+                .await
+                .expect("reads of a FIFO hung");
+        let mut refused = 0;
+        for r in results {
+            match r.unwrap().unwrap_err() {
+                EnvdError::NotRegularFile(m) => {
+                    assert!(m.contains("FIFO"), "{m}");
+                    refused += 1;
+                }
+                // 130 connections at once may exceed the connection cap for an instant.
+                EnvdError::Busy => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(refused > 0);
+        for p in ["/fifo", "/envd.sock"] {
+            let e = c.read_file(p, None).await.unwrap_err();
+            assert!(matches!(e, EnvdError::NotRegularFile(_)), "{p}: {e:?}");
+            let e = c.write_file(p, None, &b"x"[..], None).await.unwrap_err();
+            assert!(matches!(e, EnvdError::NotRegularFile(_)), "{p}: {e:?}");
+        }
+        assert!(std::fs::symlink_metadata(d.root.join("fifo"))
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        c.health().await.unwrap();
+    }
+
+    async fn futures_join_all<T>(
+        handles: Vec<tokio::task::JoinHandle<T>>,
+    ) -> Vec<Result<T, tokio::task::JoinError>> {
+        let mut out = Vec::with_capacity(handles.len());
+        for h in handles {
+            out.push(h.await);
+        }
+        out
+    }
+
+    /// Finding 9 (envd side): bad exec inputs are client errors, never Internal.
+    #[tokio::test]
+    async fn bad_exec_inputs_are_client_errors() {
+        let d = Daemon::start(&[]).await;
+        let c = d.client();
+        let mut spec = sh("true");
+        spec.env = vec![("A".into(), "x\0y".into())];
+        let e = c.exec_collect(spec, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::BadRequest(_)), "{e:?}");
+        let e = c.exec_collect(sh("echo a\0b"), None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::BadRequest(_)), "{e:?}");
+        std::fs::write(d.root.join("file"), b"").unwrap();
+        for (cwd, why) in [
+            ("/no/such/dir".to_owned(), "does not exist"),
+            (
+                d.root.join("file").to_str().unwrap().to_owned(),
+                "is not a directory",
+            ),
+        ] {
+            let mut spec = sh("true");
+            spec.cwd = Some(cwd.clone());
+            match c.exec_collect(spec, None).await.unwrap_err() {
+                EnvdError::InvalidPath(m) => assert!(m.contains(why) && m.contains(&cwd), "{m}"),
+                other => panic!("{cwd}: {other:?}"),
+            }
+        }
+        let mut spec = sh("true");
+        spec.cwd = Some("/tmp\0x".into());
+        let e = c.exec_collect(spec, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::BadRequest(_)), "{e:?}");
+        // Over the JSON frame limit: one huge argument, or many env vars.
+        let e = c
+            .exec_collect(sh(&"x".repeat(900 * 1024)), None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, EnvdError::BadRequest(m) if m.contains("65536")),
+            "{e:?}"
+        );
+        let mut spec = sh("true");
+        spec.env = (0..10_000).map(|i| (format!("V{i}"), "v".into())).collect();
+        let e = c.exec_collect(spec, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::BadRequest(_)), "{e:?}");
+        // envd's own answer to an oversized frame names the limit.
+        let answer = raw_request(&d.socket, &[1, 0, 1, 0, 1]);
+        let body = String::from_utf8_lossy(&answer[5..]);
+        assert!(
+            body.contains("bad_request") && body.contains("65536"),
+            "{body}"
+        );
+    }
+
+    /// Finding 9: read-only file systems, mount points (like the read-only bind
+    /// of envd at /.aviary/envd) and full disks are 4xx-class codes.
+    #[tokio::test]
+    async fn read_only_mounted_and_full_targets_are_client_errors() {
+        let probe = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "true"])
+            .status();
+        if !probe.map(|s| s.success()).unwrap_or(false) {
+            eprintln!("SKIPPED: `unshare --mount` does not work here (needs root)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("envd.sock");
+        let root = dir.path().join("root");
+        for sub in ["ro", "small"] {
+            std::fs::create_dir_all(root.join(sub)).unwrap();
+        }
+        std::fs::write(root.join("envd-bin"), b"original").unwrap();
+        let script = "mount -t tmpfs -o ro,size=1m ro \"$1/ro\" && \
+                      mount -t tmpfs -o size=64k small \"$1/small\" && \
+                      mount --bind -o ro /bin/true \"$1/envd-bin\" && \
+                      exec \"$2\" --socket \"$3\" --root \"$1\"";
+        let child = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                "sh",
+            ])
+            .arg(&root)
+            .arg(envd_bin())
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let d = Daemon {
+            child,
+            _dir: dir,
+            socket,
+            root,
+            peer_pid: None,
+        };
+        let c = d.client();
+        c.wait_ready(Duration::from_secs(10)).await.unwrap();
+        let e = c
+            .write_file("/ro/x", None, &b"x"[..], None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
+        let e = c.mkdir("/ro/d", false, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
+        let e = c
+            .write_file("/envd-bin", None, &b"x"[..], None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
+        let e = c.remove("/envd-bin", false, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
+        let big = vec![7u8; 1024 * 1024];
+        let e = c
+            .write_file("/small/big", None, &big[..], None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, EnvdError::NoSpace(_)), "{e:?}");
+        // The failed write left no temporary file behind.
+        assert_eq!(c.list_dir("/small").await.unwrap().len(), 0);
     }
 }
