@@ -166,6 +166,14 @@ impl From<aviary_envd_proto::EnvdError> for OpError {
             E::InvalidPath(r) => OpError::InvalidPath(r),
             E::LeaseRequired => OpError::LeaseRequired,
             E::StaleToken => OpError::StaleToken,
+            // Refusals by envd for the caller's input or the sandbox's state:
+            // client errors with envd's message (it names the sandbox path).
+            E::BadRequest(m) => OpError::InvalidRequest(m),
+            e @ (E::AlreadyExists(_) | E::NotEmpty(_)) => OpError::InvalidRequest(e.to_string()),
+            E::NoSpace(m) => OpError::InvalidRequest(format!("sandbox disk is full: {m}")),
+            E::PermissionDenied(m) => OpError::PermissionDenied(m),
+            e @ E::NotRegularFile(_) => OpError::PermissionDenied(e.to_string()),
+            E::Busy => OpError::Busy("the sandbox's envd is busy; retry".into()),
             other => OpError::internal(other),
         }
     }
