@@ -492,7 +492,11 @@ impl EnvdClient {
     /// Sets the lease fence: `Some(t)` = leased with current token t; `None` =
     /// unleased. envd refuses a fence below the highest it has seen
     /// ([`EnvdError::StaleToken`]) and refuses callers inside the sandbox
-    /// ([`EnvdError::PermissionDenied`]).
+    /// ([`EnvdError::PermissionDenied`]). A different value than the current
+    /// one first ends every other process in the sandbox (this call returns
+    /// once they are reaped, within seconds); [`EnvdError::Remote`] then means
+    /// some survived and the sandbox should not be trusted. The same value
+    /// (a renewal) kills nothing.
     pub async fn set_fence(&self, token: Option<u64>) -> Result<(), EnvdError> {
         expect_ok(self.call(&Request::SetFence { token }).await?)
     }

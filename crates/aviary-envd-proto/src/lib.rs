@@ -241,7 +241,12 @@ pub fn decode_json<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, Proto
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
     Health,
-    /// Control operation, accepted only from peers outside the sandbox.
+    /// Control operation, accepted only from peers outside the sandbox. Moving
+    /// the fence to a different value (including to or from `None`) first kills
+    /// every other process in the sandbox and waits until they are reaped, so a
+    /// new lease starts with no process of the previous holder; setting the
+    /// current value again (a renewal) kills nothing. If processes survive the
+    /// bounded wait, the fence moves but the answer is an `internal` error.
     SetFence {
         token: Option<u64>,
     },
