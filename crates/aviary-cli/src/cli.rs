@@ -387,12 +387,19 @@ enum PoolCmd {
 
 #[derive(Subcommand, Debug)]
 enum KeyCmd {
-    /// Create an API key for a tenant (admin); the key is printed once.
+    /// Create an API key for a tenant (admin); the key is printed once (its id on stderr).
     Create {
         #[arg(long)]
         tenant: String,
         #[arg(long)]
         admin: bool,
+    },
+    /// List every key: id, tenant, admin flag, created, revoked (never a secret).
+    Ls,
+    /// Revoke a key by id (from `aviary key ls`); it fails from the next request on.
+    Revoke {
+        /// Key id, e.g. key-abcd...
+        id: String,
     },
 }
 
@@ -742,9 +749,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         }
         SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
         SandboxCmd::Snapshot { id, token, label } => {
-            let s = c
-                .snapshot_labelled(&id, &label, token)
-                .await?;
+            let s = c.snapshot_labelled(&id, &label, token).await?;
             if json {
                 output::json(&s);
             } else {
@@ -760,9 +765,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             snapshot,
             token,
         } => {
-            let r = c
-                .fork(&id, snapshot.as_deref(), token)
-                .await?;
+            let r = c.fork(&id, snapshot.as_deref(), token).await?;
             if json {
                 output::json(&r);
             } else {
@@ -774,7 +777,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Snapshots { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
         SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
-                        let n = match (parse_remote(&src), parse_remote(&dst)) {
+            let n = match (parse_remote(&src), parse_remote(&dst)) {
                 (None, Some((id, path))) => c.upload(id, Path::new(&src), path, token).await?,
                 (Some((id, path)), None) => {
                     let local = if Path::new(&dst).is_dir() {
@@ -887,7 +890,24 @@ async fn key(cmd: KeyCmd, json: bool) -> Result<i32, Failure> {
             if json {
                 output::json(&k);
             } else {
+                eprintln!("aviary: key {} for tenant {}", k.id, k.tenant);
                 println!("{}", k.key);
+            }
+        }
+        KeyCmd::Ls => {
+            let keys = c.list_keys().await?;
+            if json {
+                output::json(&keys);
+            } else {
+                output::key_table(&keys);
+            }
+        }
+        KeyCmd::Revoke { id } => {
+            let k = c.revoke_key(&id).await?;
+            if json {
+                output::json(&k);
+            } else {
+                println!("{} revoked", k.id);
             }
         }
     }

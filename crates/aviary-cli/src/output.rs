@@ -101,3 +101,20 @@ pub fn template_table(list: &[Template]) {
         );
     }
 }
+
+pub fn key_table(keys: &[aviary_client::ApiKeyInfo]) {
+    println!(
+        "{:<28} {:<20} {:<6} {:<26} {:<26}",
+        "ID", "TENANT", "ADMIN", "CREATED", "REVOKED"
+    );
+    for k in keys {
+        println!(
+            "{:<28} {:<20} {:<6} {:<26} {:<26}",
+            k.id,
+            k.tenant,
+            if k.admin { "yes" } else { "no" },
+            k.created_at,
+            k.revoked_at.as_deref().unwrap_or("-")
+        );
+    }
+}

@@ -496,7 +496,7 @@ impl Client {
             .await
     }
 
-    /// `GET /v1/pools`.
+    /// `GET /v1/pools` (admin).
     pub async fn pools(&self) -> Result<serde_json::Value, ClientError> {
         self.json(self.req(Method::GET, "/v1/pools")).await
     }
@@ -613,7 +613,7 @@ impl Client {
         .await
     }
 
-    /// `GET /v1/nodes`.
+    /// `GET /v1/nodes` (admin).
     pub async fn nodes(&self) -> Result<serde_json::Value, ClientError> {
         self.json(self.req(Method::GET, "/v1/nodes")).await
     }
@@ -630,13 +630,36 @@ impl Client {
             .await
     }
 
-    pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<CreatedKey, ClientError> {
+    /// `POST /v1/keys` (admin): a new key for a tenant, its secret shown once.
+    pub async fn create_key(&self, tenant: &str, admin: bool) -> Result<IssuedKey, ClientError> {
         let body = CreateKeyRequest {
             tenant: tenant.to_owned(),
             admin,
         };
         self.json(self.req(Method::POST, "/v1/keys").json(&body))
             .await
+    }
+
+    /// `GET /v1/keys` (admin): every key, revoked ones included; no secrets.
+    pub async fn list_keys(&self) -> Result<Vec<ApiKeyInfo>, ClientError> {
+        let list: KeyList = self.json(self.req(Method::GET, "/v1/keys")).await?;
+        Ok(list.keys)
+    }
+
+    /// `DELETE /v1/keys/{id}` (admin): the key fails from the next request on.
+    pub async fn revoke_key(&self, id: &str) -> Result<ApiKeyInfo, ClientError> {
+        self.json(self.req(Method::DELETE, &format!("/v1/keys/{}", urlencode(id))))
+            .await
+    }
+
+    /// `GET /metrics` (Prometheus text) with this client's key, which must be
+    /// an admin key or the server's metrics token.
+    pub async fn metrics(&self) -> Result<String, ClientError> {
+        self.send(self.req(Method::GET, "/metrics"))
+            .await?
+            .text()
+            .await
+            .map_err(ClientError::Transport)
     }
 
     /// A raw request, for tests that send deliberately bad input.
@@ -662,6 +685,46 @@ impl Client {
         let v = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
         Ok((status, v))
     }
+}
+
+/// `POST /v1/keys` answer.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
+pub struct IssuedKey {
+    /// Public handle, for listing and revoking.
+    pub id: String,
+    pub tenant: String,
+    pub admin: bool,
+    /// The secret; the server never shows it again.
+    pub key: String,
+}
+
+impl std::fmt::Debug for IssuedKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IssuedKey")
+            .field("id", &self.id)
+            .field("tenant", &self.tenant)
+            .field("admin", &self.admin)
+            .field("key", &"<redacted>")
+            .finish()
+    }
+}
+
+/// An API key as listed (`GET /v1/keys`): never the secret.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ApiKeyInfo {
+    pub id: String,
+    pub tenant: String,
+    pub admin: bool,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339, once revoked.
+    #[serde(default)]
+    pub revoked_at: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct KeyList {
+    keys: Vec<ApiKeyInfo>,
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters and `/` pass).

@@ -1,7 +1,16 @@
-//! The HTTP API v1 (axum). Handlers are thin: extract, call one
-//! [`ControlPlane`] operation, map the error (in `error.rs`). The OpenAPI
-//! document is generated from the handler annotations.
+//! The HTTP API v1 (axum). Handlers are thin: extract, check the input at
+//! the edge ([`crate::validate`]), call one [`ControlPlane`] operation, map
+//! the error (in `error.rs`). The OpenAPI document is generated from the
+//! handler annotations.
+//!
+//! Every `/v1` route authenticates with a bearer API key ([`Auth`]), which
+//! also takes one request from the key's rate-limit bucket
+//! ([`crate::edge::RateLimiter`]). JSON bodies must be JSON objects of the
+//! route's type ([`ApiJson`]). Cluster-wide views (`/v1/pools`, `/v1/nodes`,
+//! `/v1/keys`) are admin-only; `/metrics` takes the metrics token or an
+//! admin key.
 
+use crate::edge::RateLimiter;
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane, Readiness};
 use aviary_core::api::*;
@@ -26,38 +35,106 @@ pub type AppState = Arc<ControlPlane>;
 
 pub const LEASE_TOKEN_HEADER: &str = "x-aviary-lease-token";
 
-/// The authenticated caller.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// The authenticated caller, within its key's rate limit.
 pub struct Auth(pub Caller);
 
 impl FromRequestParts<AppState> for Auth {
     type Rejection = OpError;
     async fn from_request_parts(parts: &mut Parts, cp: &AppState) -> Result<Self, OpError> {
-        let key = parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        cp.authenticate(key).await.map(Auth)
+        let key = bearer(&parts.headers);
+        let caller = cp.authenticate(key).await?;
+        if let (Some(limiter), Some(key)) = (parts.extensions.get::<Arc<RateLimiter>>(), key) {
+            if let Err(retry_after_s) =
+                limiter.take(&crate::ops::hash_key(key), std::time::Instant::now())
+            {
+                cp.metrics.inc_rate_limited();
+                return Err(OpError::RateLimited {
+                    message: "too many requests for this API key".into(),
+                    retry_after_s,
+                });
+            }
+        }
+        // keys made before tenant names were checked may name a path
+        if crate::validate::identifier("tenant", &caller.tenant).is_err() {
+            return Err(OpError::Forbidden(
+                "this key's tenant name is not valid; create a key for a valid tenant".into(),
+            ));
+        }
+        Ok(Auth(caller))
     }
 }
 
-/// JSON body with our error mapping (413 / 400 with a stable code).
+fn require_admin(c: &Caller, what: &str) -> Result<(), OpError> {
+    if c.admin {
+        Ok(())
+    } else {
+        Err(OpError::Forbidden(format!("{what} needs an admin key")))
+    }
+}
+
+/// A JSON object body of type `T`, with our error mapping: 413
+/// `payload_too_large` over the route's limit, 400 `invalid_request` for a
+/// wrong content type, a body that is not a JSON object (`[]` is not `{}`),
+/// unknown fields or wrong types, or a body that stalled.
 pub struct ApiJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = OpError;
     async fn from_request(req: Request, state: &S) -> Result<Self, OpError> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(ApiJson(v)),
+        if !json_content_type(req.headers()) {
+            return Err(OpError::InvalidRequest(
+                "expected a JSON body (Content-Type: application/json)".into(),
+            ));
+        }
+        let bytes = match bytes::Bytes::from_request(req, state).await {
+            Ok(b) => b,
             Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                Err(OpError::PayloadTooLarge(
+                return Err(OpError::PayloadTooLarge(
                     "request body is larger than the limit for this route".into(),
                 ))
             }
-            Err(rej) => Err(OpError::InvalidRequest(rej.body_text())),
-        }
+            Err(rej) => return Err(OpError::InvalidRequest(rej.body_text())),
+        };
+        json_object(&bytes).map(ApiJson)
     }
+}
+
+fn json_content_type(headers: &HeaderMap) -> bool {
+    let Some(ct) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// Deserializes `bytes` as `T`, which must be written as a JSON object: serde
+/// reads a struct from an array too (`[]` would be `{}` with all defaults).
+fn json_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, OpError> {
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(OpError::InvalidRequest(
+            "the request body must be a JSON object".into(),
+        ));
+    }
+    Json::<T>::from_bytes(bytes)
+        .map(|Json(v)| v)
+        .map_err(|rej| OpError::InvalidRequest(rej.body_text()))
 }
 
 /// Query string with our error mapping.
@@ -88,10 +165,12 @@ fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, OpError> {
         Some(v) => v
             .to_str()
             .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map(|t| Some(LeaseToken(t)))
+            .and_then(|s| s.parse::<LeaseToken>().ok())
+            .map(Some)
             .ok_or_else(|| {
-                OpError::InvalidRequest(format!("{LEASE_TOKEN_HEADER} must be an unsigned integer"))
+                OpError::InvalidRequest(format!(
+                    "{LEASE_TOKEN_HEADER} must be a lease token FENCE.SECRET as the grant returned it"
+                ))
             }),
     }
 }
@@ -151,12 +230,31 @@ async fn readyz(State(cp): State<AppState>) -> Response {
     }
 }
 
-async fn metrics(State(cp): State<AppState>) -> Response {
-    (
+/// Prometheus metrics. Needs `Authorization: Bearer` with the metrics token
+/// (the variable named by `server.metrics_token_env`) or an admin API key.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain"), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Response, OpError> {
+    let presented = bearer(&headers).ok_or(OpError::Unauthorized)?;
+    let is_token = cp
+        .cfg
+        .settings
+        .server
+        .edge
+        .metrics_token()
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), presented.as_bytes()));
+    if !is_token {
+        require_admin(&cp.authenticate(Some(presented)).await?, "reading metrics")?;
+    }
+    Ok((
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         cp.metrics.render(cp.live_count()) + &cp.pools.render_metrics(),
     )
-        .into_response()
+        .into_response())
+}
+
+/// Compares secrets in time independent of where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
@@ -172,6 +270,7 @@ async fn create_sandbox(
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<(StatusCode, Json<CreateSandboxResponse>), OpError> {
+    crate::validate::create_request(&req)?;
     let rid = request_id(&headers);
     Ok((
         StatusCode::CREATED,
@@ -223,7 +322,7 @@ fn body_token(req: &ExecRequest, headers: &HeaderMap) -> Result<ExecRequest, OpE
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecRequest,
-    responses((status = 200, body = ExecResult), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+    responses((status = 200, body = ExecResult), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec(
     State(cp): State<AppState>,
     Auth(c): Auth,
@@ -231,6 +330,7 @@ async fn exec(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Json<ExecResult>, OpError> {
+    crate::validate::exec_request(&req)?;
     let req = body_token(&req, &headers)?;
     Ok(Json(cp.exec(&c, &id, &req).await?))
 }
@@ -238,7 +338,7 @@ async fn exec(
 /// Streaming exec: `text/event-stream`; each event's data is an `ExecEvent`
 /// (stdout/stderr chunks base64-encoded), the last one `exit`.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
-    responses((status = 200, description = "server-sent events, data = ExecEvent", body = ExecEvent), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+    responses((status = 200, description = "server-sent events, data = ExecEvent", body = ExecEvent), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec_stream(
     State(cp): State<AppState>,
     Auth(c): Auth,
@@ -246,6 +346,7 @@ async fn exec_stream(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, OpError> {
+    crate::validate::exec_request(&req)?;
     let req = body_token(&req, &headers)?;
     let run = cp.exec_start(&c, &id, &req).await?;
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
@@ -543,12 +644,14 @@ async fn allocations(
     Ok(Json(cp.allocations(&c, q.limit).await?))
 }
 
-/// Warm pools with their sizes and hit/miss counts.
-#[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = crate::pools::PoolList)), security(("api_key" = [])))]
+/// Warm pools with their sizes and hit/miss counts (admin only: the counts
+/// are server-wide).
+#[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = crate::pools::PoolList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn pools(
     State(cp): State<AppState>,
-    Auth(_c): Auth,
+    Auth(c): Auth,
 ) -> Result<Json<crate::pools::PoolList>, OpError> {
+    require_admin(&c, "listing pools")?;
     Ok(Json(cp.pools_view().await?))
 }
 
@@ -744,12 +847,14 @@ async fn wake(
     Ok(Json(cp.wake(&c, &id, Some(&rid)).await?))
 }
 
-/// Every node (the local one and registered agents) as the scheduler sees it.
-#[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = crate::nodes::NodeList)), security(("api_key" = [])))]
+/// Every node (the local one and registered agents) as the scheduler sees it
+/// (admin only: capacity and commitments are server-wide).
+#[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = crate::nodes::NodeList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn nodes(
     State(cp): State<AppState>,
-    Auth(_c): Auth,
+    Auth(c): Auth,
 ) -> Result<Json<crate::nodes::NodeList>, OpError> {
+    require_admin(&c, "listing nodes")?;
     Ok(Json(cp.list_nodes().await?))
 }
 
@@ -773,13 +878,34 @@ async fn gc_snapshots(
     Ok(Json(cp.gc_snapshots(&c, req).await?))
 }
 
-#[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = CreatedKey), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+/// Creates a key for a tenant (admin only); the secret is in this answer only.
+#[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = crate::keys::IssuedKey), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiJson(req): ApiJson<CreateKeyRequest>,
-) -> Result<(StatusCode, Json<CreatedKey>), OpError> {
-    Ok((StatusCode::CREATED, Json(cp.create_key(&c, req).await?)))
+) -> Result<(StatusCode, Json<crate::keys::IssuedKey>), OpError> {
+    Ok((StatusCode::CREATED, Json(cp.issue_key(&c, req).await?)))
+}
+
+/// Every API key with its id, tenant and revocation time; never a secret
+/// (admin only).
+#[utoipa::path(get, path = "/v1/keys", responses((status = 200, body = crate::keys::KeyList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn list_keys(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+) -> Result<Json<crate::keys::KeyList>, OpError> {
+    Ok(Json(cp.list_keys(&c).await?))
+}
+
+/// Revokes a key (admin only): from the next request on it is 401.
+#[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = crate::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+async fn revoke_key(
+    State(cp): State<AppState>,
+    Auth(c): Auth,
+    Path(id): Path<String>,
+) -> Result<Json<crate::keys::ApiKeyInfo>, OpError> {
+    Ok(Json(cp.revoke_key(&c, &id).await?))
 }
 
 fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), OpError> {
@@ -861,7 +987,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -869,6 +995,9 @@ pub struct ApiDoc;
 pub fn router(cp: AppState) -> Router {
     use axum::extract::DefaultBodyLimit;
     let json_limit = cp.cfg.max_json_bytes;
+    let edge = &cp.cfg.settings.server.edge;
+    let limiter = Arc::new(RateLimiter::from_settings(edge));
+    let body_timeout = std::time::Duration::from_millis(edge.body_read_timeout_ms);
     let streamed = Router::new()
         .route(
             "/v1/sandboxes/{id}/files",
@@ -910,7 +1039,8 @@ pub fn router(cp: AppState) -> Router {
         .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))
         .route("/v1/templates", get(templates))
-        .route("/v1/keys", post(create_key))
+        .route("/v1/keys", post(create_key).get(list_keys))
+        .route("/v1/keys/{id}", axum::routing::delete(revoke_key))
         .route("/v1/plan", post(plan))
         .route("/v1/pools", get(pools))
         .route("/v1/pools/{class}", axum::routing::put(set_pool))
@@ -919,5 +1049,9 @@ pub fn router(cp: AppState) -> Router {
         .merge(streamed)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            body_timeout,
+        ))
+        .layer(axum::Extension(limiter))
         .with_state(cp)
 }

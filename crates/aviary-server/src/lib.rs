@@ -10,8 +10,10 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod edge;
 pub mod error;
 pub mod http;
+pub mod keys;
 pub mod lifecycle;
 pub mod metrics;
 pub mod nodes;
@@ -21,6 +23,7 @@ pub mod pools;
 pub mod projection;
 pub mod scopes;
 pub mod snapshots;
+pub mod validate;
 
 use anyhow::Context;
 use config::ServerConfig;
@@ -199,12 +202,12 @@ pub async fn start(
     });
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(cp.clone());
+    let edge_cp = cp.clone();
     let task = tokio::spawn(async move {
-        let res = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
+        let res = edge::serve(listener, app, edge_cp, async move {
+            let _ = rx.await;
+        })
+        .await;
         sweep_task.abort();
         refill_task.abort();
         res.context("http server failed")

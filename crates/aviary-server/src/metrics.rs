@@ -9,6 +9,9 @@ pub struct Metrics {
     creates: AtomicU64,
     destroys: AtomicU64,
     execs: AtomicU64,
+    connections_open: AtomicU64,
+    connections_refused: AtomicU64,
+    rate_limited: AtomicU64,
 }
 
 impl Metrics {
@@ -20,6 +23,22 @@ impl Metrics {
     }
     pub fn inc_exec(&self) {
         self.execs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection was accepted; pair with [`Metrics::connection_closed`].
+    pub fn connection_opened(&self) {
+        self.connections_open.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn connection_closed(&self) {
+        self.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+    /// A connection was refused at the connection cap.
+    pub fn inc_connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+    }
+    /// A request was refused by the per-key rate limit.
+    pub fn inc_rate_limited(&self) {
+        self.rate_limited.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn render(&self, live: usize) -> String {
@@ -42,6 +61,24 @@ impl Metrics {
                 "Commands started.",
                 "counter",
                 self.execs.load(Ordering::Relaxed),
+            ),
+            (
+                "aviary_http_connections_open",
+                "HTTP connections open now.",
+                "gauge",
+                self.connections_open.load(Ordering::Relaxed),
+            ),
+            (
+                "aviary_http_connections_refused_total",
+                "HTTP connections refused at the connection cap.",
+                "counter",
+                self.connections_refused.load(Ordering::Relaxed),
+            ),
+            (
+                "aviary_http_rate_limited_total",
+                "Requests refused by the per-key rate limit.",
+                "counter",
+                self.rate_limited.load(Ordering::Relaxed),
             ),
             (
                 "aviary_sandboxes_live",

@@ -107,7 +107,7 @@ pub struct ControlPlane {
     pub pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
-    key_cache: StdMutex<HashMap<String, Caller>>,
+    pub(crate) key_cache: crate::keys::KeyCache,
     /// Execution guards of the scope buckets.
     pub(crate) buckets: StdMutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// When `last_active_at` was last written per sandbox: execs update it
@@ -198,7 +198,7 @@ impl ControlPlane {
             pausable,
             templates,
             live: StdMutex::new(HashMap::new()),
-            key_cache: StdMutex::new(HashMap::new()),
+            key_cache: Default::default(),
             buckets: StdMutex::new(HashMap::new()),
             last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
@@ -252,9 +252,10 @@ impl ControlPlane {
             return Err(OpError::Unauthorized);
         }
         let h = hash_key(key);
-        if let Some(c) = self.key_cache.lock().expect("key cache poisoned").get(&h) {
-            return Ok(c.clone());
+        if let Some(c) = self.key_cache.get(&h) {
+            return Ok(c);
         }
+        let epoch = self.key_cache.epoch();
         let rec = self
             .registry
             .find_api_key(&h)
@@ -264,10 +265,7 @@ impl ControlPlane {
             tenant: rec.tenant,
             admin: rec.admin,
         };
-        self.key_cache
-            .lock()
-            .expect("key cache poisoned")
-            .insert(h, caller.clone());
+        self.key_cache.insert(h, caller.clone(), epoch);
         Ok(caller)
     }
 
