@@ -174,6 +174,14 @@ impl From<aviary_envd_proto::EnvdError> for OpError {
             E::PermissionDenied(m) => OpError::PermissionDenied(m),
             e @ E::NotRegularFile(_) => OpError::PermissionDenied(e.to_string()),
             E::Busy => OpError::Busy("the sandbox's envd is busy; retry".into()),
+            // envd up but unreachable for now (a gone envd is turned into
+            // `sandbox_lost` by the control plane before it gets here)
+            E::Connect(_) => {
+                OpError::Unavailable("the sandbox's envd is not reachable; retry".into())
+            }
+            E::Transport(_) => {
+                OpError::Unavailable("the connection to the sandbox's envd broke; retry".into())
+            }
             other => OpError::internal(other),
         }
     }

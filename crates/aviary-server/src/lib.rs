@@ -2,8 +2,9 @@
 //!
 //! Owns the lifecycle of sandboxes: it turns API calls into registry
 //! transitions, runtime actions and envd calls ([`ops::ControlPlane`]),
-//! serves them over HTTP ([`http`]), and runs the background sweep that
-//! expires leases and TTLs. Concurrency: one tokio runtime; per-sandbox
+//! serves them over HTTP ([`http`]), and runs the background tasks: the
+//! sweep that expires leases and TTLs, the envd health probe that finds lost
+//! sandboxes, pool refill, and the collection of unreferenced snapshot chunks. Concurrency: one tokio runtime; per-sandbox
 //! ordering comes from the registry's optimistic versions and the lease
 //! store's fencing tokens, not from in-process locks (except the per-sandbox
 //! fence-push lock, see `ops`).
@@ -200,6 +201,8 @@ pub async fn start(
             }
         }
     });
+    let probe_task = tokio::spawn(probe_envds(cp.clone()));
+    let gc_task = tokio::spawn(collect_chunks(cp.clone()));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(cp.clone());
     let edge_cp = cp.clone();
@@ -210,6 +213,8 @@ pub async fn start(
         .await;
         sweep_task.abort();
         refill_task.abort();
+        probe_task.abort();
+        gc_task.abort();
         res.context("http server failed")
     });
     Ok(RunningServer {
@@ -219,6 +224,47 @@ pub async fn start(
         shutdown: Some(tx),
         task,
     })
+}
+
+/// Background task: asks every attached sandbox's envd for its health; a
+/// sandbox whose envd is gone becomes `Lost` without waiting for a call.
+async fn probe_envds(cp: Arc<ControlPlane>) {
+    if cp.wait_ready().await != ops::Readiness::Ready {
+        return;
+    }
+    let every = Duration::from_millis(cp.cfg.health_probe_interval_ms.max(100));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        cp.probe_envds().await;
+    }
+}
+
+/// Background task: collects snapshot chunks no snapshot references, once
+/// right after start-up and then periodically, so what a snapshot
+/// interrupted by a crash wrote does not stay until an admin GC.
+async fn collect_chunks(cp: Arc<ControlPlane>) {
+    if cp.wait_ready().await != ops::Readiness::Ready {
+        return;
+    }
+    let every = Duration::from_secs(cp.cfg.chunk_gc_interval_s.max(1));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match cp.collect_unreferenced_chunks().await {
+            Ok(r) if r.chunks_deleted > 0 => {
+                tracing::info!(
+                    deleted = r.chunks_deleted,
+                    kept = r.chunks_kept,
+                    "unreferenced snapshot chunks collected"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "background chunk collection failed"),
+        }
+    }
 }
 
 fn create_private_dir(dir: &Path) -> anyhow::Result<()> {

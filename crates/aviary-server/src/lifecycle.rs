@@ -1,19 +1,43 @@
-//! Pause / resume, recycling level 1 (soft reset), release (end of a call)
-//! and the environment manifest (DESIGN §3 Recycler, §5).
+//! Pause / resume, recycling level 1 (soft reset), release (end of a call),
+//! the environment manifest (DESIGN §3 Recycler, §5), and lost sandboxes.
 //!
 //! Pause is the cgroup freezer: it is not a lifecycle state (the sandbox
 //! keeps its `Idle`/`Leased` state and its lease); a paused sandbox refuses
-//! exec and file calls with `invalid_state` until it is resumed.
+//! exec and file calls with `invalid_state` until it is resumed. Its record
+//! is the `paused` / `resumed` event pair, so a restart tells a requested
+//! pause from a freeze a crash left behind (a snapshot in progress).
+//!
+//! A sandbox is *lost* (DESIGN §4: Running/Idle → Lost) when its envd is
+//! gone (the runtime says its init exited, or its socket refuses
+//! connections) or when its envd does not take the lease fence the control
+//! plane pushes: then the fence cannot be enforced inside, so the sandbox
+//! is never handed out again. Losing one sandbox is contained: its lease
+//! is revoked, what still runs is frozen, the row goes to `Lost`, tainted,
+//! with a `sandbox_lost` event, and calls on it answer `sandbox_lost` (409).
+//! Detection happens on the request path (an envd call that cannot
+//! connect), in the background probe, and at start-up.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane, LiveSandbox};
 use aviary_core::api::Sandbox;
+use aviary_core::SandboxId;
 use aviary_core::{LeaseToken, SandboxState};
+use aviary_envd_proto::EnvdError;
 use aviary_envd_proto::ExecSpec;
 use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
 use aviary_reuse::{EnvironmentManifest, ProbeOutputs};
+use aviary_runtime::RuntimeStatus;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Why a sandbox was lost (what the client and the event say).
+pub(crate) const LOST_ENVD_GONE: &str = "its envd is not running";
+pub(crate) const LOST_FENCE_REFUSED: &str = "its envd did not take the lease fence";
+
+/// How long a health probe may take before it counts as "no answer" (a
+/// slow envd is not declared lost for that alone).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Level 1 reset, run inside the sandbox by envd (PID 1 survives
 /// `kill -1`): every other process dies, which also closes every listening
@@ -79,7 +103,7 @@ impl ControlPlane {
             .map_err(|e| OpError::Internal(anyhow::Error::new(e).context("resume")))?;
         live.paused.store(false, Ordering::SeqCst);
         // the lease may have changed while envd was frozen
-        self.push_fence(&rec.id, &live).await?;
+        self.push_fence_or_lose(&rec.id, &live, request_id).await?;
         self.event(&rec, "resumed", request_id, serde_json::json!({}))
             .await?;
         self.view(&rec).await
@@ -197,8 +221,36 @@ impl ControlPlane {
             )
             .await?;
         // the lease ends first: nothing the old holder sends is accepted
-        self.leases.revoke(&rec.id).await?;
-        self.push_fence(&rec.id, &live).await?;
+        let fenced = match self.leases.revoke(&rec.id).await {
+            Ok(()) => self.push_fence(&rec.id, &live).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = fenced {
+            // never stranded in Sanitizing: without its fence the sandbox
+            // cannot be trusted again
+            tracing::warn!(sandbox.id = %rec.id, error = %e, "reset could not fence the sandbox");
+            self.forget_live(&rec.id);
+            if let Ok(rt) = self.runtime_for(&rec.node) {
+                let _ = rt.pause(&rec.id).await;
+            }
+            self.registry
+                .transition(
+                    &rec.id,
+                    rec.version,
+                    &[SandboxState::Failed],
+                    FenceCheck::Skip,
+                    ctx(
+                        request_id,
+                        "sandbox_lost",
+                        serde_json::json!({"reason": LOST_FENCE_REFUSED, "during": "reset"}),
+                    ),
+                )
+                .await?;
+            return Err(OpError::SandboxLost(format!(
+                "sandbox {} failed during its reset ({LOST_FENCE_REFUSED}); delete it",
+                rec.id
+            )));
+        }
         let out = live
             .envd
             .exec_collect(
@@ -354,5 +406,224 @@ impl ControlPlane {
             .upsert_environment(&m.to_record(rec.id.clone(), version))
             .await?;
         Ok(m)
+    }
+}
+
+impl ControlPlane {
+    /// Marks the sandbox lost and returns the error its caller answers with.
+    /// Only a sandbox with compute in a settled state (`Ready`, `Leased`,
+    /// `Running`, `Idle`, `ReuseChecking`) is moved; one that is being
+    /// created, reset or deleted belongs to that operation, which fails on
+    /// its own.
+    pub(crate) async fn mark_lost(
+        &self,
+        id: &SandboxId,
+        reason: &str,
+        request_id: Option<&str>,
+    ) -> OpError {
+        let lost = OpError::SandboxLost(format!(
+            "sandbox {id} is lost ({reason}); delete it and create a new one"
+        ));
+        for _ in 0..8 {
+            let rec = match self.registry.get_sandbox(id).await {
+                Ok(r) => r,
+                Err(e) => return e.into(),
+            };
+            let to = if rec.state.can_transition_to(SandboxState::Lost) {
+                SandboxState::Lost
+            } else if rec.state == SandboxState::ReuseChecking {
+                SandboxState::Failed
+            } else if matches!(rec.state, SandboxState::Lost | SandboxState::Failed) {
+                return lost;
+            } else {
+                return OpError::Unavailable(format!(
+                    "sandbox {id} is {}: its envd does not answer",
+                    rec.state
+                ));
+            };
+            self.forget_live(id);
+            // its token is void: envd may never have been told about a newer one
+            let _ = self.leases.revoke(id).await;
+            // without a fence envd enforces, nothing in it may keep running
+            let frozen = match self.runtime_for(&rec.node) {
+                Ok(rt) => match rt.status(id).await {
+                    Ok(RuntimeStatus::Running) => rt.pause(id).await.is_ok(),
+                    Ok(RuntimeStatus::Paused) => true,
+                    _ => false,
+                },
+                Err(_) => false,
+            };
+            tracing::warn!(sandbox.id = %id, reason, frozen, "sandbox lost");
+            match self
+                .registry
+                .transition(
+                    id,
+                    rec.version,
+                    &[to],
+                    FenceCheck::Skip,
+                    ctx(
+                        request_id,
+                        "sandbox_lost",
+                        serde_json::json!({"reason": reason, "frozen": frozen}),
+                    ),
+                )
+                .await
+            {
+                Ok(rec) => {
+                    if let Err(e) = self.registry.set_tainted(id, rec.version, true).await {
+                        tracing::warn!(sandbox.id = %id, error = %e, "could not taint the lost sandbox");
+                    }
+                    return lost;
+                }
+                Err(aviary_registry::RegistryError::Conflict) => continue,
+                Err(e) => return e.into(),
+            }
+        }
+        OpError::Conflict
+    }
+
+    /// True when the sandbox's envd is gone for good: its runtime says the
+    /// init exited, or (local sandboxes) its socket refuses connections. A
+    /// slow or busy envd is not gone.
+    pub(crate) async fn envd_is_gone(
+        &self,
+        rec: &SandboxRecord,
+        live: Option<&LiveSandbox>,
+    ) -> bool {
+        let Ok(rt) = self.runtime_for(&rec.node) else {
+            return false;
+        };
+        match rt.status(&rec.id).await {
+            Ok(RuntimeStatus::Stopped | RuntimeStatus::NotFound) => true,
+            Ok(RuntimeStatus::Running) if rec.node == crate::nodes::LOCAL_NODE => {
+                let Some(live) = live else {
+                    return false;
+                };
+                matches!(
+                    tokio::time::timeout(PROBE_TIMEOUT, live.envd.health()).await,
+                    Ok(Err(EnvdError::Connect(e)))
+                        if matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound)
+                )
+            }
+            _ => false,
+        }
+    }
+
+    /// The result of an envd call, failures mapped by [`Self::envd_failed`].
+    pub(crate) async fn via_envd<T>(
+        &self,
+        rec: &SandboxRecord,
+        live: &LiveSandbox,
+        r: Result<T, EnvdError>,
+    ) -> Result<T, OpError> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.envd_failed(rec, live, e).await),
+        }
+    }
+
+    /// A failed envd call: a connection failure is checked, and a sandbox
+    /// whose envd is gone is marked lost (`sandbox_lost`, never a 500).
+    pub(crate) async fn envd_failed(
+        &self,
+        rec: &SandboxRecord,
+        live: &LiveSandbox,
+        e: EnvdError,
+    ) -> OpError {
+        if matches!(e, EnvdError::Connect(_) | EnvdError::Transport(_))
+            && self.envd_is_gone(rec, Some(live)).await
+        {
+            return self.mark_lost(&rec.id, LOST_ENVD_GONE, None).await;
+        }
+        e.into()
+    }
+
+    /// Pushes the lease store's current view to the sandbox's envd; when
+    /// envd does not take it, the sandbox is marked lost (its old holder's
+    /// processes could otherwise go on under a fence nobody enforces).
+    pub(crate) async fn push_fence_or_lose(
+        &self,
+        id: &SandboxId,
+        live: &LiveSandbox,
+        request_id: Option<&str>,
+    ) -> Result<(), OpError> {
+        match self.push_fence(id, live).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tracing::warn!(sandbox.id = %id, error = %e, "envd did not take the fence");
+                Err(self.mark_lost(id, LOST_FENCE_REFUSED, request_id).await)
+            }
+        }
+    }
+
+    /// The background health probe: every attached, unpaused sandbox's envd
+    /// is asked for its health; one that is gone makes its sandbox lost.
+    pub async fn probe_envds(&self) {
+        for (id, live) in self.live_snapshot() {
+            if live.paused.load(Ordering::SeqCst) {
+                continue;
+            }
+            let answer = tokio::time::timeout(PROBE_TIMEOUT, live.envd.health()).await;
+            let failed = match answer {
+                Ok(Ok(_)) => false,
+                Ok(Err(EnvdError::Connect(_) | EnvdError::Transport(_))) => true,
+                Ok(Err(e)) => {
+                    tracing::debug!(sandbox.id = %id, error = %e, "envd health probe");
+                    false
+                }
+                Err(_) => {
+                    tracing::debug!(sandbox.id = %id, "envd health probe timed out");
+                    false
+                }
+            };
+            if !failed {
+                continue;
+            }
+            let Ok(rec) = self.registry.get_sandbox(&id).await else {
+                continue;
+            };
+            // only a settled sandbox still attached as probed (not one a
+            // create, reset or delete is working on)
+            let settled = matches!(
+                rec.state,
+                SandboxState::Ready
+                    | SandboxState::Leased
+                    | SandboxState::Running
+                    | SandboxState::Idle
+            );
+            let same = self.live_opt(&id).is_some_and(|l| Arc::ptr_eq(&l, &live));
+            if settled && same && self.envd_is_gone(&rec, Some(&live)).await {
+                let _ = self.mark_lost(&id, LOST_ENVD_GONE, None).await;
+            }
+        }
+    }
+
+    /// Whether the sandbox's last pause/resume event is a pause: a frozen
+    /// cgroup without one was left by a crash (e.g. during a snapshot).
+    pub(crate) async fn paused_on_record(&self, id: &SandboxId) -> Result<bool, OpError> {
+        let mut after = None;
+        let mut paused = false;
+        loop {
+            let page = self
+                .registry
+                .list_events(&aviary_registry::EventFilter {
+                    tenant: None,
+                    sandbox_id: Some(id.clone()),
+                    after_id: after,
+                    limit: 1000,
+                })
+                .await?;
+            let Some(last) = page.last() else {
+                return Ok(paused);
+            };
+            after = Some(last.id);
+            for e in &page {
+                match e.event_type.as_str() {
+                    "paused" => paused = true,
+                    "resumed" => paused = false,
+                    _ => {}
+                }
+            }
+        }
     }
 }

@@ -7,6 +7,12 @@
 //! lets `aviary-scheduler` filter and score them (best-of-K). The decision
 //! and its score are events. Node tokens are kept in `<data>/nodes.json`
 //! (mode 0600) so a restarted control plane reconnects.
+//!
+//! Every placement goes through the scheduler's filters, the local node's
+//! included, so no node is committed past its over-commit limit
+//! (`capacity_exhausted`). Placements are serialized by a lock held until
+//! the new sandbox's row exists ([`Placement`]): the row is what counts as
+//! committed, so two creates cannot both take the last slot.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
@@ -31,6 +37,15 @@ pub struct Nodes {
     map: RwLock<HashMap<String, Arc<RemoteNode>>>,
     file: PathBuf,
     scheduler: Scheduler,
+    /// Held from a placement until its sandbox row is inserted.
+    placing: tokio::sync::Mutex<()>,
+}
+
+/// Where a new sandbox goes. Keep it until the sandbox's registry row is
+/// inserted: until then the placed limits are not counted as committed.
+pub(crate) struct Placement<'a> {
+    pub node: String,
+    _placing: tokio::sync::MutexGuard<'a, ()>,
 }
 
 /// `POST /v1/nodes` (admin): register a node agent.
@@ -63,6 +78,7 @@ impl Nodes {
             map: RwLock::new(HashMap::new()),
             file: data_dir.join("nodes.json"),
             scheduler: Scheduler::new(cfg),
+            placing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -100,6 +116,14 @@ impl Nodes {
             .collect();
         crate::ops::write_secret_file(&self.file, &serde_json::to_string_pretty(&saved)?)
     }
+}
+
+/// States in which a sandbox's limits count as committed on its node: from
+/// the create's first row until its compute is gone (hibernated, lost,
+/// failed or terminated sandboxes hold none).
+fn holds_compute(s: aviary_core::SandboxState) -> bool {
+    use aviary_core::SandboxState::*;
+    !matches!(s, Hibernating | Terminated | Failed | Lost)
 }
 
 fn host_capacity() -> (f64, u64) {
@@ -212,32 +236,46 @@ impl ControlPlane {
     /// Every node as the scheduler sees it now.
     pub async fn list_nodes(&self) -> Result<NodeList, OpError> {
         Ok(NodeList {
-            nodes: self.node_views().await?,
+            nodes: self.node_views(false, None).await?,
         })
     }
 
-    async fn node_views(&self) -> Result<Vec<NodeView>, OpError> {
+    /// The scheduler's view of the local node and (unless `local_only`) of
+    /// every agent that answers. `placing` is the template digest of a
+    /// placement: it is known to be in the local store, which then need not
+    /// be listed when only the local node is considered.
+    async fn node_views(
+        &self,
+        local_only: bool,
+        placing: Option<&str>,
+    ) -> Result<Vec<NodeView>, OpError> {
         let now = aviary_core::now();
         let (cpu, mem) = host_capacity();
         let mut committed = (0.0, 0u64);
         for r in self.registry.list_sandboxes(None, false).await? {
-            if r.node == LOCAL_NODE
-                && (r.state.is_live() || r.state == aviary_core::SandboxState::Provisioning)
-            {
+            if r.node == LOCAL_NODE && holds_compute(r.state) {
                 committed.0 += r.resources.cpu;
                 committed.1 += r.resources.memory_mb;
             }
         }
-        let store = self.templates.clone();
-        let templates = tokio::task::spawn_blocking(move || store.list())
-            .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?;
+        let templates = match placing {
+            Some(digest) if local_only => vec![digest.to_owned()],
+            _ => {
+                let store = self.templates.clone();
+                tokio::task::spawn_blocking(move || store.list())
+                    .await
+                    .map_err(OpError::internal)?
+                    .map_err(OpError::internal)?
+                    .into_iter()
+                    .map(|t| t.digest)
+                    .collect()
+            }
+        };
         let mut views = vec![NodeView {
             id: LOCAL_NODE.into(),
             address: LOCAL_NODE.into(),
             runtimes: vec![self.runtime.name().to_owned()],
-            templates: templates.iter().map(|t| t.digest.clone()).collect(),
+            templates,
             cpu_capacity: cpu,
             memory_capacity_mb: mem,
             cpu_committed: committed.0,
@@ -249,6 +287,9 @@ impl ControlPlane {
             last_seen: now,
         }];
         for n in self.nodes.all() {
+            if local_only {
+                break;
+            }
             match n.runtime.info().await {
                 Ok(info) => views.push(info.to_view(n.address.clone(), HashMap::new(), now)),
                 Err(e) => {
@@ -259,41 +300,59 @@ impl ControlPlane {
         Ok(views)
     }
 
-    /// Where a new sandbox runs. With no remote node registered this is the
-    /// local node without asking the scheduler (no extra latency).
+    /// Where a new sandbox runs: the scheduler's choice among the nodes
+    /// (only the local one when `local_only`, e.g. for a fork, whose layers
+    /// are restored here). A node past its over-commit limit is never
+    /// chosen; when none has room the answer is `capacity_exhausted`. The
+    /// decision is an event when agents are registered.
     pub(crate) async fn place(
         &self,
         tenant: &str,
         class: &str,
         limits: ResourceLimits,
         template_digest: &str,
+        local_only: bool,
         request_id: Option<&str>,
-    ) -> Result<String, OpError> {
-        if self.nodes.is_empty() {
-            return Ok(LOCAL_NODE.into());
-        }
-        let views = self.node_views().await?;
+    ) -> Result<Placement<'_>, OpError> {
+        let placing = self.nodes.placing.lock().await;
+        let local_only = local_only || self.nodes.is_empty();
+        let views = self.node_views(local_only, Some(template_digest)).await?;
         let req = PlacementRequest {
             class: class.to_owned(),
             limits,
             template_digest: template_digest.to_owned(),
             runtime: self.runtime.name().to_owned(),
         };
-        let decision = self
-            .nodes
-            .scheduler
-            .place(&views, &req, aviary_core::now())
-            .map_err(|e| OpError::Unavailable(format!("no node can take the sandbox: {e}")))?;
-        self.record_event(
-            tenant,
-            None,
-            None,
-            "placement",
-            request_id,
-            serde_json::to_value(&decision).unwrap_or_default(),
-        )
-        .await?;
-        Ok(decision.node_id)
+        let decision = match self.nodes.scheduler.place(&views, &req, aviary_core::now()) {
+            Ok(d) => d,
+            Err(e) => {
+                // node capacities are not the tenant's business: details go to the log
+                tracing::info!(tenant, class, error = ?e, "placement refused");
+                return Err(if e.is_capacity() {
+                    OpError::CapacityExhausted(format!(
+                        "no node has room for a {class} sandbox ({} CPU, {} MiB) within its over-commit limit; retry later",
+                        limits.cpu, limits.memory_mb
+                    ))
+                } else {
+                    OpError::Unavailable(format!("no node can take the sandbox: {e}"))
+                });
+            }
+        };
+        if !self.nodes.is_empty() {
+            self.record_event(
+                tenant,
+                None,
+                None,
+                "placement",
+                request_id,
+                serde_json::to_value(&decision).unwrap_or_default(),
+            )
+            .await?;
+        }
+        Ok(Placement {
+            node: decision.node_id,
+            _placing: placing,
+        })
     }
 
     /// The runtime that runs sandboxes of `node`.

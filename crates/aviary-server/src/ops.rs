@@ -44,6 +44,10 @@ pub(crate) fn envd_client(ep: &aviary_runtime::EnvdEndpoint) -> EnvdClient {
     EnvdClient::new(ep.socket.clone()).expect_peer_pid(ep.peer_pid)
 }
 
+/// Longest a fence push may take; an envd that does not answer by then is
+/// treated as one that refused.
+const FENCE_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Who is calling, resolved from the API key.
 #[derive(Clone, Debug)]
 pub struct Caller {
@@ -346,14 +350,25 @@ impl ControlPlane {
         })
         .await
         .map_err(OpError::internal)?;
-        match res {
+        let res = match res {
             Ok(_) => {
-                self.sync_templates().await?;
-                self.reconcile_on_start().await?;
+                self.set_readiness(Readiness::Preparing(
+                    "re-attaching to running sandboxes".into(),
+                ));
+                match self.sync_templates().await {
+                    Ok(()) => self.reconcile_on_start().await,
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match res {
+            Ok(()) => {
                 self.set_readiness(Readiness::Ready);
                 Ok(())
             }
             Err(e) => {
+                // never "preparing" forever: a failed start-up says so
                 self.set_readiness(Readiness::Failed(format!("{:#}", anyhow_of(&e))));
                 Err(e)
             }
@@ -374,69 +389,20 @@ impl ControlPlane {
 
     /// Re-attaches to sandboxes that survived a restart; marks the ones the
     /// runtime lost, and destroys runtime sandboxes the registry does not know.
+    /// One sandbox that cannot be brought back never holds up the others: it
+    /// is marked lost (tainted, with an event) and start-up goes on.
     pub async fn reconcile_on_start(&self) -> Result<(), OpError> {
         let records = self.registry.list_sandboxes(None, false).await?;
         let actual = self.runtime.list().await.map_err(OpError::internal)?;
         for rec in &records {
-            if rec.node != crate::nodes::LOCAL_NODE {
-                // on a remote node: re-attach through its agent when it answers
-                if let (Some(n), true) = (self.nodes.get(&rec.node), rec.state.is_live()) {
-                    let envd = n.runtime.envd(&rec.id);
-                    if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
-                        let live = self.attach(&rec.id, envd, None);
-                        self.push_fence(&rec.id, &live).await?;
-                    }
-                }
-                continue;
-            }
-            let status = if actual.contains(&rec.id) {
-                self.runtime.status(&rec.id).await.ok()
-            } else {
-                None
-            };
-            if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Paused) {
-                // a frozen envd cannot answer; its fence is pushed on resume
-                if let Ok(envd) = self.local_envd(&rec.id).await {
-                    let live = self.attach(&rec.id, envd, None);
-                    live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
-                    continue;
+            if let Err(e) = self.reconcile_one(rec, &actual).await {
+                tracing::warn!(sandbox.id = %rec.id, error = format!("{:#}", anyhow_of(&e)), "could not reconcile the sandbox after a restart");
+                if rec.state.is_live() {
+                    let _ = self
+                        .mark_lost(&rec.id, crate::lifecycle::LOST_ENVD_GONE, None)
+                        .await;
                 }
             }
-            if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Running) {
-                if let Ok(envd) = self.local_envd(&rec.id).await {
-                    if envd.wait_ready(Duration::from_secs(2)).await.is_ok() {
-                        let live = self.attach(&rec.id, envd, None);
-                        self.push_fence(&rec.id, &live).await?;
-                        continue;
-                    }
-                }
-            }
-            if rec.state.is_terminal() {
-                continue;
-            }
-            // Lost: the runtime no longer has it (or it never finished starting).
-            let _ = self.runtime.destroy(&rec.id).await;
-            let _ = self.leases.revoke(&rec.id).await;
-            let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Lost) {
-                &[SandboxState::Lost, SandboxState::Terminated]
-            } else if rec.state.can_transition_to(SandboxState::Failed) {
-                &[SandboxState::Failed, SandboxState::Terminated]
-            } else {
-                &[SandboxState::Terminated]
-            };
-            self.registry
-                .transition(
-                    &rec.id,
-                    rec.version,
-                    path,
-                    FenceCheck::Skip,
-                    ctx(
-                        None,
-                        Some("reconciled"),
-                        serde_json::json!({"reason": "runtime has no such sandbox after restart"}),
-                    ),
-                )
-                .await?;
         }
         for id in actual {
             if !records.iter().any(|r| r.id == id) {
@@ -444,6 +410,107 @@ impl ControlPlane {
                 let _ = self.runtime.destroy(&id).await;
             }
         }
+        Ok(())
+    }
+
+    /// Start-up reconciliation of one sandbox.
+    async fn reconcile_one(
+        &self,
+        rec: &SandboxRecord,
+        actual: &[SandboxId],
+    ) -> Result<(), OpError> {
+        // envd calls here are bounded: a hung envd must not hold up start-up
+        const ANSWER: Duration = Duration::from_secs(3);
+        if rec.node != crate::nodes::LOCAL_NODE {
+            // on a remote node: re-attach through its agent when it answers
+            if let (Some(n), true) = (self.nodes.get(&rec.node), rec.state.is_live()) {
+                let envd = n.runtime.envd(&rec.id);
+                if let Ok(Ok(())) =
+                    tokio::time::timeout(ANSWER, envd.wait_ready(Duration::from_secs(2))).await
+                {
+                    let live = self.attach(&rec.id, envd, None);
+                    let _ = self.push_fence_or_lose(&rec.id, &live, None).await;
+                }
+            }
+            return Ok(());
+        }
+        match rec.state {
+            // no compute: a hibernated sandbox wakes from its snapshot (a
+            // crash may have left its old compute behind), a lost one waits
+            // for its owner to delete it
+            SandboxState::Hibernating => {
+                if actual.contains(&rec.id) {
+                    let _ = self.runtime.destroy(&rec.id).await;
+                }
+                return Ok(());
+            }
+            SandboxState::Lost => return Ok(()),
+            _ => {}
+        }
+        let mut status = if actual.contains(&rec.id) {
+            self.runtime.status(&rec.id).await.ok()
+        } else {
+            None
+        };
+        if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Paused) {
+            if self.paused_on_record(&rec.id).await? {
+                // a frozen envd cannot answer; its fence is pushed on resume
+                if let Ok(envd) = self.local_envd(&rec.id).await {
+                    let live = self.attach(&rec.id, envd, None);
+                    live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return Ok(());
+                }
+            } else if let Some(p) = &self.pausable {
+                // frozen without a pause on record: a snapshot the crash interrupted
+                p.resume(&rec.id).await.map_err(OpError::internal)?;
+                self.event(
+                    rec,
+                    "thawed",
+                    None,
+                    serde_json::json!({"reason": "frozen after a restart without a pause on record (interrupted snapshot)"}),
+                )
+                .await?;
+                status = Some(aviary_runtime::RuntimeStatus::Running);
+            }
+        }
+        if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Running) {
+            if let Ok(envd) = self.local_envd(&rec.id).await {
+                if let Ok(Ok(())) =
+                    tokio::time::timeout(ANSWER, envd.wait_ready(Duration::from_secs(2))).await
+                {
+                    let live = self.attach(&rec.id, envd, None);
+                    // one envd refusing its fence makes one sandbox lost, not the server
+                    let _ = self.push_fence_or_lose(&rec.id, &live, None).await;
+                    return Ok(());
+                }
+            }
+        }
+        if rec.state.is_terminal() {
+            return Ok(());
+        }
+        // Lost: the runtime no longer has it (or it never finished starting).
+        let _ = self.runtime.destroy(&rec.id).await;
+        let _ = self.leases.revoke(&rec.id).await;
+        let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Lost) {
+            &[SandboxState::Lost, SandboxState::Terminated]
+        } else if rec.state.can_transition_to(SandboxState::Failed) {
+            &[SandboxState::Failed, SandboxState::Terminated]
+        } else {
+            &[SandboxState::Terminated]
+        };
+        self.registry
+            .transition(
+                &rec.id,
+                rec.version,
+                path,
+                FenceCheck::Skip,
+                ctx(
+                    None,
+                    Some("reconciled"),
+                    serde_json::json!({"reason": "runtime has no such sandbox after restart"}),
+                ),
+            )
+            .await?;
         Ok(())
     }
 
@@ -505,10 +572,28 @@ impl ControlPlane {
     ) -> Result<(), OpError> {
         let _g = live.fence_lock.lock().await;
         let current = self.leases.current(id, aviary_core::now()).await?;
-        live.envd
-            .set_fence(current.map(|l| l.token.0))
-            .await
-            .map_err(OpError::from)
+        // a hung envd must not hang the lease operation waiting on it
+        match tokio::time::timeout(
+            FENCE_PUSH_TIMEOUT,
+            live.envd.set_fence(current.map(|l| l.token.fence())),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(OpError::from),
+            Err(_) => Err(OpError::Unavailable(format!(
+                "envd did not answer the fence within {FENCE_PUSH_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    /// Every attached sandbox (for the background probe).
+    pub(crate) fn live_snapshot(&self) -> Vec<(SandboxId, Arc<LiveSandbox>)> {
+        self.live
+            .lock()
+            .expect("live map poisoned")
+            .iter()
+            .map(|(id, l)| (id.clone(), l.clone()))
+            .collect()
     }
 
     // ---- sandboxes ------------------------------------------------------
@@ -697,18 +782,18 @@ impl ControlPlane {
         }
         let id = SandboxId::generate();
         let now = aviary_core::now();
-        let node = if seed.is_some() {
-            crate::nodes::LOCAL_NODE.to_owned()
-        } else {
-            self.place(
+        // a fork's layers are restored on this host: it runs here
+        let placement = self
+            .place(
                 &caller.tenant,
                 &class,
                 resources,
                 &template.digest,
+                seed.is_some(),
                 request_id,
             )
-            .await?
-        };
+            .await?;
+        let node = placement.node.clone();
         let new = NewSandbox {
             id: id.clone(),
             tenant: caller.tenant.clone(),
@@ -739,6 +824,8 @@ impl ControlPlane {
                 ),
             )
             .await?;
+        // the row now counts as committed on its node
+        drop(placement);
         let rec = self
             .registry
             .transition(
@@ -1026,7 +1113,7 @@ impl ControlPlane {
                         ctx(
                             request_id,
                             None,
-                            serde_json::json!({"lease_owner": owner, "token": lease.token}),
+                            serde_json::json!({"lease_owner": owner, "fence": lease.token.fence()}),
                         ),
                     )
                     .await?;
@@ -1219,16 +1306,26 @@ impl ControlPlane {
         token: Option<LeaseToken>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let rec = self.sandbox_for(caller, id).await?;
-        if !rec.state.is_live() {
-            return Err(OpError::InvalidState {
-                state: rec.state,
-                what: "it is not running".into(),
-            });
-        }
+        Self::running(&rec)?;
         self.check_fence(&rec.id, token).await?;
         let live = self.live(&rec.id)?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
+    }
+
+    /// A sandbox that can run commands; a lost one says so (`sandbox_lost`).
+    pub(crate) fn running(rec: &SandboxRecord) -> Result<(), OpError> {
+        match rec.state {
+            s if s.is_live() => Ok(()),
+            SandboxState::Lost => Err(OpError::SandboxLost(format!(
+                "sandbox {} is lost (its envd is gone or refused its lease fence); delete it and create a new one",
+                rec.id
+            ))),
+            s => Err(OpError::InvalidState {
+                state: s,
+                what: "it is not running".into(),
+            }),
+        }
     }
 
     fn not_paused(rec: &SandboxRecord, live: &LiveSandbox) -> Result<(), OpError> {
@@ -1247,12 +1344,7 @@ impl ControlPlane {
         id: &str,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let rec = self.sandbox_for(caller, id).await?;
-        if !rec.state.is_live() {
-            return Err(OpError::InvalidState {
-                state: rec.state,
-                what: "it is not running".into(),
-            });
-        }
+        Self::running(&rec)?;
         let live = self.live(&rec.id)?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
@@ -1316,7 +1408,13 @@ impl ControlPlane {
         let (rec, live) = self.writable(caller, id, req.token).await?;
         let runtime = self.runtime_for(&rec.node)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
-        let stream = live.envd.exec(spec, req.token.map(|t| t.0)).await?;
+        let stream = self
+            .via_envd(
+                &rec,
+                &live,
+                live.envd.exec(spec, req.token.map(|t| t.fence())).await,
+            )
+            .await?;
         self.metrics.inc_exec();
         Ok(ExecRun {
             id: rec.id,
@@ -1429,7 +1527,14 @@ impl ControlPlane {
         let cap = self.cfg.exec_output_cap;
         let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
         loop {
-            match run.stream.next().await? {
+            let event = match run.stream.next().await {
+                Ok(ev) => ev,
+                Err(e) => {
+                    let rec = self.registry.get_sandbox(&run.id).await?;
+                    return Err(self.envd_failed(&rec, &run.busy.0, e).await);
+                }
+            };
+            match event {
                 aviary_envd_proto::ExecEvent::Stdout(d) => {
                     append_capped(&mut out, &d, cap, &mut truncated)
                 }
@@ -1464,8 +1569,9 @@ impl ControlPlane {
         path: &str,
     ) -> Result<aviary_envd_proto::FileReader, OpError> {
         check_sandbox_path(path)?;
-        let (_, live) = self.readable(caller, id).await?;
-        Ok(live.envd.read_file(path, None).await?)
+        let (rec, live) = self.readable(caller, id).await?;
+        self.via_envd(&rec, &live, live.envd.read_file(path, None).await)
+            .await
     }
 
     pub async fn write_file<R>(
@@ -1480,11 +1586,12 @@ impl ControlPlane {
         R: tokio::io::AsyncRead + Unpin + Send,
     {
         check_sandbox_path(path)?;
-        let (_, live) = self.writable(caller, id, token).await?;
-        Ok(live
+        let (rec, live) = self.writable(caller, id, token).await?;
+        let r = live
             .envd
-            .write_file(path, None, body, token.map(|t| t.0))
-            .await?)
+            .write_file(path, None, body, token.map(|t| t.fence()))
+            .await;
+        self.via_envd(&rec, &live, r).await
     }
 
     pub async fn list_files(
@@ -1494,8 +1601,10 @@ impl ControlPlane {
         path: &str,
     ) -> Result<FileList, OpError> {
         check_sandbox_path(path)?;
-        let (_, live) = self.readable(caller, id).await?;
-        let entries = live.envd.list_dir(path).await?;
+        let (rec, live) = self.readable(caller, id).await?;
+        let entries = self
+            .via_envd(&rec, &live, live.envd.list_dir(path).await)
+            .await?;
         Ok(FileList {
             entries: entries.into_iter().map(file_info).collect(),
         })
@@ -1503,8 +1612,11 @@ impl ControlPlane {
 
     pub async fn stat(&self, caller: &Caller, id: &str, path: &str) -> Result<FileInfo, OpError> {
         check_sandbox_path(path)?;
-        let (_, live) = self.readable(caller, id).await?;
-        Ok(file_info(live.envd.stat(path).await?))
+        let (rec, live) = self.readable(caller, id).await?;
+        Ok(file_info(
+            self.via_envd(&rec, &live, live.envd.stat(path).await)
+                .await?,
+        ))
     }
 
     pub async fn mkdir(
@@ -1515,8 +1627,9 @@ impl ControlPlane {
         token: Option<LeaseToken>,
     ) -> Result<(), OpError> {
         check_sandbox_path(path)?;
-        let (_, live) = self.writable(caller, id, token).await?;
-        Ok(live.envd.mkdir(path, true, token.map(|t| t.0)).await?)
+        let (rec, live) = self.writable(caller, id, token).await?;
+        let r = live.envd.mkdir(path, true, token.map(|t| t.fence())).await;
+        self.via_envd(&rec, &live, r).await
     }
 
     pub async fn remove(
@@ -1531,11 +1644,12 @@ impl ControlPlane {
         if path.trim_end_matches('/').is_empty() {
             return Err(OpError::InvalidPath("refusing to remove /".into()));
         }
-        let (_, live) = self.writable(caller, id, token).await?;
-        Ok(live
+        let (rec, live) = self.writable(caller, id, token).await?;
+        let r = live
             .envd
-            .remove(path, recursive, token.map(|t| t.0))
-            .await?)
+            .remove(path, recursive, token.map(|t| t.fence()))
+            .await;
+        self.via_envd(&rec, &live, r).await
     }
 
     // ---- leases ------------------------------------------------------------
@@ -1561,8 +1675,10 @@ impl ControlPlane {
             .leases
             .acquire(&rec.id, &req.owner, ttl, aviary_core::now())
             .await?;
-        self.push_fence(&rec.id, &live).await?;
-        let meta = serde_json::json!({"owner": lease.owner, "token": lease.token, "expires_at": rfc3339(lease.expires_at)});
+        // the token is handed out only once envd enforces it (and has
+        // stopped what ran under the previous one); else it is never handed out
+        self.push_fence_or_lose(&rec.id, &live, request_id).await?;
+        let meta = serde_json::json!({"owner": lease.owner, "fence": lease.token.fence(), "expires_at": rfc3339(lease.expires_at)});
         if rec.state == SandboxState::Idle {
             self.transition_fresh(
                 &rec.id,
@@ -1613,7 +1729,7 @@ impl ControlPlane {
             .release(&rec.id, req.token, aviary_core::now())
             .await?;
         if let Some(live) = self.live_opt(&rec.id) {
-            self.push_fence(&rec.id, &live).await?;
+            self.push_fence_or_lose(&rec.id, &live, request_id).await?;
         }
         self.transition_fresh(
             &rec.id,
@@ -1621,7 +1737,7 @@ impl ControlPlane {
             SandboxState::Idle,
             request_id,
             "lease_released",
-            serde_json::json!({"token": req.token}),
+            serde_json::json!({"fence": req.token.fence()}),
         )
         .await?;
         Ok(())
@@ -1668,9 +1784,24 @@ impl ControlPlane {
         let now = aviary_core::now();
         for lease in self.leases.expire_due(now).await? {
             if let Some(live) = self.live_opt(&lease.sandbox_id) {
-                if let Err(e) = self.push_fence(&lease.sandbox_id, &live).await {
-                    tracing::warn!(sandbox.id = %lease.sandbox_id, error = %e, "could not push fence after lease expiry");
+                // envd stops what ran under the expired lease; one that does
+                // not take the fence makes its sandbox lost
+                if self
+                    .push_fence_or_lose(&lease.sandbox_id, &live, None)
+                    .await
+                    .is_err()
+                {
+                    continue;
                 }
+            }
+            if self
+                .leases
+                .current(&lease.sandbox_id, aviary_core::now())
+                .await?
+                .is_some()
+            {
+                // already leased again (acquired before this sweep got here)
+                continue;
             }
             self.transition_fresh(
                 &lease.sandbox_id,
@@ -1678,7 +1809,7 @@ impl ControlPlane {
                 SandboxState::Idle,
                 None,
                 "lease_expired",
-                serde_json::json!({"owner": lease.owner, "token": lease.token}),
+                serde_json::json!({"owner": lease.owner, "fence": lease.token.fence()}),
             )
             .await?;
         }

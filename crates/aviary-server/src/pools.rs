@@ -340,7 +340,15 @@ impl ControlPlane {
             let keep = s.buffer_max.max(target).min(room);
             let mut have = idle.len() as u32;
             while have < target {
-                self.start_pooled(&class, &template).await?;
+                match self.start_pooled(&class, &template).await {
+                    Ok(()) => {}
+                    // a full node is not a failure: the pool waits for room
+                    Err(OpError::CapacityExhausted(why)) => {
+                        tracing::debug!(pool = %s.class, %why, "pool refill waits for capacity");
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
                 started += 1;
                 have += 1;
             }
@@ -356,6 +364,18 @@ impl ControlPlane {
         class: &aviary_config::ResourceClass,
         template: &aviary_templates::TemplateInfo,
     ) -> Result<(), OpError> {
+        // warm sandboxes are committed like any other: only within the
+        // local node's over-commit limit
+        let placement = self
+            .place(
+                POOL_TENANT,
+                &class.name,
+                class.limits(),
+                &template.digest,
+                true,
+                None,
+            )
+            .await?;
         let id = SandboxId::generate();
         let new = NewSandbox {
             id: id.clone(),
@@ -388,6 +408,7 @@ impl ControlPlane {
                 },
             )
             .await?;
+        drop(placement);
         let rec = self
             .registry
             .transition(

@@ -420,6 +420,17 @@ impl ControlPlane {
                     state: rec.state,
                     what: "it has no snapshot to wake from".into(),
                 })?;
+        // new compute: it must fit under the node's over-commit like a create
+        let placement = self
+            .place(
+                &rec.tenant,
+                &rec.resource_class,
+                rec.resources,
+                &rec.template_digest,
+                true,
+                request_id,
+            )
+            .await?;
         let rec = self
             .registry
             .transition(
@@ -434,6 +445,7 @@ impl ControlPlane {
                 },
             )
             .await?;
+        drop(placement);
         let template = self.template_info(&rec.template).await?;
         self.stage_seed(&snap, &rec.id).await?;
         let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
