@@ -438,4 +438,63 @@ mod quota {
         );
         assert!(!f.state.join(spec.id.as_str()).exists());
     }
+
+    fn median_p90(mut v: Vec<std::time::Duration>) -> String {
+        v.sort();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        format!(
+            "median {:.1} ms, p90 {:.1} ms",
+            ms(v[v.len() / 2]),
+            ms(v[v.len() * 9 / 10])
+        )
+    }
+
+    /// What the quota costs at create and destroy: `n` creates with and
+    /// without, interleaved so both see the same machine. A measurement,
+    /// not a test: `cargo test -p aviary-runtime-oci --test quota -- --ignored --nocapture`.
+    #[tokio::test]
+    #[ignore = "benchmark; run by hand"]
+    async fn measure_create_cost_with_and_without_quota() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let n: usize = std::env::var("AVIARY_QUOTA_BENCH_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
+        let with = runtime(&f);
+        let mut config = OciConfig::new(OciBinary::Crun, &f.state);
+        config.disk_quota = false;
+        let without = OciRuntime::new(config).unwrap();
+        let t = std::time::Instant::now();
+        with.probe().await.unwrap();
+        let probe = t.elapsed();
+        let (mut c_on, mut d_on, mut c_off, mut d_off) = (vec![], vec![], vec![], vec![]);
+        for i in 0..=n {
+            for (rt, creates, destroys) in [
+                (&with, &mut c_on, &mut d_on),
+                (&without, &mut c_off, &mut d_off),
+            ] {
+                // Class-sized disk: 10 GiB, as the default "small" class.
+                let spec = spec_for(&f, 10240);
+                let t = std::time::Instant::now();
+                rt.create(&spec).await.unwrap();
+                let created = t.elapsed();
+                let t = std::time::Instant::now();
+                rt.destroy(&spec.id).await.unwrap();
+                // The first round warms caches and cgroup parents.
+                if i > 0 {
+                    creates.push(created);
+                    destroys.push(t.elapsed());
+                }
+            }
+        }
+        println!(
+            "probe (incl. disk check): {:.1} ms",
+            probe.as_secs_f64() * 1000.0
+        );
+        println!("create, disk quota on : {}", median_p90(c_on));
+        println!("create, disk quota off: {}", median_p90(c_off));
+        println!("destroy, disk quota on : {}", median_p90(d_on));
+        println!("destroy, disk quota off: {}", median_p90(d_off));
+    }
 }
