@@ -104,12 +104,12 @@ pub fn template_table(list: &[Template]) {
 
 pub fn key_table(keys: &[aviary_client::ApiKeyInfo]) {
     println!(
-        "{:<28} {:<20} {:<6} {:<26} {:<26}",
+        "{:<28} {:<20} {:<6} {:<28} {:<28}",
         "ID", "TENANT", "ADMIN", "CREATED", "REVOKED"
     );
     for k in keys {
         println!(
-            "{:<28} {:<20} {:<6} {:<26} {:<26}",
+            "{:<28} {:<20} {:<6} {:<28} {:<28}",
             k.id,
             k.tenant,
             if k.admin { "yes" } else { "no" },

@@ -2,6 +2,7 @@
 //! connection floods and slow clients on loopback (bounded, a few seconds),
 //! per-key rate limits, bad inputs that must be 4xx and never reach a sandbox,
 //! tenant names, key revocation, and who may read metrics, pools and nodes.
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
 mod common;
 
