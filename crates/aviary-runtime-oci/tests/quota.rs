@@ -488,10 +488,30 @@ mod quota {
                 }
             }
         }
+        // Adopting a staged snapshot (500 files, 50 MB): a rename without the
+        // quota, a copy onto the sandbox's disk with it.
+        let (mut s_on, mut s_off) = (vec![], vec![]);
+        for _ in 0..5 {
+            for (rt, times) in [(&with, &mut s_on), (&without, &mut s_off)] {
+                let spec = spec_for(&f, 10240);
+                let seed = seed_dir(&f.state.join(spec.id.as_str()));
+                std::fs::create_dir_all(seed.join("workspace")).unwrap();
+                for i in 0..500 {
+                    std::fs::write(seed.join(format!("workspace/f{i}")), vec![1u8; 100_000])
+                        .unwrap();
+                }
+                let t = std::time::Instant::now();
+                rt.create(&spec).await.unwrap();
+                times.push(t.elapsed());
+                rt.destroy(&spec.id).await.unwrap();
+            }
+        }
         println!(
             "probe (incl. disk check): {:.1} ms",
             probe.as_secs_f64() * 1000.0
         );
+        println!("create with 50 MB seed, quota on : {}", median_p90(s_on));
+        println!("create with 50 MB seed, quota off: {}", median_p90(s_off));
         println!("create, disk quota on : {}", median_p90(c_on));
         println!("create, disk quota off: {}", median_p90(c_off));
         println!("destroy, disk quota on : {}", median_p90(d_on));
