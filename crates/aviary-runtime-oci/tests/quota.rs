@@ -194,6 +194,22 @@ mod quota {
             assert!(size <= DISK_MB && size >= DISK_MB / 2, "df: {line}");
         }
 
+        // The disk's mounts name paths inside the disk, never the host's
+        // state dir (`/workspace` is the disk's `/workspace`).
+        let mountinfo = sh(&rt, &spec.id, "cat /proc/self/mountinfo").await;
+        let mountinfo = String::from_utf8_lossy(&mountinfo.stdout).into_owned();
+        assert!(
+            !mountinfo.contains(f.state.to_str().unwrap()),
+            "{mountinfo}"
+        );
+        assert!(
+            mountinfo
+                .lines()
+                .any(|l| l.split(' ').nth(3) == Some("/workspace")
+                    && l.split(' ').nth(4) == Some("/workspace")),
+            "{mountinfo}"
+        );
+
         // 200 MB into /workspace: ENOSPC inside.
         let out = sh(
             &rt,
