@@ -98,6 +98,9 @@ pub struct EdgeSettings {
     pub body_read_timeout_ms: u64,
     /// Connections open at once; more are answered 503 and closed at once.
     pub max_connections: u32,
+    /// Connections open at once from one client address, so one client
+    /// cannot take all of `max_connections`.
+    pub max_connections_per_ip: u32,
     /// Requests per second per API key, sustained (token bucket refill).
     pub rate_limit_per_s: f64,
     /// Requests per API key allowed in a burst (token bucket size).
@@ -429,6 +432,7 @@ pub(crate) fn default_edge() -> EdgeSettings {
         header_read_timeout_ms: 10_000,
         body_read_timeout_ms: 30_000,
         max_connections: 1024,
+        max_connections_per_ip: 256,
         rate_limit_per_s: 50.0,
         rate_limit_burst: 100,
         metrics_token_env: "AVIARY_METRICS_TOKEN".into(),

@@ -46,6 +46,7 @@ struct RawServer {
     header_read_timeout_ms: Option<Spanned<u64>>,
     body_read_timeout_ms: Option<Spanned<u64>>,
     max_connections: Option<Spanned<u32>>,
+    max_connections_per_ip: Option<Spanned<u32>>,
     rate_limit_per_s: Option<Spanned<f64>>,
     rate_limit_burst: Option<Spanned<u32>>,
     metrics_token_env: Option<Spanned<String>>,
@@ -396,6 +397,11 @@ fn check_server(
                 "max_connections",
                 raw.max_connections,
                 &mut e.max_connections,
+            ),
+            (
+                "max_connections_per_ip",
+                raw.max_connections_per_ip,
+                &mut e.max_connections_per_ip,
             ),
             (
                 "rate_limit_burst",

@@ -967,6 +967,11 @@ fn bad_edge_limits_are_rejected() {
             "must be > 0",
         ),
         (
+            "max_connections_per_ip = 0",
+            "server.max_connections_per_ip",
+            "must be > 0",
+        ),
+        (
             "rate_limit_burst = 0",
             "server.rate_limit_burst",
             "must be > 0",

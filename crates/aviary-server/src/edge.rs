@@ -2,10 +2,11 @@
 //! open connections and hyper's header read timeout, and the per-key request
 //! rate limiter.
 //!
-//! - At most `max_connections` connections are served at once; one more is
-//!   answered `503` with `Retry-After` in a single non-blocking write and
-//!   closed, without spawning anything, so a flood costs the server no
-//!   memory beyond the kernel's accept queue.
+//! - At most `max_connections` connections are served at once, and at most
+//!   `max_connections_per_ip` from one client address (so one client cannot
+//!   take every slot); one more is answered `503` with `Retry-After` in a
+//!   single non-blocking write and closed, without spawning anything, so a
+//!   flood costs the server no memory beyond the kernel's accept queue.
 //! - A connection must deliver a request's headers within
 //!   `header_read_timeout_ms`, and the same limit applies to a kept-alive
 //!   connection waiting for its next request (hyper restarts the timer after
@@ -24,6 +25,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
@@ -50,13 +52,14 @@ pub async fn serve(
     let max = usize::try_from(limits.max_connections).unwrap_or(usize::MAX);
     let header_timeout = Duration::from_millis(limits.header_read_timeout_ms);
     let permits = Arc::new(Semaphore::new(max));
+    let peers = Arc::new(PeerCounts::new(limits.max_connections_per_ip));
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _peer)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning
                     tracing::warn!(error = %e, "accept failed");
@@ -65,7 +68,10 @@ pub async fn serve(
                 }
             },
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
+        let (Some(peer_slot), Ok(permit)) = (
+            PeerCounts::claim(&peers, peer.ip()),
+            permits.clone().try_acquire_owned(),
+        ) else {
             cp.metrics.inc_connection_refused();
             refuse(stream);
             continue;
@@ -73,7 +79,7 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let (app, cp, mut stop) = (app.clone(), cp.clone(), stop_rx.clone());
         tokio::spawn(async move {
-            let _permit = permit;
+            let _slots = (permit, peer_slot);
             cp.metrics.connection_opened();
             let _open = OpenConnection(&cp);
             let mut builder = hyper::server::conn::http1::Builder::new();
@@ -116,6 +122,52 @@ impl Drop for OpenConnection<'_> {
 /// the client just sees the connection closed.
 fn refuse(stream: TcpStream) {
     let _ = stream.try_write(OVER_CAPACITY);
+}
+
+/// Open connections per client address.
+struct PeerCounts {
+    limit: u32,
+    open: Mutex<HashMap<IpAddr, u32>>,
+}
+
+/// One connection's place in [`PeerCounts`], given back on drop.
+struct PeerSlot {
+    counts: Arc<PeerCounts>,
+    ip: IpAddr,
+}
+
+impl PeerCounts {
+    fn new(limit: u32) -> Self {
+        PeerCounts {
+            limit: limit.max(1),
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn claim(counts: &Arc<PeerCounts>, ip: IpAddr) -> Option<PeerSlot> {
+        let mut open = counts.open.lock().unwrap_or_else(|p| p.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if *n >= counts.limit {
+            return None;
+        }
+        *n += 1;
+        Some(PeerSlot {
+            counts: counts.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut open = self.counts.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// Token buckets per API key (by key hash).
@@ -220,6 +272,23 @@ mod tests {
         }
         l.take("last", t0 + Duration::from_secs(1)).unwrap();
         assert!(l.buckets.lock().unwrap().len() < 10);
+    }
+
+    #[test]
+    fn one_address_gets_at_most_its_share() {
+        let counts = Arc::new(PeerCounts::new(2));
+        let (a, b): (IpAddr, IpAddr) = ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let s1 = PeerCounts::claim(&counts, a).unwrap();
+        let _s2 = PeerCounts::claim(&counts, a).unwrap();
+        assert!(PeerCounts::claim(&counts, a).is_none());
+        let _t = PeerCounts::claim(&counts, b).unwrap();
+        drop(s1);
+        let _s3 = PeerCounts::claim(&counts, a).unwrap();
+        drop(_t);
+        assert!(
+            !counts.open.lock().unwrap().contains_key(&b),
+            "empty entries go"
+        );
     }
 
     #[test]

@@ -84,6 +84,7 @@ async fn idle_half_sent_connections_are_closed_and_healthz_still_answers() {
     let (ts, _dir) = start_with_edge(|e| {
         e.header_read_timeout_ms = 500;
         e.max_connections = 400;
+        e.max_connections_per_ip = 400;
     })
     .await;
     let addr = ts.server.as_ref().unwrap().addr;
@@ -143,6 +144,42 @@ async fn connections_over_the_cap_are_refused_at_once() {
         read_until_closed(s, Duration::from_secs(5)).await;
     }
     ts.client.healthz().await.unwrap();
+}
+
+/// A full `GET /healthz` from `from`; the server's answer.
+async fn healthz_from(from: &str, addr: std::net::SocketAddr) -> String {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    let mut s = sock.connect(addr).await.unwrap();
+    let _ = s
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await;
+    String::from_utf8_lossy(&read_until_closed(&mut s, Duration::from_secs(2)).await).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_address_cannot_take_every_connection() {
+    let (ts, _dir) = start_with_edge(|e| {
+        e.header_read_timeout_ms = 5000;
+        e.max_connections = 100;
+        e.max_connections_per_ip = 10;
+    })
+    .await;
+    let addr = ts.server.as_ref().unwrap().addr;
+    let mut idle = Vec::new();
+    for _ in 0..10 {
+        idle.push(half_sent(addr).await);
+    }
+    wait_open(&ts, 10).await;
+    let refused = healthz_from("127.0.0.1", addr).await;
+    assert!(
+        refused.is_empty() || refused.starts_with("HTTP/1.1 503"),
+        "{refused}"
+    );
+    // another address (loopback is all of 127/8) is still served
+    let served = healthz_from("127.0.0.2", addr).await;
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+    drop(idle);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
