@@ -237,8 +237,11 @@ impl OciRuntime {
             .binary_path
             .clone()
             .unwrap_or_else(|| PathBuf::from(config.binary.name()));
-        let disks = quota::SandboxDisks::new(config.disk_quota, config.command_timeout);
-        disks.recover(&config.state_dir);
+        let disks = quota::SandboxDisks::open(
+            &config.state_dir,
+            config.disk_quota,
+            config.command_timeout,
+        )?;
         Ok(OciRuntime {
             disks,
             cgroups: CgroupLayout {

@@ -59,6 +59,8 @@ static TMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 #[derive(Clone, Debug)]
 pub(crate) struct SandboxDisks {
     enabled: bool,
+    /// `<state_dir>/.disks`: the formatted images new disks are copied from.
+    golden_dir: PathBuf,
     /// `mkfs.ext4`, looked up in `PATH`.
     mkfs: PathBuf,
     /// Longest `mkfs.ext4` may take.
@@ -74,18 +76,31 @@ pub fn disk_image(sandbox_root: &Path) -> PathBuf {
 }
 
 impl SandboxDisks {
-    pub fn new(enabled: bool, timeout: Duration) -> Self {
-        if !enabled {
+    /// The disks of the sandboxes in `state_dir`. Makes `<state_dir>/.disks`
+    /// and mounts again the disks a host reboot unmounted (see [`Self::recover`]).
+    pub fn open(state_dir: &Path, enabled: bool, timeout: Duration) -> Result<Self, RuntimeError> {
+        let disks = SandboxDisks {
+            enabled,
+            golden_dir: state_dir.join(".disks"),
+            mkfs: PathBuf::from("mkfs.ext4"),
+            timeout,
+        };
+        if enabled {
+            std::fs::create_dir_all(&disks.golden_dir).map_err(|source| {
+                RuntimeError::CreateDir {
+                    path: disks.golden_dir.clone(),
+                    source,
+                }
+            })?;
+        } else {
             tracing::warn!(
+                state_dir = %state_dir.display(),
                 "DISK QUOTAS ARE DISABLED (disk_quota = false): disk_mb is not enforced and \
                  any sandbox can fill the host file system"
             );
         }
-        SandboxDisks {
-            enabled,
-            mkfs: PathBuf::from("mkfs.ext4"),
-            timeout,
-        }
+        disks.recover(state_dir);
+        Ok(disks)
     }
 
     /// Gives the freshly claimed, empty sandbox dir `root` its own file system
@@ -108,8 +123,7 @@ impl SandboxDisks {
             });
         }
         let image = disk_image(root);
-        let state_dir = root.parent().unwrap_or(Path::new("/"));
-        let golden = self.golden(spawner, state_dir, disk_mb).await?;
+        let golden = self.golden(spawner, disk_mb).await?;
         let (from, to) = (golden.clone(), image.clone());
         tokio::task::spawn_blocking(move || copy_sparse(&from, &to))
             .await
@@ -134,13 +148,8 @@ impl SandboxDisks {
     /// `mkfs.ext4` the first time a size is asked for. Copying its few
     /// hundred KiB of metadata is ~10 ms cheaper than running mkfs for every
     /// sandbox. All copies share one file system UUID, which ext4 ignores.
-    async fn golden(
-        &self,
-        spawner: &dyn Spawner,
-        state_dir: &Path,
-        disk_mb: u64,
-    ) -> Result<PathBuf, RuntimeError> {
-        let dir = state_dir.join(".disks");
+    async fn golden(&self, spawner: &dyn Spawner, disk_mb: u64) -> Result<PathBuf, RuntimeError> {
+        let dir = &self.golden_dir;
         let golden = dir.join(format!("ext4-v1-{disk_mb}.img"));
         if golden.is_file() {
             return Ok(golden);
@@ -273,7 +282,7 @@ impl SandboxDisks {
     /// (and for destroy). Images whose sandbox dir is gone are leftovers of
     /// an interrupted destroy and are removed. Best effort: failures are
     /// logged, and destroy cleans up what could not be mounted.
-    pub fn recover(&self, state_dir: &Path) {
+    fn recover(&self, state_dir: &Path) {
         let Ok(state_dev) = std::fs::metadata(state_dir).map(|m| m.dev()) else {
             return;
         };
@@ -564,7 +573,7 @@ mod tests {
     async fn too_small_disks_are_refused_before_any_work() {
         let dir = tempfile::tempdir().unwrap();
         let spawner = RecordingSpawner::new();
-        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let disks = SandboxDisks::open(dir.path(), true, Duration::from_secs(5)).unwrap();
         let root = dir.path().join("sbx");
         let err = disks.attach(&spawner, &root, 8).await.unwrap_err();
         assert!(matches!(err, RuntimeError::InvalidSpec { .. }), "{err:?}");
@@ -577,7 +586,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let spawner = RecordingSpawner::new();
         spawner.push(Ok(SpawnOutput::failed(1, "bad blocks")));
-        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let disks = SandboxDisks::open(dir.path(), true, Duration::from_secs(5)).unwrap();
         let root = dir.path().join("sbx");
         let err = disks.attach(&spawner, &root, 64).await.unwrap_err();
         assert_eq!(
@@ -623,7 +632,7 @@ mod tests {
     async fn disabled_disks_do_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let spawner = RecordingSpawner::new();
-        let disks = SandboxDisks::new(false, Duration::from_secs(5));
+        let disks = SandboxDisks::open(dir.path(), false, Duration::from_secs(5)).unwrap();
         disks.attach(&spawner, dir.path(), 1).await.unwrap();
         assert!(spawner.requests().is_empty());
         disks.probe(&spawner, dir.path()).await.unwrap();
@@ -633,7 +642,7 @@ mod tests {
     async fn adopt_renames_on_one_file_system() {
         let dir = tempfile::tempdir().unwrap();
         let spawner = RecordingSpawner::new();
-        let disks = SandboxDisks::new(true, Duration::from_secs(5));
+        let disks = SandboxDisks::open(dir.path(), true, Duration::from_secs(5)).unwrap();
         let (staged, dest) = (dir.path().join("seed"), dir.path().join("upper"));
         std::fs::create_dir(&staged).unwrap();
         std::fs::write(staged.join("f"), "x").unwrap();
