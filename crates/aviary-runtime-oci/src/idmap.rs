@@ -439,16 +439,33 @@ pub fn lower_dir(sandbox_root: &Path) -> PathBuf {
 }
 
 /// Prepares a sandbox's host side for running in `range`: shifts the
-/// writable trees (`upper`, `workspace`: adopted seeds included) and the
-/// dirs root inside must own (`control`) into the range, and mounts the
-/// idmapped template view at [`lower_dir`]. Returns that lower dir, to be
-/// given to the overlay and then [`detach_lower`]ed.
+/// writable trees (`upper`, `workspace`: adopted seeds included) into the
+/// range, lets only the range's root group (and host root) pass through the
+/// sandbox dir, and mounts the idmapped template view at [`lower_dir`].
+/// Returns that lower dir, to be given to the overlay and then
+/// [`detach_lower`]ed.
+///
+/// crun and runc resolve the rootfs and the bind sources from inside the new
+/// user namespace, as the range's root: every ancestor of the sandbox dir must
+/// be searchable by it. A state dir below a mode-0700 directory is refused
+/// here with the directory named, rather than by the runtime's bare EACCES.
 pub fn prepare_sandbox(
     sandbox_root: &Path,
     template: &Path,
     owned_trees: &[PathBuf],
     range: IdRange,
 ) -> Result<PathBuf, RuntimeError> {
+    check_searchable_ancestors(sandbox_root)?;
+    // root:<range root group> 0710: the sandbox's runtime can reach its
+    // rootfs and workspace; other host users (and other ranges) cannot.
+    std::os::unix::fs::lchown(sandbox_root, Some(0), Some(range.host_first))
+        .and_then(|()| {
+            std::fs::set_permissions(sandbox_root, std::fs::Permissions::from_mode(0o710))
+        })
+        .map_err(|source| RuntimeError::WriteFile {
+            path: sandbox_root.to_path_buf(),
+            source,
+        })?;
     for t in owned_trees {
         shift_tree(t, range)?;
     }
@@ -462,6 +479,27 @@ pub fn prepare_sandbox(
         source,
     })?;
     Ok(lower)
+}
+
+/// Every ancestor of `dir` grants search (x) to others.
+fn check_searchable_ancestors(dir: &Path) -> Result<(), RuntimeError> {
+    for a in dir.ancestors().skip(1) {
+        let md = std::fs::metadata(a).map_err(|source| RuntimeError::ReadFile {
+            path: a.to_path_buf(),
+            source,
+        })?;
+        if md.mode() & 0o001 == 0 {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!(
+                    "{a:?} (mode {:o}) is not searchable by unprivileged users; sandboxes run in \
+                     user namespaces and their runtime must reach {dir:?} from there \
+                     (make it 0711: search without listing)",
+                    md.mode() & 0o7777
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Detaches the idmapped template view once the overlay holds its own

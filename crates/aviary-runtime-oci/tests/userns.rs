@@ -227,6 +227,16 @@ mod userns {
         let upper = f.state.join(id.as_str()).join("upper");
         assert_eq!(owner(&upper.join("made-by-root")), (base, base));
         assert_eq!(owner(&h.workspace_dir), (base, base), "workspace root");
+        // Only host root and the range's root group pass through the sandbox dir.
+        let sandbox_dir = std::fs::metadata(f.state.join(id.as_str())).unwrap();
+        assert_eq!(
+            (
+                sandbox_dir.uid(),
+                sandbox_dir.gid(),
+                sandbox_dir.mode() & 0o7777
+            ),
+            (0, base, 0o710)
+        );
 
         // Copy-up works: root inside writes the template's /etc and chowns.
         let (code, out) = sh(
@@ -401,6 +411,34 @@ mod userns {
             out,
             "/etc/motd 1000:1000 644\n/workspace 0:0 755\n/workspace/src 0:0 755\n/workspace/src/main.rs 0:0 644\n/workspace/tool 0:0 4755\nseeded\n"
         );
+        rt.destroy(&spec.id).await.unwrap();
+    }
+
+    /// The runtime reaches the rootfs from inside the user namespace: a state
+    /// dir below a 0700 directory is refused with that directory named, and
+    /// nothing is left behind.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn private_ancestor_is_refused_clearly() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture(OciBinary::Crun) else {
+            return;
+        };
+        let private = f.state.parent().unwrap().join("private");
+        std::fs::create_dir(&private).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let state = private.join("state");
+        let rt = OciRuntime::new(OciConfig::new(OciBinary::Crun, &state)).unwrap();
+        let spec = spec_for(&f);
+        let err = rt.create(&spec).await.unwrap_err();
+        let text = aviary_runtime::conformance::chain(&err);
+        assert!(
+            text.contains("mode 700") && text.contains("private"),
+            "{text}"
+        );
+        assert!(rt.list().await.unwrap().is_empty());
+        assert!(!state.join("userns").exists());
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o711)).unwrap();
+        rt.create(&spec).await.unwrap();
         rt.destroy(&spec.id).await.unwrap();
     }
 
