@@ -158,6 +158,10 @@ impl Client {
             key: api_key.to_owned(),
             http: reqwest::Client::builder()
                 .pool_max_idle_per_host(8)
+                // below the server's default idle limit (header_read_timeout_ms,
+                // 10 s), so a pooled connection is not reused as the server
+                // closes it
+                .pool_idle_timeout(std::time::Duration::from_secs(5))
                 .tcp_nodelay(true)
                 .build()
                 .unwrap_or_default(),
@@ -648,7 +652,8 @@ impl Client {
 
     /// `DELETE /v1/keys/{id}` (admin): the key fails from the next request on.
     pub async fn revoke_key(&self, id: &str) -> Result<ApiKeyInfo, ClientError> {
-        self.json(self.req(Method::DELETE, &format!("/v1/keys/{}", urlencode(id))))
+        let segment = urlencode(id).replace('/', "%2F");
+        self.json(self.req(Method::DELETE, &format!("/v1/keys/{segment}")))
             .await
     }
 

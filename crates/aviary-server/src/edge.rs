@@ -14,7 +14,9 @@
 //! - Request bodies stall at most `body_read_timeout_ms` between chunks
 //!   (a layer in [`crate::http::router`]).
 //! - Each API key has a token bucket (`rate_limit_per_s`, `rate_limit_burst`);
-//!   a request over it is `429 rate_limited` with `Retry-After`.
+//!   a request over it is `429 rate_limited` with `Retry-After`. Requests
+//!   with a missing or unknown key draw from a bucket of their client
+//!   address, so guessing keys is as limited as using one.
 //!
 //! Concurrency: one task per accepted connection holding a semaphore permit;
 //! shutdown asks every connection to finish gracefully and waits until all
@@ -25,11 +27,12 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
+use tower::ServiceExt;
 
 /// The whole answer to a connection over the cap.
 const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\n\
@@ -86,8 +89,15 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
-            let conn =
-                builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+            let conn = builder.serve_connection(
+                TokioIo::new(stream),
+                TowerToHyperService::new(app.map_request(
+                    move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                        req.extensions_mut().insert(ClientAddr(peer));
+                        req
+                    },
+                )),
+            );
             tokio::pin!(conn);
             tokio::select! {
                 res = conn.as_mut() => {
@@ -107,6 +117,10 @@ pub async fn serve(
     let _ = permits.acquire_many(all).await;
     Ok(())
 }
+
+/// The client's address, in every request's extensions.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientAddr(pub SocketAddr);
 
 /// Keeps the open-connections gauge true however the task ends.
 struct OpenConnection<'a>(&'a ControlPlane);
@@ -202,6 +216,15 @@ impl RateLimiter {
     /// Takes one request from `key`'s bucket; `Err(seconds)` to wait when
     /// it is empty.
     pub fn take(&self, key: &str, now: Instant) -> Result<(), u64> {
+        self.bucket(key, now, true)
+    }
+
+    /// Whether `key`'s bucket has a request left, without taking it.
+    pub fn check(&self, key: &str, now: Instant) -> Result<(), u64> {
+        self.bucket(key, now, false)
+    }
+
+    fn bucket(&self, key: &str, now: Instant, take: bool) -> Result<(), u64> {
         let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
         let (per_s, burst) = (self.per_s, self.burst);
         let refill = |b: &Bucket| {
@@ -217,7 +240,9 @@ impl RateLimiter {
         b.tokens = refill(b);
         b.at = now;
         if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
+            if take {
+                b.tokens -= 1.0;
+            }
             Ok(())
         } else {
             let wait = ((1.0 - b.tokens) / per_s).ceil();
@@ -243,6 +268,8 @@ mod tests {
             l.take("a", t0).unwrap();
         }
         assert_eq!(l.take("a", t0), Err(1));
+        assert_eq!(l.check("a", t0), Err(1));
+        l.check("b", t0).unwrap();
         l.take("b", t0).unwrap();
         // half a second refills one request at 2/s
         l.take("a", t0 + Duration::from_millis(500)).unwrap();

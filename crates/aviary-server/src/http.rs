@@ -50,17 +50,42 @@ impl FromRequestParts<AppState> for Auth {
     type Rejection = OpError;
     async fn from_request_parts(parts: &mut Parts, cp: &AppState) -> Result<Self, OpError> {
         let key = bearer(&parts.headers);
-        let caller = cp.authenticate(key).await?;
-        if let (Some(limiter), Some(key)) = (parts.extensions.get::<Arc<RateLimiter>>(), key) {
-            if let Err(retry_after_s) =
-                limiter.take(&crate::ops::hash_key(key), std::time::Instant::now())
-            {
-                cp.metrics.inc_rate_limited();
-                return Err(OpError::RateLimited {
-                    message: "too many requests for this API key".into(),
-                    retry_after_s,
-                });
+        let limiter = parts.extensions.get::<Arc<RateLimiter>>().cloned();
+        let limited = |retry_after_s, message: &str| {
+            cp.metrics.inc_rate_limited();
+            OpError::RateLimited {
+                message: message.into(),
+                retry_after_s,
             }
+        };
+        // Failed authentications are limited per client address, before the
+        // registry is asked, so key guessing costs the server little; keys
+        // already known (cached) still pass from a throttled address.
+        let failures = parts
+            .extensions
+            .get::<crate::edge::ClientAddr>()
+            .map(|a| format!("unauthenticated {}", a.0.ip()));
+        let hash = key.map(crate::ops::hash_key);
+        let now = std::time::Instant::now();
+        if let (Some(l), Some(f)) = (&limiter, &failures) {
+            if let Err(s) = l.check(f, now) {
+                if hash.as_deref().and_then(|h| cp.key_cache.get(h)).is_none() {
+                    return Err(limited(s, "too many requests without a valid API key"));
+                }
+            }
+        }
+        let caller = match cp.authenticate(key).await {
+            Err(OpError::Unauthorized) => {
+                if let (Some(l), Some(f)) = (&limiter, &failures) {
+                    let _ = l.take(f, now);
+                }
+                return Err(OpError::Unauthorized);
+            }
+            other => other?,
+        };
+        if let (Some(l), Some(h)) = (&limiter, &hash) {
+            l.take(h, now)
+                .map_err(|s| limited(s, "too many requests for this API key"))?;
         }
         // keys made before tenant names were checked may name a path
         if crate::validate::identifier("tenant", &caller.tenant).is_err() {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use aviary_core::api::{CreateSandboxRequest, ExecRequest};
+use aviary_core::api::ExecRequest;
 use aviary_core::ErrorCode;
 use reqwest::Method;
 use std::time::Duration;
@@ -112,7 +112,10 @@ async fn idle_half_sent_connections_are_closed_and_healthz_still_answers() {
     }
     let sent = read_until_closed(&mut quiet, Duration::from_secs(5)).await;
     assert!(String::from_utf8_lossy(&sent).starts_with("HTTP/1.1 200"));
-    ts.client.healthz().await.unwrap();
+    // a fresh client: the shared one's pooled connection went idle past the
+    // (tiny) timeout too
+    let fresh = aviary_client::Client::new(&ts.url(), &ts.key);
+    fresh.healthz().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,7 +146,10 @@ async fn connections_over_the_cap_are_refused_at_once() {
     for s in &mut idle {
         read_until_closed(s, Duration::from_secs(5)).await;
     }
-    ts.client.healthz().await.unwrap();
+    aviary_client::Client::new(&ts.url(), &ts.key)
+        .healthz()
+        .await
+        .unwrap();
 }
 
 /// A full `GET /healthz` from `from`; the server's answer.
@@ -233,89 +239,63 @@ async fn a_key_over_its_rate_gets_429_with_retry_after() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_bodies_and_names_are_4xx_and_never_reach_a_sandbox() {
-    let ts = common::start().await;
-    let c = &ts.client;
-    let key = ts.key.clone();
-    let id = common::new_sandbox(c).await;
+async fn guessing_keys_is_rate_limited_per_address() {
+    let (ts, _dir) = start_with_edge(|e| {
+        e.rate_limit_per_s = 0.2;
+        e.rate_limit_burst = 3;
+    })
+    .await;
+    // the admin key is known (cached) before the guessing starts
+    ts.client.list_sandboxes(false).await.unwrap();
+    let http = reqwest::Client::new();
+    let list = |key: String| {
+        http.get(format!("{}/v1/sandboxes", ts.url()))
+            .bearer_auth(key)
+            .send()
+    };
+    for i in 0..3 {
+        assert_eq!(list(format!("avk_guess{i}")).await.unwrap().status(), 401);
+    }
+    let over = list("avk_guess-more".into()).await.unwrap();
+    assert_eq!(over.status(), 429);
+    assert!(over.headers().contains_key("retry-after"));
+    // a known key from the same address still works
+    ts.client.list_sandboxes(false).await.unwrap();
+}
+
+/// POSTs each body and checks status and code.
+async fn expect_refusals(
+    ts: &common::TestServer,
+    cases: Vec<(String, serde_json::Value, u16, &str)>,
+) {
+    for (path, body, status, want) in cases {
+        let body = serde_json::to_vec(&body).unwrap();
+        // a refused body the server did not read may close the connection
+        // under a client still writing: ask again
+        let mut answer = ts
+            .client
+            .raw(Method::POST, &path, Some(body.clone()), Some(&ts.key))
+            .await;
+        for _ in 0..5 {
+            if answer.is_ok() {
+                break;
+            }
+            answer = ts
+                .client
+                .raw(Method::POST, &path, Some(body.clone()), Some(&ts.key))
+                .await;
+        }
+        let (got, v) = answer.unwrap();
+        assert_eq!(got.as_u16(), status, "POST {path}: {v}");
+        assert_eq!(v["error"]["code"], want, "POST {path}: {v}");
+    }
+}
+
+/// Oversized and NUL-carrying exec bodies for `id`, on both exec routes.
+fn bad_execs(id: &str, marker: &str) -> Vec<(String, serde_json::Value, u16, &'static str)> {
     let big_env: serde_json::Map<String, serde_json::Value> =
         (0..10_000).map(|i| (format!("V{i}"), "x".into())).collect();
-    let marker = "touch /workspace/reached";
-    let cases: Vec<(String, serde_json::Value, u16, &str)> = vec![
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!([]),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!(null),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!("x"),
-            400,
-            "invalid_request",
-        ),
-        (
-            format!("/v1/sandboxes/{id}/fork"),
-            serde_json::json!([]),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!({"template": "../../etc"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!({"template": "has space"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!({"user_id": "../../evil"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!({"session_id": "s\u{e9}"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/sandboxes".into(),
-            serde_json::json!({"agent": "a/b"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/keys".into(),
-            serde_json::json!([]),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/keys".into(),
-            serde_json::json!({"tenant": "../../evil"}),
-            400,
-            "invalid_request",
-        ),
-        (
-            "/v1/keys".into(),
-            serde_json::json!({"tenant": "na\u{ef}ve"}),
-            400,
-            "invalid_request",
-        ),
-    ];
-    let mut cases = cases;
+    let mut cases = Vec::new();
     for route in ["exec", "exec/stream"] {
         let path = format!("/v1/sandboxes/{id}/{route}");
         cases.extend([
@@ -343,34 +323,87 @@ async fn bad_bodies_and_names_are_4xx_and_never_reach_a_sandbox() {
                 400,
                 "invalid_request",
             ),
+            (
+                path.clone(),
+                serde_json::json!({"shell": marker, "env": {"": "v"}}),
+                400,
+                "invalid_request",
+            ),
             (path.clone(), serde_json::json!([]), 400, "invalid_request"),
         ]);
     }
-    for (path, body, status, want) in cases {
-        let body = serde_json::to_vec(&body).unwrap();
-        // a refused body the server did not read may close the connection
-        // under a client still writing: ask again
-        let mut answer = c
-            .raw(Method::POST, &path, Some(body.clone()), Some(&key))
-            .await;
-        for _ in 0..5 {
-            if answer.is_ok() {
-                break;
-            }
-            answer = c
-                .raw(Method::POST, &path, Some(body.clone()), Some(&key))
-                .await;
-        }
-        let (got, v) = answer.unwrap();
-        assert_eq!(got.as_u16(), status, "POST {path}: {v}");
-        assert_eq!(v["error"]["code"], want, "POST {path}: {v}");
-    }
+    cases
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_and_names_are_refused_before_any_operation() {
+    let ts = common::start().await;
+    // no such sandbox: a 4xx other than not_found shows the check came first
+    let id = "sbx-aaaaaaaaaaaaaaaaaaaa";
+    let post =
+        |path: &str, body: serde_json::Value| (path.to_owned(), body, 400, "invalid_request");
+    let mut cases = vec![
+        post("/v1/sandboxes", serde_json::json!([])),
+        post("/v1/sandboxes", serde_json::json!(null)),
+        post("/v1/sandboxes", serde_json::json!("x")),
+        post(&format!("/v1/sandboxes/{id}/fork"), serde_json::json!([])),
+        post(&format!("/v1/sandboxes/{id}/lease"), serde_json::json!([])),
+        post(
+            "/v1/sandboxes",
+            serde_json::json!({"template": "../../etc"}),
+        ),
+        post(
+            "/v1/sandboxes",
+            serde_json::json!({"template": "has space"}),
+        ),
+        post(
+            "/v1/sandboxes",
+            serde_json::json!({"user_id": "../../evil"}),
+        ),
+        post(
+            "/v1/sandboxes",
+            serde_json::json!({"session_id": "s\u{e9}"}),
+        ),
+        post("/v1/sandboxes", serde_json::json!({"agent": "a/b"})),
+        post("/v1/sandboxes", serde_json::json!({"class": "x\u{0}"})),
+        post("/v1/keys", serde_json::json!([])),
+        post("/v1/keys", serde_json::json!({"tenant": "../../evil"})),
+        post("/v1/keys", serde_json::json!({"tenant": "na\u{ef}ve"})),
+        post("/v1/keys", serde_json::json!({"tenant": ""})),
+    ];
+    cases.extend(bad_execs(id, "true"));
+    expect_refusals(&ts, cases).await;
+    // no key was made for a bad tenant
+    let tenants: Vec<String> = ts
+        .client
+        .list_keys()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|k| k.tenant)
+        .collect();
+    assert_eq!(tenants, ["default"]);
+    assert!(ts
+        .client
+        .list_sandboxes(true)
+        .await
+        .unwrap()
+        .sandboxes
+        .is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_execs_never_reach_the_sandbox() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    expect_refusals(&ts, bad_execs(&id, "touch /workspace/reached")).await;
     assert_eq!(
         code(c.stat(&id, "/workspace/reached").await.unwrap_err()),
         ErrorCode::NotFound,
         "a refused exec ran"
     );
-    // the largest command that fits still runs
+    // a large command that fits still runs
     let r = c
         .exec(
             &id,
@@ -388,18 +421,6 @@ async fn bad_bodies_and_names_are_4xx_and_never_reach_a_sandbox() {
         .await
         .unwrap();
     assert_eq!(r.stdout, "60000\n");
-    // no key was made for a bad tenant
-    let tenants: Vec<String> = c
-        .list_keys()
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|k| k.tenant)
-        .collect();
-    assert!(
-        tenants.iter().all(|t| !t.contains('/') && t.is_ascii()),
-        "{tenants:?}"
-    );
     c.delete_sandbox(&id, None).await.unwrap();
 }
 
@@ -411,12 +432,6 @@ async fn a_revoked_key_fails_on_the_next_request() {
     let user = aviary_client::Client::new(&ts.url(), &issued.key);
     // used once, so the key sits in the authentication cache
     user.list_sandboxes(false).await.unwrap();
-    let sb = user
-        .create_sandbox(&CreateSandboxRequest::default())
-        .await
-        .unwrap()
-        .sandbox
-        .id;
 
     let listed = admin.list_keys().await.unwrap();
     let mine = listed.iter().find(|k| k.id == issued.id).unwrap();
@@ -456,7 +471,11 @@ async fn a_revoked_key_fails_on_the_next_request() {
         ErrorCode::Unauthorized
     );
     assert_eq!(
-        code(user.get_sandbox(sb.as_str()).await.unwrap_err()),
+        code(
+            user.get_sandbox("sbx-aaaaaaaaaaaaaaaaaaaa")
+                .await
+                .unwrap_err()
+        ),
         ErrorCode::Unauthorized
     );
     // still revoked after a restart of the cache (a second revoke keeps the time)
@@ -475,7 +494,7 @@ async fn a_revoked_key_fails_on_the_next_request() {
         ErrorCode::NotFound
     );
     assert_eq!(
-        code(admin.revoke_key("../x").await.unwrap_err()),
+        code(admin.revoke_key("-x y").await.unwrap_err()),
         ErrorCode::InvalidRequest
     );
     // the bootstrap admin key cannot lock the server out of itself
@@ -488,7 +507,6 @@ async fn a_revoked_key_fails_on_the_next_request() {
         ErrorCode::Forbidden
     );
     admin.list_sandboxes(false).await.unwrap();
-    ts.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
