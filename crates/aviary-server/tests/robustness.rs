@@ -2,6 +2,8 @@
 //! reproduces the fault against the real server (real crun, real envd) and
 //! checks the server contains it.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest};
