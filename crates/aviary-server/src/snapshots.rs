@@ -470,11 +470,12 @@ impl ControlPlane {
             .join("workspace");
         let mid: SnapshotId = snap.workspace_manifest.parse().map_err(OpError::internal)?;
         // restore into a fresh dir beside it, then move the entries in (the
-        // workspace itself is a bind mount and must stay the same inode)
-        let staging = self
-            .cfg
-            .runtime_state_dir()
-            .join(format!("{}.restore", rec.id));
+        // workspace itself is a bind mount and must stay the same inode).
+        // The staging dir is on the sandbox's own disk (its dir is the mount
+        // point of its quota file system), so the moves are renames, and
+        // never visible inside (only upper/ and workspace/ are).
+        let state_dir = self.cfg.runtime_state_dir();
+        let staging = state_dir.join(rec.id.as_str()).join(".restore");
         let _ = std::fs::remove_dir_all(&staging);
         restore_tree(
             self.snapshots.store().clone(),
@@ -484,6 +485,12 @@ impl ControlPlane {
         )
         .await
         .map_err(OpError::internal)?;
+        // written by the host: owned by the sandbox's id range like the rest
+        let (sd, id, st) = (state_dir.clone(), rec.id.clone(), staging.clone());
+        tokio::task::spawn_blocking(move || aviary_runtime_oci::idmap::shift_into(&sd, &id, &st))
+            .await
+            .map_err(OpError::internal)?
+            .map_err(OpError::internal)?;
         for e in std::fs::read_dir(&staging)
             .map_err(OpError::internal)?
             .flatten()
