@@ -752,14 +752,7 @@ async fn openapi_health_and_metrics() {
             .status(),
         200
     );
-    let m = http
-        .get(format!("{}/metrics", ts.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = ts.client.metrics().await.unwrap();
     assert!(m.contains("aviary_sandboxes_created_total"));
 }
 

@@ -97,12 +97,7 @@ async fn pool_refills_and_hands_out_each_sandbox_once() {
     }
     // the pool comes back to its buffer
     wait_idle(&c, 8).await;
-    let m = reqwest::get(format!("{}/metrics", ts.url()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = ts.client.metrics().await.unwrap();
     assert!(
         m.contains("aviary_pool_hits_total{class=\"python-small\""),
         "{m}"
