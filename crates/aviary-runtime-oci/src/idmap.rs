@@ -15,7 +15,11 @@
 //! for every other tenant. Distinct ranges also keep defence in depth for a
 //! mount-namespace escape: another sandbox's files and processes belong to
 //! a different uid. The price is a per-sandbox idmapped view of the template
-//! (below: three syscalls and a short-lived helper) and an ownership
+//! (below: three syscalls, a short-lived helper and one detach —
+//! measured 0.4–1.3 ms median per create on the 2-core test VM, mostly the
+//! detach's RCU grace period; a whole crun create, 26–29 ms with the disk
+//! image, shows no difference above noise, `tests/userns.rs`
+//! `create_cost_side_by_side`) and an ownership
 //! shift when a snapshot of one sandbox seeds another (files are chowned
 //! once at adoption, [`shift_tree`]).
 //!
@@ -81,7 +85,7 @@ impl IdPool {
     fn validate(&self) -> Result<(), RuntimeError> {
         let end = u64::from(self.first) + u64::from(self.slots) * u64::from(RANGE_SIZE);
         if self.first < RANGE_SIZE
-            || self.first % RANGE_SIZE != 0
+            || !self.first.is_multiple_of(RANGE_SIZE)
             || self.slots == 0
             || end > u64::from(u32::MAX)
         {
@@ -350,12 +354,9 @@ fn userns_fd(range: IdRange) -> io::Result<OwnedFd> {
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     );
-    loop {
-        match nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None) {
-            Err(nix::errno::Errno::EINTR) => continue,
-            _ => break,
-        }
-    }
+    while let Err(nix::errno::Errno::EINTR) =
+        nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None)
+    {}
     drop(stack);
     opened
 }
@@ -389,7 +390,7 @@ fn mount_idmapped(source: &Path, target: &Path, range: IdRange) -> io::Result<()
     let attr = MountAttr {
         attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
         attr_clr: 0,
-        propagation: libc::MS_PRIVATE as u64,
+        propagation: libc::MS_PRIVATE,
         userns_fd: userns.as_raw_fd() as u64,
     };
     // SAFETY: `tree` is a detached mount fd, the empty path with AT_EMPTY_PATH
