@@ -237,10 +237,20 @@ mod tests {
         assert!(!format!("{t:?}").contains(&t.secret_hex()), "{t:?}");
         assert_ne!(LeaseToken::generate(7), t, "secrets are random");
         assert!(t.matches(&t) && !t.matches(&LeaseToken::generate(7)));
-        for bad in ["7", "7.", "x.00", "7.zz", "-1.00000000000000000000000000000000", "7"] {
+        for bad in [
+            "7",
+            "7.",
+            "x.00",
+            "7.zz",
+            "-1.00000000000000000000000000000000",
+            "7",
+        ] {
             assert!(bad.parse::<LeaseToken>().is_err(), "{bad}");
         }
-        assert!(serde_json::from_str::<LeaseToken>("7").is_err(), "bare numbers are not tokens");
+        assert!(
+            serde_json::from_str::<LeaseToken>("7").is_err(),
+            "bare numbers are not tokens"
+        );
     }
 
     proptest! {

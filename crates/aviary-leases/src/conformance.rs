@@ -73,7 +73,10 @@ pub async fn unknown_sandbox_is_not_found<H: LeaseHarness>(h: &H) {
         .await
         .unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "renew on an unknown sandbox");
-    let e = s.release(&ghost, LeaseToken::generate(1), T0).await.unwrap_err();
+    let e = s
+        .release(&ghost, LeaseToken::generate(1), T0)
+        .await
+        .unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "release on an unknown sandbox");
     let e = s.revoke(&ghost).await.unwrap_err();
     assert_eq!(e, LeaseError::NotFound, "revoke on an unknown sandbox");
@@ -220,7 +223,10 @@ pub async fn check_follows_the_fencing_rules<H: LeaseHarness>(h: &H) {
     let sb = h.create_sandbox(&s).await;
     // unleased
     assert_eq!(s.check(&sb, None, T0).await.unwrap(), Fence::Unleased);
-    let e = s.check(&sb, Some(LeaseToken::generate(1)), T0).await.unwrap_err();
+    let e = s
+        .check(&sb, Some(LeaseToken::generate(1)), T0)
+        .await
+        .unwrap_err();
     assert_eq!(e, LeaseError::StaleToken, "token on an unleased sandbox");
     // leased
     let l = s.acquire(&sb, "a", MINUTE, T0).await.unwrap();

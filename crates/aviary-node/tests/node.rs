@@ -199,11 +199,7 @@ mod node {
             },
             network: NetworkProfile::None,
             hostname: "sbx-node".into(),
-            init: vec![
-                ENVD_IN_SANDBOX.into(),
-                "--listen-fd".into(),
-                "3".into(),
-            ],
+            init: vec![ENVD_IN_SANDBOX.into(), "--listen-fd".into(), "3".into()],
             env: vec!["PATH=/bin:/usr/bin".into()],
             // A control-plane path: the node must put its own envd here.
             binds: vec![BindMount {

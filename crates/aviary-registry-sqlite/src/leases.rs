@@ -18,7 +18,8 @@ use time::OffsetDateTime;
 pub(crate) fn token_of(v: i64, secret_hex: &str) -> Result<LeaseToken, LeaseError> {
     let fence =
         u64::try_from(v).map_err(|_| LeaseError::Storage(format!("bad stored token {v}")))?;
-    let secret = LeaseToken::secret_from_hex(secret_hex).unwrap_or([0; aviary_core::LEASE_SECRET_LEN]);
+    let secret =
+        LeaseToken::secret_from_hex(secret_hex).unwrap_or([0; aviary_core::LEASE_SECRET_LEN]);
     Ok(LeaseToken::from_parts(fence, secret))
 }
 

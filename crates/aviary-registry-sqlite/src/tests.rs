@@ -77,7 +77,11 @@ async fn reopen_keeps_schema_and_tokens() {
         }
         assert_eq!(reg.get_sandbox(&new.id).await.unwrap().id, new.id);
         let l = reg.acquire(&new.id, "o", ttl, now).await.unwrap();
-        assert!(l.token.fence() > last, "round {round}: {} <= {last}", l.token);
+        assert!(
+            l.token.fence() > last,
+            "round {round}: {} <= {last}",
+            l.token
+        );
         last = l.token.fence();
         // alternate the ways a lease ends; neither may lower the counter
         if round % 2 == 0 {

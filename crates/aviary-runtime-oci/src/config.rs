@@ -7,7 +7,7 @@
 
 use crate::idmap::{IdRange, RANGE_SIZE};
 use crate::seccomp;
-use aviary_runtime::{SandboxSpec, CONTROL_MOUNT, WORKSPACE_MOUNT};
+use aviary_runtime::{SandboxSpec, WORKSPACE_MOUNT};
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxDeviceCgroup,
     LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMapping, LinuxIdMappingBuilder,
@@ -61,7 +61,6 @@ pub const CAPABILITIES: &[Capability] = &[
 pub struct BundleInputs<'a> {
     /// Merged overlay, the container's root.
     pub rootfs: &'a Path,
-    pub control_dir: &'a Path,
     pub workspace_dir: &'a Path,
     /// Cgroup path relative to each hierarchy root, e.g. `/aviary/<id>`.
     pub cgroups_path: String,
@@ -159,7 +158,6 @@ fn mounts(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Vec<Mount>, O
             &["nosuid", "nodev", "mode=1777", &tmp_size],
         )?,
         bind(WORKSPACE_MOUNT, inputs.workspace_dir, false)?,
-        bind(CONTROL_MOUNT, inputs.control_dir, false)?,
     ];
     for b in &spec.binds {
         m.push(bind(&b.sandbox, &b.host, b.read_only)?);
@@ -365,7 +363,6 @@ mod tests {
         };
         let inputs = BundleInputs {
             rootfs: Path::new("/s/x/rootfs"),
-            control_dir: Path::new("/s/x/control"),
             workspace_dir: Path::new("/s/x/workspace"),
             cgroups_path: "/aviary/x".into(),
             tmp_size_mb: 100,
@@ -438,7 +435,7 @@ mod tests {
     }
 
     #[test]
-    fn mounts_cover_tmp_workspace_control_and_binds() {
+    fn mounts_cover_tmp_workspace_and_binds_but_no_control_dir() {
         let c = config();
         let mounts = c["mounts"].as_array().unwrap();
         let find = |d: &str| {
@@ -455,7 +452,10 @@ mod tests {
             .iter()
             .any(|o| o == "size=100m"));
         assert_eq!(find("/workspace")["source"], "/s/x/workspace");
-        assert_eq!(find("/run/aviary")["source"], "/s/x/control");
+        assert!(
+            !mounts.iter().any(|m| m["destination"] == "/run/aviary"),
+            "envd's socket dir is host-only: nothing is mounted at /run/aviary"
+        );
         assert!(find("/sys")["options"]
             .as_array()
             .unwrap()

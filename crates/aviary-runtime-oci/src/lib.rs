@@ -3,8 +3,11 @@
 //!
 //! This crate owns, per sandbox, everything under `<state_dir>/<id>/`:
 //! `upper/` + `work/` + `rootfs/` (an overlayfs whose read-only lower layer is
-//! the shared template rootfs, which is never written), `control/` (bind-mounted
-//! at `/run/aviary`), `workspace/` (at `/workspace`), `bundle/config.json`
+//! the shared template rootfs, which is never written; `lower` is a symlink to
+//! that template so the overlay's mount options name no host path),
+//! `control/` (host-only, 0700: envd's socket, bound here and inherited by
+//! PID 1 as fd 3 — nothing of it is mounted into the sandbox), `workspace/` (at
+//! `/workspace`), `bundle/config.json`
 //! (generated with `oci-spec`, see [`config`]), `runtime.log` and `init.pid`;
 //! plus the container in the runtime's own state dir
 //! (`<state_dir>/crun-state` or `<state_dir>/runc-state`) and its cgroups at
@@ -47,10 +50,11 @@ use async_trait::async_trait;
 use aviary_core::SandboxId;
 use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
-    validate_spec, Pausable, ResourceUsage, Runtime, RuntimeError, RuntimeStatus, SandboxHandle,
-    SandboxSpec, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
+    validate_spec, EnvdEndpoint, Pausable, ResourceUsage, Runtime, RuntimeError, RuntimeStatus,
+    SandboxHandle, SandboxSpec, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
 };
 use host::CgroupLayout;
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -305,6 +309,7 @@ impl OciRuntime {
                 }
             },
             timeout: self.config.command_timeout,
+            pass_fd: None,
         }
     }
 
@@ -473,30 +478,36 @@ impl OciRuntime {
             let _ = std::fs::remove_dir_all(&seed);
         }
         let id_range = match &self.config.user_namespace {
-            Some(pool) => Some(idmap::claim(&self.config.state_dir, pool, &spec.id, &|o| {
-                self.may_hold_ids(o)
-            })?),
+            Some(pool) => Some(idmap::claim(
+                &self.config.state_dir,
+                pool,
+                &spec.id,
+                &|o| self.may_hold_ids(o),
+            )?),
             None => None,
         };
         let lower = match id_range {
             Some(range) => idmap::prepare_sandbox(
                 &dirs.root,
                 &spec.template_rootfs,
-                &[dirs.upper(), dirs.workspace(), dirs.control()],
+                &[dirs.upper(), dirs.workspace()],
                 range,
             )?,
             None => spec.template_rootfs.clone(),
         };
-        host::mount_overlay(&lower, &dirs.upper(), &dirs.work(), &dirs.rootfs())?;
+        host::mount_sandbox_overlay(&dirs.root, &lower)?;
         if id_range.is_some() {
             idmap::detach_lower(&dirs.root)?;
         }
         let rootfs = dirs.rootfs();
         let control = dirs.control();
         let workspace = dirs.workspace();
+        // envd's socket: made and bound here, in the host-only control dir,
+        // and handed to PID 1 as fd 3; envd calls listen() itself (see
+        // `aviary_runtime::ENVD_LISTEN_FD`). The sandbox never sees the path.
+        let envd_socket = bind_envd_socket(&control)?;
         let inputs = config::BundleInputs {
             rootfs: &rootfs,
-            control_dir: &control,
             workspace_dir: &workspace,
             cgroups_path: self.cgroups_path(&spec.id),
             tmp_size_mb: self.config.tmp_size_mb,
@@ -516,12 +527,14 @@ impl OciRuntime {
 
         // PID 1 inherits the runtime's stdio: /dev/null, never a host file or a
         // pipe we would wait on. Errors come back through --log.
-        let req = self.request(
+        let mut req = self.request(
             vec![
                 "--log".into(),
                 dirs.log().display().to_string(),
                 "run".into(),
                 "--detach".into(),
+                "--preserve-fds".into(),
+                "1".into(),
                 "--bundle".into(),
                 dirs.bundle().display().to_string(),
                 "--pid-file".into(),
@@ -530,6 +543,7 @@ impl OciRuntime {
             ],
             SpawnStdio::Null,
         );
+        req.pass_fd = Some(envd_socket.as_raw_fd());
         let out = self
             .spawner
             .run(&req)
@@ -538,6 +552,8 @@ impl OciRuntime {
                 program: self.program.display().to_string(),
                 source,
             })?;
+        // envd holds its own copy now; the host never accepts on it.
+        drop(envd_socket);
         if !out.success() {
             return Err(self.failure("run", &out, Some(&dirs.log())));
         }
@@ -561,6 +577,34 @@ impl OciRuntime {
             init_pid,
         })
     }
+}
+
+/// A unix stream socket bound (not listening) at `<control>/envd.sock`,
+/// close-on-exec in this process. The control dir is host-only and mode 0700.
+fn bind_envd_socket(control: &Path) -> Result<std::os::fd::OwnedFd, RuntimeError> {
+    use nix::sys::socket::{bind, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::unix::fs::PermissionsExt;
+    let path = control.join(aviary_runtime::ENVD_SOCKET_NAME);
+    std::fs::set_permissions(control, std::fs::Permissions::from_mode(0o700)).map_err(
+        |source| RuntimeError::WriteFile {
+            path: control.to_path_buf(),
+            source,
+        },
+    )?;
+    let io = |e: nix::Error| RuntimeError::CreateDir {
+        path: path.clone(),
+        source: e.into(),
+    };
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(io)?;
+    let addr = UnixAddr::new(&path).map_err(io)?;
+    bind(fd.as_raw_fd(), &addr).map_err(io)?;
+    Ok(fd)
 }
 
 fn probe_overlay(dir: &Path) -> std::io::Result<()> {
@@ -730,6 +774,33 @@ impl Runtime for OciRuntime {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
         self.cgroups.usage(id)
+    }
+
+    async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        let dirs = self.dirs(id);
+        let pid_file = dirs.pid_file();
+        let text = match std::fs::read_to_string(&pid_file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RuntimeError::NotFound { id: id.clone() })
+            }
+            Err(source) => {
+                return Err(RuntimeError::ReadFile {
+                    path: pid_file,
+                    source,
+                })
+            }
+        };
+        let peer_pid = text
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| RuntimeError::ParseState {
+                detail: format!("pid file holds {:?}", text.trim()),
+            })?;
+        Ok(EnvdEndpoint {
+            socket: dirs.control().join(aviary_runtime::ENVD_SOCKET_NAME),
+            peer_pid,
+        })
     }
 
     async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError> {

@@ -154,7 +154,7 @@ impl SandboxDisks {
         if golden.is_file() {
             return Ok(golden);
         }
-        std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::CreateDir {
+        std::fs::create_dir_all(dir).map_err(|source| RuntimeError::CreateDir {
             path: dir.clone(),
             source,
         })?;

@@ -70,7 +70,8 @@ impl Spawner for ProcessSpawner {
                     if fd == target {
                         // dup2 onto itself keeps FD_CLOEXEC: clear it by hand.
                         let flags = libc::fcntl(fd, libc::F_GETFD);
-                        if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
+                        if flags < 0
+                            || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
                         {
                             return Err(std::io::Error::last_os_error());
                         }

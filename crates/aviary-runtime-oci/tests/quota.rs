@@ -191,7 +191,7 @@ mod quota {
         assert!(df.success(), "{}", text(&df));
         for line in String::from_utf8_lossy(&df.stdout).lines() {
             let size: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-            assert!(size <= DISK_MB && size >= DISK_MB / 2, "df: {line}");
+            assert!((DISK_MB / 2..=DISK_MB).contains(&size), "df: {line}");
         }
 
         // The disk's mounts name paths inside the disk, never the host's

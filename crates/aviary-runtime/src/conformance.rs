@@ -218,7 +218,12 @@ pub async fn check_limits_visible(
     );
     std::fs::write(handle.control_dir.join("hello"), "from-host").expect("write control");
     assert_eq!(
-        run(&["sh", "-c", "cat /run/aviary/hello 2>/dev/null || echo absent"]).await,
+        run(&[
+            "sh",
+            "-c",
+            "cat /run/aviary/hello 2>/dev/null || echo absent"
+        ])
+        .await,
         "absent",
         "the control dir is host-only"
     );

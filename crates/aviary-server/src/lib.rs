@@ -61,6 +61,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         })?,
     );
     let chunk_store = open_snapshot_store(&cfg).await?;
+    tighten_data_dir(&cfg.data_dir, &cfg.runtime_state_dir())?;
     let runtime = Arc::new(runtime);
     ControlPlane::new(
         cfg,
@@ -267,11 +268,49 @@ async fn collect_chunks(cp: Arc<ControlPlane>) {
     }
 }
 
+/// The data dir is 0711: the OCI runtimes look a sandbox's rootfs up from
+/// inside its user namespace (an unprivileged host uid), so every parent of
+/// the runtime state dir must be traversable; nothing in it may be listed or
+/// read by other users. The registry file is pre-created 0600 (SQLite gives
+/// its -wal/-shm files the same mode).
 fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     std::fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .with_context(|| format!("restricting data dir {}", dir.display()))?;
+    let db = dir.join("registry.db");
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(&db)
+        .with_context(|| format!("creating registry file {}", db.display()))?;
+    Ok(())
+}
+
+/// Everything in the data dir but the runtime's state dir (which manages its
+/// own modes) becomes owner-only: dirs 0700, files 0600.
+fn tighten_data_dir(dir: &Path, runtime_state: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+        let entry = entry?;
+        let path = entry.path();
+        if path == runtime_state {
+            continue;
+        }
+        let meta = std::fs::symlink_metadata(&path)?;
+        let mode = if meta.is_dir() {
+            0o700
+        } else if meta.is_file() {
+            0o600
+        } else {
+            continue;
+        };
+        if meta.permissions().mode() & 0o777 != mode {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))
+                .with_context(|| format!("restricting {}", path.display()))?;
+        }
+    }
     Ok(())
 }
 

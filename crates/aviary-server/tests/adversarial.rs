@@ -4,6 +4,8 @@
 //! bad inputs over every route (never a 5xx). Lease-loss writes live in
 //! `robustness.rs`, connection floods and rate limits in `edge.rs`.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_client::{Client, ClientError};
@@ -212,7 +214,10 @@ async fn another_tenants_ids_are_not_found_on_every_route() {
         .raw(Method::GET, "/openapi.json", None, None)
         .await
         .unwrap();
-    let bodies: [&[u8]; 2] = [b"{}", br#"{"argv":["sh","-c","echo pwned > /workspace/f"]}"#];
+    let bodies: [&[u8]; 2] = [
+        b"{}",
+        br#"{"argv":["sh","-c","echo pwned > /workspace/f"]}"#,
+    ];
     let mut checked = 0;
     for (method, path) in routes(&openapi, &id) {
         if !path.contains(&id) {
@@ -295,7 +300,12 @@ async fn bad_input_on_every_route_is_never_a_5xx() {
         }
     }
     assert!(sent > 300, "only {sent} requests sent");
-    assert!(fives.is_empty(), "{} of {sent} gave 5xx:\n{}", fives.len(), fives.join("\n"));
+    assert!(
+        fives.is_empty(),
+        "{} of {sent} gave 5xx:\n{}",
+        fives.len(),
+        fives.join("\n")
+    );
     // …and the server still serves.
     assert_eq!(sh(c, &id, "echo ok").await.1.trim(), "ok");
     ts.cleanup().await;

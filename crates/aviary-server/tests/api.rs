@@ -402,7 +402,10 @@ async fn lease_at_create_and_fencing_inside_envd() {
         matches!(e, aviary_envd_proto::EnvdError::LeaseRequired),
         "{e:?}"
     );
-    let ok = envd.exec_collect(spec, Some(lease.token.fence())).await.unwrap();
+    let ok = envd
+        .exec_collect(spec, Some(lease.token.fence()))
+        .await
+        .unwrap();
     assert_eq!(ok.exit.exit_code, 0);
     c.delete_sandbox(id.as_str(), Some(lease.token))
         .await

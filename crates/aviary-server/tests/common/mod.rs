@@ -131,6 +131,35 @@ impl TestServer {
     }
 }
 
+/// A test that ends with its server still running (normally or by a failed
+/// assertion) destroys the sandboxes that server's runtime still has, so a
+/// failing test leaves no mounts, loop devices, cgroups or processes behind.
+/// Restart tests `stop()` their first server, which then owns nothing here.
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        let Some(server) = self.server.as_ref() else {
+            return;
+        };
+        let runtime = server.control_plane.runtime.clone();
+        let swept = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(ids) = runtime.list().await {
+                    for id in ids {
+                        let _ = runtime.destroy(&id).await;
+                    }
+                }
+            });
+        });
+        let _ = swept.join();
+    }
+}
+
 pub fn shell(s: &str) -> aviary_core::api::ExecRequest {
     aviary_core::api::ExecRequest {
         shell: Some(s.into()),
