@@ -194,8 +194,8 @@ pub fn claim(
     let range = (0..pool.slots)
         .map(|s| pool.range(s))
         .find(|r| !taken.contains(&r.host_first))
-        .ok_or_else(|| RuntimeError::ProbeRuntime {
-            reason: format!("all {} user-id ranges are in use", pool.slots),
+        .ok_or_else(|| RuntimeError::CapacityExhausted {
+            what: format!("all {} user-id ranges are in use", pool.slots),
         })?;
     let marker = dir.join(id.as_str());
     std::fs::write(&marker, range.host_first.to_string()).map_err(|source| {

@@ -1,7 +1,8 @@
 //! The real [`Spawner`]: runs programs with tokio, optionally inside a private
 //! mount namespace prepared between fork and exec.
 //!
-//! This module holds the crate's only `unsafe` code (`pre_exec`).
+//! Its `unsafe` is the `pre_exec` hooks; the crate's other unsafe blocks are the loop
+//! device ioctls in `quota` and the mount-API calls in `idmap`, each with a SAFETY note.
 
 use async_trait::async_trait;
 use aviary_runtime::{SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner};

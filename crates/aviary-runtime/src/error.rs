@@ -19,6 +19,9 @@ pub enum RuntimeError {
     InvalidSpec { reason: String },
     #[error("runtime is not usable: {reason}")]
     ProbeRuntime { reason: String },
+    /// A per-host resource the sandbox needs is used up (user-id ranges, …).
+    #[error("host capacity exhausted: {what}")]
+    CapacityExhausted { what: String },
     #[error("spawn {program}")]
     Spawn {
         program: String,
@@ -107,6 +110,7 @@ impl RuntimeError {
             RuntimeError::ProbeRuntime { .. } | RuntimeError::Spawn { .. } => {
                 ErrorCode::Unavailable
             }
+            RuntimeError::CapacityExhausted { .. } => ErrorCode::CapacityExhausted,
             RuntimeError::Cleanup { original, .. } => original.code(),
             _ => ErrorCode::Internal,
         }
@@ -145,5 +149,14 @@ mod tests {
         );
         let source = std::error::Error::source(&e).unwrap();
         assert_eq!(source.to_string(), format!("sandbox {id} not found"));
+    }
+
+    #[test]
+    fn host_capacity_is_a_503_not_a_500() {
+        let e = RuntimeError::CapacityExhausted {
+            what: "all 4096 user-id ranges are in use".into(),
+        };
+        assert_eq!(e.code(), ErrorCode::CapacityExhausted);
+        assert_eq!(e.code().http_status(), 503);
     }
 }

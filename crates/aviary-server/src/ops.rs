@@ -1060,8 +1060,13 @@ impl ControlPlane {
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let id = &spec.id;
         let runtime = self.runtime_for(&rec.node)?;
-        let handle = runtime.create(spec).await.map_err(|e| {
-            OpError::Internal(anyhow::Error::new(e).context("runtime could not create the sandbox"))
+        let handle = runtime.create(spec).await.map_err(|e| match e.code() {
+            aviary_core::ErrorCode::CapacityExhausted => OpError::CapacityExhausted(format!(
+                "this node cannot host another sandbox now: {e}"
+            )),
+            _ => OpError::Internal(
+                anyhow::Error::new(e).context("runtime could not create the sandbox"),
+            ),
         })?;
         let envd = match self.nodes.get(&rec.node) {
             Some(n) => n.runtime.envd(id),
