@@ -501,6 +501,12 @@ impl EnvdClient {
         expect_ok(self.call(&Request::SetFence { token }).await?)
     }
 
+    /// Kills every process in the sandbox but envd, the fence unchanged
+    /// (accepted only from outside the sandbox).
+    pub async fn kill_all(&self) -> Result<(), EnvdError> {
+        expect_ok(self.call(&Request::KillAll).await?)
+    }
+
     /// Starts a process; the returned stream yields output chunks as they come and
     /// finally the exit.
     pub async fn exec(&self, spec: ExecSpec, token: Option<u64>) -> Result<ExecStream, EnvdError> {

@@ -250,6 +250,11 @@ pub enum Request {
     SetFence {
         token: Option<u64>,
     },
+    /// Control operation, accepted only from peers outside the sandbox: kills
+    /// every other process in the sandbox and waits until they are reaped,
+    /// without touching the fence (a level-1 reset). Answers `Ok`, or an
+    /// `internal` error when processes survive the bounded wait.
+    KillAll,
     Exec {
         argv: Vec<String>,
         #[serde(default)]

@@ -44,15 +44,15 @@ mod sweep;
 mod sys;
 
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use aviary_envd_proto::{ErrorBody, ErrorCode};
 
 use crate::files::SandboxFs;
-use crate::server::Envd;
+use crate::server::{ConnectionSlot, Envd, Lane};
 
 const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH) [--root DIR] [--trust-all-peers] [--no-openat2]
 
@@ -207,30 +207,76 @@ fn main() {
         std::process::exit(1);
     }
 
+    // One thread started now, while the sandbox is fresh, serves control
+    // calls (health, set_fence) whenever a connection cannot get a slot or a
+    // thread of its own: a sandbox at its pids limit (a fork bomb) or with
+    // every lane held still takes a fence move.
+    let (control_tx, control_rx) =
+        std::sync::mpsc::sync_channel::<(Option<ConnectionSlot>, UnixStream)>(server::CONTROL_LANE);
+    let control_envd = Arc::clone(&envd);
+    let spawned = std::thread::Builder::new()
+        .name("envd-control".into())
+        .stack_size(256 * 1024)
+        .spawn(move || {
+            for (_slot, conn) in control_rx {
+                server::handle_connection(&control_envd, Lane::Control, conn);
+            }
+        });
+    if let Err(e) = spawned {
+        eprintln!("envd: start control thread: {e}");
+        std::process::exit(1);
+    }
+
     for conn in listener.incoming() {
-        let Ok(mut conn) = conn else { continue };
+        let Ok(conn) = conn else { continue };
         let Some(slot) = envd.try_acquire_connection() else {
-            let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
-            server::send_error(
-                &mut conn,
-                &ErrorBody {
-                    code: ErrorCode::Busy,
-                    message: format!(
-                        "envd serves at most {} connections",
-                        server::MAX_CONNECTIONS
-                    ),
-                },
-            );
+            overflow(&control_tx, None, conn);
             continue;
         };
+        // The connection comes back if no thread can be started for it.
+        let cell = Arc::new(Mutex::new(Some((slot, conn))));
+        let mine = Arc::clone(&cell);
         let spawned = std::thread::Builder::new()
             .name("envd-conn".into())
             .stack_size(256 * 1024)
-            .spawn(move || server::handle_connection(slot.envd(), conn));
-        if let Err(e) = spawned {
-            eprintln!("envd: spawn connection thread: {e}");
+            .spawn(move || {
+                let taken = mine.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some((slot, conn)) = taken {
+                    server::handle_connection(slot.envd(), slot.lane(), conn);
+                }
+            });
+        if spawned.is_err() {
+            let taken = cell.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some((slot, conn)) = taken {
+                overflow(&control_tx, Some(slot), conn);
+            }
         }
     }
+}
+
+/// Hands a connection to the control thread (which serves only health and
+/// set_fence), or answers `Busy` when that thread is backed up too.
+fn overflow(
+    control: &std::sync::mpsc::SyncSender<(Option<ConnectionSlot>, UnixStream)>,
+    slot: Option<ConnectionSlot>,
+    conn: UnixStream,
+) {
+    let (_slot, mut conn) = match control.try_send((slot, conn)) {
+        Ok(()) => return,
+        Err(std::sync::mpsc::TrySendError::Full(back))
+        | Err(std::sync::mpsc::TrySendError::Disconnected(back)) => back,
+    };
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+    server::send_error(
+        &mut conn,
+        &ErrorBody {
+            code: ErrorCode::Busy,
+            message: format!(
+                "envd serves at most {} connections",
+                server::MAX_CONNECTIONS
+            ),
+        },
+    );
 }
 
 /// Reaps children on SIGCHLD and shuts down on SIGTERM/SIGINT.

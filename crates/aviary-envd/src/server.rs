@@ -20,6 +20,12 @@
 //!   and the move, so no work authorised by an old token starts or lands after
 //!   the fence moved.
 //!
+//! Lanes: [`MAX_CONNECTIONS`] general connections, plus [`CONTROL_LANE`]
+//! reserved ones that serve only `health`, `set_fence` and `kill_all`; and one
+//! control thread, started at boot, takes such calls when no slot or no new
+//! thread is available (a sandbox at its pids limit), so the host's control
+//! calls cannot be starved by long execs or a fork bomb.
+//!
 //! Concurrency: one thread per connection, at most [`MAX_CONNECTIONS`]; the
 //! fence and the exec table are behind mutexes held only for map/field updates;
 //! the fence gate (a read-write lock) is held by readers only around the
@@ -44,8 +50,13 @@ use crate::files::{map_io, SandboxFs};
 use crate::reaper::Reaper;
 use crate::{sweep, sys};
 
-/// Most connections served at once; more are answered `Busy`.
+/// Most general connections (exec, files) served at once; more are answered
+/// `Busy`.
 pub const MAX_CONNECTIONS: usize = 128;
+/// Connections reserved for the control plane's control calls (`health`,
+/// `set_fence`) when the general lane is full: long execs and file streams
+/// can never keep a fence move or a health probe out.
+pub const CONTROL_LANE: usize = 8;
 /// How long envd waits for the next frame from a client (outside exec).
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -86,6 +97,7 @@ pub struct Envd {
     fence_gate: RwLock<()>,
     running_groups: Mutex<HashSet<i32>>,
     connections: AtomicUsize,
+    control_connections: AtomicUsize,
 }
 
 fn fail(code: ErrorCode, message: impl Into<String>) -> ErrorBody {
@@ -108,6 +120,7 @@ impl Envd {
             fence_gate: RwLock::new(()),
             running_groups: Mutex::new(HashSet::new()),
             connections: AtomicUsize::new(0),
+            control_connections: AtomicUsize::new(0),
         }
     }
 
@@ -186,6 +199,20 @@ impl Envd {
         })
     }
 
+    /// Ends every process but envd, the fence unchanged (a level-1 reset).
+    pub fn kill_all(&self) -> Result<(), ErrorBody> {
+        let _gate = self.fence_gate.write().unwrap_or_else(|p| p.into_inner());
+        sweep::end_all_processes(self).map_err(|left| {
+            fail(
+                ErrorCode::Internal,
+                format!(
+                    "{left} process(es) survived SIGKILL for {:?}",
+                    sweep::SWEEP_TIMEOUT
+                ),
+            )
+        })
+    }
+
     pub fn exec_started(&self, pgid: i32) {
         self.groups().insert(pgid);
     }
@@ -222,27 +249,47 @@ impl Envd {
 
     /// Reserves a connection slot; `None` when at the limit.
     pub fn try_acquire_connection(self: &Arc<Self>) -> Option<ConnectionSlot> {
-        let prev = self.connections.fetch_add(1, Ordering::AcqRel);
-        if prev >= MAX_CONNECTIONS {
-            self.connections.fetch_sub(1, Ordering::AcqRel);
-            return None;
+        for (lane, counter, limit) in [
+            (Lane::General, &self.connections, MAX_CONNECTIONS),
+            (Lane::Control, &self.control_connections, CONTROL_LANE),
+        ] {
+            let prev = counter.fetch_add(1, Ordering::AcqRel);
+            if prev < limit {
+                return Some(ConnectionSlot(Arc::clone(self), lane));
+            }
+            counter.fetch_sub(1, Ordering::AcqRel);
         }
-        Some(ConnectionSlot(Arc::clone(self)))
+        None
     }
 }
 
 /// A reserved connection slot, released on drop.
-pub struct ConnectionSlot(Arc<Envd>);
+pub struct ConnectionSlot(Arc<Envd>, Lane);
+
+/// Which pool a connection's slot came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    General,
+    /// Only `health` and `set_fence` are served on it.
+    Control,
+}
 
 impl ConnectionSlot {
     pub fn envd(&self) -> &Envd {
         &self.0
     }
+
+    pub fn lane(&self) -> Lane {
+        self.1
+    }
 }
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        match self.1 {
+            Lane::General => self.0.connections.fetch_sub(1, Ordering::AcqRel),
+            Lane::Control => self.0.control_connections.fetch_sub(1, Ordering::AcqRel),
+        };
     }
 }
 
@@ -263,7 +310,7 @@ fn send_response(conn: &mut UnixStream, r: &Response) {
 }
 
 /// Serves one connection: one request, then the connection is closed.
-pub fn handle_connection(envd: &Envd, mut conn: UnixStream) {
+pub fn handle_connection(envd: &Envd, lane: Lane, mut conn: UnixStream) {
     let _ = conn.set_read_timeout(Some(READ_TIMEOUT));
     let req = match read_frame(&mut conn) {
         Ok(None) => return,
@@ -290,8 +337,46 @@ pub fn handle_connection(envd: &Envd, mut conn: UnixStream) {
         }
         Err(e) => return send_error(&mut conn, &fail(ErrorCode::BadRequest, e.to_string())),
     };
+    if lane == Lane::Control
+        && !matches!(
+            req,
+            Request::Health | Request::SetFence { .. } | Request::KillAll
+        )
+    {
+        send_error(
+            &mut conn,
+            &fail(
+                ErrorCode::Busy,
+                format!("envd serves at most {MAX_CONNECTIONS} connections"),
+            ),
+        );
+        // Closing with unread frames (an exec's stdin) would reset the
+        // connection and the client would see a broken pipe, not `Busy`:
+        // read what is left, briefly and boundedly.
+        let _ = conn.shutdown(std::net::Shutdown::Write);
+        let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
+        let _ = std::io::copy(&mut (&mut conn).take(1 << 20), &mut std::io::sink());
+        return;
+    }
     if let Err(body) = dispatch(envd, &mut conn, req) {
         send_error(&mut conn, &body);
+    }
+}
+
+/// Control operations are accepted only from a peer in an ancestor PID
+/// namespace (SO_PEERCRED pid 0: the host), unless `--trust-all-peers`.
+fn require_outside_peer(envd: &Envd, conn: &UnixStream, op: &str) -> Result<(), ErrorBody> {
+    let trusted = envd.trust_all_peers
+        || sys::peer_pid(conn.as_fd())
+            .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?
+            == 0;
+    if trusted {
+        Ok(())
+    } else {
+        Err(fail(
+            ErrorCode::PermissionDenied,
+            format!("{op} is accepted only from outside the sandbox"),
+        ))
     }
 }
 
@@ -299,17 +384,13 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
     match req {
         Request::Health => send_response(conn, &Response::Health(envd.health())),
         Request::SetFence { token } => {
-            let trusted = envd.trust_all_peers
-                || sys::peer_pid(conn.as_fd())
-                    .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?
-                    == 0;
-            if !trusted {
-                return Err(fail(
-                    ErrorCode::PermissionDenied,
-                    "set_fence is accepted only from outside the sandbox",
-                ));
-            }
+            require_outside_peer(envd, conn, "set_fence")?;
             envd.set_fence(token)?;
+            send_response(conn, &Response::Ok);
+        }
+        Request::KillAll => {
+            require_outside_peer(envd, conn, "kill_all")?;
+            envd.kill_all()?;
             send_response(conn, &Response::Ok);
         }
         Request::Exec {

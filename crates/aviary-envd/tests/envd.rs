@@ -1251,6 +1251,64 @@ mod e2e {
         c.health().await.unwrap();
     }
 
+    /// Finding 5: the host's control calls get a reserved lane. With every
+    /// general connection held by a running exec, `health` and `set_fence`
+    /// still get through (and the fence move ends those execs); any other
+    /// call on the reserved lane is `Busy`.
+    #[tokio::test]
+    async fn control_calls_have_a_lane_that_execs_cannot_exhaust() {
+        // envd's general lane (`server::MAX_CONNECTIONS`).
+        const MAX_CONNECTIONS: usize = 128;
+        let d = Daemon::start(&["--trust-all-peers"]).await;
+        let c = d.client();
+        let mut streams = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            streams.push(c.exec(sh("sleep 60"), None).await.unwrap());
+        }
+        // The first frame of each exec is only sent once it runs; make sure
+        // all of them hold their connection before probing.
+        while c.health().await.unwrap().running_execs < MAX_CONNECTIONS as u64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let e = c.exec_collect(sh("true"), None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::Busy), "{e:?}");
+        let e = c.stat("/").await.unwrap_err();
+        assert!(matches!(e, EnvdError::Busy), "{e:?}");
+        c.set_fence(Some(1)).await.unwrap();
+        for mut s in streams {
+            let ev = loop {
+                match s.next().await {
+                    Ok(ExecEvent::Exit(x)) => break Ok(x),
+                    Ok(_) => continue,
+                    Err(e) => break Err(e),
+                }
+            };
+            if let Ok(x) = ev {
+                assert_ne!(x.exit_code, 0, "the fence move ends the old execs");
+            }
+        }
+        assert_eq!(c.health().await.unwrap().running_execs, 0);
+        c.exec_collect(sh("true"), Some(1)).await.unwrap();
+        // kill_all (a level-1 reset) ends processes and leaves the fence.
+        let mut s = c.exec(sh("sleep 60"), Some(1)).await.unwrap();
+        while c.health().await.unwrap().running_execs == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        c.kill_all().await.unwrap();
+        loop {
+            match s.next().await {
+                Ok(ExecEvent::Exit(x)) => {
+                    assert_ne!(x.exit_code, 0);
+                    break;
+                }
+                Ok(_) => continue,
+                Err(_) => break,
+            }
+        }
+        let h = c.health().await.unwrap();
+        assert_eq!((h.running_execs, h.fence), (0, Some(1)));
+    }
+
     async fn futures_join_all<T>(
         handles: Vec<tokio::task::JoinHandle<T>>,
     ) -> Vec<Result<T, tokio::task::JoinError>> {

@@ -221,8 +221,13 @@ impl ControlPlane {
             )
             .await?;
         // the lease ends first: nothing the old holder sends is accepted
+        // …and every process goes, fenced or not: the reset's own script
+        // then always finds a free lane in envd.
         let fenced = match self.leases.revoke(&rec.id).await {
-            Ok(()) => self.push_fence(&rec.id, &live).await,
+            Ok(()) => match self.push_fence(&rec.id, &live).await {
+                Ok(()) => self.kill_all(&live).await,
+                Err(e) => Err(e),
+            },
             Err(e) => Err(e.into()),
         };
         if let Err(e) = fenced {

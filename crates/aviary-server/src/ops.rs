@@ -573,15 +573,44 @@ impl ControlPlane {
         let _g = live.fence_lock.lock().await;
         let current = self.leases.current(id, aviary_core::now()).await?;
         // a hung envd must not hang the lease operation waiting on it
-        match tokio::time::timeout(
-            FENCE_PUSH_TIMEOUT,
-            live.envd.set_fence(current.map(|l| l.token.fence())),
-        )
-        .await
-        {
+        let fence = current.map(|l| l.token.fence());
+        // `busy` is transient (envd keeps a reserved lane for control calls,
+        // which a burst of refused calls can fill for a moment): retry it.
+        let push = async {
+            loop {
+                match live.envd.set_fence(fence).await {
+                    Err(aviary_envd_proto::EnvdError::Busy) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    other => break other,
+                }
+            }
+        };
+        match tokio::time::timeout(FENCE_PUSH_TIMEOUT, push).await {
             Ok(r) => r.map_err(OpError::from),
             Err(_) => Err(OpError::Unavailable(format!(
                 "envd did not answer the fence within {FENCE_PUSH_TIMEOUT:?}"
+            ))),
+        }
+    }
+
+    /// Kills every process of the sandbox but envd (level-1 reset), with
+    /// the fence push's time limit; `busy` is retried like the fence push.
+    pub(crate) async fn kill_all(&self, live: &LiveSandbox) -> Result<(), OpError> {
+        let kill = async {
+            loop {
+                match live.envd.kill_all().await {
+                    Err(aviary_envd_proto::EnvdError::Busy) => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    other => break other,
+                }
+            }
+        };
+        match tokio::time::timeout(FENCE_PUSH_TIMEOUT, kill).await {
+            Ok(r) => r.map_err(OpError::from),
+            Err(_) => Err(OpError::Unavailable(format!(
+                "envd did not end the sandbox's processes within {FENCE_PUSH_TIMEOUT:?}"
             ))),
         }
     }

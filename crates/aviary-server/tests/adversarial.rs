@@ -272,6 +272,73 @@ async fn refusals_inside_the_sandbox_are_client_errors() {
     ts.cleanup().await;
 }
 
+/// Finding 5: a reset never strands a sandbox in `Sanitizing`. With 128
+/// long execs holding every general lane of envd, a level-1 reset still
+/// fences (the reserved control lane) and ends `Idle`; with envd killed, it
+/// answers `sandbox_lost` and the sandbox is in a defined end state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reset_never_strands_a_sandbox() {
+    let (ts, _dir) = start_unthrottled().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    // Fill envd's general lane (128 connections) with long execs; a plain
+    // exec is then refused as busy.
+    let mut streams = Vec::new();
+    for _ in 0..128 {
+        streams.push(
+            c.exec_stream(&id, &common::shell("sleep 60"))
+                .await
+                .unwrap(),
+        );
+    }
+    let mut busy = None;
+    for _ in 0..100 {
+        match c.exec(&id, &common::shell("true")).await {
+            Err(ClientError::Api { status, .. }) => {
+                busy = Some(status);
+                break;
+            }
+            _ => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+        }
+    }
+    // `busy`, or `unavailable` when envd refused the connection outright.
+    assert_eq!(busy, Some(503), "envd's lane never filled");
+    let reset = c.reset(&id, 1, None).await.unwrap();
+    assert_eq!(reset.state, aviary_core::SandboxState::Idle);
+    drop(streams);
+    assert_eq!(sh(c, &id, "echo after").await.1.trim(), "after");
+
+    let pid = ts
+        .cp()
+        .runtime
+        .envd_endpoint(&id.parse().unwrap())
+        .await
+        .unwrap()
+        .peer_pid;
+    let pid = i32::try_from(pid).unwrap();
+    // kill(1), as an operator (or a crash) would.
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    match c.reset(&id, 1, None).await.unwrap_err() {
+        ClientError::Api { code, status, .. } => {
+            assert_eq!((code, status), (ErrorCode::SandboxLost, 409))
+        }
+        other => panic!("{other:?}"),
+    }
+    let state = c.get_sandbox(&id).await.unwrap().state;
+    assert!(
+        matches!(
+            state,
+            aviary_core::SandboxState::Lost | aviary_core::SandboxState::Failed
+        ),
+        "{state:?}"
+    );
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
 async fn futures_join<T: Send + 'static>(
     handles: impl Iterator<Item = tokio::task::JoinHandle<T>>,
 ) -> Vec<T> {
