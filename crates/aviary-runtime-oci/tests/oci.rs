@@ -2,140 +2,28 @@
 //! They need root; each test prints why and returns when it cannot run.
 //! All tests take one lock because they count host-wide resources.
 
+mod common;
+
 #[cfg(test)]
 mod oci {
+    use crate::common::{self, Fixture};
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance::{self, Footprint};
     use aviary_runtime::{BindMount, Pausable, Runtime, RuntimeStatus, SandboxSpec};
-    use aviary_runtime_oci::{OciBinary, OciConfig, OciRuntime};
+    use aviary_runtime_oci::{OciBinary, OciRuntime};
     use std::path::{Path, PathBuf};
     use std::time::Duration;
     use tokio::sync::Mutex;
 
     static LOCK: Mutex<()> = Mutex::const_new(());
 
-    const APPLETS: &[&str] = &[
-        "sh",
-        "sleep",
-        "cat",
-        "ls",
-        "ip",
-        "hostname",
-        "grep",
-        "wc",
-        "echo",
-        "true",
-        "false",
-        "id",
-        "touch",
-        "mkdir",
-        "rm",
-        "head",
-        "tail",
-        "dd",
-        "mount",
-        "unshare",
-        "nc",
-        "ping",
-        "stat",
-        "sed",
-        "awk",
-        "env",
-        "kill",
-        "seq",
-        "chown",
-        "df",
-        "find",
-        "sha256sum",
-        "tr",
-        "cut",
-    ];
-
-    struct Fixture {
-        _dir: tempfile::TempDir,
-        template: PathBuf,
-        state: PathBuf,
-        envd: PathBuf,
-    }
-
     /// `None` (with the reason printed) when this machine cannot run the test.
     fn fixture(binary: OciBinary) -> Option<Fixture> {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIP: the OCI runtime tests need root (mounts, cgroups)");
-            return None;
-        }
-        let bin = binary.name();
-        if !Path::new("/usr/bin").join(bin).exists()
-            && !Path::new("/usr/local/bin").join(bin).exists()
-        {
-            eprintln!("SKIP: {bin} is not installed (apt-get install {bin})");
-            return None;
-        }
-        if !Path::new("/bin/busybox").exists() {
-            eprintln!("SKIP: /bin/busybox missing (apt-get install busybox-static)");
-            return None;
-        }
-        let dir = tempfile::Builder::new()
-            .prefix("aviary-rt-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        let template = dir.path().join("template");
-        let b = template.join("bin");
-        std::fs::create_dir_all(&b).unwrap();
-        for d in ["etc", "proc", "sys", "dev", "tmp", "root"] {
-            std::fs::create_dir_all(template.join(d)).unwrap();
-        }
-        std::fs::write(
-            template.join("etc/passwd"),
-            "root:x:0:0:root:/root:/bin/sh\n",
-        )
-        .unwrap();
-        std::fs::copy("/bin/busybox", b.join("busybox")).unwrap();
-        for a in APPLETS {
-            std::os::unix::fs::symlink("busybox", b.join(a)).unwrap();
-        }
-        let envd = dir.path().join("fake-envd");
-        std::fs::write(&envd, "#!/bin/sh\necho envd\n").unwrap();
-        let state = dir.path().join("state");
-        Some(Fixture {
-            template,
-            state,
-            envd,
-            _dir: dir,
-        })
-    }
-
-    impl Drop for Fixture {
-        /// A failed test must not leave sandboxes running on the host: destroy
-        /// whatever is left in this fixture's state dir, for both binaries.
-        fn drop(&mut self) {
-            let state = self.state.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(async {
-                    for binary in [OciBinary::Crun, OciBinary::Runc] {
-                        if !state.exists() {
-                            return;
-                        }
-                        let oci = OciRuntime::new(OciConfig::new(binary, &state)).unwrap();
-                        for id in oci.list().await.unwrap() {
-                            if let Err(e) = oci.destroy(&id).await {
-                                eprintln!("fixture cleanup of {id}: {}", conformance::chain(&e));
-                            }
-                        }
-                    }
-                });
-            })
-            .join()
-            .unwrap();
-        }
+        common::fixture("rt", &[common::binary_needs(binary)])
     }
 
     fn runtime(f: &Fixture, binary: OciBinary) -> OciRuntime {
-        OciRuntime::new(OciConfig::new(binary, &f.state)).unwrap()
+        f.runtime(binary)
     }
 
     fn spec_for(f: &Fixture) -> SandboxSpec {

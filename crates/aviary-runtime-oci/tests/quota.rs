@@ -3,14 +3,17 @@
 //! together, with `ENOSPC` inside and the host file system untouched.
 //! They need root; each test prints why and returns when it cannot run.
 
+mod common;
+
 #[cfg(test)]
 mod quota {
+    use crate::common::{self, Fixture};
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance;
     use aviary_runtime::{BindMount, Runtime, SandboxSpec, SpawnOutput};
     use aviary_runtime_oci::{disk_image, seed_dir, OciBinary, OciConfig, OciRuntime};
     use std::os::unix::fs::MetadataExt;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use tokio::sync::Mutex;
 
     /// The tests count host-wide things (mounts, loop devices).
@@ -19,93 +22,19 @@ mod quota {
     const DISK_MB: u64 = 64;
     const MIB: u64 = 1024 * 1024;
 
-    const APPLETS: &[&str] = &[
-        "sh", "sleep", "cat", "ls", "dd", "df", "rm", "sync", "echo", "true", "mkdir", "stat",
-        "head", "grep", "awk", "tr", "wc",
-    ];
-
-    struct Fixture {
-        dir: tempfile::TempDir,
-        template: PathBuf,
-        state: PathBuf,
-        envd: PathBuf,
-    }
-
     fn fixture() -> Option<Fixture> {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIP: the disk quota tests need root (loop devices, mounts)");
-            return None;
-        }
-        for (path, install) in [
-            ("/usr/bin/crun", "apt-get install crun"),
-            ("/bin/busybox", "apt-get install busybox-static"),
-            ("/dev/loop-control", "modprobe loop"),
-            ("/usr/sbin/mkfs.ext4", "apt-get install e2fsprogs"),
-        ] {
-            if !Path::new(path).exists() {
-                eprintln!("SKIP: {path} missing ({install})");
-                return None;
-            }
-        }
-        let dir = tempfile::Builder::new()
-            .prefix("aviary-quota-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        let template = dir.path().join("template");
-        let bin = template.join("bin");
-        std::fs::create_dir_all(&bin).unwrap();
-        for d in ["etc", "proc", "sys", "dev", "tmp", "root"] {
-            std::fs::create_dir_all(template.join(d)).unwrap();
-        }
-        std::fs::write(
-            template.join("etc/passwd"),
-            "root:x:0:0:root:/root:/bin/sh\n",
+        common::fixture(
+            "quota",
+            &[
+                common::binary_needs(OciBinary::Crun),
+                ("/dev/loop-control", "modprobe loop"),
+                ("/usr/sbin/mkfs.ext4", "apt-get install e2fsprogs"),
+            ],
         )
-        .unwrap();
-        std::fs::copy("/bin/busybox", bin.join("busybox")).unwrap();
-        for a in APPLETS {
-            std::os::unix::fs::symlink("busybox", bin.join(a)).unwrap();
-        }
-        let envd = dir.path().join("fake-envd");
-        std::fs::write(&envd, "#!/bin/sh\necho envd\n").unwrap();
-        let state = dir.path().join("state");
-        Some(Fixture {
-            template,
-            state,
-            envd,
-            dir,
-        })
-    }
-
-    impl Drop for Fixture {
-        /// Destroys what a failed test left, so no mount or loop device
-        /// outlives the test.
-        fn drop(&mut self) {
-            let state = self.state.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(async {
-                    if !state.exists() {
-                        return;
-                    }
-                    let oci = OciRuntime::new(OciConfig::new(OciBinary::Crun, &state)).unwrap();
-                    for id in oci.list().await.unwrap() {
-                        if let Err(e) = oci.destroy(&id).await {
-                            eprintln!("fixture cleanup of {id}: {}", conformance::chain(&e));
-                        }
-                    }
-                });
-            })
-            .join()
-            .unwrap();
-        }
     }
 
     fn runtime(f: &Fixture) -> OciRuntime {
-        OciRuntime::new(OciConfig::new(OciBinary::Crun, &f.state)).unwrap()
+        f.runtime(OciBinary::Crun)
     }
 
     fn spec_for(f: &Fixture, disk_mb: u64) -> SandboxSpec {
@@ -467,7 +396,7 @@ mod quota {
 
     /// What the quota costs at create and destroy: `n` creates with and
     /// without, interleaved so both see the same machine. A measurement,
-    /// not a test: `cargo test -p aviary-runtime-oci --test quota -- --ignored --nocapture`.
+    /// not a test: run by `scripts/bench.sh`.
     #[tokio::test]
     #[ignore = "benchmark; run by hand"]
     async fn measure_create_cost_with_and_without_quota() {

@@ -4,8 +4,11 @@
 //! sandbox. They need root; each test prints why and returns when it cannot
 //! run. All tests take one lock because they count host-wide resources.
 
+mod common;
+
 #[cfg(test)]
 mod userns {
+    use crate::common;
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::{BindMount, Runtime, SandboxSpec};
     use aviary_runtime_oci::idmap::{self, IdRange, RANGE_SIZE};
@@ -17,13 +20,8 @@ mod userns {
 
     static LOCK: Mutex<()> = Mutex::const_new(());
 
-    const APPLETS: &[&str] = &[
-        "sh", "sleep", "cat", "ls", "echo", "true", "id", "touch", "mkdir", "rm", "head", "stat",
-        "chown", "chmod", "tr", "seq", "grep", "wc", "cut", "dd",
-    ];
-
     struct Fixture {
-        _dir: tempfile::TempDir,
+        common: common::Fixture,
         template: PathBuf,
         state: PathBuf,
         /// A host dir bind-mounted into sandboxes, holding a host-root 0600 file.
@@ -31,42 +29,8 @@ mod userns {
     }
 
     fn fixture(binary: OciBinary) -> Option<Fixture> {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("SKIP: the user-namespace tests need root (mounts, cgroups)");
-            return None;
-        }
-        let bin = binary.name();
-        if !Path::new("/usr/bin").join(bin).exists()
-            && !Path::new("/usr/local/bin").join(bin).exists()
-        {
-            eprintln!("SKIP: {bin} is not installed (apt-get install {bin})");
-            return None;
-        }
-        if !Path::new("/bin/busybox").exists() {
-            eprintln!("SKIP: /bin/busybox missing (apt-get install busybox-static)");
-            return None;
-        }
-        let dir = tempfile::Builder::new()
-            .prefix("aviary-userns-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        let template = dir.path().join("template");
-        let b = template.join("bin");
-        std::fs::create_dir_all(&b).unwrap();
-        for d in ["etc", "proc", "sys", "dev", "tmp", "root", "srv"] {
-            std::fs::create_dir_all(template.join(d)).unwrap();
-        }
-        std::fs::write(
-            template.join("etc/passwd"),
-            "root:x:0:0:root:/root:/bin/sh\n",
-        )
-        .unwrap();
-        std::fs::write(template.join("etc/group"), "root:x:0:\n").unwrap();
-        std::fs::copy("/bin/busybox", b.join("busybox")).unwrap();
-        for a in APPLETS {
-            std::os::unix::fs::symlink("busybox", b.join(a)).unwrap();
-        }
-        let secret_dir = dir.path().join("host-secrets");
+        let common = common::fixture("userns", &[common::binary_needs(binary)])?;
+        let secret_dir = common.dir.path().join("host-secrets");
         std::fs::create_dir(&secret_dir).unwrap();
         std::fs::write(secret_dir.join("shadow"), "host-root-only\n").unwrap();
         std::fs::set_permissions(
@@ -74,43 +38,16 @@ mod userns {
             std::fs::Permissions::from_mode(0o600),
         )
         .unwrap();
-        let state = dir.path().join("state");
         Some(Fixture {
-            template,
-            state,
+            template: common.template.clone(),
+            state: common.state.clone(),
             secret_dir,
-            _dir: dir,
+            common,
         })
     }
 
-    impl Drop for Fixture {
-        /// A failed test must not leave sandboxes running on the host.
-        fn drop(&mut self) {
-            let state = self.state.clone();
-            std::thread::spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                rt.block_on(async {
-                    for binary in [OciBinary::Crun, OciBinary::Runc] {
-                        if !state.exists() {
-                            return;
-                        }
-                        let oci = OciRuntime::new(OciConfig::new(binary, &state)).unwrap();
-                        for id in oci.list().await.unwrap() {
-                            let _ = oci.destroy(&id).await;
-                        }
-                    }
-                });
-            })
-            .join()
-            .unwrap();
-        }
-    }
-
     fn runtime(f: &Fixture, binary: OciBinary) -> OciRuntime {
-        OciRuntime::new(OciConfig::new(binary, &f.state)).unwrap()
+        f.common.runtime(binary)
     }
 
     fn spec_for(f: &Fixture) -> SandboxSpec {
