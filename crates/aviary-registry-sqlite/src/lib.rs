@@ -3,7 +3,9 @@
 //!
 //! This crate owns the SQLite schema (`migrations/`, applied on open and
 //! tracked in `PRAGMA user_version`) and the mapping of driver errors to the
-//! semantic [`RegistryError`] / [`LeaseError`] variants.
+//! semantic [`RegistryError`] / [`LeaseError`] variants. The file holds
+//! secrets (node agent tokens), so callers create it 0600; SQLite gives its
+//! `-wal`/`-shm` files the database file's mode.
 //!
 //! Invariants: the sandbox's fencing counter lives in its
 //! `sandbox_instance.fence_token` column, so tokens keep increasing across
@@ -43,6 +45,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0003_user_managed.sql"),
     include_str!("../migrations/0004_api_key_revocation.sql"),
     include_str!("../migrations/0005_lease_secret.sql"),
+    include_str!("../migrations/0006_snapshots_pools_nodes.sql"),
 ];
 
 /// How long a writer from another process waits for the write lock.

@@ -426,8 +426,8 @@ impl Registry for SqliteRegistry {
         validate_path(state, &[SandboxState::Locking])?;
         let updated = sqlx::query(&format!(
             "UPDATE sandbox_instance SET tenant_id = ?, user_id = ?, session_id = ?, agent = ?, scope = ?, \
-             expires_at = ?, state = ?, version = version + 1, last_active_at = ? \
-             WHERE sandbox_id = ? RETURNING {SANDBOX_COLUMNS}"
+             expires_at = ?, state = ?, version = version + 1, last_active_at = ?, \
+             pool_claimed_at = ? WHERE sandbox_id = ? RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
         .bind(&claim.user_id)
@@ -436,6 +436,7 @@ impl Registry for SqliteRegistry {
         .bind(claim.scope.as_str())
         .bind(claim.expires_at.map(truncate).map(micros))
         .bind(SandboxState::Locking.as_str())
+        .bind(micros(now))
         .bind(micros(now))
         .bind(id.as_str())
         .fetch_one(&mut *tx)
@@ -833,6 +834,171 @@ impl Registry for SqliteRegistry {
         })
         .transpose()
     }
+
+    async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<SnapshotRecord, RegistryError> {
+        let mut stored = s.clone();
+        stored.created_at = truncate(s.created_at);
+        sqlx::query(
+            "INSERT INTO sandbox_snapshot (snapshot_id, tenant_id, sandbox_id, parent_id, \
+             workspace_manifest, upper_manifest, template_id, template_digest, resource_class, \
+             label, total_bytes, new_bytes, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&s.id)
+        .bind(&s.tenant)
+        .bind(s.sandbox_id.as_str())
+        .bind(&s.parent)
+        .bind(&s.workspace_manifest)
+        .bind(&s.upper_manifest)
+        .bind(&s.template)
+        .bind(&s.template_digest)
+        .bind(&s.resource_class)
+        .bind(&s.label)
+        .bind(to_i64(s.total_bytes)?)
+        .bind(to_i64(s.new_bytes)?)
+        .bind(micros(stored.created_at))
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        Ok(stored)
+    }
+
+    async fn get_snapshot(&self, id: &str) -> Result<SnapshotRecord, RegistryError> {
+        let row = sqlx::query(&format!("{SNAPSHOT_COLUMNS} WHERE snapshot_id = ?"))
+            .bind(id)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(storage)?
+            .ok_or(RegistryError::NotFound)?;
+        snapshot_row(&row)
+    }
+
+    async fn list_snapshots(
+        &self,
+        filter: &SnapshotFilter,
+    ) -> Result<Vec<SnapshotRecord>, RegistryError> {
+        let mut q = QueryBuilder::<Sqlite>::new(format!("{SNAPSHOT_COLUMNS} WHERE 1 = 1"));
+        if let Some(t) = &filter.tenant {
+            q.push(" AND tenant_id = ").push_bind(t);
+        }
+        if let Some(s) = &filter.sandbox_id {
+            q.push(" AND sandbox_id = ").push_bind(s.as_str());
+        }
+        if let Some(l) = &filter.label {
+            q.push(" AND label = ").push_bind(l);
+        }
+        q.push(" ORDER BY created_at, rowid");
+        let rows = q.build().fetch_all(&self.reader).await.map_err(storage)?;
+        rows.iter().map(snapshot_row).collect()
+    }
+
+    async fn latest_snapshot(
+        &self,
+        tenant: &str,
+        sandbox: &SandboxId,
+    ) -> Result<Option<SnapshotRecord>, RegistryError> {
+        let row = sqlx::query(&latest_snapshot_sql())
+            .bind(sandbox.as_str())
+            .bind(tenant)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(storage)?;
+        row.map(|r| snapshot_row(&r)).transpose()
+    }
+
+    async fn delete_snapshot(&self, id: &str) -> Result<(), RegistryError> {
+        let done = sqlx::query("DELETE FROM sandbox_snapshot WHERE snapshot_id = ?")
+            .bind(id)
+            .execute(&self.writer)
+            .await
+            .map_err(storage)?;
+        if done.rows_affected() == 0 {
+            return Err(RegistryError::NotFound);
+        }
+        Ok(())
+    }
+
+    async fn set_pool_bounds(&self, b: &PoolBoundsRecord) -> Result<(), RegistryError> {
+        sqlx::query(
+            "INSERT INTO pool_bounds (resource_class, pool_min, pool_max, updated_at) \
+             VALUES (?, ?, ?, ?) ON CONFLICT (resource_class) DO UPDATE SET \
+             pool_min = excluded.pool_min, pool_max = excluded.pool_max, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(&b.class)
+        .bind(i64::from(b.pool_min))
+        .bind(i64::from(b.pool_max))
+        .bind(micros(b.updated_at))
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        Ok(())
+    }
+
+    async fn list_pool_bounds(&self) -> Result<Vec<PoolBoundsRecord>, RegistryError> {
+        let rows = sqlx::query(
+            "SELECT resource_class, pool_min, pool_max, updated_at FROM pool_bounds \
+             ORDER BY resource_class",
+        )
+        .fetch_all(&self.reader)
+        .await
+        .map_err(storage)?;
+        rows.iter()
+            .map(|r| {
+                Ok(PoolBoundsRecord {
+                    class: col(r, "resource_class")?,
+                    pool_min: to_u32(col(r, "pool_min")?)?,
+                    pool_max: to_u32(col(r, "pool_max")?)?,
+                    updated_at: from_micros(col(r, "updated_at")?)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn list_pool_handouts(&self) -> Result<Vec<SandboxRecord>, RegistryError> {
+        let rows = sqlx::query(&pool_handouts_sql())
+            .fetch_all(&self.reader)
+            .await
+            .map_err(storage)?;
+        rows.iter().map(sandbox_row).collect()
+    }
+
+    async fn upsert_node_registration(&self, n: &NodeRegistration) -> Result<(), RegistryError> {
+        sqlx::query(
+            "INSERT INTO node_registration (node_id, address, token, registered_at) \
+             VALUES (?, ?, ?, ?) ON CONFLICT (node_id) DO UPDATE SET \
+             address = excluded.address, token = excluded.token, \
+             registered_at = excluded.registered_at",
+        )
+        .bind(&n.id)
+        .bind(&n.address)
+        .bind(&n.token)
+        .bind(micros(n.registered_at))
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        Ok(())
+    }
+
+    async fn list_node_registrations(&self) -> Result<Vec<NodeRegistration>, RegistryError> {
+        let rows = sqlx::query(
+            "SELECT node_id, address, token, registered_at FROM node_registration \
+             ORDER BY node_id",
+        )
+        .fetch_all(&self.reader)
+        .await
+        .map_err(storage)?;
+        rows.iter()
+            .map(|r| {
+                Ok(NodeRegistration {
+                    id: col(r, "node_id")?,
+                    address: col(r, "address")?,
+                    token: col(r, "token")?,
+                    registered_at: from_micros(col(r, "registered_at")?)?,
+                })
+            })
+            .collect()
+    }
 }
 
 const API_KEY_COLUMNS: &str =
@@ -849,4 +1015,48 @@ fn api_key_record(r: &SqliteRow) -> Result<ApiKeyRecord, RegistryError> {
             .map(from_micros)
             .transpose()?,
     })
+}
+
+const SNAPSHOT_COLUMNS: &str = "SELECT snapshot_id, tenant_id, sandbox_id, parent_id, \
+    workspace_manifest, upper_manifest, template_id, template_digest, resource_class, label, \
+    total_bytes, new_bytes, created_at FROM sandbox_snapshot";
+
+fn snapshot_row(r: &SqliteRow) -> Result<SnapshotRecord, RegistryError> {
+    Ok(SnapshotRecord {
+        id: col(r, "snapshot_id")?,
+        tenant: col(r, "tenant_id")?,
+        sandbox_id: parse("sandbox id", &col::<String>(r, "sandbox_id")?)?,
+        parent: col(r, "parent_id")?,
+        workspace_manifest: col(r, "workspace_manifest")?,
+        upper_manifest: col(r, "upper_manifest")?,
+        template: col(r, "template_id")?,
+        template_digest: col(r, "template_digest")?,
+        resource_class: col(r, "resource_class")?,
+        label: col(r, "label")?,
+        total_bytes: to_u64(col(r, "total_bytes")?)?,
+        new_bytes: to_u64(col(r, "new_bytes")?)?,
+        created_at: from_micros(col(r, "created_at")?)?,
+    })
+}
+
+fn to_u32(v: i64) -> Result<u32, RegistryError> {
+    u32::try_from(v).map_err(|_| RegistryError::Storage(format!("bad stored value {v}")))
+}
+
+/// Answered by `sandbox_snapshot_by_sandbox` without a sort.
+pub(crate) fn latest_snapshot_sql() -> String {
+    format!(
+        "{SNAPSHOT_COLUMNS} WHERE sandbox_id = ? AND tenant_id = ? \
+         ORDER BY created_at DESC, rowid DESC LIMIT 1"
+    )
+}
+
+/// The predicate is the partial index `sandbox_instance_pool_handouts`' own,
+/// so only live hand-outs are read.
+pub(crate) fn pool_handouts_sql() -> String {
+    format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandbox_instance \
+         WHERE pool_claimed_at IS NOT NULL AND state <> 'Terminated' \
+         ORDER BY pool_claimed_at"
+    )
 }

@@ -413,3 +413,102 @@ async fn keys_from_before_revocation_get_ids_and_keep_working() {
         .unwrap();
     assert_eq!(reg.find_api_key("h1").await.unwrap(), None);
 }
+
+/// The plan SQLite picks for `sql` (bind parameters left unbound: NULL).
+async fn query_plan(reg: &SqliteRegistry, sql: &str) -> String {
+    let rows = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
+        .fetch_all(&reg.reader)
+        .await
+        .unwrap();
+    rows.iter()
+        .map(|r| sqlx::Row::get::<String, _>(r, "detail"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[tokio::test]
+async fn the_servers_queries_use_their_indexes() {
+    let db = FileDb::new();
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    let latest = query_plan(&reg, &crate::registry::latest_snapshot_sql()).await;
+    assert!(
+        latest.contains("sandbox_snapshot_by_sandbox") && !latest.contains("TEMP B-TREE"),
+        "latest snapshot: {latest}"
+    );
+    let by_label = query_plan(
+        &reg,
+        "SELECT snapshot_id FROM sandbox_snapshot WHERE tenant_id = ? AND label = ? \
+         ORDER BY created_at, rowid",
+    )
+    .await;
+    assert!(
+        by_label.contains("sandbox_snapshot_by_label") && !by_label.contains("TEMP B-TREE"),
+        "by label: {by_label}"
+    );
+    let of_sandbox = query_plan(
+        &reg,
+        "SELECT snapshot_id FROM sandbox_snapshot WHERE tenant_id = ? AND sandbox_id = ? \
+         ORDER BY created_at, rowid",
+    )
+    .await;
+    assert!(
+        of_sandbox.contains("sandbox_snapshot_by_sandbox") && !of_sandbox.contains("TEMP B-TREE"),
+        "of a sandbox: {of_sandbox}"
+    );
+    let by_tenant = query_plan(
+        &reg,
+        "SELECT snapshot_id FROM sandbox_snapshot WHERE tenant_id = ? ORDER BY created_at, rowid",
+    )
+    .await;
+    assert!(
+        by_tenant.contains("sandbox_snapshot_by_tenant") && !by_tenant.contains("TEMP B-TREE"),
+        "by tenant: {by_tenant}"
+    );
+    let handouts = query_plan(&reg, &crate::registry::pool_handouts_sql()).await;
+    assert!(
+        handouts.contains("sandbox_instance_pool_handouts") && !handouts.contains("TEMP B-TREE"),
+        "pool hand-outs: {handouts}"
+    );
+}
+
+#[tokio::test]
+async fn sandboxes_from_before_schema_6_are_no_pool_handouts() {
+    let db = FileDb::new();
+    // a schema-5 database with a claimed pooled sandbox, as an older build left it
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(&db.path)
+                .create_if_missing(true),
+        )
+        .await
+        .unwrap();
+    for m in &MIGRATIONS[..5] {
+        sqlx::raw_sql(m).execute(&pool).await.unwrap();
+    }
+    sqlx::raw_sql(
+        "PRAGMA user_version = 5; \
+         INSERT INTO sandbox_instance (sandbox_id, tenant_id, scope, runtime_provider, node_id, \
+         resource_class, cpu, memory_mb, disk_mb, pids, template_id, template_digest, \
+         network_profile, state, created_at, last_active_at, version, tainted) VALUES \
+         ('sbx-abcdefghijklmnopqrst', 'acme', 'session', 'crun', 'local', 'python-small', 1.0, \
+         512, 1024, 64, 'busybox', 'sha256:aa', 'none', 'Leased', 1, 1, 7, 0);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    assert_eq!(reg.schema_version().await.unwrap(), 6);
+    let old = reg.list_sandboxes(Some("acme"), false).await.unwrap();
+    assert_eq!((old.len(), old[0].version), (1, 7), "{old:?}");
+    assert!(reg.list_pool_handouts().await.unwrap().is_empty());
+    assert!(reg.list_pool_bounds().await.unwrap().is_empty());
+    assert!(reg.list_node_registrations().await.unwrap().is_empty());
+    assert!(reg
+        .list_snapshots(&Default::default())
+        .await
+        .unwrap()
+        .is_empty());
+}

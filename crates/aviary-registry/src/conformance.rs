@@ -14,6 +14,7 @@ use aviary_leases::LeaseStore;
 use std::sync::Arc;
 use std::time::Duration;
 use time::macros::datetime;
+use time::OffsetDateTime;
 
 /// How the suite reaches a backend.
 #[async_trait]
@@ -48,6 +49,10 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
         api_keys_list_and_revoke,
         allocations_record_usage,
         environments_upsert,
+        snapshots_index,
+        pool_bounds_upsert,
+        pool_handouts_follow_claims,
+        node_registrations_upsert,
     );
     eprintln!("registry conformance: spawned_transitions_have_one_winner");
     spawned_transitions_have_one_winner(r, 10).await;
@@ -769,6 +774,282 @@ pub async fn environments_upsert<R: Registry>(r: &R) {
     assert_eq!(
         r.upsert_environment(&e).await.unwrap_err(),
         RegistryError::NotFound
+    );
+}
+
+fn sample_snapshot(
+    tenant: &str,
+    sandbox: &SandboxId,
+    label: &str,
+    at: OffsetDateTime,
+) -> SnapshotRecord {
+    SnapshotRecord {
+        id: new_id("snap"),
+        tenant: tenant.to_owned(),
+        sandbox_id: sandbox.clone(),
+        parent: None,
+        workspace_manifest: new_id("snap"),
+        upper_manifest: new_id("snap"),
+        template: "debian-12".into(),
+        template_digest: "sha256:0123abcd".into(),
+        resource_class: "python-small".into(),
+        label: label.to_owned(),
+        total_bytes: 5_000_000_000,
+        new_bytes: 1234,
+        created_at: at,
+    }
+}
+
+pub async fn snapshots_index<R: Registry>(r: &R) {
+    let (t, other) = (tenant(), tenant());
+    let (a, b) = (SandboxId::generate(), SandboxId::generate());
+    assert_eq!(r.latest_snapshot(&t, &a).await.unwrap(), None);
+    let first = sample_snapshot(&t, &a, "checkpoint", datetime!(2030-02-03 4:05:06 UTC));
+    assert_eq!(
+        r.insert_snapshot(&first).await.unwrap(),
+        first,
+        "insert returns the row"
+    );
+    let mut second = sample_snapshot(&t, &a, "clean", datetime!(2030-02-03 4:05:07 UTC));
+    second.parent = Some(first.id.clone());
+    // inserted out of order: lists go by time, not by insertion
+    let mut zeroth = sample_snapshot(&t, &a, "checkpoint", datetime!(2030-02-03 4:05:05 UTC));
+    zeroth.total_bytes = 0;
+    let of_b = sample_snapshot(&t, &b, "clean", datetime!(2030-02-03 4:05:08 UTC));
+    let others = sample_snapshot(&other, &a, "clean", datetime!(2030-02-03 4:05:09 UTC));
+    for s in [&second, &zeroth, &of_b, &others] {
+        r.insert_snapshot(s).await.unwrap();
+    }
+    assert_eq!(r.get_snapshot(&second.id).await.unwrap(), second);
+    assert_eq!(
+        r.get_snapshot(&new_id("snap")).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+    assert_eq!(
+        r.insert_snapshot(&first).await.unwrap_err(),
+        RegistryError::Duplicate,
+        "same id twice"
+    );
+    let ids = |v: Vec<SnapshotRecord>| v.into_iter().map(|s| s.id).collect::<Vec<_>>();
+    let list =
+        |tenant: Option<&str>, sandbox: Option<&SandboxId>, label: Option<&str>| SnapshotFilter {
+            tenant: tenant.map(str::to_owned),
+            sandbox_id: sandbox.cloned(),
+            label: label.map(str::to_owned),
+        };
+    assert_eq!(
+        ids(r.list_snapshots(&list(Some(&t), None, None)).await.unwrap()),
+        vec![
+            zeroth.id.clone(),
+            first.id.clone(),
+            second.id.clone(),
+            of_b.id.clone()
+        ],
+        "a tenant's snapshots, oldest first"
+    );
+    assert_eq!(
+        ids(r
+            .list_snapshots(&list(Some(&t), Some(&a), None))
+            .await
+            .unwrap()),
+        vec![zeroth.id.clone(), first.id.clone(), second.id.clone()],
+        "one sandbox's"
+    );
+    assert_eq!(
+        ids(r
+            .list_snapshots(&list(Some(&t), None, Some("clean")))
+            .await
+            .unwrap()),
+        vec![second.id.clone(), of_b.id.clone()],
+        "by label"
+    );
+    let everyone = ids(r.list_snapshots(&SnapshotFilter::default()).await.unwrap());
+    assert!(everyone.contains(&others.id) && everyone.contains(&first.id));
+    assert_eq!(
+        r.latest_snapshot(&t, &a).await.unwrap(),
+        Some(second.clone()),
+        "latest of the sandbox, within the tenant"
+    );
+    assert_eq!(
+        r.latest_snapshot(&other, &a).await.unwrap(),
+        Some(others.clone())
+    );
+    assert_eq!(r.latest_snapshot(&other, &b).await.unwrap(), None);
+
+    r.delete_snapshot(&second.id).await.unwrap();
+    assert_eq!(
+        r.delete_snapshot(&second.id).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+    assert_eq!(
+        r.latest_snapshot(&t, &a).await.unwrap(),
+        Some(first.clone())
+    );
+    // equal times: the later insert is the latest
+    let tie = sample_snapshot(&t, &a, "checkpoint", first.created_at);
+    r.insert_snapshot(&tie).await.unwrap();
+    assert_eq!(r.latest_snapshot(&t, &a).await.unwrap(), Some(tie.clone()));
+    // sub-second times keep their order (backends keep at least microseconds)
+    let fine = sample_snapshot(
+        &t,
+        &a,
+        "checkpoint",
+        first.created_at + time::Duration::microseconds(1),
+    );
+    r.insert_snapshot(&fine).await.unwrap();
+    assert_eq!(r.latest_snapshot(&t, &a).await.unwrap(), Some(fine));
+}
+
+pub async fn pool_bounds_upsert<R: Registry>(r: &R) {
+    let class = new_id("class");
+    let mut b = PoolBoundsRecord {
+        class: class.clone(),
+        pool_min: 4,
+        pool_max: 8,
+        updated_at: datetime!(2030-02-03 4:05:06 UTC),
+    };
+    r.set_pool_bounds(&b).await.unwrap();
+    b.pool_min = 0;
+    b.pool_max = 10_000;
+    b.updated_at = datetime!(2030-02-03 4:06:00 UTC);
+    r.set_pool_bounds(&b).await.unwrap();
+    let mine: Vec<_> = r
+        .list_pool_bounds()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|x| x.class == class)
+        .collect();
+    assert_eq!(mine, vec![b], "set replaces");
+}
+
+/// A warm pooled sandbox: no tenant, `Ready`.
+async fn warm_sandbox<R: Registry>(r: &R) -> SandboxRecord {
+    use SandboxState::*;
+    let mut new = sample_sandbox(POOL_TENANT);
+    (new.user_id, new.session_id, new.agent) = (None, None, None);
+    let s = r
+        .insert_sandbox(&new, TransitionCtx::default())
+        .await
+        .unwrap();
+    r.transition(
+        &s.id,
+        0,
+        &[Planning, Allocating, Provisioning, Ready],
+        FenceCheck::Skip,
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap()
+}
+
+pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
+    use SandboxState::*;
+    let (claimed, unclaimed) = (warm_sandbox(r).await, warm_sandbox(r).await);
+    let cold = insert(r, &tenant()).await;
+    let handouts = || async {
+        r.list_pool_handouts()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.id)
+            .filter(|id| [&claimed.id, &unclaimed.id, &cold.id].contains(&id))
+            .collect::<Vec<_>>()
+    };
+    assert!(handouts().await.is_empty(), "nothing handed out yet");
+    let t = tenant();
+    let claim = SandboxClaim {
+        tenant: t.clone(),
+        user_id: Some("user-1".into()),
+        session_id: None,
+        agent: None,
+        scope: Scope::Session,
+        expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
+    };
+    let rec = r
+        .claim_sandbox(
+            &claimed.id,
+            claimed.version,
+            &claim,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((rec.state, rec.tenant.as_str()), (Locking, t.as_str()));
+    assert_eq!(rec.version, claimed.version + 1);
+    assert_eq!(
+        r.claim_sandbox(&claimed.id, rec.version, &claim, TransitionCtx::default())
+            .await
+            .unwrap_err(),
+        RegistryError::Conflict,
+        "a pooled sandbox is handed out once"
+    );
+    assert_eq!(
+        r.claim_sandbox(
+            &unclaimed.id,
+            unclaimed.version + 1,
+            &claim,
+            TransitionCtx::default()
+        )
+        .await
+        .unwrap_err(),
+        RegistryError::Conflict,
+        "stale version"
+    );
+    assert_eq!(handouts().await, vec![claimed.id.clone()]);
+    // the hand-out stays one through its life (Hibernating, Lost, …) until it ends
+    let rec = r
+        .transition(
+            &rec.id,
+            rec.version,
+            &[Idle, Hibernating],
+            FenceCheck::Skip,
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap();
+    let listed = r.list_pool_handouts().await.unwrap();
+    let mine = listed.iter().find(|s| s.id == claimed.id).unwrap();
+    assert_eq!(mine.state, Hibernating, "hand-outs come with their state");
+    r.transition(
+        &rec.id,
+        rec.version,
+        &[Terminated],
+        FenceCheck::Skip,
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        handouts().await.is_empty(),
+        "a terminated sandbox is no hand-out"
+    );
+}
+
+pub async fn node_registrations_upsert<R: Registry>(r: &R) {
+    let id = new_id("node");
+    let mut n = NodeRegistration {
+        id: id.clone(),
+        address: "127.0.0.1:7401".into(),
+        token: new_id("secret"),
+        registered_at: datetime!(2030-02-03 4:05:06 UTC),
+    };
+    r.upsert_node_registration(&n).await.unwrap();
+    n.address = "127.0.0.1:7402".into();
+    n.token = new_id("secret");
+    n.registered_at = datetime!(2030-02-03 4:06:00 UTC);
+    r.upsert_node_registration(&n).await.unwrap();
+    let mine: Vec<_> = r
+        .list_node_registrations()
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|x| x.id == id)
+        .collect();
+    assert_eq!(mine, vec![n.clone()], "upsert replaces");
+    assert!(
+        !format!("{n:?}").contains(&n.token),
+        "Debug redacts the token"
     );
 }
 

@@ -3,8 +3,11 @@
 //!
 //! This crate owns the [`Registry`] trait and its record types: sandboxes
 //! (`sandbox_instance`), their environments (`sandbox_environment`), the event
-//! log (`sandbox_event`), planner allocations (`sandbox_allocation`),
-//! templates, nodes, tenants and API keys. Backends live in their own crates
+//! log (`sandbox_event`), planner allocations (`sandbox_allocation`), the
+//! snapshot index (`sandbox_snapshot`), warm-pool bounds and hand-outs,
+//! templates, nodes and node agent registrations (tokens included), tenants
+//! and API keys: every piece of state that outlives a request (no JSON
+//! files beside it). Backends live in their own crates
 //! (`aviary-registry-sqlite` today, PostgreSQL later) and must pass
 //! [`conformance::run_all`]; callers depend only on this crate.
 //!
@@ -16,6 +19,9 @@
 //! - A failed call changes nothing: no state, no version, no event.
 //! - Event ids are strictly increasing in commit order, so `after_id` paging
 //!   (and `events --follow`) never skips a row.
+//! - A sandbox handed out by [`Registry::claim_sandbox`] stays marked as a
+//!   pool hand-out; [`Registry::list_pool_handouts`] lists it until it is
+//!   `Terminated`.
 //!
 //! Concurrency: backends are `Send + Sync` and safe to call from many tasks;
 //! lost updates are prevented by `expected_version` ([`RegistryError::Conflict`]),
@@ -272,6 +278,42 @@ pub trait Registry: Send + Sync {
         &self,
         id: &SandboxId,
     ) -> Result<Option<EnvironmentRecord>, RegistryError>;
+
+    /// Stores a snapshot's index entry and returns it as stored (times at
+    /// the backend's precision). The same id twice is `Duplicate`.
+    async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<SnapshotRecord, RegistryError>;
+    /// The snapshot with this id, of any tenant (`NotFound` when none).
+    async fn get_snapshot(&self, id: &str) -> Result<SnapshotRecord, RegistryError>;
+    /// Snapshots matching the filter, oldest first (equal times in the order
+    /// they were inserted).
+    async fn list_snapshots(
+        &self,
+        filter: &SnapshotFilter,
+    ) -> Result<Vec<SnapshotRecord>, RegistryError>;
+    /// The newest snapshot of a tenant's sandbox, if it has any.
+    async fn latest_snapshot(
+        &self,
+        tenant: &str,
+        sandbox: &SandboxId,
+    ) -> Result<Option<SnapshotRecord>, RegistryError>;
+    /// Removes a snapshot's index entry (`NotFound` when none). The chunk
+    /// store's manifests are the caller's to delete.
+    async fn delete_snapshot(&self, id: &str) -> Result<(), RegistryError>;
+
+    /// Inserts or replaces the pool bounds of this class.
+    async fn set_pool_bounds(&self, b: &PoolBoundsRecord) -> Result<(), RegistryError>;
+    /// Pool bounds by class.
+    async fn list_pool_bounds(&self) -> Result<Vec<PoolBoundsRecord>, RegistryError>;
+    /// Sandboxes [`Registry::claim_sandbox`] handed out of a warm pool that
+    /// are not `Terminated`, in the order they were claimed. A pool counts
+    /// its hand-outs from here, so the count ends with the sandbox and
+    /// survives restarts.
+    async fn list_pool_handouts(&self) -> Result<Vec<SandboxRecord>, RegistryError>;
+
+    /// Inserts or replaces the node agent registration of this id.
+    async fn upsert_node_registration(&self, n: &NodeRegistration) -> Result<(), RegistryError>;
+    /// Node agent registrations by id.
+    async fn list_node_registrations(&self) -> Result<Vec<NodeRegistration>, RegistryError>;
 }
 
 #[cfg(test)]

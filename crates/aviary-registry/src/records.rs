@@ -255,3 +255,73 @@ pub struct EnvironmentRecord {
     #[serde(default)]
     pub manifest: serde_json::Value,
 }
+
+/// One sandbox snapshot's index entry (`sandbox_snapshot`): ties the two
+/// chunk-store manifests of a checkpoint (workspace and writable layer) to
+/// its sandbox, template and parent, so snapshots form a tree.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub tenant: String,
+    pub sandbox_id: SandboxId,
+    /// The snapshot of the same lineage taken before this one.
+    pub parent: Option<String>,
+    /// Chunk-store manifest of `/workspace`.
+    pub workspace_manifest: String,
+    /// Chunk-store manifest of the writable layer.
+    pub upper_manifest: String,
+    pub template: String,
+    pub template_digest: String,
+    pub resource_class: String,
+    /// `checkpoint`, `clean`, `hibernate`, …
+    pub label: String,
+    /// Bytes of files in both trees.
+    pub total_bytes: u64,
+    /// Chunk bytes this snapshot had to store.
+    pub new_bytes: u64,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+/// Which snapshots to list: every field that is set narrows the list.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotFilter {
+    pub tenant: Option<String>,
+    pub sandbox_id: Option<SandboxId>,
+    pub label: Option<String>,
+}
+
+/// The bounds `pool set` gave every warm pool of a resource class; they
+/// replace the configuration's `pool_min`/`pool_max` for that class.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolBoundsRecord {
+    pub class: String,
+    pub pool_min: u32,
+    pub pool_max: u32,
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated_at: OffsetDateTime,
+}
+
+/// A node agent the control plane connects to (`aviary node add`).
+/// `token` is the agent's bearer token, which the control plane presents on
+/// every call, so it is kept as given: a secret, redacted in `Debug`.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeRegistration {
+    pub id: String,
+    /// `ip:port` of the agent.
+    pub address: String,
+    pub token: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub registered_at: OffsetDateTime,
+}
+
+impl std::fmt::Debug for NodeRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeRegistration")
+            .field("id", &self.id)
+            .field("address", &self.address)
+            .field("token", &"<redacted>")
+            .field("registered_at", &self.registered_at)
+            .finish()
+    }
+}
