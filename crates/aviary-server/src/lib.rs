@@ -63,7 +63,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     let chunk_store = open_snapshot_store(&cfg).await?;
     tighten_data_dir(&cfg.data_dir, &cfg.runtime_state_dir())?;
     let runtime = Arc::new(runtime);
-    ControlPlane::new(
+    let cp = ControlPlane::new(
         cfg,
         registry.clone(),
         registry,
@@ -71,7 +71,40 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         Some(runtime),
         templates,
         chunk_store,
-    )
+    )?;
+    import_side_files(&cp).await?;
+    cp.load_pool_bounds()
+        .await
+        .map_err(|e| anyhow::anyhow!("loading pool bounds: {e}"))?;
+    Ok(cp)
+}
+
+/// Moves the JSON side files older versions kept in the data dir (snapshot
+/// index, pool bounds, node registrations) into the registry, once: each is
+/// removed after its content is stored, and a repeated import (after a crash
+/// in between) stores the same rows again.
+async fn import_side_files(cp: &ControlPlane) -> anyhow::Result<()> {
+    let snapshots = cp
+        .import_snapshot_index_files()
+        .await
+        .map_err(|e| anyhow::anyhow!("importing snapshot-index/: {e}"))?;
+    let pools = cp
+        .import_pools_file()
+        .await
+        .map_err(|e| anyhow::anyhow!("importing pools.json: {e}"))?;
+    let nodes = cp
+        .import_nodes_file()
+        .await
+        .map_err(|e| anyhow::anyhow!("importing nodes.json: {e}"))?;
+    if snapshots + pools + nodes > 0 {
+        tracing::info!(
+            snapshots,
+            pools,
+            nodes,
+            "data dir side files imported into the registry"
+        );
+    }
+    Ok(())
 }
 
 /// The configured snapshot store (`[snapshots]`).

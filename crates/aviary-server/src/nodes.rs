@@ -5,8 +5,11 @@
 //! only decides *where*: it builds a scheduler view of every node (capacity,
 //! committed limits, runtimes, templates present, warm count, health) and
 //! lets `aviary-scheduler` filter and score them (best-of-K). The decision
-//! and its score are events. Node tokens are kept in `<data>/nodes.json`
-//! (mode 0600) so a restarted control plane reconnects.
+//! and its score are events. Node agent registrations, tokens included, are
+//! registry rows (`node_registration`, in the 0600 registry file; never
+//! logged) so a restarted control plane reconnects. (Older versions kept
+//! them in `<data>/nodes.json`; [`ControlPlane::import_nodes_file`] moves
+//! that into the registry once, at start-up.)
 //!
 //! Every placement goes through the scheduler's filters, the local node's
 //! included, so no node is committed past its over-commit limit
@@ -18,10 +21,10 @@ use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::ResourceLimits;
 use aviary_node::RemoteRuntime;
+use aviary_registry::NodeRegistration;
 use aviary_scheduler::{NodeView, PlacementRequest, Scheduler, SchedulerConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 pub const LOCAL_NODE: &str = "local";
@@ -29,13 +32,12 @@ pub const LOCAL_NODE: &str = "local";
 pub struct RemoteNode {
     pub id: String,
     pub address: String,
-    token: String,
+    /// The agent's client (it holds the agent's token).
     pub runtime: Arc<RemoteRuntime>,
 }
 
 pub struct Nodes {
     map: RwLock<HashMap<String, Arc<RemoteNode>>>,
-    file: PathBuf,
     scheduler: Scheduler,
     /// Held from a placement until its sandbox row is inserted.
     placing: tokio::sync::Mutex<()>,
@@ -59,8 +61,9 @@ pub struct AddNodeRequest {
     pub token: String,
 }
 
-#[derive(Serialize, Deserialize)]
-struct Saved {
+/// One entry of `<data>/nodes.json` of older versions.
+#[derive(Deserialize)]
+struct LegacyNode {
     id: String,
     address: String,
     token: String,
@@ -73,10 +76,9 @@ pub struct NodeList {
 }
 
 impl Nodes {
-    pub fn new(data_dir: &std::path::Path, cfg: SchedulerConfig) -> Self {
+    pub fn new(cfg: SchedulerConfig) -> Self {
         Nodes {
             map: RwLock::new(HashMap::new()),
-            file: data_dir.join("nodes.json"),
             scheduler: Scheduler::new(cfg),
             placing: tokio::sync::Mutex::new(()),
         }
@@ -101,20 +103,6 @@ impl Nodes {
 
     pub fn is_empty(&self) -> bool {
         self.map.read().expect("nodes poisoned").is_empty()
-    }
-
-    /// Tokens included: written with mode 0600, atomically.
-    fn save(&self) -> std::io::Result<()> {
-        let saved: Vec<Saved> = self
-            .all()
-            .iter()
-            .map(|n| Saved {
-                id: n.id.clone(),
-                address: n.address.clone(),
-                token: n.token.clone(),
-            })
-            .collect();
-        crate::ops::write_secret_file(&self.file, &serde_json::to_string_pretty(&saved)?)
     }
 }
 
@@ -148,11 +136,12 @@ fn host_capacity() -> (f64, u64) {
 impl ControlPlane {
     /// Reconnects the nodes registered before a restart.
     pub async fn load_nodes(&self) {
-        let Ok(bytes) = std::fs::read(&self.nodes.file) else {
-            return;
-        };
-        let Ok(saved) = serde_json::from_slice::<Vec<Saved>>(&bytes) else {
-            return;
+        let saved = match self.registry.list_node_registrations().await {
+            Ok(saved) => saved,
+            Err(e) => {
+                tracing::error!(error = %e, "reading node registrations failed; no node agents");
+                return;
+            }
         };
         for s in saved {
             match RemoteRuntime::connect(s.address.clone(), s.token.clone()).await {
@@ -162,7 +151,6 @@ impl ControlPlane {
                         Arc::new(RemoteNode {
                             id: s.id,
                             address: s.address,
-                            token: s.token,
                             runtime: Arc::new(rt),
                         }),
                     );
@@ -172,6 +160,40 @@ impl ControlPlane {
                 }
             }
         }
+    }
+
+    /// Moves `<data>/nodes.json` of older versions into the registry and
+    /// removes it. The file wins over a stored registration of the same id:
+    /// only an older version writes it, after this one last ran. Safe to
+    /// repeat.
+    pub(crate) async fn import_nodes_file(&self) -> Result<usize, OpError> {
+        let file = self.cfg.data_dir.join("nodes.json");
+        let bytes = match std::fs::read(&file) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(OpError::internal(e)),
+        };
+        let saved: Vec<LegacyNode> = match serde_json::from_slice(&bytes) {
+            Ok(s) => s,
+            Err(_) => {
+                // the serde error could quote a token: only the file is named
+                tracing::warn!(file = %file.display(), "nodes.json not imported: unreadable");
+                return Ok(0);
+            }
+        };
+        let now = aviary_core::now();
+        for n in &saved {
+            self.registry
+                .upsert_node_registration(&NodeRegistration {
+                    id: n.id.clone(),
+                    address: n.address.clone(),
+                    token: n.token.clone(),
+                    registered_at: now,
+                })
+                .await?;
+        }
+        crate::pools::remove_legacy_file(&file)?;
+        Ok(saved.len())
     }
 
     pub async fn add_node(
@@ -220,16 +242,22 @@ impl ControlPlane {
                 last_seen: aviary_core::now(),
             })
             .await?;
+        self.registry
+            .upsert_node_registration(&NodeRegistration {
+                id: req.id.clone(),
+                address: req.address.clone(),
+                token: req.token.clone(),
+                registered_at: aviary_core::now(),
+            })
+            .await?;
         self.nodes.map.write().expect("nodes poisoned").insert(
             req.id.clone(),
             Arc::new(RemoteNode {
                 id: req.id,
                 address: req.address,
-                token: req.token,
                 runtime: Arc::new(rt),
             }),
         );
-        self.nodes.save().map_err(OpError::internal)?;
         self.list_nodes().await
     }
 

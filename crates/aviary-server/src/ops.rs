@@ -184,16 +184,13 @@ impl ControlPlane {
     ) -> anyhow::Result<Arc<Self>> {
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
-        let pools = crate::pools::Pools::new(&cfg.settings.pools, &cfg.data_dir);
+        let pools = crate::pools::Pools::new(&cfg.settings.pools);
         let snapshots = aviary_snapshots::SnapshotService::new(chunk_store);
-        let nodes = crate::nodes::Nodes::new(
-            &cfg.data_dir,
-            aviary_scheduler::SchedulerConfig {
-                cpu_overcommit: cfg.settings.overcommit.cpu_ratio,
-                memory_overcommit: cfg.settings.overcommit.memory_ratio,
-                ..Default::default()
-            },
-        );
+        let nodes = crate::nodes::Nodes::new(aviary_scheduler::SchedulerConfig {
+            cpu_overcommit: cfg.settings.overcommit.cpu_ratio,
+            memory_overcommit: cfg.settings.overcommit.memory_ratio,
+            ..Default::default()
+        });
         Ok(Arc::new(ControlPlane {
             cfg,
             registry,
@@ -683,7 +680,7 @@ impl ControlPlane {
     ) -> Result<CreateSandboxResponse, OpError> {
         let seed = match &req.from_snapshot {
             Some(snap) => {
-                let s = self.load_snapshot(&caller.tenant, snap)?;
+                let s = self.load_snapshot(&caller.tenant, snap).await?;
                 if req.template.as_ref().is_some_and(|t| *t != s.template) {
                     return Err(OpError::InvalidRequest(format!(
                         "snapshot {snap} was taken on template {:?}; it cannot be restored into {:?}",
@@ -1281,6 +1278,8 @@ impl ControlPlane {
             )
             .await?;
         self.metrics.inc_destroy();
+        // when it was a pool's hand-out, that pool may refill now
+        self.pools.refill.notify_one();
         if let Err(e) = destroyed {
             return Err(OpError::Internal(anyhow::anyhow!(
                 "runtime teardown failed: {e}"

@@ -6,17 +6,29 @@
 //! `Registry::claim_sandbox`, a version-checked transaction, so one pooled
 //! sandbox can never be handed out twice, whatever the concurrency. A
 //! background task refills each pool (see `aviary.example.toml` for the
-//! meaning of `pool_min / pool_max / buffer_min / buffer_max`). Settings
-//! changed with `aviary pool set` are kept in `<data dir>/pools.json`.
+//! meaning of `pool_min / pool_max / buffer_min / buffer_max`).
+//!
+//! All of a pool's state that matters lives in the registry: bounds changed
+//! with `aviary pool set` (`pool_bounds`; older versions kept them in
+//! `<data dir>/pools.json`, imported once at start-up), and the hand-outs:
+//! `claim_sandbox` marks the sandbox, and a pool's `handed_out` is the number
+//! of its marked sandboxes that still hold compute, read from the registry
+//! on every refill pass. So a hand-out stops counting when its sandbox is
+//! deleted, expires, fails, is lost or hibernates, whichever path ends it,
+//! and the count survives restarts. (A process-local set of handed-out ids
+//! that only a `forget` call emptied — and nothing called it — once made
+//! pools stop refilling after `pool_min` hand-outs.) Hits and misses are
+//! process-local counters, like every metric.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_config::PoolSettings;
 use aviary_core::{SandboxId, SandboxState};
-use aviary_registry::{FenceCheck, NewSandbox, SandboxRecord, TransitionCtx, POOL_TENANT};
+use aviary_registry::{
+    FenceCheck, NewSandbox, PoolBoundsRecord, SandboxRecord, TransitionCtx, POOL_TENANT,
+};
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -25,8 +37,9 @@ pub struct Pool {
     pub settings: Mutex<PoolSettings>,
     pub hits: AtomicU64,
     pub misses: AtomicU64,
-    /// Sandboxes this pool handed out that still exist.
-    handed_out: Mutex<HashSet<SandboxId>>,
+    /// Hand-outs that still hold compute, as of the last registry read (the
+    /// refill pass or `GET /v1/pools`); for the metrics, which are sync.
+    handed_out: AtomicU64,
 }
 
 impl Pool {
@@ -42,7 +55,6 @@ impl Pool {
 
 pub struct Pools {
     pub pools: Vec<Pool>,
-    file: PathBuf,
     pub refill: tokio::sync::Notify,
 }
 
@@ -58,7 +70,8 @@ pub struct PoolView {
     pub buffer_max: u32,
     /// Warm sandboxes ready to be handed out.
     pub idle: u32,
-    /// Handed-out sandboxes that still exist.
+    /// Sandboxes this pool handed out that still hold compute (not yet
+    /// deleted, expired, failed, lost or hibernated).
     pub handed_out: u32,
     pub hits: u64,
     pub misses: u64,
@@ -77,38 +90,29 @@ pub struct SetPoolRequest {
     pub max: u32,
 }
 
-#[derive(Serialize, Deserialize)]
-struct Override {
+/// `<data dir>/pools.json` of older versions: `pool set` bounds per class.
+#[derive(Deserialize)]
+struct LegacyOverride {
     class: String,
     min: u32,
     max: u32,
 }
 
 impl Pools {
-    pub fn new(settings: &[PoolSettings], data_dir: &Path) -> Self {
-        let file = data_dir.join("pools.json");
-        let overrides: Vec<Override> = std::fs::read(&file)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
+    /// The configured pools; bounds set with `pool set` are applied by
+    /// [`ControlPlane::load_pool_bounds`].
+    pub fn new(settings: &[PoolSettings]) -> Self {
         let pools = settings
             .iter()
-            .map(|p| {
-                let mut p = p.clone();
-                if let Some(o) = overrides.iter().find(|o| o.class == p.class) {
-                    apply_bounds(&mut p, o.min, o.max);
-                }
-                Pool {
-                    settings: Mutex::new(p),
-                    hits: AtomicU64::new(0),
-                    misses: AtomicU64::new(0),
-                    handed_out: Mutex::new(HashSet::new()),
-                }
+            .map(|p| Pool {
+                settings: Mutex::new(p.clone()),
+                hits: AtomicU64::new(0),
+                misses: AtomicU64::new(0),
+                handed_out: AtomicU64::new(0),
             })
             .collect();
         Pools {
             pools,
-            file,
             refill: tokio::sync::Notify::new(),
         }
     }
@@ -132,7 +136,7 @@ impl Pools {
             ),
             (
                 "aviary_pool_handed_out",
-                "Pooled sandboxes handed out that still exist.",
+                "Pooled sandboxes handed out that still hold compute (as of the last refill pass).",
             ),
         ] {
             let kind = if name.ends_with("_total") {
@@ -146,7 +150,7 @@ impl Pools {
                 let v = match name {
                     "aviary_pool_hits_total" => p.hits.load(Ordering::Relaxed),
                     "aviary_pool_misses_total" => p.misses.load(Ordering::Relaxed),
-                    _ => p.handed_out.lock().expect("pool poisoned").len() as u64,
+                    _ => p.handed_out.load(Ordering::Relaxed),
                 };
                 let _ = writeln!(
                     out,
@@ -155,30 +159,6 @@ impl Pools {
             }
         }
         out
-    }
-
-    pub fn forget(&self, id: &SandboxId) {
-        for p in &self.pools {
-            p.handed_out.lock().expect("pool poisoned").remove(id);
-        }
-    }
-
-    fn save(&self) -> std::io::Result<()> {
-        let o: Vec<Override> = self
-            .pools
-            .iter()
-            .map(|p| {
-                let s = p.settings.lock().expect("pool poisoned");
-                Override {
-                    class: s.class.clone(),
-                    min: s.pool_min,
-                    max: s.pool_max,
-                }
-            })
-            .collect();
-        let tmp = self.file.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&o)?)?;
-        std::fs::rename(tmp, &self.file)
     }
 }
 
@@ -198,21 +178,100 @@ fn is_pooled(r: &SandboxRecord, class: &str, template: &str) -> bool {
         && r.template == template
 }
 
+/// Whether a hand-out of the registry (see `Registry::list_pool_handouts`)
+/// counts for the pool of `s`: it came out of this pool and still holds
+/// compute. A hibernated one holds none (waking it is a new placement), so
+/// it no longer keeps the pool from refilling.
+fn counts_as_handed_out(r: &SandboxRecord, s: &PoolSettings) -> bool {
+    use SandboxState::*;
+    r.resource_class == s.class
+        && r.template == s.template
+        && r.runtime == s.runtime.as_str()
+        && !matches!(r.state, Hibernating | Terminated | Failed | Lost)
+}
+
 impl ControlPlane {
+    /// Applies the bounds `pool set` stored in the registry (start-up).
+    pub async fn load_pool_bounds(&self) -> Result<(), OpError> {
+        for b in self.registry.list_pool_bounds().await? {
+            for p in &self.pools.pools {
+                let mut s = p.settings.lock().expect("pool poisoned");
+                if s.class == b.class {
+                    apply_bounds(&mut s, b.pool_min, b.pool_max);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves `<data dir>/pools.json` of older versions into the registry and
+    /// removes it. The file wins over bounds already stored: only an older
+    /// version writes it, after this one last ran. Safe to repeat.
+    pub(crate) async fn import_pools_file(&self) -> Result<usize, OpError> {
+        let file = self.cfg.data_dir.join("pools.json");
+        let bytes = match std::fs::read(&file) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(OpError::internal(e)),
+        };
+        let overrides: Vec<LegacyOverride> = match serde_json::from_slice(&bytes) {
+            Ok(o) => o,
+            Err(e) => {
+                // older versions ignored an unreadable file too
+                tracing::warn!(file = %file.display(), error = %e, "pools.json not imported: unreadable");
+                return Ok(0);
+            }
+        };
+        let now = aviary_core::now();
+        for o in &overrides {
+            self.registry
+                .set_pool_bounds(&PoolBoundsRecord {
+                    class: o.class.clone(),
+                    pool_min: o.min,
+                    pool_max: o.max,
+                    updated_at: now,
+                })
+                .await?;
+        }
+        remove_legacy_file(&file)?;
+        Ok(overrides.len())
+    }
+
+    /// Per pool (in `self.pools.pools` order), its hand-outs that still hold
+    /// compute, read from the registry; also refreshes the metrics' copy.
+    async fn handed_out_counts(&self) -> Result<Vec<u32>, OpError> {
+        let handouts = self.registry.list_pool_handouts().await?;
+        Ok(self
+            .pools
+            .pools
+            .iter()
+            .map(|p| {
+                let s = p.settings.lock().expect("pool poisoned").clone();
+                let n = handouts
+                    .iter()
+                    .filter(|r| counts_as_handed_out(r, &s))
+                    .count();
+                p.handed_out.store(n as u64, Ordering::Relaxed);
+                u32::try_from(n).unwrap_or(u32::MAX)
+            })
+            .collect())
+    }
+
     pub async fn pools_view(&self) -> Result<PoolList, OpError> {
         let rows = self
             .registry
             .list_sandboxes(Some(POOL_TENANT), false)
             .await?;
+        let handed_out = self.handed_out_counts().await?;
         let mut out = Vec::new();
-        for p in &self.pools.pools {
+        for (p, handed_out) in self.pools.pools.iter().zip(handed_out) {
             let s = p.settings.lock().expect("pool poisoned").clone();
             out.push(PoolView {
                 idle: rows
                     .iter()
                     .filter(|r| is_pooled(r, &s.class, &s.template))
                     .count() as u32,
-                handed_out: p.handed_out.lock().expect("pool poisoned").len() as u32,
+                handed_out,
                 class: s.class,
                 template: s.template,
                 runtime: s.runtime.as_str().to_owned(),
@@ -243,18 +302,29 @@ impl ControlPlane {
                 "pool bounds need min <= max <= 10000".into(),
             ));
         }
-        let mut found = false;
+        let known = self
+            .pools
+            .pools
+            .iter()
+            .any(|p| p.settings.lock().expect("pool poisoned").class == class);
+        if !known {
+            return Err(OpError::NotFound(format!("pool for class {class:?}")));
+        }
+        // stored first: what the pools run with is always what a restart loads
+        self.registry
+            .set_pool_bounds(&PoolBoundsRecord {
+                class: class.to_owned(),
+                pool_min: req.min,
+                pool_max: req.max,
+                updated_at: aviary_core::now(),
+            })
+            .await?;
         for p in &self.pools.pools {
             let mut s = p.settings.lock().expect("pool poisoned");
             if s.class == class {
                 apply_bounds(&mut s, req.min, req.max);
-                found = true;
             }
         }
-        if !found {
-            return Err(OpError::NotFound(format!("pool for class {class:?}")));
-        }
-        self.pools.save().map_err(OpError::internal)?;
         self.pools.refill.notify_one();
         self.pools_view().await
     }
@@ -286,11 +356,8 @@ impl ControlPlane {
                 .await
             {
                 Ok(rec) => {
+                    // the registry now counts it as handed out (claim_sandbox)
                     pool.hits.fetch_add(1, Ordering::Relaxed);
-                    pool.handed_out
-                        .lock()
-                        .expect("pool poisoned")
-                        .insert(rec.id.clone());
                     self.pools.refill.notify_one();
                     return Ok(Some(rec));
                 }
@@ -307,7 +374,8 @@ impl ControlPlane {
     /// idle sandboxes above `buffer_max`. Returns how many were started.
     pub async fn refill_pools(&self) -> Result<usize, OpError> {
         let mut started = 0;
-        for pool in &self.pools.pools {
+        let handed_out = self.handed_out_counts().await?;
+        for (pool, handed) in self.pools.pools.iter().zip(handed_out) {
             let s = pool.settings.lock().expect("pool poisoned").clone();
             if s.runtime.as_str() != self.runtime.name() {
                 continue;
@@ -328,7 +396,6 @@ impl ControlPlane {
                 .filter(|r| is_pooled(r, &s.class, &s.template))
                 .cloned()
                 .collect();
-            let handed = pool.handed_out.lock().expect("pool poisoned").len() as u32;
             // pool_min is a floor on the total (idle + handed out), buffer_min
             // a floor on idle ones; pool_max caps the total. Idle sandboxes
             // above both buffer_max and what pool_min needs are trimmed.
@@ -455,5 +522,15 @@ impl ControlPlane {
                 Err(e)
             }
         }
+    }
+}
+
+/// Removes a side file of an older version once its content is in the
+/// registry; a file already gone (a repeated import) is fine.
+pub(crate) fn remove_legacy_file(path: &Path) -> Result<(), OpError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(OpError::internal(e)),
     }
 }

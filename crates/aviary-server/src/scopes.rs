@@ -280,7 +280,7 @@ impl ControlPlane {
                 "container was gone, new compute restored from its snapshot",
             )
         } else {
-            match self.last_snapshot(&rec.tenant, &rec.id) {
+            match self.last_snapshot(&rec.tenant, &rec.id).await? {
                 // branch B: compute alive, work dir lost: restore it in place
                 Some(snap) if self.workspace_lost(&rec, &snap) => {
                     self.restore_workspace_live(&rec, &snap).await?;

@@ -3,9 +3,13 @@
 //!
 //! A sandbox snapshot is two content-defined, content-addressed tree
 //! snapshots in the chunk store — the workspace and the overlay's writable
-//! upper layer — plus a small index record (`<data>/snapshot-index/<id>.json`)
-//! tying them to the sandbox, its template and its parent snapshot, so
-//! snapshots form a tree. The sandbox is frozen while its trees are read, so
+//! upper layer — plus an index row in the registry (`sandbox_snapshot`,
+//! [`aviary_registry::SnapshotRecord`]) tying them to the sandbox, its
+//! template and its parent snapshot, so snapshots form a tree. The index row
+//! is written after both manifests are stored, so it never names a missing
+//! manifest. (Older versions kept the index as `<data>/snapshot-index/*.json`;
+//! [`ControlPlane::import_snapshot_index_files`] moves those into the
+//! registry once, at start-up.) The sandbox is frozen while its trees are read, so
 //! a snapshot is consistent. Unchanged chunks are never written twice, and
 //! files unchanged since the parent snapshot are not even read again.
 //!
@@ -16,7 +20,7 @@ use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
-use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
+use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};
 use aviary_snapshots::{RestoreOptions, SnapshotId, SnapshotRequest};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -48,6 +52,48 @@ pub struct SandboxSnapshot {
     pub label: String,
 }
 
+impl From<SnapshotRecord> for SandboxSnapshot {
+    fn from(r: SnapshotRecord) -> Self {
+        SandboxSnapshot {
+            id: r.id,
+            tenant: r.tenant,
+            sandbox_id: r.sandbox_id.to_string(),
+            parent: r.parent,
+            workspace_manifest: r.workspace_manifest,
+            upper_manifest: r.upper_manifest,
+            template: r.template,
+            template_digest: r.template_digest,
+            resource_class: r.resource_class,
+            created_at: r.created_at,
+            total_bytes: r.total_bytes,
+            new_bytes: r.new_bytes,
+            label: r.label,
+        }
+    }
+}
+
+impl SandboxSnapshot {
+    /// The registry row of this snapshot; `None` when its sandbox id is
+    /// malformed (only a hand-edited index file can have one).
+    fn to_record(&self) -> Option<SnapshotRecord> {
+        Some(SnapshotRecord {
+            id: self.id.clone(),
+            tenant: self.tenant.clone(),
+            sandbox_id: self.sandbox_id.parse().ok()?,
+            parent: self.parent.clone(),
+            workspace_manifest: self.workspace_manifest.clone(),
+            upper_manifest: self.upper_manifest.clone(),
+            template: self.template.clone(),
+            template_digest: self.template_digest.clone(),
+            resource_class: self.resource_class.clone(),
+            label: self.label.clone(),
+            total_bytes: self.total_bytes,
+            new_bytes: self.new_bytes,
+            created_at: self.created_at,
+        })
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotList {
     pub snapshots: Vec<SandboxSnapshot>,
@@ -77,73 +123,100 @@ fn valid_snapshot_id(s: &str) -> Result<(), OpError> {
 }
 
 impl ControlPlane {
-    fn index_dir(&self) -> PathBuf {
-        self.cfg.data_dir.join("snapshot-index")
-    }
-
-    fn save_index(&self, s: &SandboxSnapshot) -> Result<(), OpError> {
-        let dir = self.index_dir();
-        std::fs::create_dir_all(&dir).map_err(OpError::internal)?;
-        let tmp = dir.join(format!(".{}.tmp", s.id));
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(s).map_err(OpError::internal)?,
-        )
-        .map_err(OpError::internal)?;
-        std::fs::rename(&tmp, dir.join(format!("{}.json", s.id))).map_err(OpError::internal)
-    }
-
     /// A snapshot of the caller's tenant (others' are `not_found`).
-    pub(crate) fn load_snapshot(
+    pub(crate) async fn load_snapshot(
         &self,
         caller_tenant: &str,
         id: &str,
     ) -> Result<SandboxSnapshot, OpError> {
         valid_snapshot_id(id)?;
-        let bytes = std::fs::read(self.index_dir().join(format!("{id}.json")))
-            .map_err(|_| OpError::NotFound(format!("snapshot {id}")))?;
-        let s: SandboxSnapshot = serde_json::from_slice(&bytes).map_err(OpError::internal)?;
-        if s.tenant != caller_tenant {
-            return Err(OpError::NotFound(format!("snapshot {id}")));
+        match self.registry.get_snapshot(id).await {
+            Ok(s) if s.tenant == caller_tenant => Ok(s.into()),
+            Ok(_) | Err(aviary_registry::RegistryError::NotFound) => {
+                Err(OpError::NotFound(format!("snapshot {id}")))
+            }
+            Err(e) => Err(e.into()),
         }
-        Ok(s)
     }
 
+    /// The caller's snapshots (of one sandbox, when given), oldest first.
     pub async fn list_snapshots(
         &self,
         caller: &Caller,
         sandbox: Option<&str>,
     ) -> Result<SnapshotList, OpError> {
-        let mut out = Vec::new();
-        if let Ok(rd) = std::fs::read_dir(self.index_dir()) {
-            for e in rd.flatten() {
-                let Ok(bytes) = std::fs::read(e.path()) else {
-                    continue;
-                };
-                let Ok(s) = serde_json::from_slice::<SandboxSnapshot>(&bytes) else {
-                    continue;
-                };
-                if s.tenant == caller.tenant && sandbox.is_none_or(|id| s.sandbox_id == id) {
-                    out.push(s);
-                }
-            }
-        }
-        out.sort_by_key(|s| s.created_at);
-        Ok(SnapshotList { snapshots: out })
+        let sandbox_id = match sandbox {
+            // no sandbox has a malformed id, so it has no snapshots either
+            Some(s) => match s.parse::<SandboxId>() {
+                Ok(id) => Some(id),
+                Err(_) => return Ok(SnapshotList { snapshots: vec![] }),
+            },
+            None => None,
+        };
+        let rows = self
+            .registry
+            .list_snapshots(&SnapshotFilter {
+                tenant: Some(caller.tenant.clone()),
+                sandbox_id,
+                label: None,
+            })
+            .await?;
+        Ok(SnapshotList {
+            snapshots: rows.into_iter().map(SandboxSnapshot::from).collect(),
+        })
     }
 
     /// The latest snapshot of a sandbox, if any.
-    pub(crate) fn last_snapshot(
+    pub(crate) async fn last_snapshot(
         &self,
         tenant: &str,
         sandbox: &SandboxId,
-    ) -> Option<SandboxSnapshot> {
-        let rd = std::fs::read_dir(self.index_dir()).ok()?;
-        rd.flatten()
-            .filter_map(|e| std::fs::read(e.path()).ok())
-            .filter_map(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
-            .filter(|s| s.tenant == tenant && s.sandbox_id == sandbox.as_str())
-            .max_by_key(|s| s.created_at)
+    ) -> Result<Option<SandboxSnapshot>, OpError> {
+        Ok(self
+            .registry
+            .latest_snapshot(tenant, sandbox)
+            .await?
+            .map(SandboxSnapshot::from))
+    }
+
+    /// Moves the index files of older versions (`<data>/snapshot-index/*.json`)
+    /// into the registry and removes them. Safe to repeat after a crash: an
+    /// entry already in the registry is kept. A file that cannot be read or
+    /// parsed stays where it is (older versions ignored it too) and is logged.
+    pub(crate) async fn import_snapshot_index_files(&self) -> Result<usize, OpError> {
+        let dir = self.cfg.data_dir.join("snapshot-index");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(OpError::internal(e)),
+        };
+        let mut imported = 0;
+        for e in entries {
+            let path = e.map_err(OpError::internal)?.path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            // `.<id>.tmp`: a write the old version never finished
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                std::fs::remove_file(&path).map_err(OpError::internal)?;
+                continue;
+            }
+            let record = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
+                .and_then(|s| s.to_record());
+            let Some(record) = record else {
+                tracing::warn!(file = %path.display(), "snapshot index file not imported: unreadable");
+                continue;
+            };
+            match self.registry.insert_snapshot(&record).await {
+                Ok(_) | Err(aviary_registry::RegistryError::Duplicate) => {}
+                Err(e) => return Err(e.into()),
+            }
+            std::fs::remove_file(&path).map_err(OpError::internal)?;
+            imported += 1;
+        }
+        // only succeeds once nothing is left in it
+        let _ = std::fs::remove_dir(&dir);
+        Ok(imported)
     }
 
     /// `POST /v1/sandboxes/{id}/snapshot` (fenced).
@@ -191,7 +264,7 @@ impl ControlPlane {
     ) -> Result<SandboxSnapshot, OpError> {
         Self::require_local(rec, "snapshotting")?;
         let root = self.cfg.runtime_state_dir().join(rec.id.as_str());
-        let parent = self.last_snapshot(&rec.tenant, &rec.id);
+        let parent = self.last_snapshot(&rec.tenant, &rec.id).await?;
         let live = self.live_opt(&rec.id);
         let freeze = match (&self.pausable, &live) {
             (Some(p), Some(l)) if !l.paused.load(Ordering::SeqCst) => {
@@ -235,22 +308,25 @@ impl ControlPlane {
             }
         }
         let (w, u) = result?;
-        let snap = SandboxSnapshot {
-            id: w.id.as_str().to_owned(),
-            tenant: rec.tenant.clone(),
-            sandbox_id: rec.id.to_string(),
-            parent: parent.map(|p| p.id),
-            workspace_manifest: w.id.as_str().to_owned(),
-            upper_manifest: u.id.as_str().to_owned(),
-            template: rec.template.clone(),
-            template_digest: rec.template_digest.clone(),
-            resource_class: rec.resource_class.clone(),
-            created_at: aviary_core::now(),
-            total_bytes: w.total_bytes + u.total_bytes,
-            new_bytes: w.new_bytes + u.new_bytes,
-            label: label.to_owned(),
-        };
-        self.save_index(&snap)?;
+        let snap: SandboxSnapshot = self
+            .registry
+            .insert_snapshot(&SnapshotRecord {
+                id: w.id.as_str().to_owned(),
+                tenant: rec.tenant.clone(),
+                sandbox_id: rec.id.clone(),
+                parent: parent.map(|p| p.id),
+                workspace_manifest: w.id.as_str().to_owned(),
+                upper_manifest: u.id.as_str().to_owned(),
+                template: rec.template.clone(),
+                template_digest: rec.template_digest.clone(),
+                resource_class: rec.resource_class.clone(),
+                label: label.to_owned(),
+                total_bytes: w.total_bytes + u.total_bytes,
+                new_bytes: w.new_bytes + u.new_bytes,
+                created_at: aviary_core::now(),
+            })
+            .await?
+            .into();
         if let Ok(Some(mut env)) = self.registry.get_environment(&rec.id).await {
             env.snapshot_id = Some(snap.id.clone());
             let _ = self.registry.upsert_environment(&env).await;
@@ -303,7 +379,7 @@ impl ControlPlane {
         let parent = self.sandbox_for(caller, id).await?;
         let snap = match &req.snapshot {
             Some(s) => {
-                let snap = self.load_snapshot(&caller.tenant, s)?;
+                let snap = self.load_snapshot(&caller.tenant, s).await?;
                 if snap.sandbox_id != parent.id.as_str() {
                     return Err(OpError::NotFound(format!("snapshot {s} of sandbox {id}")));
                 }
@@ -414,12 +490,13 @@ impl ControlPlane {
                 what: "it is not hibernating".into(),
             });
         }
-        let snap =
-            self.last_snapshot(&rec.tenant, &rec.id)
-                .ok_or_else(|| OpError::InvalidState {
-                    state: rec.state,
-                    what: "it has no snapshot to wake from".into(),
-                })?;
+        let snap = self
+            .last_snapshot(&rec.tenant, &rec.id)
+            .await?
+            .ok_or_else(|| OpError::InvalidState {
+                state: rec.state,
+                what: "it has no snapshot to wake from".into(),
+            })?;
         // new compute: it must fit under the node's over-commit like a create
         let placement = self
             .place(
@@ -636,18 +713,11 @@ impl ControlPlane {
                 "keep_last must be between 1 and 10000".into(),
             ));
         }
-        let mut all: Vec<SandboxSnapshot> = Vec::new();
-        if let Ok(rd) = std::fs::read_dir(self.index_dir()) {
-            for e in rd.flatten() {
-                if let Some(s) = std::fs::read(e.path())
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
-                {
-                    all.push(s);
-                }
-            }
-        }
-        let mut by_sandbox: std::collections::BTreeMap<(String, String), Vec<SandboxSnapshot>> =
+        let all = self
+            .registry
+            .list_snapshots(&SnapshotFilter::default())
+            .await?;
+        let mut by_sandbox: std::collections::BTreeMap<(String, SandboxId), Vec<SnapshotRecord>> =
             Default::default();
         for s in all {
             by_sandbox
@@ -658,9 +728,9 @@ impl ControlPlane {
         let store = self.snapshots.store().clone();
         let _no_snapshots = self.snapshots.hold_for_gc().await;
         let mut deleted = Vec::new();
-        for (_, mut list) in by_sandbox {
-            list.sort_by_key(|s| std::cmp::Reverse(s.created_at));
-            for old in list.into_iter().skip(req.keep_last) {
+        for (_, list) in by_sandbox {
+            // the registry lists oldest first
+            for old in list.into_iter().rev().skip(req.keep_last) {
                 for m in [&old.workspace_manifest, &old.upper_manifest] {
                     let id: SnapshotId = m.parse().map_err(OpError::internal)?;
                     let (st, tenant) = (store.clone(), old.tenant.clone());
@@ -669,7 +739,10 @@ impl ControlPlane {
                         .or_else(|e| if e.is_not_found() { Ok(()) } else { Err(e) })
                         .map_err(OpError::internal)?;
                 }
-                let _ = std::fs::remove_file(self.index_dir().join(format!("{}.json", old.id)));
+                match self.registry.delete_snapshot(&old.id).await {
+                    Ok(()) | Err(aviary_registry::RegistryError::NotFound) => {}
+                    Err(e) => return Err(e.into()),
+                }
                 deleted.push(old.id);
             }
         }
