@@ -13,6 +13,7 @@
 //! so rephrasings of the same work share telemetry.
 
 use crate::context::TaskContext;
+use crate::untrusted::{self, excerpt, ClauseRole};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
@@ -83,9 +84,30 @@ enum Group {
     Jvm,
     Monorepo,
     Browser,
+    /// Words naming the hardware (`gpu`, `cuda`): not work by themselves.
     Gpu,
+    /// Work that needs a GPU by itself (fine-tuning, LoRA).
+    GpuWork,
+    /// Deep-learning frameworks and model families.
     DeepLearning,
+    /// Generic deep-learning words (`neural network`).
+    DeepGeneric,
     Train,
+    /// Toy scale (`from scratch`, `xor`, `iris`).
+    Toy,
+    /// Streaming, chunked, lazy or database readers.
+    Stream,
+    /// Multi-threaded streaming engines (polars, DuckDB).
+    Threaded,
+    /// Data that stays remote (S3, httpfs).
+    Remote,
+    /// Reading all of the data into memory, said explicitly.
+    InMemory,
+    /// Audio or video work.
+    Media,
+    Thumbnail,
+    /// Unit-test runners.
+    Tests,
     NoGpu,
     NoBrowser,
     FetchPypi,
@@ -200,6 +222,70 @@ const KEYWORDS: &[(&str, &str, Group, f64)] = &[
     ("joblib", "parallel", G::Parallel, 1.0),
     ("并行", "parallel", G::Parallel, 1.5),
     ("仿真", "simulation", G::Compute, 2.0),
+    ("蒙特卡洛", "monte-carlo", G::Compute, 2.0),
+    ("转码", "video", G::Compute, 2.0),
+    ("多进程", "parallel", G::Parallel, 2.0),
+    // media (cost follows duration × resolution when both are known)
+    ("ffmpeg", "media", G::Media, 1.0),
+    ("transcode", "media", G::Media, 1.0),
+    ("video", "media", G::Media, 1.0),
+    ("videos", "media", G::Media, 1.0),
+    ("clip", "media", G::Media, 1.0),
+    ("gif", "media", G::Media, 1.0),
+    ("mp4", "media", G::Media, 1.0),
+    ("recording", "media", G::Media, 1.0),
+    ("keynote", "media", G::Media, 1.0),
+    ("视频", "media", G::Media, 1.0),
+    ("转码", "media", G::Media, 1.0),
+    ("mp3", "audio", G::Media, 1.0),
+    ("wav", "audio", G::Media, 1.0),
+    ("audio", "audio", G::Media, 1.0),
+    ("podcast", "audio", G::Media, 1.0),
+    ("音频", "audio", G::Media, 1.0),
+    ("thumbnail", "thumbnail", G::Thumbnail, 1.0),
+    ("thumbnails", "thumbnail", G::Thumbnail, 1.0),
+    ("缩略图", "thumbnail", G::Thumbnail, 1.0),
+    // readers whose memory does not grow with the data
+    ("chunksize", "chunked", G::Stream, 1.5),
+    ("chunk size", "chunked", G::Stream, 1.5),
+    ("in chunks", "chunked", G::Stream, 1.5),
+    ("chunked", "chunked", G::Stream, 1.5),
+    ("分块", "chunked", G::Stream, 1.5),
+    ("scan parquet", "lazy-scan", G::Stream, 1.5),
+    ("scan csv", "lazy-scan", G::Stream, 1.5),
+    ("scan ndjson", "lazy-scan", G::Stream, 1.5),
+    ("lazyframe", "lazy-scan", G::Stream, 1.5),
+    ("lazy", "lazy-scan", G::Stream, 1.5),
+    ("惰性", "lazy-scan", G::Stream, 1.5),
+    ("duckdb", "duckdb-engine", G::Stream, 1.5),
+    ("sqlite", "sqlite-engine", G::Stream, 1.5),
+    ("sqlite3", "sqlite-engine", G::Stream, 1.5),
+    ("awk", "awk", G::Stream, 1.5),
+    ("grep", "grep", G::Stream, 1.5),
+    ("sed", "sed", G::Stream, 1.5),
+    ("jq stream", "jq-stream", G::Stream, 1.5),
+    ("line by line", "line-by-line", G::Stream, 1.5),
+    ("streaming", "streaming", G::Stream, 1.5),
+    ("stream the", "streaming", G::Stream, 1.5),
+    ("逐行", "line-by-line", G::Stream, 1.5),
+    ("流式", "streaming", G::Stream, 1.5),
+    ("polars", "polars", G::Threaded, 0.0),
+    ("duckdb", "duckdb", G::Threaded, 0.0),
+    ("s3", "remote-data", G::Remote, 0.0),
+    ("httpfs", "remote-data", G::Remote, 0.0),
+    ("gcs", "remote-data", G::Remote, 0.0),
+    ("into memory", "in-memory", G::InMemory, 0.0),
+    ("fully into", "in-memory", G::InMemory, 0.0),
+    ("eagerly", "in-memory", G::InMemory, 0.0),
+    ("全部读入", "in-memory", G::InMemory, 0.0),
+    ("一次性读入", "in-memory", G::InMemory, 0.0),
+    ("全量读入", "in-memory", G::InMemory, 0.0),
+    // test runners
+    ("pytest", "pytest", G::Tests, 1.0),
+    ("jest", "js-test-runner", G::Build, 1.0),
+    ("vitest", "js-test-runner", G::Build, 1.0),
+    ("mocha", "js-test-runner", G::Build, 1.0),
+    ("karma", "js-test-runner", G::Build, 1.0),
     // builds
     ("mvn", "maven", G::Jvm, 3.0),
     ("maven", "maven", G::Jvm, 3.0),
@@ -223,6 +309,9 @@ const KEYWORDS: &[(&str, &str, Group, f64)] = &[
     ("cargo build", "cargo-build", G::Build, 3.0),
     ("cargo test", "cargo-build", G::Build, 3.0),
     ("go build", "go-build", G::Build, 3.0),
+    ("go test", "go-build", G::Build, 3.0),
+    ("ng build", "angular-build", G::Build, 2.5),
+    ("with make", "make", G::Build, 2.5),
     ("cmake", "cmake", G::Build, 3.0),
     ("makefile", "make", G::Build, 2.0),
     ("make j", "make", G::Build, 2.5),
@@ -277,28 +366,36 @@ const KEYWORDS: &[(&str, &str, Group, f64)] = &[
     ("gpu", "gpu", G::Gpu, 3.0),
     ("gpus", "gpu", G::Gpu, 3.0),
     ("nvidia", "gpu", G::Gpu, 3.0),
-    ("fine tune", "fine-tune", G::Gpu, 3.0),
-    ("fine tuning", "fine-tune", G::Gpu, 3.0),
-    ("finetune", "fine-tune", G::Gpu, 3.0),
-    ("finetuning", "fine-tune", G::Gpu, 3.0),
-    ("lora", "lora", G::Gpu, 2.5),
-    ("qlora", "lora", G::Gpu, 2.5),
+    ("fine tune", "fine-tune", G::GpuWork, 3.0),
+    ("fine tuning", "fine-tune", G::GpuWork, 3.0),
+    ("finetune", "fine-tune", G::GpuWork, 3.0),
+    ("finetuning", "fine-tune", G::GpuWork, 3.0),
+    ("lora", "lora", G::GpuWork, 2.5),
+    ("qlora", "lora", G::GpuWork, 2.5),
     ("显卡", "gpu", G::Gpu, 3.0),
-    ("微调", "fine-tune", G::Gpu, 3.0),
+    ("微调", "fine-tune", G::GpuWork, 3.0),
     ("torch", "torch", G::DeepLearning, 1.5),
     ("pytorch", "torch", G::DeepLearning, 1.5),
     ("tensorflow", "tensorflow", G::DeepLearning, 1.5),
     ("keras", "tensorflow", G::DeepLearning, 1.0),
     ("jax", "jax", G::DeepLearning, 1.5),
     ("transformers", "transformers", G::DeepLearning, 1.5),
-    ("neural network", "neural-network", G::DeepLearning, 1.5),
-    ("deep learning", "deep-learning", G::DeepLearning, 1.5),
+    ("neural network", "neural-network", G::DeepGeneric, 1.5),
+    ("neural net", "neural-network", G::DeepGeneric, 1.5),
+    ("deep learning", "deep-learning", G::DeepGeneric, 1.5),
     ("llm", "llm", G::DeepLearning, 1.0),
     ("bert", "transformer-model", G::DeepLearning, 1.0),
     ("resnet", "transformer-model", G::DeepLearning, 1.0),
     ("diffusion", "diffusion", G::DeepLearning, 1.0),
-    ("深度学习", "deep-learning", G::DeepLearning, 1.5),
-    ("神经网络", "neural-network", G::DeepLearning, 1.5),
+    ("深度学习", "deep-learning", G::DeepGeneric, 1.5),
+    ("神经网络", "neural-network", G::DeepGeneric, 1.5),
+    // toy scale
+    ("toy", "toy", G::Toy, 1.0),
+    ("xor", "toy", G::Toy, 1.0),
+    ("iris", "toy", G::Toy, 1.0),
+    ("from scratch", "toy", G::Toy, 1.0),
+    ("从零", "toy", G::Toy, 1.0),
+    ("玩具", "toy", G::Toy, 1.0),
     ("train", "train", G::Train, 1.0),
     ("training", "train", G::Train, 1.0),
     ("trains", "train", G::Train, 1.0),
@@ -374,6 +471,68 @@ pub struct Features {
     pub(crate) monorepo: f64,
     pub(crate) fetch_pypi: bool,
     pub(crate) fetch_open: bool,
+    /// How the data is read; decides memory per byte of data.
+    pub reader: Reader,
+    /// The data stays remote (S3, httpfs) and is streamed: no local disk.
+    pub remote_data: bool,
+    /// Audio/video work with a known duration.
+    pub media: Option<MediaWork>,
+    /// Test files a runner will go through (`600 test files`).
+    pub test_files: f64,
+    /// What the text said that was *not* taken as work, and why (for the
+    /// reason and the trace).
+    pub notes: Vec<String>,
+}
+
+/// How data is read, which decides memory per byte of data.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reader {
+    /// pandas & co.: about 2.5× the data in memory.
+    InMemory,
+    /// Eager Arrow-based readers (polars `read_*`, pyarrow): about 1.5×.
+    Arrow,
+    /// `.xlsx` through openpyxl: many times the (compressed) file.
+    Excel,
+    /// Chunked, lazy, database or line-by-line readers: memory independent
+    /// of the data; `threaded` engines (polars, DuckDB) use a few cores.
+    Streaming { threaded: bool },
+    /// Out-of-core engines (Spark, Dask, Ray).
+    Distributed,
+}
+
+impl Reader {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Reader::InMemory => "in-memory reader (≈2.5× the data)",
+            Reader::Arrow => "eager Arrow reader (≈1.5× the data)",
+            Reader::Excel => "xlsx reader (≈5× the file)",
+            Reader::Streaming { threaded: true } => {
+                "streaming multi-threaded engine (memory independent of the data)"
+            }
+            Reader::Streaming { threaded: false } => {
+                "streaming reader (memory independent of the data)"
+            }
+            Reader::Distributed => "out-of-core engine (≈1× the data, spills)",
+        }
+    }
+}
+
+/// Audio/video work whose duration is known.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MediaWork {
+    /// Seconds of media.
+    pub seconds: f64,
+    /// Cost per second relative to 1080p video (480p 0.25, 4K 4, audio 0.05;
+    /// thumbnails only decode a few frames: ×0.1).
+    pub factor: f64,
+}
+
+impl MediaWork {
+    /// Seconds of 1080p-equivalent transcoding.
+    pub fn units(&self) -> f64 {
+        self.seconds * self.factor
+    }
 }
 
 const ROW_BYTES: f64 = 100.0;
@@ -383,30 +542,71 @@ impl Features {
     /// Reads every text and number field of `ctx`. Never panics; works on
     /// unvalidated input too (numbers are sanitized).
     pub fn extract(ctx: &TaskContext) -> Features {
-        let mut raw = String::with_capacity(ctx.task.len() + 256);
-        raw.push_str(&ctx.task);
-        for list in [&ctx.plan, &ctx.tools, &ctx.languages, &ctx.dependencies] {
-            for item in list {
-                raw.push('\n');
-                raw.push_str(item);
-            }
-        }
-        let lower = raw.to_lowercase();
-        let norm = normalize(&lower);
-
+        let mut notes: Vec<String> = Vec::new();
+        // Text of the clauses read as work, for quantities.
+        let mut lower = String::with_capacity(ctx.task.len() + 256);
         let mut found: Vec<(&str, Group, f64)> = Vec::new();
-        for &(pat, id, group, weight) in KEYWORDS {
-            let hit = if pat.is_ascii() {
-                contains_phrase(&norm, pat)
-            } else {
-                lower.contains(pat)
-            };
-            if hit {
+        for cl in untrusted::clauses(ctx) {
+            match cl.role {
+                ClauseRole::Directive => {
+                    notes.push(format!(
+                        "ignored {} «{}»: addressed to the planner ({}), text is data",
+                        cl.field,
+                        excerpt(&cl.lower, 60),
+                        cl.marker
+                    ));
+                    continue;
+                }
+                ClauseRole::Mention => {
+                    notes.push(format!(
+                        "ignored {} «{}»: about tools, not running them ({})",
+                        cl.field,
+                        excerpt(&cl.lower, 60),
+                        cl.marker
+                    ));
+                    continue;
+                }
+                ClauseRole::Artifact | ClauseRole::Work => {}
+            }
+            let norm = normalize(&cl.lower);
+            let mut suppressed: Vec<&str> = Vec::new();
+            for &(pat, id, group, weight) in KEYWORDS {
+                let hit = if pat.is_ascii() {
+                    contains_phrase(&norm, pat)
+                } else {
+                    cl.lower.contains(pat)
+                };
+                if !hit {
+                    continue;
+                }
+                if cl.role == ClauseRole::Artifact && TOOL_GROUPS.contains(&group) {
+                    suppressed.push(id);
+                    continue;
+                }
+                if id == "compile"
+                    && NOT_CODE.iter().any(|w| {
+                        contains_phrase(&norm, w) || (!w.is_ascii() && cl.lower.contains(w))
+                    })
+                {
+                    suppressed.push(id);
+                    continue;
+                }
                 match found.iter_mut().find(|(i, g, _)| *i == id && *g == group) {
                     Some(e) => e.2 = e.2.max(weight),
                     None => found.push((id, group, weight)),
                 }
             }
+            if !suppressed.is_empty() {
+                suppressed.dedup();
+                notes.push(format!(
+                    "{} «{}» names {} without running it",
+                    cl.field,
+                    excerpt(&cl.lower, 60),
+                    suppressed.join(", ")
+                ));
+            }
+            lower.push_str(&cl.lower);
+            lower.push('\n');
         }
         // Languages are weak hints: Java/Scala/C/C++/Rust usually mean a build.
         for lang in &ctx.languages {
@@ -429,6 +629,7 @@ impl Features {
                 .map(|(_, _, w)| *w)
                 .sum()
         };
+        let has = |g: Group| found.iter().any(|(_, gg, _)| *gg == g);
 
         let q = parse_quantities(&lower);
         let data_mb = sane(ctx.data_size_mb)
@@ -436,16 +637,51 @@ impl Features {
             .max(q.rows * ROW_BYTES / 1e6);
         let repo_mb = sane(ctx.repo_size_mb).max(q.repo_mb);
 
+        let reader = if score(G::Distributed) > 0.0 {
+            Reader::Distributed
+        } else if has(G::Stream) && !has(G::InMemory) {
+            Reader::Streaming {
+                threaded: has(G::Threaded),
+            }
+        } else if found.iter().any(|(i, _, _)| *i == "excel") && data_mb >= 50.0 {
+            Reader::Excel
+        } else if score(G::Efficient) > 0.0 && !found.iter().any(|(i, _, _)| *i == "pandas") {
+            Reader::Arrow
+        } else {
+            Reader::InMemory
+        };
+        let remote_data = has(G::Remote) && matches!(reader, Reader::Streaming { .. });
+
+        let media = if has(G::Media) {
+            parse_media(&lower, has(G::Thumbnail))
+        } else {
+            None
+        };
+        let test_files = parse_test_files(&lower);
+
         let no_gpu = score(G::NoGpu) > 0.0;
-        let gpu_hard = score(G::Gpu);
-        let dl = score(G::DeepLearning);
+        let gpu_word = score(G::Gpu);
+        let gpu_work = score(G::GpuWork);
+        let dl = score(G::DeepLearning) + score(G::DeepGeneric);
         let train = score(G::Train);
+        let toy = has(G::Toy) || (data_mb > 0.0 && data_mb < 10.0);
+        // A GPU word alone (a version check, a news item) is not work; it
+        // takes fine-tuning, training a non-toy deep model, or a GPU word
+        // next to deep-learning work.
+        let inferred_gpu = !no_gpu
+            && (gpu_work > 0.0
+                || (dl > 0.0 && train > 0.0 && !toy)
+                || (gpu_word > 0.0 && (dl > 0.0 || train > 0.0)));
         let needs_gpu = match ctx.needs_gpu {
             Some(b) => b,
-            None => !no_gpu && (gpu_hard > 0.0 || (dl > 0.0 && train > 0.0)),
+            None => inferred_gpu,
         };
+        if ctx.needs_gpu.is_none() && !needs_gpu && dl > 0.0 && train > 0.0 && toy {
+            notes.push("deep-learning words on toy-sized data: no GPU".into());
+        }
         let gpu_score = if needs_gpu {
-            gpu_hard
+            gpu_word
+                + gpu_work
                 + dl
                 + train
                 + if ctx.needs_gpu == Some(true) {
@@ -480,7 +716,13 @@ impl Features {
         let efficient = score(G::Efficient);
         let distributed = score(G::Distributed);
         let big_data = score(G::BigData);
-        let data_score = score(G::Data) + ml + efficient + distributed + big_data + score(G::Viz);
+        let data_score = score(G::Data)
+            + ml
+            + efficient
+            + distributed
+            + big_data
+            + score(G::Viz)
+            + score(G::Stream);
         let parallel = score(G::Parallel);
         let compute_score = score(G::Compute) + parallel;
         let trivial_score = score(G::Trivial);
@@ -491,6 +733,8 @@ impl Features {
             WorkloadKind::Browser
         } else if build_score >= 2.0 {
             WorkloadKind::Build
+        } else if compute_score >= 2.0 && compute_score > data_score {
+            WorkloadKind::Compute
         } else if data_score >= 1.5 || (data_score > 0.0 && data_mb > 0.0) {
             WorkloadKind::Data
         } else if compute_score >= 2.0 {
@@ -501,7 +745,18 @@ impl Features {
 
         let mut signals: Vec<Signal> = Vec::new();
         for (id, group, w) in &found {
-            if matches!(group, G::NoGpu | G::NoBrowser | G::FetchPypi | G::FetchOpen) {
+            if matches!(
+                group,
+                G::NoGpu
+                    | G::NoBrowser
+                    | G::FetchPypi
+                    | G::FetchOpen
+                    | G::Threaded
+                    | G::Remote
+                    | G::InMemory
+                    | G::Media
+                    | G::Thumbnail
+            ) {
                 continue;
             }
             match signals.iter_mut().find(|s| s.id == *id) {
@@ -538,6 +793,11 @@ impl Features {
             monorepo,
             fetch_pypi: score(G::FetchPypi) > 0.0,
             fetch_open: score(G::FetchOpen) > 0.0,
+            reader,
+            remote_data,
+            media,
+            test_files,
+            notes,
         }
     }
 
@@ -600,6 +860,124 @@ impl Features {
 /// signals, same order of magnitude of data and repository) shares it.
 pub fn workload_signature(ctx: &TaskContext) -> String {
     Features::extract(ctx).signature()
+}
+
+/// Groups that stand for running a tool; a clause that only reads what a
+/// tool produced does not need the tool.
+const TOOL_GROUPS: &[Group] = &[
+    G::Browser,
+    G::Build,
+    G::Jvm,
+    G::Monorepo,
+    G::Gpu,
+    G::GpuWork,
+    G::DeepLearning,
+    G::Distributed,
+];
+
+/// Objects of "compile" that are not code.
+const NOT_CODE: &[&str] = &[
+    "list",
+    "reading list",
+    "bibliography",
+    "summary",
+    "notes",
+    "glossary",
+    "regex",
+    "regular expression",
+    "pattern",
+    "正则",
+    "清单",
+    "列表",
+    "资料",
+];
+
+/// Seconds of media and its cost factor, from `10 seconds`, `3-minute`,
+/// `2-hour`, `90 分钟`, `30 秒` and resolutions (`480p` … `4k`, `8k`).
+fn parse_media(lower: &str, thumbnails: bool) -> Option<MediaWork> {
+    let norm = normalize(lower);
+    let toks: Vec<&str> = norm.split_whitespace().collect();
+    let mut seconds: f64 = 0.0;
+    for (i, t) in toks.iter().enumerate() {
+        // a number glued to a CJK unit ("90分钟") or followed by a unit word
+        let (num, glued) = match t.find(|c: char| !c.is_ascii_digit() && c != '.') {
+            Some(0) => continue,
+            Some(k) => (&t[..k], &t[k..]),
+            None => (*t, ""),
+        };
+        let Ok(v) = num.parse::<f64>() else { continue };
+        let unit = if glued.is_empty() {
+            toks.get(i + 1).copied().unwrap_or("")
+        } else {
+            glued
+        };
+        let mult = match unit {
+            "second" | "seconds" | "sec" | "secs" | "s" => 1.0,
+            "minute" | "minutes" | "min" | "mins" => 60.0,
+            "hour" | "hours" | "hr" | "hrs" | "h" => 3600.0,
+            u if u.starts_with('秒') => 1.0,
+            u if u.starts_with("分钟") => 60.0,
+            u if u.starts_with("小时") => 3600.0,
+            _ => continue,
+        };
+        seconds = seconds.max(v * mult);
+    }
+    if seconds <= 0.0 {
+        return None;
+    }
+    let mut factor: f64 = 0.0;
+    for (pat, f) in [
+        ("480p", 0.25),
+        ("360p", 0.15),
+        ("720p", 0.5),
+        ("1080p", 1.0),
+        ("1440p", 2.0),
+        ("2160p", 4.0),
+        ("4k", 4.0),
+        ("8k", 16.0),
+    ] {
+        if contains_phrase(&norm, pat) {
+            factor = factor.max(f);
+        }
+    }
+    if factor == 0.0 {
+        let audio_only = ["mp3", "wav", "audio", "podcast", "flac", "aac"]
+            .iter()
+            .any(|w| contains_phrase(&norm, w))
+            && !["video", "mp4", "clip", "gif", "mkv"]
+                .iter()
+                .any(|w| contains_phrase(&norm, w));
+        factor = if audio_only || lower.contains("音频") {
+            0.05
+        } else {
+            1.0
+        };
+    }
+    if thumbnails {
+        factor *= 0.1;
+    }
+    Some(MediaWork { seconds, factor })
+}
+
+/// The number of test files a runner goes through (`600 test files`,
+/// `900 test suites`, `500 个测试文件`); 0 when not said.
+fn parse_test_files(lower: &str) -> f64 {
+    let norm = normalize(lower);
+    let toks: Vec<&str> = norm.split_whitespace().collect();
+    let mut n: f64 = 0.0;
+    for (i, t) in toks.iter().enumerate() {
+        let Ok(v) = t.parse::<f64>() else { continue };
+        let next = toks.get(i + 1).copied().unwrap_or("");
+        let next2 = toks.get(i + 2).copied().unwrap_or("");
+        let english = matches!(next, "test" | "spec")
+            && matches!(next2, "files" | "suites" | "modules")
+            || matches!(next, "tests" | "specs");
+        let chinese = next.starts_with("个测试");
+        if english || chinese {
+            n = n.max(v);
+        }
+    }
+    n
 }
 
 fn sane(v: Option<f64>) -> f64 {

@@ -15,7 +15,7 @@
 //! when another kind is almost as strong or when no class fits.
 
 use crate::context::TaskContext;
-use crate::features::{Features, WorkloadKind};
+use crate::features::{Features, Reader, WorkloadKind};
 use crate::intent::{validate_catalog, Capability, ClassSpec, PlanSource, ResourceIntent};
 use crate::{PlanError, Planner};
 use aviary_registry::AllocationRecord;
@@ -114,6 +114,23 @@ impl HeuristicPlanner {
         }
         if f.data_mb > 0.0 {
             reason.push_str(&format!("; data ≈ {}", human_mb(f.data_mb)));
+            if f.kind == WorkloadKind::Data {
+                reason.push_str(&format!(", {}", f.reader.describe()));
+            }
+            if f.remote_data {
+                reason.push_str(", stays remote (no local disk)");
+            }
+        }
+        if let Some(m) = f.media {
+            reason.push_str(&format!(
+                "; media ≈ {:.0} s × {} ≈ {:.0} s of 1080p work",
+                m.seconds,
+                m.factor,
+                m.units()
+            ));
+        }
+        if f.test_files > 0.0 {
+            reason.push_str(&format!("; {} test files", f.test_files));
         }
         if f.repo_mb > 0.0 {
             reason.push_str(&format!("; repo ≈ {}", human_mb(f.repo_mb)));
@@ -139,6 +156,10 @@ impl HeuristicPlanner {
         }
         if gpu_missing {
             reason.push_str("; GPU needed but no class of the catalog has one");
+        }
+        for note in &f.notes {
+            reason.push_str("; ");
+            reason.push_str(note);
         }
 
         let runtime = class
@@ -199,25 +220,34 @@ pub(crate) fn requirement(f: &Features) -> Requirement {
                 // "large dataset" without a number: assume around a gigabyte
                 vol = 1024.0;
             }
-            // pandas holds ~2.5× the file in memory; Arrow-based engines less;
-            // out-of-core engines spill.
-            let factor = if f.distributed > 0.0 {
-                1.0
-            } else if f.efficient > 0.0 && !f.signals.iter().any(|s| s.id == "pandas") {
-                1.5
-            } else {
-                2.5
+            // pandas holds ~2.5× the file in memory, Arrow-based readers
+            // ~1.5×, openpyxl many times the compressed file; out-of-core
+            // engines spill, and streaming readers hold a chunk at a time.
+            let streaming = matches!(f.reader, Reader::Streaming { .. });
+            mem = match f.reader {
+                Reader::InMemory => 1024.0 + vol * 2.5,
+                Reader::Arrow => 1024.0 + vol * 1.5,
+                Reader::Excel => 1024.0 + vol * 5.0,
+                Reader::Distributed => 1024.0 + vol,
+                Reader::Streaming { .. } => 1024.0 + (vol * 0.02).min(1024.0),
             };
-            mem = 1024.0 + vol * factor;
             cpu = 1.0;
-            if vol >= 500.0 {
-                cpu = 2.0;
-            }
-            if vol >= 4096.0 {
-                cpu = 4.0;
-            }
-            if vol >= 16384.0 {
-                cpu = 8.0;
+            if streaming {
+                // threaded engines over gigabytes use a few cores; awk and
+                // chunked loops use one, however big the data
+                if matches!(f.reader, Reader::Streaming { threaded: true }) && vol >= 1024.0 {
+                    cpu = 2.0;
+                }
+            } else {
+                if vol >= 500.0 {
+                    cpu = 2.0;
+                }
+                if vol >= 4096.0 {
+                    cpu = 4.0;
+                }
+                if vol >= 16384.0 {
+                    cpu = 8.0;
+                }
             }
             if f.ml > 0.0 {
                 cpu = cpu.max(2.0);
@@ -230,13 +260,34 @@ pub(crate) fn requirement(f: &Features) -> Requirement {
             if f.duration_s >= 1800.0 {
                 cpu = cpu.max(2.0);
             }
-            disk = 2048.0 + vol * 1.2;
+            disk = if f.remote_data {
+                2048.0
+            } else {
+                2048.0 + vol * 1.2
+            };
         }
-        WorkloadKind::Compute => {
-            cpu = if f.parallel >= 2.0 { 8.0 } else { 4.0 };
-            mem = (2048.0 + f.data_mb * 1.5).max(4096.0);
-            disk = 4096.0 + f.data_mb * 2.0;
-        }
+        WorkloadKind::Compute => match f.media {
+            // transcoding cost follows duration × resolution
+            Some(m) if m.units() <= 150.0 => {
+                cpu = 1.0;
+                mem = 1024.0;
+                disk = 2048.0 + f.data_mb * 2.0;
+            }
+            Some(m) if m.units() <= 2400.0 => {
+                cpu = 2.0;
+                mem = 2048.0;
+                disk = 4096.0 + f.data_mb * 2.0;
+            }
+            _ => {
+                cpu = if f.parallel >= 2.0 || f.media.is_some() {
+                    8.0
+                } else {
+                    4.0
+                };
+                mem = (2048.0 + f.data_mb * 1.5).max(4096.0);
+                disk = 4096.0 + f.data_mb * 2.0;
+            }
+        },
         WorkloadKind::Build => {
             cpu = 2.0;
             mem = 3072.0;
@@ -267,8 +318,14 @@ pub(crate) fn requirement(f: &Features) -> Requirement {
             disk = 20480.0 + f.data_mb * 1.2;
         }
     }
+    if f.test_files >= 200.0 {
+        // hundreds of test files: the runner's workers want cores and memory
+        cpu = cpu.max(2.0);
+        mem = mem.max(3072.0);
+    }
     mem = mem.max(f.memory_hint_mb);
-    disk = disk.max(1024.0 + f.workspace_mb + f.repo_mb * 1.5 + f.data_mb * 1.2);
+    let local_data = if f.remote_data { 0.0 } else { f.data_mb };
+    disk = disk.max(1024.0 + f.workspace_mb + f.repo_mb * 1.5 + local_data * 1.2);
     Requirement {
         cpu,
         memory_mb: mem,

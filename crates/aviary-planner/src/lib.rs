@@ -29,17 +29,19 @@
 
 mod chain;
 mod context;
+pub mod corpus;
 mod error;
 mod features;
 mod heuristic;
 mod intent;
 mod llm;
 mod telemetry;
+mod untrusted;
 
 pub use chain::{ChainPlanner, PlanOutcome, PlanStep, PlanTrace, StepOutcome};
 pub use context::{planner_input_hash, Risk, TaskContext};
 pub use error::PlanError;
-pub use features::{workload_signature, Features, WorkloadKind};
+pub use features::{workload_signature, Features, MediaWork, Reader, WorkloadKind};
 pub use heuristic::{HeuristicPlanner, PlannerDefaults};
 pub use intent::{validate_catalog, ClassSpec, PlanSource, ResourceIntent};
 pub use llm::{LlmConfig, LlmPlanner, MAX_LLM_BODY_BYTES};
