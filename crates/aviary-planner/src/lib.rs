@@ -44,7 +44,9 @@ pub use error::PlanError;
 pub use features::{workload_signature, Features, MediaWork, Reader, WorkloadKind};
 pub use heuristic::{HeuristicPlanner, PlannerDefaults};
 pub use intent::{validate_catalog, ClassSpec, PlanSource, ResourceIntent};
-pub use llm::{LlmConfig, LlmPlanner, MAX_LLM_BODY_BYTES};
+pub use llm::{
+    LlmConfig, LlmPlanner, CONTEXT_CLOSE, CONTEXT_OPEN, FAR_ABOVE_RATIO, MAX_LLM_BODY_BYTES,
+};
 pub use telemetry::{TelemetryPlanner, TelemetryRules};
 
 use aviary_registry::AllocationRecord;
