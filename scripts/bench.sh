@@ -74,4 +74,23 @@ new = re.sub(r"<!-- quota:start -->.*?<!-- quota:end -->", lambda m: section, te
 open("BENCHMARKS.md", "w").write(new)
 PY
 rm -f "$quota_out" "$section"
+# planner: accuracy on the labelled corpus, beside both baselines (no root, seconds)
+planner_out=$(mktemp)
+"$CARGO_TARGET_DIR/release/aviary-bench" planner | tee "$planner_out"
+section=$(mktemp)
+{
+  echo "<!-- planner:start -->"
+  echo "Measured $(date -u +%Y-%m-%d) by \`aviary-bench planner\` (accuracy does not depend on the machine; the timing does: $machine)."
+  echo
+  cat "$planner_out"
+  echo "<!-- planner:end -->"
+} >"$section"
+python3 - "$section" <<'PY'
+import re, sys
+section = open(sys.argv[1]).read().rstrip("\n")
+text = open("BENCHMARKS.md").read()
+new = re.sub(r"<!-- planner:start -->.*?<!-- planner:end -->", lambda m: section, text, flags=re.S)
+open("BENCHMARKS.md", "w").write(new)
+PY
+rm -f "$planner_out" "$section"
 echo "BENCHMARKS.md updated" >&2

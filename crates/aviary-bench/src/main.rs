@@ -6,7 +6,11 @@
 //!   equivalent bundle (the floor) vs `docker run --rm` of the same rootfs;
 //! - exec round trip of `true` through the API vs `crun exec` vs `docker exec`;
 //! - host memory per idle sandbox.
+//!
+//! `aviary-bench planner` runs only the planner scoring ([`planner`]).
 #![forbid(unsafe_code)]
+
+mod planner;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -44,6 +48,9 @@ fn row(name: &str, s: &Result<Stats, String>) -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("planner") {
+        return planner::run();
+    }
     let envd = PathBuf::from(
         std::env::var("AVIARY_ENVD")
             .context("AVIARY_ENVD must name the static envd (scripts/bench.sh sets it)")?,
