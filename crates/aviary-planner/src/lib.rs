@@ -19,6 +19,14 @@
 //!   LLM failure falls back to the heuristic and is recorded in the
 //!   [`PlanTrace`].
 //!
+//! Text is data: every text field is cut into clauses before any signal is
+//! read, and clauses addressed to the planner (class names, CPU counts, fake
+//! system/admin notes, demands for the largest or smallest class), writing
+//! *about* tools and reading their reports are not taken as work; each one
+//! is named in the intent's reason. The LLM sees the context between
+//! delimiters as untrusted data, and its answer is bounded by the features.
+//! [`corpus`] holds the labelled corpus the planner is scored on.
+//!
 //! Invariants: every intent names a class of the catalog it was planned
 //! against; nothing panics on any input (property-tested); a context is
 //! validated before any planner sees it.
