@@ -1,4 +1,10 @@
-//! Aviary's lease manager seam (DESIGN §3 "Lease manager", principle 4).
+//! Aviary's coordination seam (DESIGN §3 "Lease manager", principle 4):
+//! leases with fencing tokens, and named locks.
+//!
+//! Locks ([`Locks`], module [`locks`]) serialise work across requests (scope
+//! buckets, hibernate/wake) with an owner and a TTL; [`InProcessLocks`] is
+//! the embedded default, and every backend must pass
+//! [`lock_conformance::run_all`].
 //!
 //! This crate owns the [`LeaseStore`] trait: acquire / renew (heartbeat) /
 //! release / expire / revoke of the one lease a sandbox may have, and the
@@ -23,9 +29,14 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+mod in_process_locks;
+pub mod lock_conformance;
+pub mod locks;
 mod memory;
 
 pub use aviary_core::api::Lease;
+pub use in_process_locks::InProcessLocks;
+pub use locks::{HeldLock, LockError, LockGuard, LockHolder, LockName, LockRequest, Locks};
 pub use memory::MemoryLeaseStore;
 
 use async_trait::async_trait;
