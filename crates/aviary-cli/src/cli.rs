@@ -3,7 +3,7 @@
 use crate::output;
 use aviary_client::{Client, ClientError, StreamItem};
 use aviary_core::api::*;
-use aviary_core::{LeaseToken, Scope};
+use aviary_core::{ErrorCode, LeaseToken, Scope};
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -17,8 +17,8 @@ Environment:
 
 Exit codes: `run` and `sandbox exec` exit with the command's exit code (124 when it
 timed out). Otherwise: 0 ok, 2 usage, 64 invalid request, 66 not found, 69 server
-unavailable, 70 internal error, 75 lease/state conflict, 77 unauthorized/forbidden,
-78 invalid configuration file.";
+unavailable, 70 internal error, 74 local file i/o error, 75 lease/state conflict or
+retry later, 77 unauthorized/forbidden, 78 invalid configuration file.";
 
 #[derive(Parser, Debug)]
 #[command(name = "aviary", version, about = "Aviary: a sandbox control plane for AI agents", after_help = AFTER_HELP)]
@@ -425,8 +425,8 @@ fn client() -> Result<Client, Failure> {
             std::fs::read_to_string(&p)
                 .map(|s| s.trim().to_owned())
                 .map_err(|e| {
-                    Failure::usage(
-                        77,
+                    Failure::new(
+                        ErrorCode::Unauthorized,
                         format!(
                             "no API key: set AVIARY_API_KEY or make {} readable ({e})",
                             p.display()
@@ -444,8 +444,23 @@ struct Failure {
     message: String,
 }
 
+/// Exit codes the error table has no code for (sysexits.h): a local file
+/// could not be read or written, and an invalid configuration file.
+const EXIT_IO_ERROR: i32 = 74;
+const EXIT_CONFIG: i32 = 78;
+
 impl Failure {
-    fn usage(code: i32, message: String) -> Self {
+    /// A failure with the exit code of `code` in the one error table
+    /// (`ErrorCode::cli_exit_code`), the same as the server's answer would get.
+    fn new(code: ErrorCode, message: String) -> Self {
+        Failure {
+            code: code.cli_exit_code(),
+            message,
+        }
+    }
+
+    /// A failure outside the table ([`EXIT_IO_ERROR`], [`EXIT_CONFIG`]).
+    fn exit(code: i32, message: String) -> Self {
         Failure { code, message }
     }
 }
@@ -454,9 +469,9 @@ impl From<ClientError> for Failure {
     fn from(e: ClientError) -> Self {
         let code = match &e {
             ClientError::Api { code, .. } => code.cli_exit_code(),
-            ClientError::Connect { .. } => 69,
-            ClientError::Io(_) => 74,
-            _ => 70,
+            ClientError::Connect { .. } => ErrorCode::Unavailable.cli_exit_code(),
+            ClientError::Io(_) => EXIT_IO_ERROR,
+            _ => ErrorCode::Internal.cli_exit_code(),
         };
         let message = match &e {
             ClientError::Connect { url, .. } => format!(
@@ -532,9 +547,8 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         .with_writer(std::io::stderr)
         .try_init();
     let settings = match &a.config {
-        Some(p) => {
-            aviary_config::Config::load(p).map_err(|e| Failure::usage(78, format!("{e}")))?
-        }
+        Some(p) => aviary_config::Config::load(p)
+            .map_err(|e| Failure::exit(EXIT_CONFIG, format!("{e}")))?,
         None => aviary_config::Config::default(),
     };
     let mut cfg = aviary_server::config::ServerConfig::from_settings(settings, find_envd(a.envd));
@@ -545,7 +559,9 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         cfg.listen = l;
     }
     if let Some(r) = &a.runtime {
-        cfg.runtime = r.parse().map_err(|e| Failure::usage(64, e))?;
+        cfg.runtime = r
+            .parse()
+            .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?;
     }
     let data_dir = cfg.data_dir.clone();
     cfg.templates_dir = a.templates_dir;
@@ -553,15 +569,15 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         "debootstrap" => aviary_server::config::DefaultTemplateSource::Debootstrap,
         "busybox" => aviary_server::config::DefaultTemplateSource::Busybox,
         other => {
-            return Err(Failure::usage(
-                64,
+            return Err(Failure::new(
+                ErrorCode::InvalidRequest,
                 format!("unknown template source {other:?} (debootstrap|busybox)"),
             ))
         }
     };
     let server = aviary_server::start(cfg, |line| eprintln!("aviary: {line}"))
         .await
-        .map_err(|e| Failure::usage(70, format!("{e:#}")))?;
+        .map_err(|e| Failure::new(ErrorCode::Internal, format!("{e:#}")))?;
     eprintln!(
         "aviary: listening on http://{} (data dir {}, admin key in {})",
         server.addr,
@@ -577,7 +593,7 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         }
     });
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| Failure::usage(70, e.to_string()))?;
+        .map_err(|e| Failure::new(ErrorCode::Internal, e.to_string()))?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
@@ -588,7 +604,7 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
     server
         .stop()
         .await
-        .map_err(|e| Failure::usage(70, format!("{e:#}")))?;
+        .map_err(|e| Failure::new(ErrorCode::Internal, format!("{e:#}")))?;
     Ok(0)
 }
 
@@ -639,8 +655,8 @@ async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Res
             }
         }
     }
-    Err(Failure::usage(
-        70,
+    Err(Failure::new(
+        ErrorCode::Internal,
         "exec stream ended without an exit status".into(),
     ))
 }
@@ -788,8 +804,8 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                     c.download(id, path, &local).await?
                 }
                 _ => {
-                    return Err(Failure::usage(
-                        64,
+                    return Err(Failure::new(
+                        ErrorCode::InvalidRequest,
                         "exactly one of SRC and DST must be ID:/absolute/path".into(),
                     ))
                 }
@@ -918,14 +934,19 @@ fn read_json(p: &Path) -> Result<serde_json::Value, Failure> {
     let text = if p.as_os_str() == "-" {
         let mut s = String::new();
         std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
-            .map_err(|e| Failure::usage(66, format!("reading stdin: {e}")))?;
+            .map_err(|e| Failure::new(ErrorCode::NotFound, format!("reading stdin: {e}")))?;
         s
     } else {
-        std::fs::read_to_string(p)
-            .map_err(|e| Failure::usage(66, format!("reading {}: {e}", p.display())))?
+        std::fs::read_to_string(p).map_err(|e| {
+            Failure::new(ErrorCode::NotFound, format!("reading {}: {e}", p.display()))
+        })?
     };
-    serde_json::from_str(&text)
-        .map_err(|e| Failure::usage(64, format!("{} is not valid JSON: {e}", p.display())))
+    serde_json::from_str(&text).map_err(|e| {
+        Failure::new(
+            ErrorCode::InvalidRequest,
+            format!("{} is not valid JSON: {e}", p.display()),
+        )
+    })
 }
 
 async fn plan(intent: PathBuf, json: bool) -> Result<i32, Failure> {
@@ -1031,7 +1052,7 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let fail = |e: String| Failure::usage(70, e);
+    let fail = |e: String| Failure::new(ErrorCode::Internal, e);
     std::fs::create_dir_all(&a.data_dir)
         .map_err(|e| fail(format!("creating {}: {e}", a.data_dir.display())))?;
     let token = match a.token {
@@ -1055,8 +1076,8 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
         "crun" => aviary_runtime_oci::OciBinary::Crun,
         "runc" => aviary_runtime_oci::OciBinary::Runc,
         other => {
-            return Err(Failure::usage(
-                64,
+            return Err(Failure::new(
+                ErrorCode::InvalidRequest,
                 format!("unknown runtime {other:?} (crun|runc)"),
             ))
         }
@@ -1133,4 +1154,36 @@ async fn nodes(cmd: NodesCmd, json: bool) -> Result<i32, Failure> {
         );
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_errors_exit_through_the_error_table() {
+        for code in ErrorCode::ALL {
+            let f = Failure::from(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message: "m".into(),
+            });
+            assert_eq!(f.code, code.cli_exit_code(), "{code:?}");
+            assert!(f.message.contains(code.as_str()), "{}", f.message);
+        }
+    }
+
+    #[test]
+    fn help_documents_every_exit_code() {
+        let codes = ErrorCode::ALL
+            .into_iter()
+            .map(ErrorCode::cli_exit_code)
+            .chain([EXIT_IO_ERROR, EXIT_CONFIG]);
+        for exit in codes {
+            assert!(
+                AFTER_HELP.contains(&format!(" {exit} ")),
+                "--help does not explain exit code {exit}"
+            );
+        }
+    }
 }

@@ -98,6 +98,35 @@ pub enum EnvdError {
 }
 
 impl EnvdError {
+    /// The stable API error code of this failure (`aviary_core::ErrorCode`,
+    /// the control plane's one table).
+    pub fn code(&self) -> aviary_core::ErrorCode {
+        use aviary_core::ErrorCode as C;
+        match self {
+            EnvdError::NotFound(_) => C::NotFound,
+            EnvdError::InvalidPath(_) => C::InvalidPath,
+            EnvdError::LeaseRequired => C::LeaseRequired,
+            EnvdError::StaleToken => C::StaleToken,
+            // refusals for the caller's input or the sandbox's contents
+            EnvdError::BadRequest(_)
+            | EnvdError::AlreadyExists(_)
+            | EnvdError::NotEmpty(_)
+            | EnvdError::NoSpace(_) => C::InvalidRequest,
+            EnvdError::PermissionDenied(_) | EnvdError::NotRegularFile(_) => C::PermissionDenied,
+            EnvdError::Busy => C::Busy,
+            // envd up but unreachable for now (a gone envd is turned into
+            // `sandbox_lost` by the control plane before its error is mapped)
+            EnvdError::Connect(_) | EnvdError::Transport(_) => C::Unavailable,
+            EnvdError::Node { status: 503, .. } => C::Unavailable,
+            EnvdError::Node { .. }
+            | EnvdError::PeerMismatch { .. }
+            | EnvdError::Protocol(_)
+            | EnvdError::Remote(_)
+            | EnvdError::NotReady(_)
+            | EnvdError::StreamFinished => C::Internal,
+        }
+    }
+
     fn from_body(body: ErrorBody) -> EnvdError {
         let m = body.message;
         match body.code {

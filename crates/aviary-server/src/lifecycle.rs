@@ -68,7 +68,7 @@ impl ControlPlane {
         self.runtime_for(&rec.node)?
             .pause(&rec.id)
             .await
-            .map_err(|e| OpError::Internal(anyhow::Error::new(e).context("pause")))?;
+            .map_err(OpError::runtime("pause"))?;
         live.paused.store(true, Ordering::SeqCst);
         self.event(&rec, "paused", request_id, serde_json::json!({}))
             .await?;
@@ -100,7 +100,7 @@ impl ControlPlane {
         self.runtime_for(&rec.node)?
             .resume(&rec.id)
             .await
-            .map_err(|e| OpError::Internal(anyhow::Error::new(e).context("resume")))?;
+            .map_err(OpError::runtime("resume"))?;
         live.paused.store(false, Ordering::SeqCst);
         // the lease may have changed while envd was frozen
         self.push_fence_or_lose(&rec.id, &live, request_id).await?;
@@ -182,9 +182,10 @@ impl ControlPlane {
             .await?;
         self.leases.revoke(&rec.id).await?;
         self.forget_live(&rec.id);
-        self.runtime.destroy(&rec.id).await.map_err(|e| {
-            OpError::Internal(anyhow::Error::new(e).context("stop compute for reset"))
-        })?;
+        self.runtime
+            .destroy(&rec.id)
+            .await
+            .map_err(OpError::runtime("stop compute for reset"))?;
         let template = self.template_info(&rec.template).await?;
         self.stage_seed(&clean, &rec.id).await?;
         let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);

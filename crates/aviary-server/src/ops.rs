@@ -390,7 +390,11 @@ impl ControlPlane {
     /// is marked lost (tainted, with an event) and start-up goes on.
     pub async fn reconcile_on_start(&self) -> Result<(), OpError> {
         let records = self.registry.list_sandboxes(None, false).await?;
-        let actual = self.runtime.list().await.map_err(OpError::internal)?;
+        let actual = self
+            .runtime
+            .list()
+            .await
+            .map_err(OpError::runtime("list the runtime's sandboxes"))?;
         for rec in &records {
             if let Err(e) = self.reconcile_one(rec, &actual).await {
                 tracing::warn!(sandbox.id = %rec.id, error = format!("{:#}", anyhow_of(&e)), "could not reconcile the sandbox after a restart");
@@ -459,7 +463,9 @@ impl ControlPlane {
                 }
             } else if let Some(p) = &self.pausable {
                 // frozen without a pause on record: a snapshot the crash interrupted
-                p.resume(&rec.id).await.map_err(OpError::internal)?;
+                p.resume(&rec.id)
+                    .await
+                    .map_err(OpError::runtime("thaw after a restart"))?;
                 self.event(
                     rec,
                     "thawed",
@@ -518,7 +524,7 @@ impl ControlPlane {
             .runtime
             .envd_endpoint(id)
             .await
-            .map_err(OpError::internal)?;
+            .map_err(OpError::runtime("find the envd endpoint"))?;
         Ok(envd_client(&ep))
     }
 
@@ -1086,14 +1092,10 @@ impl ControlPlane {
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let id = &spec.id;
         let runtime = self.runtime_for(&rec.node)?;
-        let handle = runtime.create(spec).await.map_err(|e| match e.code() {
-            aviary_core::ErrorCode::CapacityExhausted => OpError::CapacityExhausted(format!(
-                "this node cannot host another sandbox now: {e}"
-            )),
-            _ => OpError::Internal(
-                anyhow::Error::new(e).context("runtime could not create the sandbox"),
-            ),
-        })?;
+        let handle = runtime
+            .create(spec)
+            .await
+            .map_err(OpError::runtime("runtime could not create the sandbox"))?;
         let envd = match self.nodes.get(&rec.node) {
             Some(n) => n.runtime.envd(id),
             None => envd_client(&handle.envd_endpoint()),
@@ -1187,7 +1189,7 @@ impl ControlPlane {
             let mut meta = serde_json::json!({"error": cause.public_message()});
             if let Err(d) = &destroy {
                 // cleanup failure is reported together with the original one
-                meta["cleanup_error"] = serde_json::Value::String(d.to_string());
+                meta["cleanup_error"] = serde_json::Value::String(format!("{:#}", anyhow_of(d)));
             }
             let _ = self
                 .registry
@@ -1216,11 +1218,11 @@ impl ControlPlane {
     }
 
     /// Removes a sandbox's compute from the runtime of its node.
-    async fn destroy_compute(&self, node: &str, id: &SandboxId) -> Result<(), String> {
-        match self.runtime_for(node) {
-            Ok(rt) => rt.destroy(id).await.map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        }
+    async fn destroy_compute(&self, node: &str, id: &SandboxId) -> Result<(), OpError> {
+        self.runtime_for(node)?
+            .destroy(id)
+            .await
+            .map_err(OpError::runtime("runtime teardown"))
     }
 
     /// Sanitizing → runtime destroy → Terminated.
@@ -1265,7 +1267,7 @@ impl ControlPlane {
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
         if let Err(e) = &destroyed {
-            meta["cleanup_error"] = serde_json::Value::String(e.to_string());
+            meta["cleanup_error"] = serde_json::Value::String(format!("{:#}", anyhow_of(e)));
         }
         let rec = self
             .registry
@@ -1280,11 +1282,7 @@ impl ControlPlane {
         self.metrics.inc_destroy();
         // when it was a pool's hand-out, that pool may refill now
         self.pools.refill.notify_one();
-        if let Err(e) = destroyed {
-            return Err(OpError::Internal(anyhow::anyhow!(
-                "runtime teardown failed: {e}"
-            )));
-        }
+        destroyed?;
         self.view(&rec).await
     }
 
@@ -1943,10 +1941,7 @@ impl ControlPlane {
             .await
             .map_err(OpError::internal)?;
         let _ = std::fs::remove_file(&archive);
-        let info = res.map_err(|e| match e {
-            aviary_templates::TemplateError::InvalidArchive(msg) => OpError::InvalidArchive(msg),
-            other => OpError::internal(other),
-        })?;
+        let info = res?;
         self.registry
             .upsert_template(&template_record(&info))
             .await?;

@@ -268,9 +268,9 @@ impl ControlPlane {
         let live = self.live_opt(&rec.id);
         let freeze = match (&self.pausable, &live) {
             (Some(p), Some(l)) if !l.paused.load(Ordering::SeqCst) => {
-                p.pause(&rec.id).await.map_err(|e| {
-                    OpError::Internal(anyhow::Error::new(e).context("freeze for snapshot"))
-                })?;
+                p.pause(&rec.id)
+                    .await
+                    .map_err(OpError::runtime("freeze for snapshot"))?;
                 true
             }
             _ => false,
