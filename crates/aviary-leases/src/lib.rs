@@ -41,8 +41,18 @@ pub use memory::MemoryLeaseStore;
 
 use async_trait::async_trait;
 use aviary_core::{LeaseToken, SandboxId};
+use std::sync::Arc;
 use std::time::Duration;
 use time::OffsetDateTime;
+
+/// The coordination backends a control plane runs on: leases (with fencing)
+/// and locks. The embedded default is the registry's SQLite lease table and
+/// [`InProcessLocks`]; a replicated deployment swaps both for shared ones.
+#[derive(Clone)]
+pub struct Coordination {
+    pub leases: Arc<dyn LeaseStore>,
+    pub locks: Arc<dyn Locks>,
+}
 
 /// The outcome of a successful fencing check.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]

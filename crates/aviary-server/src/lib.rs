@@ -63,10 +63,16 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     let chunk_store = open_snapshot_store(&cfg).await?;
     tighten_data_dir(&cfg.data_dir, &cfg.runtime_state_dir())?;
     let runtime = Arc::new(runtime);
+    // the embedded default: leases in the registry's database, locks in
+    // this process
+    let coordination = aviary_leases::Coordination {
+        leases: registry.clone(),
+        locks: Arc::new(aviary_leases::InProcessLocks::new()),
+    };
     let cp = ControlPlane::new(
         cfg,
-        registry.clone(),
         registry,
+        coordination,
         runtime.clone(),
         Some(runtime),
         templates,

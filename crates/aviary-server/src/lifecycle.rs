@@ -16,6 +16,12 @@
 //! with a `sandbox_lost` event, and calls on it answer `sandbox_lost` (409).
 //! Detection happens on the request path (an envd call that cannot
 //! connect), in the background probe, and at start-up.
+//!
+//! Hibernate and wake of one sandbox are serialised by the lock
+//! `lifecycle/<id>` of the control plane's [`aviary_leases::Locks`]
+//! ([`ControlPlane::lifecycle_guard`]). Every lock the control plane takes
+//! lives [`LOCK_TTL`] and is renewed in the background while its holder
+//! works, so only a crashed holder's lock runs out.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane, LiveSandbox};
@@ -24,6 +30,7 @@ use aviary_core::SandboxId;
 use aviary_core::{LeaseToken, SandboxState};
 use aviary_envd_proto::EnvdError;
 use aviary_envd_proto::ExecSpec;
+use aviary_leases::{LockGuard, LockName, LockRequest};
 use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
 use aviary_reuse::{EnvironmentManifest, ProbeOutputs};
 use aviary_runtime::RuntimeStatus;
@@ -34,6 +41,14 @@ use std::time::Duration;
 /// Why a sandbox was lost (what the client and the event say).
 pub(crate) const LOST_ENVD_GONE: &str = "its envd is not running";
 pub(crate) const LOST_FENCE_REFUSED: &str = "its envd did not take the lease fence";
+
+/// How long a lock taken by the control plane lives without a renewal (its
+/// guard renews it every third of that while held).
+pub(crate) const LOCK_TTL: Duration = Duration::from_secs(30);
+
+/// How long a hibernate or wake waits for another one of the same sandbox
+/// (a wake restores a snapshot into new compute: minutes at worst).
+const LIFECYCLE_WAIT: Duration = Duration::from_secs(300);
 
 /// How long a health probe may take before it counts as "no answer" (a
 /// slow envd is not declared lost for that alone).
@@ -56,6 +71,33 @@ fn ctx(request_id: Option<&str>, event: &str, metadata: serde_json::Value) -> Tr
 }
 
 impl ControlPlane {
+    /// Takes a lock of the control plane's [`aviary_leases::Locks`] for
+    /// `purpose`, waiting up to `wait`; it is renewed while the guard lives
+    /// and released when it is dropped. A wait that runs out is `conflict`.
+    pub(crate) async fn hold_lock(
+        &self,
+        name: LockName,
+        purpose: &str,
+        wait: Duration,
+    ) -> Result<LockGuard, OpError> {
+        let owner = format!("aviary-server[{}] {purpose}", std::process::id());
+        let guard = self
+            .locks
+            .acquire(&LockRequest::new(name, owner, LOCK_TTL), wait)
+            .await?;
+        Ok(guard.keep_alive())
+    }
+
+    /// The guard that serialises hibernate and wake of one sandbox.
+    pub(crate) async fn lifecycle_guard(&self, id: &SandboxId) -> Result<LockGuard, OpError> {
+        self.hold_lock(
+            LockName::new("lifecycle", id.as_str()),
+            "hibernate/wake",
+            LIFECYCLE_WAIT,
+        )
+        .await
+    }
+
     /// Freezes every process of the sandbox (fenced like any write).
     pub async fn pause(
         &self,

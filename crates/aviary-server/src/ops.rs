@@ -112,8 +112,9 @@ pub struct ControlPlane {
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     pub(crate) key_cache: crate::keys::KeyCache,
-    /// Execution guards of the scope buckets.
-    pub(crate) buckets: StdMutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Named locks with a TTL: scope buckets' execution guards and
+    /// hibernate/wake of one sandbox (see `scopes`, `lifecycle`).
+    pub locks: Arc<dyn aviary_leases::Locks>,
     /// When `last_active_at` was last written per sandbox: execs update it
     /// at most every few seconds, off the request path.
     last_touch: StdMutex<HashMap<SandboxId, std::time::Instant>>,
@@ -176,12 +177,13 @@ impl ControlPlane {
     pub fn new(
         cfg: ServerConfig,
         registry: Arc<dyn Registry>,
-        leases: Arc<dyn LeaseStore>,
+        coordination: aviary_leases::Coordination,
         runtime: Arc<dyn Runtime>,
         pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
         templates: Arc<TemplateStore>,
         chunk_store: Arc<dyn aviary_snapshots::ChunkStore>,
     ) -> anyhow::Result<Arc<Self>> {
+        let aviary_leases::Coordination { leases, locks } = coordination;
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
         let pools = crate::pools::Pools::new(&cfg.settings.pools);
@@ -200,7 +202,7 @@ impl ControlPlane {
             templates,
             live: StdMutex::new(HashMap::new()),
             key_cache: Default::default(),
-            buckets: StdMutex::new(HashMap::new()),
+            locks,
             last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
             metrics: crate::metrics::Metrics::default(),
@@ -766,7 +768,7 @@ impl ControlPlane {
             self.bucket_of(caller, &req, scope)?
         };
         let _guard = match &bucket {
-            Some(b) => Some(self.bucket_guard(b).await),
+            Some(b) => Some(self.bucket_guard(b).await?),
             None => None,
         };
         if let Some(b) = &bucket {

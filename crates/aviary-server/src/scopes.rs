@@ -2,7 +2,10 @@
 //!
 //! A create that says who the sandbox is for (user / session / agent ids,
 //! or `scope: global`) lands in a *scope bucket*. Creates for one bucket are
-//! serialized by an execution guard; an existing sandbox of the bucket is
+//! serialized by an execution guard (the lock `bucket/<bucket>` of the
+//! control plane's [`aviary_leases::Locks`], held with a TTL that a live
+//! holder keeps renewing; a create that waits longer than [`BUCKET_WAIT`]
+//! answers `conflict`); an existing sandbox of the bucket is
 //! reused only when the reuse checker proves it compatible (same tenant and
 //! security context, compatible environment manifest, healthy, untainted).
 //! Shared scopes (user, agent, global) hand the sandbox out under a lease:
@@ -13,37 +16,21 @@ use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Lease};
 use aviary_core::{SandboxState, Scope};
+use aviary_leases::{LockGuard, LockName};
 use aviary_reuse::{
     EnvironmentManifest, EnvironmentRequirements, ReuseAction, ReuseCandidate, ReuseChecker,
     ReuseRequest,
 };
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long a create waits for a shared sandbox's lease before answering
 /// `lease_held`.
 const SHARED_WAIT: Duration = Duration::from_secs(30);
 
-/// A held execution guard; see [`ControlPlane::bucket_guard`].
-pub(crate) struct BucketGuard<'a> {
-    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
-    key: String,
-    cp: &'a ControlPlane,
-}
-
-impl Drop for BucketGuard<'_> {
-    fn drop(&mut self) {
-        drop(self.guard.take());
-        let mut map = self.cp.buckets.lock().expect("bucket map poisoned");
-        // only the map holds it now: nobody waits for this bucket
-        if map
-            .get(&self.key)
-            .is_some_and(|m| Arc::strong_count(m) == 1)
-        {
-            map.remove(&self.key);
-        }
-    }
-}
+/// How long a create waits for its bucket's execution guard (held by
+/// another create of the same bucket, which may itself wait up to
+/// [`SHARED_WAIT`] for a lease and then wake or create a sandbox).
+pub(crate) const BUCKET_WAIT: Duration = Duration::from_secs(300);
 
 /// The outcome of looking into a bucket.
 pub(crate) enum BucketOutcome {
@@ -103,21 +90,11 @@ impl ControlPlane {
         .map_err(|e| OpError::InvalidRequest(format!("scope: {e}")))
     }
 
-    /// The execution guard of a bucket (held for the whole find-or-create).
-    /// The map entry goes away with its last holder, so the map stays as
-    /// small as the number of buckets in use.
-    pub(crate) async fn bucket_guard(&self, bucket: &str) -> BucketGuard<'_> {
-        let m = {
-            let mut map = self.buckets.lock().expect("bucket map poisoned");
-            map.entry(bucket.to_owned())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(())))
-                .clone()
-        };
-        BucketGuard {
-            guard: Some(m.lock_owned().await),
-            key: bucket.to_owned(),
-            cp: self,
-        }
+    /// The execution guard of a bucket (held for the whole find-or-create;
+    /// released when dropped).
+    pub(crate) async fn bucket_guard(&self, bucket: &str) -> Result<LockGuard, OpError> {
+        self.hold_lock(LockName::new("bucket", bucket), "create", BUCKET_WAIT)
+            .await
     }
 
     /// Looks for a reusable sandbox in the bucket and hands it out.

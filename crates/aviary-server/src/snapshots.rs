@@ -429,7 +429,7 @@ impl ControlPlane {
         request_id: Option<&str>,
         why: &str,
     ) -> Result<Sandbox, OpError> {
-        let _lifecycle = self.bucket_guard(&format!("lifecycle/{}", rec.id)).await;
+        let _lifecycle = self.lifecycle_guard(&rec.id).await?;
         let rec = self.registry.get_sandbox(&rec.id).await?;
         if rec.state != SandboxState::Idle {
             return Err(OpError::InvalidState {
@@ -482,7 +482,7 @@ impl ControlPlane {
         rec: SandboxRecord,
         request_id: Option<&str>,
     ) -> Result<SandboxRecord, OpError> {
-        let _lifecycle = self.bucket_guard(&format!("lifecycle/{}", rec.id)).await;
+        let _lifecycle = self.lifecycle_guard(&rec.id).await?;
         let rec = self.registry.get_sandbox(&rec.id).await?;
         if rec.state != SandboxState::Hibernating {
             return Err(OpError::InvalidState {
