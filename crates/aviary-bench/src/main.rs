@@ -65,6 +65,13 @@ async fn main() -> anyhow::Result<()> {
     cfg.default_template = "busybox".into();
     cfg.default_template_source = aviary_server::config::DefaultTemplateSource::Busybox;
     cfg.templates_dir = Some(work.path().join("templates"));
+    // The benchmark measures latency from one key on a 2-core machine: the
+    // per-key rate limit and the scheduler's over-commit bound are not what
+    // is measured here (edge.rs and robustness.rs test those).
+    cfg.settings.server.edge.rate_limit_per_s = 1e6;
+    cfg.settings.server.edge.rate_limit_burst = 1_000_000;
+    cfg.settings.overcommit.cpu_ratio = 100.0;
+    cfg.settings.overcommit.memory_ratio = 100.0;
     cfg.settings.pools = vec![aviary_config::PoolSettings {
         class: "python-small".into(),
         template: "busybox".into(),
