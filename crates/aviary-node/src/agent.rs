@@ -195,7 +195,8 @@ fn router(node: Shared) -> Router {
                 StatusCode::NOT_FOUND,
                 Json(ErrorAnswer {
                     error: ErrorDetail {
-                        code: "not_found".into(),
+                        code: aviary_core::ErrorCode::NotFound.as_str().into(),
+                        kind: None,
                         message: "no such route".into(),
                     },
                 }),

@@ -15,10 +15,14 @@
 //! | GET | `/sandboxes/{id}/envd` | `Upgrade: aviary-envd` → 101, then raw envd frames |
 //! | PUT | `/templates/{name}` | a `docker save` or OCI-layout tarball → 201 [`TemplateEntry`] |
 //!
-//! Error codes: `unauthorized` (401), `invalid_request`, `invalid_spec`,
-//! `unsupported`, `template_missing` (400), `not_found` (404),
-//! `invalid_archive` (400), `already_exists` (409), `too_large` (413),
-//! `unavailable`, `envd_unavailable` (503), `internal` (500).
+//! Error codes are the control plane's (`aviary_core::ErrorCode`, the one
+//! table; the status is the code's): a runtime failure answers with
+//! `RuntimeError::code()`, so e.g. a full host is 503 `capacity_exhausted`
+//! here as on the control plane's own node. `kind` names some failures more
+//! finely, for [`crate::RemoteRuntime`] to rebuild the same error:
+//! `already_exists` (409 `conflict`), `unsupported`, `invalid_spec`,
+//! `template_missing` (400 `invalid_request`), `envd_unavailable` (503
+//! `unavailable`). (Agents of older versions sent those names as the code.)
 
 use aviary_core::{ResourceLimits, SandboxId};
 use aviary_runtime::{RuntimeStatus, SandboxSpec};
@@ -182,7 +186,12 @@ pub struct ErrorAnswer {
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorDetail {
+    /// An `aviary_core::ErrorCode` string (kept a string on the wire, so an
+    /// answer with a code this side does not know still parses).
     pub code: String,
+    /// The finer name of the failure, when the code alone is not enough.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     pub message: String,
 }
 

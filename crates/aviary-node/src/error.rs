@@ -1,6 +1,14 @@
 //! The node agent's errors and the one place they become HTTP answers.
+//!
+//! Status and code come from the control plane's one table
+//! (`aviary_core::ErrorCode`): a runtime failure answers with
+//! `RuntimeError::code()`, exactly as it would on the control plane's own
+//! node, and [`crate::RemoteRuntime`] rebuilds an error of the same code
+//! from the answer. `kind` names the failure more finely where the code
+//! alone does not say which runtime error it was.
 
 use crate::api::{ErrorAnswer, ErrorDetail};
+use aviary_core::ErrorCode;
 use aviary_runtime::conformance::chain;
 use aviary_runtime::RuntimeError;
 use axum::http::{header, StatusCode};
@@ -59,22 +67,41 @@ pub enum NodeError {
 }
 
 impl NodeError {
-    /// HTTP status and stable error code.
-    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+    /// The stable error code of this failure, from the control plane's one
+    /// table: a runtime failure keeps [`RuntimeError::code`], so a failure
+    /// on a remote node answers the same as on the local one.
+    pub fn code(&self) -> ErrorCode {
         match self {
-            NodeError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
-            NodeError::InvalidRequest { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
-            NodeError::FindTemplate { .. } => (StatusCode::BAD_REQUEST, "template_missing"),
-            NodeError::FindSandbox { .. } => (StatusCode::NOT_FOUND, "not_found"),
-            NodeError::Runtime(e) => runtime_status(e),
-            NodeError::ConnectEnvd { .. } => (StatusCode::SERVICE_UNAVAILABLE, "envd_unavailable"),
-            NodeError::ImportTemplate(
-                aviary_templates::TemplateError::InvalidName(_)
-                | aviary_templates::TemplateError::InvalidArchive(_),
-            ) => (StatusCode::BAD_REQUEST, "invalid_archive"),
-            NodeError::ReceiveUpload(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
-            NodeError::UploadTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            NodeError::Unauthorized => ErrorCode::Unauthorized,
+            NodeError::InvalidRequest { .. }
+            | NodeError::FindTemplate { .. }
+            | NodeError::ReceiveUpload(_) => ErrorCode::InvalidRequest,
+            NodeError::FindSandbox { .. } => ErrorCode::NotFound,
+            NodeError::Runtime(e) => e.code(),
+            NodeError::ListTemplates(e) | NodeError::ImportTemplate(e) => e.code(),
+            NodeError::UploadTooLarge { .. } => ErrorCode::PayloadTooLarge,
+            NodeError::ConnectEnvd { .. } => ErrorCode::Unavailable,
+            NodeError::WriteState { .. }
+            | NodeError::ReadState { .. }
+            | NodeError::BindListener { .. }
+            | NodeError::JoinTask(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The HTTP status of the answer: the code's, from the table.
+    pub fn status(&self) -> StatusCode {
+        StatusCode::from_u16(self.code().http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// The finer name of the failure (`ErrorDetail::kind`), where
+    /// [`crate::RemoteRuntime`] needs more than the code to rebuild the
+    /// same error.
+    pub fn kind(&self) -> Option<&'static str> {
+        match self {
+            NodeError::FindTemplate { .. } => Some("template_missing"),
+            NodeError::ConnectEnvd { .. } => Some("envd_unavailable"),
+            NodeError::Runtime(e) => runtime_kind(e),
+            _ => None,
         }
     }
 
@@ -86,34 +113,32 @@ impl NodeError {
             // Sent bare, so that RemoteRuntime rebuilds the same variant.
             NodeError::Runtime(RuntimeError::Unsupported { what }) => what.clone(),
             NodeError::Runtime(RuntimeError::InvalidSpec { reason }) => reason.clone(),
+            NodeError::Runtime(RuntimeError::CapacityExhausted { what }) => what.clone(),
             e => chain(e),
         }
     }
 }
 
-fn runtime_status(e: &RuntimeError) -> (StatusCode, &'static str) {
+fn runtime_kind(e: &RuntimeError) -> Option<&'static str> {
     match e {
-        RuntimeError::NotFound { .. } => (StatusCode::NOT_FOUND, "not_found"),
-        RuntimeError::AlreadyExists { .. } => (StatusCode::CONFLICT, "already_exists"),
-        RuntimeError::Unsupported { .. } => (StatusCode::BAD_REQUEST, "unsupported"),
-        RuntimeError::InvalidSpec { .. } => (StatusCode::BAD_REQUEST, "invalid_spec"),
-        RuntimeError::ProbeRuntime { .. } | RuntimeError::Spawn { .. } => {
-            (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
-        }
-        RuntimeError::Cleanup { original, .. } => runtime_status(original),
-        _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        RuntimeError::AlreadyExists { .. } => Some("already_exists"),
+        RuntimeError::Unsupported { .. } => Some("unsupported"),
+        RuntimeError::InvalidSpec { .. } => Some("invalid_spec"),
+        RuntimeError::Cleanup { original, .. } => runtime_kind(original),
+        _ => None,
     }
 }
 
 impl IntoResponse for NodeError {
     fn into_response(self) -> Response {
-        let (status, code) = self.status_and_code();
+        let status = self.status();
         if status.is_server_error() {
             tracing::warn!(error = %chain(&self), "node request failed");
         }
         let body = Json(ErrorAnswer {
             error: ErrorDetail {
-                code: code.into(),
+                code: self.code().as_str().into(),
+                kind: self.kind().map(str::to_owned),
                 message: self.message(),
             },
         });
@@ -148,18 +173,29 @@ mod tests {
                 NodeError::Runtime(RuntimeError::NotFound { id: id.clone() }),
                 404,
                 "not_found",
+                None,
             ),
             (
                 NodeError::Runtime(RuntimeError::AlreadyExists { id: id.clone() }),
                 409,
-                "already_exists",
+                "conflict",
+                Some("already_exists"),
             ),
             (
                 NodeError::Runtime(RuntimeError::Unsupported {
                     what: "network profile \"open\"".into(),
                 }),
                 400,
-                "unsupported",
+                "invalid_request",
+                Some("unsupported"),
+            ),
+            (
+                NodeError::Runtime(RuntimeError::InvalidSpec {
+                    reason: "no rootfs".into(),
+                }),
+                400,
+                "invalid_request",
+                Some("invalid_spec"),
             ),
             (
                 NodeError::Runtime(RuntimeError::NotFound { id: id.clone() }.with_cleanup(Err(
@@ -170,6 +206,7 @@ mod tests {
                 ))),
                 404,
                 "not_found",
+                None,
             ),
             (
                 NodeError::Runtime(RuntimeError::InvokeRuntime {
@@ -178,25 +215,105 @@ mod tests {
                 }),
                 500,
                 "internal",
+                None,
             ),
-            (NodeError::Unauthorized, 401, "unauthorized"),
+            // a full host is a retryable 503 here as on the local node
+            // (it once was a 500 on a remote node)
+            (
+                NodeError::Runtime(RuntimeError::CapacityExhausted {
+                    what: "all user-id ranges are in use".into(),
+                }),
+                503,
+                "capacity_exhausted",
+                None,
+            ),
+            (
+                NodeError::Runtime(RuntimeError::ProbeRuntime {
+                    reason: "crun missing".into(),
+                }),
+                503,
+                "unavailable",
+                None,
+            ),
+            (NodeError::Unauthorized, 401, "unauthorized", None),
             (
                 NodeError::FindTemplate {
                     template: "t".into(),
                 },
                 400,
-                "template_missing",
+                "invalid_request",
+                Some("template_missing"),
             ),
-            (NodeError::UploadTooLarge { limit_mb: 1 }, 413, "too_large"),
+            (
+                NodeError::UploadTooLarge { limit_mb: 1 },
+                413,
+                "payload_too_large",
+                None,
+            ),
+            (
+                NodeError::ImportTemplate(aviary_templates::TemplateError::InvalidArchive(
+                    "not a tarball".into(),
+                )),
+                400,
+                "invalid_archive",
+                None,
+            ),
+            (
+                NodeError::ConnectEnvd {
+                    id: id.to_string(),
+                    source: std::io::Error::other("refused"),
+                },
+                503,
+                "unavailable",
+                Some("envd_unavailable"),
+            ),
         ];
-        for (e, status, code) in cases {
+        for (e, status, code, kind) in cases {
             let (s, a) = answer(e);
-            assert_eq!((s.as_u16(), a.error.code.as_str()), (status, code));
+            assert_eq!(
+                (s.as_u16(), a.error.code.as_str(), a.error.kind.as_deref()),
+                (status, code, kind)
+            );
         }
-        // Unsupported travels bare, so the client rebuilds the same message.
+        // Unsupported and capacity travel bare, so the client rebuilds the
+        // same message.
         let (_, a) = answer(NodeError::Runtime(RuntimeError::Unsupported {
             what: "gpu".into(),
         }));
         assert_eq!(a.error.message, "gpu");
+        let (_, a) = answer(NodeError::Runtime(RuntimeError::CapacityExhausted {
+            what: "no ranges".into(),
+        }));
+        assert_eq!(a.error.message, "no ranges");
+    }
+
+    /// Every runtime failure answers with the status and code the control
+    /// plane gives the same failure of its local runtime.
+    #[test]
+    fn runtime_errors_answer_with_their_code() {
+        let id = SandboxId::generate();
+        let io = || std::io::Error::other("x");
+        for e in [
+            RuntimeError::NotFound { id: id.clone() },
+            RuntimeError::AlreadyExists { id: id.clone() },
+            RuntimeError::Unsupported { what: "x".into() },
+            RuntimeError::InvalidSpec { reason: "x".into() },
+            RuntimeError::ProbeRuntime { reason: "x".into() },
+            RuntimeError::CapacityExhausted { what: "x".into() },
+            RuntimeError::Spawn {
+                program: "crun".into(),
+                source: io(),
+            },
+            RuntimeError::InvokeRuntime {
+                action: "x".into(),
+                detail: "x".into(),
+            },
+            RuntimeError::ParseState { detail: "x".into() },
+        ] {
+            let code = e.code();
+            let (s, a) = answer(NodeError::Runtime(e));
+            assert_eq!(s.as_u16(), code.http_status());
+            assert_eq!(a.error.code, code.as_str());
+        }
     }
 }

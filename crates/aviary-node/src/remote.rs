@@ -198,7 +198,9 @@ impl RemoteRuntime {
         Ok(())
     }
 
-    /// Rebuilds the runtime's error from the node's error answer.
+    /// Rebuilds the runtime's error from the node's error answer: one with
+    /// the same `code()` as the node's, so a remote failure answers the
+    /// control plane's client as the same failure of the local runtime would.
     async fn error_from(
         &self,
         resp: reqwest::Response,
@@ -207,34 +209,49 @@ impl RemoteRuntime {
     ) -> RuntimeError {
         let status = resp.status();
         let text = resp.text().await.unwrap_or_default();
-        let (code, message) = match serde_json::from_str::<ErrorAnswer>(&text) {
-            Ok(a) => (a.error.code, a.error.message),
-            Err(_) => (String::new(), text),
-        };
-        match (status, code.as_str(), id) {
-            (StatusCode::NOT_FOUND, "not_found", Some(id)) => {
-                RuntimeError::NotFound { id: id.clone() }
-            }
-            (StatusCode::CONFLICT, "already_exists", Some(id)) => {
-                RuntimeError::AlreadyExists { id: id.clone() }
-            }
-            (_, "unsupported", _) => RuntimeError::Unsupported { what: message },
-            (_, "invalid_spec" | "invalid_request" | "template_missing" | "invalid_archive", _) => {
-                RuntimeError::InvalidSpec {
-                    reason: format!("node {}: {message}", self.addr),
-                }
-            }
-            (StatusCode::UNAUTHORIZED, _, _) => RuntimeError::ProbeRuntime {
-                reason: format!("node {} refused the token", self.addr),
-            },
-            (StatusCode::SERVICE_UNAVAILABLE, _, _) => RuntimeError::ProbeRuntime {
-                reason: format!("node {}: {message}", self.addr),
-            },
-            _ => RuntimeError::InvokeRuntime {
-                action: action.to_owned(),
-                detail: format!("{status}: {message}"),
-            },
+        rebuild_error(&self.addr, status, text, action, id)
+    }
+}
+
+/// The runtime error of a node's error answer (`status`, body `text`) to
+/// `action` on sandbox `id` of the node at `addr`.
+fn rebuild_error(
+    addr: &str,
+    status: StatusCode,
+    text: String,
+    action: &str,
+    id: Option<&SandboxId>,
+) -> RuntimeError {
+    let (code, kind, message) = match serde_json::from_str::<ErrorAnswer>(&text) {
+        Ok(a) => (a.error.code, a.error.kind, a.error.message),
+        Err(_) => (String::new(), None, text),
+    };
+    // the finer name when there is one (agents of older versions sent it as
+    // the code)
+    let name = kind.as_deref().unwrap_or(&code);
+    match (status, name, id) {
+        (StatusCode::NOT_FOUND, "not_found", Some(id)) => RuntimeError::NotFound { id: id.clone() },
+        (StatusCode::CONFLICT, "already_exists", Some(id)) => {
+            RuntimeError::AlreadyExists { id: id.clone() }
         }
+        (_, "unsupported", _) => RuntimeError::Unsupported { what: message },
+        // sent bare; which node it was is not the tenant's business
+        (_, "capacity_exhausted", _) => RuntimeError::CapacityExhausted { what: message },
+        (_, "invalid_spec" | "invalid_request" | "template_missing" | "invalid_archive", _) => {
+            RuntimeError::InvalidSpec {
+                reason: format!("node {addr}: {message}"),
+            }
+        }
+        (StatusCode::UNAUTHORIZED, _, _) => RuntimeError::ProbeRuntime {
+            reason: format!("node {addr} refused the token"),
+        },
+        (StatusCode::SERVICE_UNAVAILABLE, _, _) => RuntimeError::ProbeRuntime {
+            reason: format!("node {addr}: {message}"),
+        },
+        _ => RuntimeError::InvokeRuntime {
+            action: action.to_owned(),
+            detail: format!("{status}: {message}"),
+        },
     }
 }
 
@@ -344,6 +361,101 @@ mod tests {
             env: vec![],
             binds: vec![],
         }
+    }
+
+    /// What the agent answers for a runtime failure (its `NodeError`).
+    fn node_answer(e: RuntimeError) -> (StatusCode, String) {
+        use axum::response::IntoResponse;
+        let resp = crate::NodeError::Runtime(e).into_response();
+        let status = StatusCode::from_u16(resp.status().as_u16()).unwrap();
+        let body = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(axum::body::to_bytes(resp.into_body(), 1 << 16))
+            .unwrap();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    /// A runtime failure on a node comes back from `RemoteRuntime` as an
+    /// error with the same code, so the control plane answers its client as
+    /// for the same failure of its local runtime.
+    #[test]
+    fn remote_runtime_errors_keep_their_code() {
+        let id = SandboxId::generate();
+        for e in [
+            RuntimeError::NotFound { id: id.clone() },
+            RuntimeError::AlreadyExists { id: id.clone() },
+            RuntimeError::Unsupported { what: "gpu".into() },
+            RuntimeError::InvalidSpec {
+                reason: "no rootfs".into(),
+            },
+            RuntimeError::ProbeRuntime {
+                reason: "no crun".into(),
+            },
+            RuntimeError::CapacityExhausted {
+                what: "all user-id ranges are in use".into(),
+            },
+            RuntimeError::InvokeRuntime {
+                action: "crun run".into(),
+                detail: "boom".into(),
+            },
+        ] {
+            let code = e.code();
+            let shown = e.to_string();
+            let (status, text) = node_answer(e);
+            let back = rebuild_error("10.0.0.1:7401", status, text, "node POST", Some(&id));
+            assert_eq!(back.code(), code, "{back:?}");
+            if matches!(
+                back,
+                RuntimeError::NotFound { .. }
+                    | RuntimeError::AlreadyExists { .. }
+                    | RuntimeError::Unsupported { .. }
+                    | RuntimeError::CapacityExhausted { .. }
+            ) {
+                assert_eq!(back.to_string(), shown, "{back:?}");
+            }
+        }
+    }
+
+    /// Agents of older versions sent the finer name as the code and a
+    /// capacity failure as a 500.
+    #[test]
+    fn answers_of_older_agents_still_rebuild() {
+        let id = SandboxId::generate();
+        let old = |status: u16, code: &str, message: &str| {
+            rebuild_error(
+                "10.0.0.1:7401",
+                StatusCode::from_u16(status).unwrap(),
+                serde_json::json!({"error": {"code": code, "message": message}}).to_string(),
+                "node POST",
+                Some(&id),
+            )
+        };
+        assert!(matches!(
+            old(409, "already_exists", "x"),
+            RuntimeError::AlreadyExists { .. }
+        ));
+        assert!(matches!(
+            old(400, "unsupported", "gpu"),
+            RuntimeError::Unsupported { .. }
+        ));
+        assert!(matches!(
+            old(400, "template_missing", "x"),
+            RuntimeError::InvalidSpec { .. }
+        ));
+        assert_eq!(
+            old(500, "internal", "x").code(),
+            aviary_core::ErrorCode::Internal
+        );
+        // not even JSON
+        let e = rebuild_error(
+            "10.0.0.1:7401",
+            StatusCode::BAD_GATEWAY,
+            "<html>".into(),
+            "node POST",
+            Some(&id),
+        );
+        assert!(matches!(e, RuntimeError::InvokeRuntime { .. }), "{e:?}");
     }
 
     #[test]

@@ -38,6 +38,25 @@ impl PlanError {
             PlanError::RejectContext(_) | PlanError::RejectCatalog(_)
         )
     }
+
+    /// The stable API error code of this error.
+    pub fn code(&self) -> aviary_core::ErrorCode {
+        use aviary_core::ErrorCode;
+        match self {
+            PlanError::RejectContext(_) | PlanError::RejectCatalog(_) => ErrorCode::InvalidRequest,
+            PlanError::BuildLlmClient(_) => ErrorCode::Internal,
+            // the LLM endpoint failed or answered nonsense: a dependency
+            // that is not usable right now (the chain planner falls back
+            // before any of these reaches a caller)
+            PlanError::SendLlmRequest(_)
+            | PlanError::AwaitLlmAnswer { .. }
+            | PlanError::ReceiveLlmStatus { .. }
+            | PlanError::LimitLlmBody { .. }
+            | PlanError::ParseLlmResponse(_)
+            | PlanError::ParseLlmAnswer(_)
+            | PlanError::ValidateLlmAnswer(_) => ErrorCode::Unavailable,
+        }
+    }
 }
 
 fn format_ms(ms: u64) -> String {
@@ -81,5 +100,46 @@ mod tests {
     fn bad_input_classification() {
         assert!(PlanError::RejectContext("x".into()).is_bad_input());
         assert!(!PlanError::ReceiveLlmStatus { status: 500 }.is_bad_input());
+    }
+
+    #[test]
+    fn codes_follow_the_table() {
+        use aviary_core::ErrorCode;
+        let cases = [
+            (
+                PlanError::RejectContext("x".into()),
+                ErrorCode::InvalidRequest,
+            ),
+            (
+                PlanError::RejectCatalog("x".into()),
+                ErrorCode::InvalidRequest,
+            ),
+            (
+                PlanError::AwaitLlmAnswer { after_ms: 1 },
+                ErrorCode::Unavailable,
+            ),
+            (
+                PlanError::ReceiveLlmStatus { status: 500 },
+                ErrorCode::Unavailable,
+            ),
+            (PlanError::LimitLlmBody { limit: 1 }, ErrorCode::Unavailable),
+            (
+                PlanError::ParseLlmResponse("x".into()),
+                ErrorCode::Unavailable,
+            ),
+            (
+                PlanError::ParseLlmAnswer("x".into()),
+                ErrorCode::Unavailable,
+            ),
+            (
+                PlanError::ValidateLlmAnswer("x".into()),
+                ErrorCode::Unavailable,
+            ),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.code(), code, "{e:?}");
+            // the 400s are exactly the bad inputs
+            assert_eq!(e.is_bad_input(), code == ErrorCode::InvalidRequest, "{e:?}");
+        }
     }
 }

@@ -24,6 +24,21 @@ pub enum ScopeError {
     MissingAgent,
 }
 
+impl ScopeError {
+    /// The stable API error code of this error.
+    pub fn code(&self) -> aviary_core::ErrorCode {
+        use aviary_core::ErrorCode;
+        match self {
+            // the tenant is the caller's key's, never the client's input
+            ScopeError::MissingTenant => ErrorCode::Internal,
+            // the create named a scope without the id it needs
+            ScopeError::MissingSessionId { .. } | ScopeError::MissingAgent => {
+                ErrorCode::InvalidRequest
+            }
+        }
+    }
+}
+
 fn present(id: Option<&str>) -> Option<&str> {
     id.filter(|s| !s.is_empty())
 }
@@ -132,6 +147,23 @@ mod tests {
             scope_bucket(Scope::Global, "", None, None, None).unwrap_err(),
             ScopeError::MissingTenant
         );
+    }
+
+    #[test]
+    fn scope_errors_have_their_codes() {
+        use aviary_core::ErrorCode;
+        for (e, code) in [
+            (ScopeError::MissingTenant, ErrorCode::Internal),
+            (
+                ScopeError::MissingSessionId {
+                    scope: Scope::Session,
+                },
+                ErrorCode::InvalidRequest,
+            ),
+            (ScopeError::MissingAgent, ErrorCode::InvalidRequest),
+        ] {
+            assert_eq!(e.code(), code, "{e:?}");
+        }
     }
 
     #[test]

@@ -3,7 +3,10 @@
 //! The code of an error comes from the one table, `aviary_core::ErrorCode`:
 //! every layer error names its own code (`RegistryError::code`,
 //! `LeaseError::code`, `LockError::code`, `RuntimeError::code`,
-//! `EnvdError::code`, `TemplateError::code`) and the conversions below only
+//! `EnvdError::code`, `TemplateError::code`, `SnapshotError::code`,
+//! `ScopeError::code`, `PlanError::code`; a node agent answers with
+//! `RuntimeError::code` too, so a remote runtime's failure arrives as the
+//! same `RuntimeError` code as a local one's) and the conversions below only
 //! choose the message a client sees ([`OpError::layer`]); the status is
 //! always `code.http_status()`. The unit tests check, variant by variant,
 //! that a converted error keeps its layer's code.
@@ -16,8 +19,11 @@
 use aviary_core::{ErrorBody, ErrorCode, ErrorDetail, SandboxState, StateError};
 use aviary_envd_proto::EnvdError;
 use aviary_leases::{LeaseError, LockError};
+use aviary_planner::PlanError;
 use aviary_registry::RegistryError;
+use aviary_reuse::ScopeError;
 use aviary_runtime::RuntimeError;
+use aviary_snapshots::SnapshotError;
 use aviary_templates::TemplateError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -285,6 +291,41 @@ impl From<TemplateError> for OpError {
     }
 }
 
+impl From<SnapshotError> for OpError {
+    fn from(e: SnapshotError) -> Self {
+        let message = match &e {
+            SnapshotError::Backend { .. } => {
+                "the snapshot store is not available right now; retry".into()
+            }
+            SnapshotError::Corrupt { .. }
+            | SnapshotError::InvalidManifest { .. }
+            | SnapshotError::PathEscape { .. } => {
+                format!("the snapshot cannot be restored: {e}")
+            }
+            e => e.to_string(),
+        };
+        OpError::layer(e.code(), message, e.into())
+    }
+}
+
+impl From<ScopeError> for OpError {
+    fn from(e: ScopeError) -> Self {
+        OpError::layer(e.code(), format!("scope: {e}"), e.into())
+    }
+}
+
+impl From<PlanError> for OpError {
+    fn from(e: PlanError) -> Self {
+        let message = match &e {
+            e if e.code().is_server_error() => {
+                "the planner cannot reach its model endpoint now; retry".into()
+            }
+            e => e.to_string(),
+        };
+        OpError::layer(e.code(), message, e.into())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,6 +544,78 @@ mod tests {
         ] {
             check(e.code(), e.into());
         }
+    }
+
+    #[test]
+    fn snapshot_errors_keep_their_codes() {
+        for e in [
+            SnapshotError::NotFound {
+                what: "snapshot s".into(),
+            },
+            SnapshotError::Corrupt {
+                hash: aviary_snapshots::ChunkHash::of(b"x"),
+                detail: "truncated".into(),
+            },
+            SnapshotError::InvalidManifest {
+                id: "m".into(),
+                detail: "bad json".into(),
+            },
+            SnapshotError::PathEscape {
+                path: "../etc".into(),
+            },
+            SnapshotError::InvalidName {
+                kind: "snapshot id",
+                value: "..".into(),
+            },
+            SnapshotError::TargetNotEmpty {
+                path: SECRET.into(),
+            },
+            SnapshotError::AccessFile {
+                op: "read",
+                path: SECRET.into(),
+                source: io(),
+            },
+            SnapshotError::Backend {
+                backend: "s3",
+                op: SECRET.into(),
+                source: Box::new(io()),
+            },
+        ] {
+            check(e.code(), e.into());
+        }
+        // a damaged snapshot is 409 invalid_state, as restores answered before
+        let e = OpError::from(SnapshotError::Corrupt {
+            hash: aviary_snapshots::ChunkHash::of(b"x"),
+            detail: "truncated".into(),
+        });
+        assert_eq!(e.code().http_status(), 409);
+    }
+
+    #[test]
+    fn scope_and_plan_errors_keep_their_codes() {
+        for e in [
+            ScopeError::MissingTenant,
+            ScopeError::MissingSessionId {
+                scope: aviary_core::Scope::Session,
+            },
+            ScopeError::MissingAgent,
+        ] {
+            check(e.code(), e.into());
+        }
+        let e = OpError::from(ScopeError::MissingAgent);
+        assert_eq!(e.to_string(), "scope: agent scope needs an agent name");
+        for e in [
+            PlanError::RejectContext("languages must be a list".into()),
+            PlanError::RejectCatalog("no classes".into()),
+            PlanError::AwaitLlmAnswer { after_ms: 2000 },
+            PlanError::ReceiveLlmStatus { status: 502 },
+            PlanError::ParseLlmAnswer(SECRET.into()),
+            PlanError::ValidateLlmAnswer(SECRET.into()),
+        ] {
+            check(e.code(), e.into());
+        }
+        let e = OpError::from(PlanError::RejectContext("bad".into()));
+        assert_eq!(e.to_string(), "invalid task context: bad");
     }
 
     /// Every code can come out of a layer, and answers with its status.

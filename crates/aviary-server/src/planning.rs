@@ -167,13 +167,7 @@ impl ControlPlane {
             .planner
             .plan_traced(ctx, &self.planning.catalog, &history)
             .await
-            .map_err(|e| {
-                if e.is_bad_input() {
-                    OpError::InvalidRequest(e.to_string())
-                } else {
-                    OpError::internal(e)
-                }
-            })
+            .map_err(OpError::from)
     }
 
     /// `POST /v1/plan`: recommendation + what policy would do; recorded.

@@ -87,7 +87,7 @@ impl ControlPlane {
             req.agent.as_deref(),
         )
         .map(Some)
-        .map_err(|e| OpError::InvalidRequest(format!("scope: {e}")))
+        .map_err(OpError::from)
     }
 
     /// The execution guard of a bucket (held for the whole find-or-create;

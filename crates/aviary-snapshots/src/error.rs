@@ -1,6 +1,7 @@
 //! The one error type of the snapshot layer.
 
 use crate::hash::ChunkHash;
+use aviary_core::ErrorCode;
 
 /// Everything that can go wrong while snapshotting, restoring or talking to a store.
 ///
@@ -73,5 +74,80 @@ impl SnapshotError {
     /// Whether this is a `NotFound` (handy for callers mapping to HTTP 404).
     pub fn is_not_found(&self) -> bool {
         matches!(self, SnapshotError::NotFound { .. })
+    }
+
+    /// The stable API error code of this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            SnapshotError::NotFound { .. } => ErrorCode::NotFound,
+            // the snapshot's stored data is damaged or was tampered with: it
+            // cannot be restored, and retrying will not change that
+            SnapshotError::Corrupt { .. }
+            | SnapshotError::InvalidManifest { .. }
+            | SnapshotError::PathEscape { .. } => ErrorCode::InvalidState,
+            // names come from the caller (snapshot ids, tenants)
+            SnapshotError::InvalidName { .. } => ErrorCode::InvalidRequest,
+            // the store (network, server) failed: retry later
+            SnapshotError::Backend { .. } => ErrorCode::Unavailable,
+            // restore targets and local files are the control plane's own
+            SnapshotError::TargetNotEmpty { .. } | SnapshotError::AccessFile { .. } => {
+                ErrorCode::Internal
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_its_code() {
+        let io = || std::io::Error::other("disk");
+        let cases = [
+            (SnapshotError::not_found("manifest m"), ErrorCode::NotFound),
+            (
+                SnapshotError::Corrupt {
+                    hash: ChunkHash::of(b"x"),
+                    detail: "truncated".into(),
+                },
+                ErrorCode::InvalidState,
+            ),
+            (
+                SnapshotError::InvalidManifest {
+                    id: "m".into(),
+                    detail: "bad json".into(),
+                },
+                ErrorCode::InvalidState,
+            ),
+            (
+                SnapshotError::PathEscape {
+                    path: "../etc".into(),
+                },
+                ErrorCode::InvalidState,
+            ),
+            (
+                SnapshotError::InvalidName {
+                    kind: "snapshot id",
+                    value: "..".into(),
+                },
+                ErrorCode::InvalidRequest,
+            ),
+            (
+                SnapshotError::TargetNotEmpty { path: "/t".into() },
+                ErrorCode::Internal,
+            ),
+            (
+                SnapshotError::file("read", std::path::Path::new("/f"), io()),
+                ErrorCode::Internal,
+            ),
+            (
+                SnapshotError::backend("s3", "get chunk", io()),
+                ErrorCode::Unavailable,
+            ),
+        ];
+        for (e, code) in cases {
+            assert_eq!(e.code(), code, "{e:?}");
+        }
     }
 }
