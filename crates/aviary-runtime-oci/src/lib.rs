@@ -11,7 +11,11 @@
 //! (generated with `oci-spec`, see [`config`]), `runtime.log` and `init.pid`;
 //! plus the container in the runtime's own state dir
 //! (`<state_dir>/crun-state` or `<state_dir>/runc-state`) and its cgroups at
-//! `/aviary/<id>` in every hierarchy.
+//! `/aviary/<id>` in every hierarchy. Snapshots reach `upper/` and
+//! `workspace/` only through [`Snapshottable`]: a restore stages layers in
+//! `<state_dir>/<id>.seed/` (adopted by `create`) or a workspace tree in
+//! `<id>/.restore/` (merged into the running workspace), and this crate
+//! shifts their owners into the sandbox's id range.
 //!
 //! Invariants: `destroy` removes all of the above (killing leftover processes
 //! through the cgroups, unmounting, removing dirs) even when the runtime lost
@@ -50,8 +54,9 @@ use async_trait::async_trait;
 use aviary_core::SandboxId;
 use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
-    validate_spec, EnvdEndpoint, Pausable, ResourceUsage, Runtime, RuntimeError, RuntimeStatus,
-    SandboxHandle, SandboxSpec, SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
+    validate_spec, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage, Runtime,
+    RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable, SpawnIsolation,
+    SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
 };
 use host::CgroupLayout;
 use std::os::fd::AsRawFd;
@@ -134,15 +139,16 @@ pub struct OciRuntime {
     disks: quota::SandboxDisks,
 }
 
-/// Host paths of one sandbox.
-/// Where a sandbox's pre-staged writable layers are picked up from (see
-/// `create_inner`): `<state_dir>/<id>.seed`.
-pub fn seed_dir(sandbox_root: &std::path::Path) -> PathBuf {
+/// Where a sandbox's staged layers ([`Snapshottable::stage_layers`]) wait
+/// for its create: `<state_dir>/<id>.seed/{upper,workspace}`, beside (not
+/// inside) the sandbox dir, which does not exist yet.
+fn seed_dir(sandbox_root: &Path) -> PathBuf {
     let mut s = sandbox_root.as_os_str().to_owned();
     s.push(".seed");
     PathBuf::from(s)
 }
 
+/// Host paths of one sandbox.
 struct SandboxDirs {
     root: PathBuf,
 }
@@ -171,6 +177,12 @@ impl SandboxDirs {
     }
     fn pid_file(&self) -> PathBuf {
         self.root.join("init.pid")
+    }
+    /// A tree waiting to be merged into the running workspace
+    /// ([`Snapshottable::stage_workspace`]): on the sandbox's own disk, so
+    /// the merge is renames, and never mounted inside.
+    fn workspace_stage(&self) -> PathBuf {
+        self.root.join(".restore")
     }
 }
 
@@ -450,9 +462,9 @@ impl OciRuntime {
         spec: &SandboxSpec,
         dirs: &SandboxDirs,
     ) -> Result<SandboxHandle, RuntimeError> {
-        // A control plane restoring a snapshot pre-stages the writable layers
-        // in `<state_dir>/<id>.seed/{upper,workspace}`; they are adopted
-        // (moved onto the sandbox's disk, see `quota`) instead of starting empty.
+        // Layers staged for this id (`stage_layers`, a restore) are adopted
+        // (moved onto the sandbox's disk, see `quota`) instead of starting
+        // empty; `idmap::prepare_sandbox` shifts their owners below.
         let seed = seed_dir(&dirs.root);
         for d in [
             dirs.upper(),
@@ -843,6 +855,139 @@ impl Pausable for OciRuntime {
     }
 }
 
+/// Runs blocking file work off the async workers; a panicked task is
+/// reported as a failed write of `path`.
+async fn blocking<T: Send + 'static>(
+    path: &Path,
+    f: impl FnOnce() -> Result<T, RuntimeError> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|join| {
+        Err(RuntimeError::WriteFile {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(join.to_string()),
+        })
+    })
+}
+
+/// Removes `dir` and everything in it; a missing dir is fine.
+fn remove_tree(dir: &Path) -> Result<(), RuntimeError> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(RuntimeError::RemoveDir {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Makes `dir` (not its parents) with mode `mode`.
+fn make_dir(dir: &Path, mode: u32) -> Result<(), RuntimeError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .mode(mode)
+        .create(dir)
+        .map_err(|source| RuntimeError::CreateDir {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// The layers are the overlay's `upper/` and the bind-mounted `workspace/`
+/// of the sandbox dir; stages live where `create` and the disk expect them
+/// (`<id>.seed/`, `<id>/.restore`), and owners are shifted into the
+/// sandbox's id range (see [`idmap`]) when a staged tree is adopted.
+#[async_trait]
+impl Snapshottable for OciRuntime {
+    async fn export_layers(&self, id: &SandboxId) -> Result<LayerExport, RuntimeError> {
+        let dirs = self.dirs(id);
+        let (writable, workspace) = (dirs.upper(), dirs.workspace());
+        if !writable.is_dir() || !workspace.is_dir() {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        Ok(LayerExport {
+            writable,
+            workspace,
+        })
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %id))]
+    async fn stage_layers(&self, id: &SandboxId) -> Result<LayerStage, RuntimeError> {
+        let dirs = self.dirs(id);
+        if dirs.root.exists() || self.runtime_knows(id) {
+            return Err(RuntimeError::AlreadyExists { id: id.clone() });
+        }
+        let seed = seed_dir(&dirs.root);
+        let stage = LayerStage {
+            writable: seed.join("upper"),
+            workspace: seed.join("workspace"),
+        };
+        let made = stage.clone();
+        blocking(&seed.clone(), move || {
+            remove_tree(&seed)?;
+            // Host-only: a staged tree may hold set-id files of any owner
+            // until create shifts it into the sandbox's range.
+            make_dir(&seed, 0o700)?;
+            make_dir(&made.writable, 0o755)?;
+            make_dir(&made.workspace, 0o755)
+        })
+        .await?;
+        Ok(stage)
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %id))]
+    async fn stage_workspace(&self, id: &SandboxId) -> Result<PathBuf, RuntimeError> {
+        let dirs = self.dirs(id);
+        if !dirs.workspace().is_dir() {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        let stage = dirs.workspace_stage();
+        let made = stage.clone();
+        blocking(&stage, move || {
+            remove_tree(&made)?;
+            make_dir(&made, 0o700)
+        })
+        .await?;
+        Ok(stage)
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %id))]
+    async fn merge_workspace(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let dirs = self.dirs(id);
+        let (stage, workspace) = (dirs.workspace_stage(), dirs.workspace());
+        if !workspace.is_dir() {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        if !stage.is_dir() {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!("no workspace tree is staged for sandbox {id}"),
+            });
+        }
+        let (state_dir, id) = (self.config.state_dir.clone(), id.clone());
+        blocking(&stage.clone(), move || {
+            // written by the host: owned by the sandbox's range like the rest
+            idmap::shift_into(&state_dir, &id, &stage)?;
+            let entries = std::fs::read_dir(&stage).map_err(|source| RuntimeError::ReadFile {
+                path: stage.clone(),
+                source,
+            })?;
+            for e in entries.flatten() {
+                let target = workspace.join(e.file_name());
+                // symlink_metadata: a dangling symlink is an entry too
+                if std::fs::symlink_metadata(&target).is_ok() {
+                    continue;
+                }
+                std::fs::rename(e.path(), &target).map_err(|source| RuntimeError::WriteFile {
+                    path: target.clone(),
+                    source,
+                })?;
+            }
+            remove_tree(&stage)
+        })
+        .await
+    }
+}
+
 #[async_trait]
 impl Inspector for OciRuntime {
     async fn run_inside(
@@ -924,6 +1069,68 @@ mod tests {
             expected,
             "crun hides cgroup2 on hybrid hosts"
         );
+    }
+
+    #[tokio::test]
+    async fn layers_are_staged_beside_the_sandbox_and_exported_from_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let (_d, spawner, rt) = fake(OciBinary::Crun);
+        let id = SandboxId::generate();
+        let err = rt.export_layers(&id).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::NotFound { .. }), "{err:?}");
+
+        let stage = rt.stage_layers(&id).await.unwrap();
+        let seed = seed_dir(&rt.dirs(&id).root);
+        assert_eq!(stage.writable, seed.join("upper"));
+        assert_eq!(stage.workspace, seed.join("workspace"));
+        assert!(stage.writable.is_dir() && stage.workspace.is_dir());
+        let mode = std::fs::metadata(&seed).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "the stage is host-only");
+        // staging again starts empty
+        std::fs::write(stage.workspace.join("old"), "x").unwrap();
+        let again = rt.stage_layers(&id).await.unwrap();
+        assert_eq!(std::fs::read_dir(&again.workspace).unwrap().count(), 0);
+
+        // an existing sandbox exports its layers and cannot be staged
+        let other = SandboxId::generate();
+        let dirs = rt.dirs(&other);
+        std::fs::create_dir_all(dirs.upper()).unwrap();
+        std::fs::create_dir_all(dirs.workspace()).unwrap();
+        let export = rt.export_layers(&other).await.unwrap();
+        assert_eq!(export.writable, dirs.upper());
+        assert_eq!(export.workspace, dirs.workspace());
+        let err = rt.stage_layers(&other).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::AlreadyExists { .. }), "{err:?}");
+        assert!(spawner.requests().is_empty(), "no runtime call needed");
+    }
+
+    #[tokio::test]
+    async fn a_staged_workspace_merges_without_replacing_entries() {
+        let (_d, _spawner, rt) = fake(OciBinary::Crun);
+        let id = SandboxId::generate();
+        let err = rt.stage_workspace(&id).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::NotFound { .. }), "{err:?}");
+        let ws = rt.dirs(&id).workspace();
+        std::fs::create_dir_all(&ws).unwrap();
+        std::fs::write(ws.join("kept"), "live").unwrap();
+        let err = rt.merge_workspace(&id).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::InvalidSpec { .. }), "{err:?}");
+
+        let stage = rt.stage_workspace(&id).await.unwrap();
+        assert!(
+            stage.starts_with(&rt.dirs(&id).root),
+            "on the sandbox's disk"
+        );
+        std::fs::write(stage.join("kept"), "snapshot").unwrap();
+        std::fs::create_dir(stage.join("src")).unwrap();
+        std::fs::write(stage.join("src/main.py"), "print(1)").unwrap();
+        rt.merge_workspace(&id).await.unwrap();
+        assert_eq!(std::fs::read_to_string(ws.join("kept")).unwrap(), "live");
+        assert_eq!(
+            std::fs::read_to_string(ws.join("src/main.py")).unwrap(),
+            "print(1)"
+        );
+        assert!(!stage.exists(), "the stage is gone after the merge");
     }
 
     #[tokio::test]

@@ -162,6 +162,7 @@ mod oci {
         conformance::check_refusals(&rt, &make).await;
         conformance::check_limits_visible(&rt, &rt, &make).await;
         conformance::check_pause_resume(&rt, &make).await;
+        conformance::check_layers(&rt, &rt, &make).await;
         assert!(rt.list().await.unwrap().is_empty());
     }
 

@@ -10,8 +10,8 @@ mod quota {
     use crate::common::{self, Fixture};
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance;
-    use aviary_runtime::{BindMount, Runtime, SandboxSpec, SpawnOutput};
-    use aviary_runtime_oci::{disk_image, seed_dir, OciBinary, OciConfig, OciRuntime};
+    use aviary_runtime::{BindMount, Runtime, SandboxSpec, Snapshottable, SpawnOutput};
+    use aviary_runtime_oci::{disk_image, OciBinary, OciConfig, OciRuntime};
     use std::os::unix::fs::MetadataExt;
     use std::path::Path;
     use tokio::sync::Mutex;
@@ -292,15 +292,15 @@ mod quota {
         let rt = runtime(&f);
         std::fs::create_dir_all(&f.state).unwrap();
         let spec = spec_for(&f, DISK_MB);
-        let seed = seed_dir(&f.state.join(spec.id.as_str()));
-        std::fs::create_dir_all(seed.join("workspace/src")).unwrap();
-        std::fs::write(seed.join("workspace/src/main.py"), "print(42)\n").unwrap();
-        std::fs::create_dir_all(seed.join("upper/root")).unwrap();
-        std::fs::write(seed.join("upper/root/.profile"), "export A=1\n").unwrap();
+        let seed = rt.stage_layers(&spec.id).await.unwrap();
+        std::fs::create_dir_all(seed.workspace.join("src")).unwrap();
+        std::fs::write(seed.workspace.join("src/main.py"), "print(42)\n").unwrap();
+        std::fs::create_dir_all(seed.writable.join("root")).unwrap();
+        std::fs::write(seed.writable.join("root/.profile"), "export A=1\n").unwrap();
         // An overlay whiteout: /etc/passwd was deleted in the snapshot.
-        std::fs::create_dir_all(seed.join("upper/etc")).unwrap();
+        std::fs::create_dir_all(seed.writable.join("etc")).unwrap();
         nix::sys::stat::mknod(
-            &seed.join("upper/etc/passwd"),
+            &seed.writable.join("etc/passwd"),
             nix::sys::stat::SFlag::S_IFCHR,
             nix::sys::stat::Mode::from_bits_truncate(0o000),
             0,
@@ -308,7 +308,10 @@ mod quota {
         .unwrap();
 
         rt.create(&spec).await.unwrap();
-        assert!(!seed.exists(), "seed consumed");
+        assert!(
+            !seed.workspace.exists() && !seed.writable.exists(),
+            "seed consumed"
+        );
         let out = sh(
             &rt,
             &spec.id,
@@ -337,9 +340,8 @@ mod quota {
 
         // A seed larger than the disk: create fails and leaves nothing.
         let spec = spec_for(&f, DISK_MB);
-        let seed = seed_dir(&f.state.join(spec.id.as_str()));
-        std::fs::create_dir_all(seed.join("workspace")).unwrap();
-        let big = std::fs::File::create(seed.join("workspace/big")).unwrap();
+        let seed = rt.stage_layers(&spec.id).await.unwrap();
+        let big = std::fs::File::create(seed.workspace.join("big")).unwrap();
         // Real blocks (a sparse file would copy sparse).
         std::io::Write::write_all(&mut &big, &vec![7u8; (DISK_MB * 2 * MIB) as usize]).unwrap();
         let err = rt.create(&spec).await.unwrap_err();
@@ -347,7 +349,7 @@ mod quota {
         assert!(chain.contains("No space left on device"), "{chain}");
         assert!(!f.state.join(spec.id.as_str()).exists());
         assert!(!disk_image(&f.state.join(spec.id.as_str())).exists());
-        assert!(!seed.exists());
+        assert!(!seed.workspace.exists() && !seed.writable.exists());
         assert_eq!(mounts_under(&f.state), Vec::<String>::new());
     }
 
@@ -439,10 +441,9 @@ mod quota {
         for _ in 0..5 {
             for (rt, times) in [(&with, &mut s_on), (&without, &mut s_off)] {
                 let spec = spec_for(&f, 10240);
-                let seed = seed_dir(&f.state.join(spec.id.as_str()));
-                std::fs::create_dir_all(seed.join("workspace")).unwrap();
+                let seed = rt.stage_layers(&spec.id).await.unwrap();
                 for i in 0..500 {
-                    std::fs::write(seed.join(format!("workspace/f{i}")), vec![1u8; 100_000])
+                    std::fs::write(seed.workspace.join(format!("f{i}")), vec![1u8; 100_000])
                         .unwrap();
                 }
                 let t = std::time::Instant::now();

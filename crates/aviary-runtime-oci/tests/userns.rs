@@ -10,7 +10,7 @@ mod common;
 mod userns {
     use crate::common;
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
-    use aviary_runtime::{BindMount, Runtime, SandboxSpec};
+    use aviary_runtime::{BindMount, Runtime, SandboxSpec, Snapshottable};
     use aviary_runtime_oci::idmap::{self, IdRange, RANGE_SIZE};
     use aviary_runtime_oci::{OciBinary, OciConfig, OciRuntime};
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -315,24 +315,25 @@ mod userns {
         let rt = runtime(&f, OciBinary::Crun);
         let spec = spec_for(&f);
         std::fs::create_dir_all(&f.state).unwrap();
-        let seed = aviary_runtime_oci::seed_dir(&f.state.join(spec.id.as_str()));
-        std::fs::create_dir_all(seed.join("upper/etc")).unwrap();
-        std::fs::create_dir_all(seed.join("workspace/src")).unwrap();
+        let stage = rt.stage_layers(&spec.id).await.unwrap();
+        let (upper, workspace) = (stage.writable, stage.workspace);
+        std::fs::create_dir_all(upper.join("etc")).unwrap();
+        std::fs::create_dir_all(workspace.join("src")).unwrap();
         let other = IdRange {
             host_first: 0x4000_0000 + 77 * RANGE_SIZE,
         };
-        std::fs::write(seed.join("upper/etc/motd"), "seeded\n").unwrap();
+        std::fs::write(upper.join("etc/motd"), "seeded\n").unwrap();
         std::os::unix::fs::lchown(
-            seed.join("upper/etc/motd"),
+            upper.join("etc/motd"),
             Some(other.host(1000)),
             Some(other.host(1000)),
         )
         .unwrap();
-        std::fs::write(seed.join("workspace/src/main.rs"), "fn main() {}\n").unwrap();
-        std::fs::write(seed.join("workspace/tool"), "#!/bin/sh\n").unwrap();
-        std::os::unix::fs::lchown(seed.join("workspace/tool"), Some(0), Some(0)).unwrap();
+        std::fs::write(workspace.join("src/main.rs"), "fn main() {}\n").unwrap();
+        std::fs::write(workspace.join("tool"), "#!/bin/sh\n").unwrap();
+        std::os::unix::fs::lchown(workspace.join("tool"), Some(0), Some(0)).unwrap();
         std::fs::set_permissions(
-            seed.join("workspace/tool"),
+            workspace.join("tool"),
             std::fs::Permissions::from_mode(0o4755),
         )
         .unwrap();

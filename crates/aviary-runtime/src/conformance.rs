@@ -5,15 +5,19 @@
 //! backend's integration test is a list of calls. Specs come from the caller
 //! (`make_spec` returns a fresh spec with a new id each time), because only
 //! the caller knows a template and an init that fit its backend. The suite
-//! expects the template to have a POSIX `sh` and `cat` for the checks that
-//! look inside through an [`Inspector`].
+//! expects the template to have a POSIX `sh`, `cat`, `mkdir` and `ls` for the
+//! checks that look inside through an [`Inspector`]. [`check_layers`] writes
+//! files with other owners into stages, so it needs to run as root (as the
+//! local runtimes do anyway).
 
 use crate::{
-    Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, SpawnOutput,
+    Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable,
+    SpawnOutput,
 };
 use async_trait::async_trait;
 use aviary_core::{NetworkProfile, SandboxId};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// Runs a command inside a sandbox, for checks that must look inside (the
@@ -265,6 +269,163 @@ pub async fn check_pause_resume<R: Pausable>(rt: &R, make_spec: MakeSpec<'_>) {
     );
     let err = rt.pause(&spec.id).await.expect_err("pause after destroy");
     assert!(matches!(err, RuntimeError::NotFound { .. }), "got {err:?}");
+}
+
+/// The snapshot capability, end to end:
+/// - an export of a running (paused) sandbox shows what was written inside,
+///   in the writable layer and the workspace; unknown ids are `NotFound`;
+///   an existing id cannot be staged (`AlreadyExists`);
+/// - a tree staged for the running workspace and merged shows inside, with
+///   the owner it was written with (container ids), and never replaces an
+///   entry the workspace has;
+/// - layers staged for a new id show inside after its create, with their
+///   owners, and are consumed; a stage no create adopted is removed by
+///   `destroy`.
+pub async fn check_layers<R: Snapshottable>(
+    rt: &R,
+    inspector: &dyn Inspector,
+    make_spec: MakeSpec<'_>,
+) {
+    let unknown = SandboxId::generate();
+    let err = rt
+        .export_layers(&unknown)
+        .await
+        .expect_err("export of an unknown id");
+    assert!(matches!(err, RuntimeError::NotFound { .. }), "got {err:?}");
+
+    // export after writes inside
+    let spec = make_spec();
+    let handle = rt.create(&spec).await.expect("create");
+    let inside = |argv: Vec<String>| {
+        let handle = handle.clone();
+        async move {
+            let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+            let out = inspector
+                .run_inside(&handle, &argv)
+                .await
+                .expect("run inside");
+            assert!(out.success(), "{argv:?} failed: {out:?}");
+            String::from_utf8_lossy(&out.stdout).to_string()
+        }
+    };
+    let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
+    inside(sh(
+        "mkdir -p /workspace/src && echo ws > /workspace/src/a.txt && echo up > /etc/exported.txt",
+    ))
+    .await;
+    rt.pause(&spec.id).await.expect("pause for export");
+    let export = rt.export_layers(&spec.id).await.expect("export");
+    assert_eq!(read(&export.workspace.join("src/a.txt")), "ws\n");
+    assert_eq!(read(&export.writable.join("etc/exported.txt")), "up\n");
+    rt.resume(&spec.id).await.expect("resume after export");
+    let err = rt
+        .stage_layers(&spec.id)
+        .await
+        .expect_err("staging layers for a running sandbox");
+    assert!(
+        matches!(err, RuntimeError::AlreadyExists { .. }),
+        "got {err:?}"
+    );
+
+    // a tree merged into the running workspace
+    let stage = rt.stage_workspace(&spec.id).await.expect("stage workspace");
+    write(&stage.join("src/a.txt"), "replaced\n", None);
+    write(&stage.join("merged.txt"), "merged\n", Some(1000));
+    rt.merge_workspace(&spec.id).await.expect("merge workspace");
+    assert!(!stage.exists(), "the merged stage is removed");
+    assert_eq!(
+        inside(sh("cat /workspace/src/a.txt /workspace/merged.txt")).await,
+        "ws\nmerged\n",
+        "merged entries show; existing ones are kept"
+    );
+    assert_eq!(
+        owners(&inside(sh("ls -lnd /workspace/merged.txt")).await),
+        vec!["1000:1000"],
+        "a merged file keeps its owner, in the sandbox's ids"
+    );
+    rt.destroy(&spec.id).await.expect("destroy");
+
+    // stage, then create
+    let spec = make_spec();
+    let stage = rt.stage_layers(&spec.id).await.expect("stage layers");
+    write(
+        &stage.workspace.join("seeded.txt"),
+        "seeded-ws\n",
+        Some(1000),
+    );
+    write(&stage.writable.join("etc/seeded.txt"), "seeded-up\n", None);
+    let handle = rt.create(&spec).await.expect("create from a stage");
+    assert!(
+        !stage.writable.exists() && !stage.workspace.exists(),
+        "create consumes the stage"
+    );
+    let out = inspector
+        .run_inside(
+            &handle,
+            &[
+                "sh",
+                "-c",
+                "cat /workspace/seeded.txt /etc/seeded.txt && ls -lnd /workspace/seeded.txt /etc/seeded.txt",
+            ],
+        )
+        .await
+        .expect("run inside");
+    assert!(out.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        text.starts_with("seeded-ws\nseeded-up\n"),
+        "staged layers show inside: {text}"
+    );
+    assert_eq!(
+        owners(&text),
+        vec!["0:0", "1000:1000"],
+        "staged files keep their owners, in the sandbox's ids: {text}"
+    );
+    rt.destroy(&spec.id).await.expect("destroy");
+
+    // a stage no create adopted
+    let spec = make_spec();
+    let stage = rt.stage_layers(&spec.id).await.expect("stage layers");
+    write(&stage.workspace.join("left.txt"), "left\n", None);
+    rt.destroy(&spec.id).await.expect("destroy a staged id");
+    assert!(
+        !stage.writable.exists() && !stage.workspace.exists(),
+        "destroy removes an unused stage"
+    );
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::NotFound
+    );
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path:?}: {e}"))
+}
+
+/// Writes `text` at `path` (making parents), owned by `uid:uid` when given.
+fn write(path: &Path, text: &str, uid: Option<u32>) {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).unwrap_or_else(|e| panic!("mkdir {dir:?}: {e}"));
+    }
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("write {path:?}: {e}"));
+    if let Some(uid) = uid {
+        std::os::unix::fs::lchown(path, Some(uid), Some(uid))
+            .unwrap_or_else(|e| panic!("chown {path:?}: {e}"));
+    }
+}
+
+/// `uid:gid` of every `ls -ln` line in `text`, sorted.
+fn owners(text: &str) -> Vec<String> {
+    let mut v: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // mode, links, uid, gid, ...
+            (f.len() > 4 && f[1].parse::<u64>().is_ok()).then(|| format!("{}:{}", f[2], f[3]))
+        })
+        .collect();
+    v.sort();
+    v
 }
 
 /// `cycles` create/destroy cycles leave the host footprint unchanged. One

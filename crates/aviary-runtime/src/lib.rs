@@ -1,7 +1,9 @@
 //! The seam between Aviary's control plane and whatever actually runs sandboxes.
 //!
 //! This crate owns the [`Runtime`] trait (create / destroy / status / usage /
-//! list), the optional [`Pausable`] capability, the [`RuntimeError`] every
+//! list), the optional [`Pausable`] and [`Snapshottable`] capabilities (a
+//! runtime implements the traits of what it can do; callers never reach into
+//! a runtime's own directories), the [`RuntimeError`] every
 //! backend maps its failures into, and the [`Spawner`] seam: backends start
 //! external programs (crun, runc, helpers) only through a `Spawner`, so unit
 //! tests can swap in the [`RecordingSpawner`] fake.
@@ -31,6 +33,7 @@ use async_trait::async_trait;
 use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// A path inside every sandbox that is reserved for the platform (no bind may
 /// target it). Nothing is mounted there any more: envd's socket lives in a
@@ -167,6 +170,99 @@ pub trait Runtime: Send + Sync {
 pub trait Pausable: Runtime {
     async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError>;
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+}
+
+/// A running sandbox's layers as host directories, for reading: what a
+/// snapshot copies. Valid until the sandbox is destroyed; the runtime keeps
+/// ownership (the caller only reads).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerExport {
+    /// The writable layer: everything the sandbox changed outside
+    /// [`WORKSPACE_MOUNT`] (for an overlay, its upper dir, whiteouts
+    /// included), with owners as the host sees them.
+    pub writable: PathBuf,
+    /// The directory mounted at [`WORKSPACE_MOUNT`].
+    pub workspace: PathBuf,
+}
+
+/// Empty host directories where the caller writes the layers of a sandbox
+/// that does not exist yet; its next `create` adopts them instead of
+/// starting empty. Same layout as [`LayerExport`], so an export of one
+/// sandbox written here seeds another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerStage {
+    pub writable: PathBuf,
+    pub workspace: PathBuf,
+}
+
+/// A runtime that can hand out and take in a sandbox's writable layer and
+/// workspace, so snapshots, fork, hibernate/wake and restores work without
+/// the caller knowing where the runtime keeps them.
+///
+/// File owners: a tree the caller writes (a stage, a workspace merge) may
+/// carry any ids (another sandbox's host range, host root); the runtime
+/// shifts them into the sandbox's own ids when it adopts the tree. Exports
+/// show host ids as they are. Pause the sandbox around an export for a
+/// consistent copy ([`Pausable`]).
+#[async_trait]
+pub trait Snapshottable: Pausable {
+    /// The layers of an existing sandbox, for reading.
+    /// [`RuntimeError::NotFound`] for an unknown sandbox.
+    async fn export_layers(&self, id: &SandboxId) -> Result<LayerExport, RuntimeError>;
+    /// Empty directories for the layers of `id`, which must not exist yet
+    /// ([`RuntimeError::AlreadyExists`] otherwise); the next `create` of `id`
+    /// adopts what was written. Staging again discards the earlier stage;
+    /// `destroy(id)` discards a stage no create adopted.
+    async fn stage_layers(&self, id: &SandboxId) -> Result<LayerStage, RuntimeError>;
+    /// An empty directory (on the sandbox's own storage, never visible
+    /// inside) where the caller writes a tree to be merged into the running
+    /// sandbox's workspace by [`Self::merge_workspace`]. Discards an earlier,
+    /// unmerged one.
+    async fn stage_workspace(&self, id: &SandboxId) -> Result<PathBuf, RuntimeError>;
+    /// Moves the top-level entries of the staged tree into the workspace,
+    /// keeping any entry the workspace already has, with owners shifted into
+    /// the sandbox's ids; then removes the stage. The workspace itself stays
+    /// the same directory (it is mounted).
+    async fn merge_workspace(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+}
+
+/// One runtime together with the optional capabilities it implements, as a
+/// control plane holds it: the same object seen through each trait it has.
+#[derive(Clone)]
+pub struct CapableRuntime {
+    pub runtime: Arc<dyn Runtime>,
+    pub pausable: Option<Arc<dyn Pausable>>,
+    pub snapshottable: Option<Arc<dyn Snapshottable>>,
+}
+
+impl CapableRuntime {
+    /// A runtime without optional capabilities.
+    pub fn basic(runtime: Arc<dyn Runtime>) -> Self {
+        CapableRuntime {
+            runtime,
+            pausable: None,
+            snapshottable: None,
+        }
+    }
+
+    /// A runtime that can pause and snapshot (and so also pause).
+    pub fn snapshottable<R: Snapshottable + 'static>(runtime: Arc<R>) -> Self {
+        CapableRuntime {
+            runtime: runtime.clone(),
+            pausable: Some(runtime.clone()),
+            snapshottable: Some(runtime),
+        }
+    }
+}
+
+impl std::fmt::Debug for CapableRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapableRuntime")
+            .field("name", &self.runtime.name())
+            .field("pausable", &self.pausable.is_some())
+            .field("snapshottable", &self.snapshottable.is_some())
+            .finish()
+    }
 }
 
 /// Checks the parts of a spec that do not depend on the backend: a path-safe

@@ -4,10 +4,34 @@
 //! transitions, runtime actions and envd calls ([`ops::ControlPlane`]),
 //! serves them over HTTP ([`http`]), and runs the background tasks: the
 //! sweep that expires leases and TTLs, the envd health probe that finds lost
-//! sandboxes, pool refill, and the collection of unreferenced snapshot chunks. Concurrency: one tokio runtime; per-sandbox
-//! ordering comes from the registry's optimistic versions and the lease
-//! store's fencing tokens, not from in-process locks (except the per-sandbox
-//! fence-push lock, see `ops`).
+//! sandboxes, pool refill, and the collection of unreferenced snapshot chunks.
+//!
+//! Concurrency: one tokio runtime; per-sandbox ordering comes from the
+//! registry's optimistic versions and the lease store's fencing tokens. Work
+//! that must not overlap across requests takes a named lock of the
+//! coordination backend (`aviary_leases::Locks`), never an in-process
+//! `Mutex`: `bucket/<bucket>` (a scope bucket's find-or-create, `scopes`),
+//! `lifecycle/<id>` (hibernate/wake, `lifecycle`), `placement/nodes` (a
+//! placement until its row exists, `nodes`), `pool/<class>/<template>/<runtime>`
+//! (one refill pass of a pool, `pools`; claims are version-checked in the
+//! registry instead) and `fence/<id>` (fence pushes to one envd, `ops`).
+//!
+//! In-process state that remains, none of it a record or a serialisation of
+//! cross-request work:
+//! - live handles: the attached sandboxes' envd clients and their per-process
+//!   flags (paused, running execs, last activity; `ops::LiveSandbox`), and
+//!   the connected node agents' clients (`nodes`). They are rebuilt from the
+//!   registry and the runtimes at start-up; a replica knows the sandboxes it
+//!   attached.
+//! - caches: resolved API keys (`keys`, emptied on every revocation), when
+//!   `last_active_at` was last written per sandbox (to rate-limit that
+//!   write), the last projection index per sandbox (`projection`; a missing
+//!   one costs a full upload, not correctness).
+//! - metrics and counters: request metrics, pool hits/misses and the last
+//!   read hand-out count (`metrics`, `pools`), per process like every metric.
+//! - the edge's per-key rate-limit buckets and per-IP connection counts
+//!   (`edge`): limits of this process's listener.
+//! - readiness, and the planner and policy built from the configuration.
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -79,9 +103,6 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         chunk_store,
     )?;
     import_side_files(&cp).await?;
-    cp.load_pool_bounds()
-        .await
-        .map_err(|e| anyhow::anyhow!("loading pool bounds: {e}"))?;
     Ok(cp)
 }
 

@@ -192,7 +192,8 @@ impl ControlPlane {
                 what: "only an idle or leased sandbox can be reset".into(),
             });
         }
-        Self::require_local(&rec, "a level-2 reset")?;
+        // refused before the compute is stopped
+        self.snapshottable_for(&rec, "a level-2 reset")?;
         let snaps = self
             .list_snapshots(caller, Some(rec.id.as_str()))
             .await?
@@ -229,7 +230,7 @@ impl ControlPlane {
             .await
             .map_err(OpError::runtime("stop compute for reset"))?;
         let template = self.template_info(&rec.template).await?;
-        self.stage_seed(&clean, &rec.id).await?;
+        self.stage_seed(&clean, &rec).await?;
         let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
         let (rec, live) = self.provision(&spec, rec, None).await?;
         let (rec, _) = self.finish_lock(rec, &live, &[], None, request_id).await?;
@@ -429,12 +430,13 @@ impl ControlPlane {
             &outputs,
             aviary_core::now(),
         );
-        let upper = self
-            .cfg
-            .runtime_state_dir()
-            .join(rec.id.as_str())
-            .join("upper");
-        if upper.is_dir() {
+        // what the sandbox changed outside /workspace, when the runtime shows it
+        let layers = match self.snapshottable_for(rec, "reading the writable layer") {
+            Ok(runtime) => runtime.export_layers(&rec.id).await.ok(),
+            Err(_) => None,
+        };
+        if let Some(layers) = layers {
+            let upper = layers.writable;
             m = tokio::task::spawn_blocking(move || m.with_upper_dir(&upper))
                 .await
                 .map_err(OpError::internal)?

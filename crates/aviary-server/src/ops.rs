@@ -109,6 +109,9 @@ pub struct ControlPlane {
     pub runtime: Arc<dyn Runtime>,
     /// The same runtime seen as `Pausable`, when it can pause.
     pub pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
+    /// The same runtime seen as `Snapshottable`, when it can hand out and
+    /// take in sandbox layers (snapshots, fork, hibernate/wake, restores).
+    pub snapshottable: Option<Arc<dyn aviary_runtime::Snapshottable>>,
     pub templates: Arc<TemplateStore>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
     pub(crate) key_cache: crate::keys::KeyCache,
@@ -178,12 +181,16 @@ impl ControlPlane {
         cfg: ServerConfig,
         registry: Arc<dyn Registry>,
         coordination: aviary_leases::Coordination,
-        runtime: Arc<dyn Runtime>,
-        pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
+        runtime: aviary_runtime::CapableRuntime,
         templates: Arc<TemplateStore>,
         chunk_store: Arc<dyn aviary_snapshots::ChunkStore>,
     ) -> anyhow::Result<Arc<Self>> {
         let aviary_leases::Coordination { leases, locks } = coordination;
+        let aviary_runtime::CapableRuntime {
+            runtime,
+            pausable,
+            snapshottable,
+        } = runtime;
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
         let pools = crate::pools::Pools::new(&cfg.settings.pools);
@@ -199,6 +206,7 @@ impl ControlPlane {
             leases,
             runtime,
             pausable,
+            snapshottable,
             templates,
             live: StdMutex::new(HashMap::new()),
             key_cache: Default::default(),
@@ -891,7 +899,7 @@ impl ControlPlane {
 
         let spec = self.sandbox_spec(&id, &template, resources, network);
         if let Some(snap) = &seed {
-            if let Err(e) = self.stage_seed(snap, &id).await {
+            if let Err(e) = self.stage_seed(snap, &rec).await {
                 self.fail_sandbox(&id, request_id, &e).await;
                 return Err(e);
             }

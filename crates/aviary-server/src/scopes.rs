@@ -257,9 +257,14 @@ impl ControlPlane {
                 "container was gone, new compute restored from its snapshot",
             )
         } else {
-            match self.last_snapshot(&rec.tenant, &rec.id).await? {
+            let last = self.last_snapshot(&rec.tenant, &rec.id).await?;
+            let lost = match &last {
+                Some(snap) => self.workspace_lost(&rec, snap).await,
+                None => false,
+            };
+            match last {
                 // branch B: compute alive, work dir lost: restore it in place
-                Some(snap) if self.workspace_lost(&rec, &snap) => {
+                Some(snap) if lost => {
                     self.restore_workspace_live(&rec, &snap).await?;
                     (
                         "B",

@@ -13,18 +13,26 @@
 //! a snapshot is consistent. Unchanged chunks are never written twice, and
 //! files unchanged since the parent snapshot are not even read again.
 //!
-//! Restoring never writes into a running overlay's upper dir: the layers are
-//! staged in `<state>/<id>.seed/` and adopted by the runtime at create.
+//! The layers are read and written only through the runtime's
+//! [`Snapshottable`] capability: a snapshot walks the directories of
+//! `export_layers`; a restore writes into `stage_layers` (adopted by the
+//! runtime's next create, never into a running writable layer) or, for the
+//! workspace of a live sandbox, into `stage_workspace` + `merge_workspace`.
+//! Where the runtime keeps them and whose ids own them is the runtime's
+//! business. A runtime without the capability (today: remote nodes) answers
+//! `invalid_request`.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
 use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};
+use aviary_runtime::Snapshottable;
 use aviary_snapshots::{RestoreOptions, SnapshotId, SnapshotRequest};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// One sandbox snapshot (a checkpoint).
@@ -256,19 +264,35 @@ impl ControlPlane {
         Ok(snap)
     }
 
+    /// The runtime of the sandbox's node as `Snapshottable`, or a clear
+    /// refusal of `what` when it has no such capability.
+    pub(crate) fn snapshottable_for(
+        &self,
+        rec: &SandboxRecord,
+        what: &str,
+    ) -> Result<Arc<dyn Snapshottable>, OpError> {
+        Self::require_local(rec, what)?;
+        self.snapshottable.clone().ok_or_else(|| {
+            OpError::InvalidRequest(format!(
+                "{what} is not supported by runtime {}",
+                self.runtime.name()
+            ))
+        })
+    }
+
     /// Snapshots the sandbox's workspace and writable layer, frozen.
     pub(crate) async fn take_snapshot(
         &self,
         rec: &SandboxRecord,
         label: &str,
     ) -> Result<SandboxSnapshot, OpError> {
-        Self::require_local(rec, "snapshotting")?;
-        let root = self.cfg.runtime_state_dir().join(rec.id.as_str());
+        let runtime = self.snapshottable_for(rec, "snapshotting")?;
         let parent = self.last_snapshot(&rec.tenant, &rec.id).await?;
         let live = self.live_opt(&rec.id);
-        let freeze = match (&self.pausable, &live) {
-            (Some(p), Some(l)) if !l.paused.load(Ordering::SeqCst) => {
-                p.pause(&rec.id)
+        let freeze = match &live {
+            Some(l) if !l.paused.load(Ordering::SeqCst) => {
+                runtime
+                    .pause(&rec.id)
                     .await
                     .map_err(OpError::runtime("freeze for snapshot"))?;
                 true
@@ -294,17 +318,19 @@ impl ControlPlane {
                         .map_err(OpError::internal)?,
                 );
             }
+            let layers = runtime
+                .export_layers(&rec.id)
+                .await
+                .map_err(OpError::runtime("read the sandbox's layers"))?;
             let store = self.snapshots.store().clone();
-            let w = snapshot_tree(store.clone(), root.join("workspace"), ws).await?;
-            let u = snapshot_tree(store, root.join("upper"), up).await?;
+            let w = snapshot_tree(store.clone(), layers.workspace, ws).await?;
+            let u = snapshot_tree(store, layers.writable, up).await?;
             Ok::<_, OpError>((w, u))
         }
         .await;
         if freeze {
-            if let Some(p) = &self.pausable {
-                if let Err(e) = p.resume(&rec.id).await {
-                    tracing::error!(sandbox.id = %rec.id, error = %e, "could not thaw after snapshot");
-                }
+            if let Err(e) = runtime.resume(&rec.id).await {
+                tracing::error!(sandbox.id = %rec.id, error = %e, "could not thaw after snapshot");
             }
         }
         let (w, u) = result?;
@@ -334,26 +360,28 @@ impl ControlPlane {
         Ok(snap)
     }
 
-    /// Restores a snapshot's two trees into `<state>/<id>.seed/`, where the
-    /// runtime picks them up at create.
+    /// Restores a snapshot's two trees into the layers the runtime stages
+    /// for the sandbox `rec` (not created yet); its create adopts them.
     pub(crate) async fn stage_seed(
         &self,
         snap: &SandboxSnapshot,
-        id: &SandboxId,
+        rec: &SandboxRecord,
     ) -> Result<(), OpError> {
-        let seed = aviary_runtime_oci::seed_dir(&self.cfg.runtime_state_dir().join(id.as_str()));
-        let _ = std::fs::remove_dir_all(&seed);
-        std::fs::create_dir_all(&seed).map_err(OpError::internal)?;
+        let stage = self
+            .snapshottable_for(rec, "restoring a snapshot")?
+            .stage_layers(&rec.id)
+            .await
+            .map_err(OpError::runtime("stage the sandbox's layers"))?;
         for (manifest, dir) in [
-            (&snap.workspace_manifest, "workspace"),
-            (&snap.upper_manifest, "upper"),
+            (&snap.workspace_manifest, stage.workspace),
+            (&snap.upper_manifest, stage.writable),
         ] {
             let mid: SnapshotId = manifest.parse().map_err(OpError::internal)?;
             restore_tree(
                 self.snapshots.store().clone(),
                 snap.tenant.clone(),
                 mid,
-                seed.join(dir),
+                dir,
             )
             .await
             .map_err(|e| match e {
@@ -524,7 +552,7 @@ impl ControlPlane {
             .await?;
         drop(placement);
         let template = self.template_info(&rec.template).await?;
-        self.stage_seed(&snap, &rec.id).await?;
+        self.stage_seed(&snap, &rec).await?;
         let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
         let (rec, live) = self.provision(&spec, rec, None).await?;
         let (rec, _) = self
@@ -540,58 +568,53 @@ impl ControlPlane {
         rec: &SandboxRecord,
         snap: &SandboxSnapshot,
     ) -> Result<(), OpError> {
-        let ws = self
-            .cfg
-            .runtime_state_dir()
-            .join(rec.id.as_str())
-            .join("workspace");
+        let runtime = self.snapshottable_for(rec, "restoring a workspace")?;
         let mid: SnapshotId = snap.workspace_manifest.parse().map_err(OpError::internal)?;
-        // restore into a fresh dir beside it, then move the entries in (the
-        // workspace itself is a bind mount and must stay the same inode).
-        // The staging dir is on the sandbox's own disk (its dir is the mount
-        // point of its quota file system), so the moves are renames, and
-        // never visible inside (only upper/ and workspace/ are).
-        let state_dir = self.cfg.runtime_state_dir();
-        let staging = state_dir.join(rec.id.as_str()).join(".restore");
-        let _ = std::fs::remove_dir_all(&staging);
+        // restored beside the workspace, then merged in by the runtime (the
+        // workspace is mounted and must stay the same directory)
+        let staging = runtime
+            .stage_workspace(&rec.id)
+            .await
+            .map_err(OpError::runtime("stage the workspace"))?;
         restore_tree(
             self.snapshots.store().clone(),
             snap.tenant.clone(),
             mid,
-            staging.clone(),
+            staging,
         )
         .await
         .map_err(OpError::internal)?;
-        // written by the host: owned by the sandbox's id range like the rest
-        let (sd, id, st) = (state_dir.clone(), rec.id.clone(), staging.clone());
-        tokio::task::spawn_blocking(move || aviary_runtime_oci::idmap::shift_into(&sd, &id, &st))
+        runtime
+            .merge_workspace(&rec.id)
             .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?;
-        for e in std::fs::read_dir(&staging)
-            .map_err(OpError::internal)?
-            .flatten()
-        {
-            let target = ws.join(e.file_name());
-            if !target.exists() {
-                std::fs::rename(e.path(), target).map_err(OpError::internal)?;
-            }
-        }
-        let _ = std::fs::remove_dir_all(&staging);
-        Ok(())
+            .map_err(OpError::runtime("merge the restored workspace"))
     }
 
-    /// True when the live workspace lost what the snapshot had.
-    pub(crate) fn workspace_lost(&self, rec: &SandboxRecord, snap: &SandboxSnapshot) -> bool {
-        let ws = self
-            .cfg
-            .runtime_state_dir()
-            .join(rec.id.as_str())
-            .join("workspace");
-        let empty = std::fs::read_dir(&ws)
-            .map(|mut r| r.next().is_none())
-            .unwrap_or(true);
-        empty && snap.total_bytes > 0
+    /// True when the live workspace lost what the snapshot had. A sandbox
+    /// whose layers this runtime cannot read is taken as intact.
+    pub(crate) async fn workspace_lost(&self, rec: &SandboxRecord, snap: &SandboxSnapshot) -> bool {
+        if snap.total_bytes == 0 {
+            return false;
+        }
+        let Ok(runtime) = self.snapshottable_for(rec, "reading the workspace") else {
+            return false;
+        };
+        let ws = match runtime.export_layers(&rec.id).await {
+            Ok(layers) => layers.workspace,
+            // gone with its compute: nothing of it is left
+            Err(aviary_runtime::RuntimeError::NotFound { .. }) => return true,
+            Err(e) => {
+                tracing::warn!(sandbox.id = %rec.id, error = %e, "cannot read the workspace");
+                return false;
+            }
+        };
+        tokio::task::spawn_blocking(move || {
+            std::fs::read_dir(&ws)
+                .map(|mut r| r.next().is_none())
+                .unwrap_or(true)
+        })
+        .await
+        .unwrap_or(false)
     }
 
     /// Hibernates idle sandboxes past the idle timeout (called by the sweep).
