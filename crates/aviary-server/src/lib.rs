@@ -97,8 +97,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         cfg,
         registry,
         coordination,
-        runtime.clone(),
-        Some(runtime),
+        aviary_runtime::CapableRuntime::snapshottable(runtime),
         templates,
         chunk_store,
     )?;

@@ -13,21 +13,40 @@
 //!
 //! Every placement goes through the scheduler's filters, the local node's
 //! included, so no node is committed past its over-commit limit
-//! (`capacity_exhausted`). Placements are serialized by a lock held until
-//! the new sandbox's row exists ([`Placement`]): the row is what counts as
-//! committed, so two creates cannot both take the last slot.
+//! (`capacity_exhausted`). Placements are serialized by the lock
+//! `placement/nodes` of the control plane's [`aviary_leases::Locks`], held
+//! until the new sandbox's row exists ([`Placement`]): the row is what
+//! counts as committed, so two creates (of this replica or another one
+//! sharing the lock backend) cannot both take the last slot. The lock is
+//! renewed while held; a placement that waits longer than
+//! `PLACEMENT_WAIT` answers `conflict`.
+//!
+//! In-process state here: the map of connected agents (their HTTP clients,
+//! rebuilt from the registry's `node_registration` rows at start-up) is a
+//! cache of live handles, not a record; nothing else.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::ResourceLimits;
+use aviary_leases::{LockGuard, LockName};
 use aviary_node::RemoteRuntime;
 use aviary_registry::NodeRegistration;
 use aviary_scheduler::{NodeView, PlacementRequest, Scheduler, SchedulerConfig};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 pub const LOCAL_NODE: &str = "local";
+
+/// How long a placement waits for the one before it (which reads every
+/// node's view, agents included, and inserts its row).
+pub(crate) const PLACEMENT_WAIT: Duration = Duration::from_secs(300);
+
+/// The lock every placement holds until its sandbox's row exists.
+fn placement_lock() -> LockName {
+    LockName::new("placement", "nodes")
+}
 
 pub struct RemoteNode {
     pub id: String,
@@ -37,17 +56,17 @@ pub struct RemoteNode {
 }
 
 pub struct Nodes {
+    /// Connected agents (live handles; the registrations are registry rows).
     map: RwLock<HashMap<String, Arc<RemoteNode>>>,
     scheduler: Scheduler,
-    /// Held from a placement until its sandbox row is inserted.
-    placing: tokio::sync::Mutex<()>,
 }
 
 /// Where a new sandbox goes. Keep it until the sandbox's registry row is
-/// inserted: until then the placed limits are not counted as committed.
-pub(crate) struct Placement<'a> {
+/// inserted: until then the placed limits are not counted as committed, and
+/// it holds the placement lock that keeps other placements out.
+pub(crate) struct Placement {
     pub node: String,
-    _placing: tokio::sync::MutexGuard<'a, ()>,
+    _placing: LockGuard,
 }
 
 /// `POST /v1/nodes` (admin): register a node agent.
@@ -91,7 +110,6 @@ impl Nodes {
         Nodes {
             map: RwLock::new(HashMap::new()),
             scheduler: Scheduler::new(cfg),
-            placing: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -352,8 +370,10 @@ impl ControlPlane {
         template_digest: &str,
         local_only: bool,
         request_id: Option<&str>,
-    ) -> Result<Placement<'_>, OpError> {
-        let placing = self.nodes.placing.lock().await;
+    ) -> Result<Placement, OpError> {
+        let placing = self
+            .hold_lock(placement_lock(), "placement", PLACEMENT_WAIT)
+            .await?;
         let local_only = local_only || self.nodes.is_empty();
         let views = self.node_views(local_only, Some(template_digest)).await?;
         let req = PlacementRequest {

@@ -9,8 +9,10 @@
 //! - mutating calls are fenced twice: by the registry/lease store before the
 //!   call, and by the sandbox's envd, which holds the current fence and
 //!   refuses stale tokens on its own;
-//! - fence updates to an envd are serialized per sandbox and always push the
-//!   lease store's *current* view, so they cannot reorder into a stale state.
+//! - fence updates to an envd are serialized per sandbox (the lock
+//!   `fence/<id>` of the control plane's `Locks`, so also across replicas)
+//!   and always push the lease store's *current* view, read while the lock
+//!   is held, so they cannot reorder into a stale state.
 
 use crate::config::{DefaultTemplateSource, ServerConfig};
 use crate::error::OpError;
@@ -29,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use time::OffsetDateTime;
-use tokio::sync::{watch, Mutex};
+use tokio::sync::watch;
 
 /// Where envd sits inside every sandbox, and where it listens.
 pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
@@ -47,6 +49,10 @@ pub(crate) fn envd_client(ep: &aviary_runtime::EnvdEndpoint) -> EnvdClient {
 /// Longest a fence push may take; an envd that does not answer by then is
 /// treated as one that refused.
 const FENCE_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a fence push waits for the pushes of the same sandbox before it
+/// (each bounded by [`FENCE_PUSH_TIMEOUT`]); longer answers `conflict`.
+const FENCE_LOCK_WAIT: Duration = Duration::from_secs(300);
 
 /// Who is calling, resolved from the API key.
 #[derive(Clone, Debug)]
@@ -73,8 +79,6 @@ pub struct LiveSandbox {
     pub paused: std::sync::atomic::AtomicBool,
     /// Some exec in this sandbox ran into its timeout (telemetry).
     timed_out: std::sync::atomic::AtomicBool,
-    /// Serializes fence pushes to this sandbox's envd.
-    fence_lock: Mutex<()>,
     /// Execs running now (an idle sandbox is one with none).
     pub(crate) active_execs: std::sync::atomic::AtomicUsize,
     /// Last exec start or end, for the idle timeout.
@@ -551,7 +555,6 @@ impl ControlPlane {
             paused: std::sync::atomic::AtomicBool::new(false),
             active_execs: std::sync::atomic::AtomicUsize::new(0),
             last_activity: StdMutex::new(std::time::Instant::now()),
-            fence_lock: Mutex::new(()),
         });
         self.live
             .lock()
@@ -577,13 +580,21 @@ impl ControlPlane {
             .cloned()
     }
 
-    /// Pushes the lease store's current view of the lease to the sandbox's envd.
+    /// Pushes the lease store's current view of the lease to the sandbox's
+    /// envd. Pushes to one envd hold the lock `fence/<id>` and read the view
+    /// under it, so a slower push can never overwrite a newer fence.
     pub(crate) async fn push_fence(
         &self,
         id: &SandboxId,
         live: &LiveSandbox,
     ) -> Result<(), OpError> {
-        let _g = live.fence_lock.lock().await;
+        let _pushing = self
+            .hold_lock(
+                aviary_leases::LockName::new("fence", id.as_str()),
+                "fence push",
+                FENCE_LOCK_WAIT,
+            )
+            .await?;
         let current = self.leases.current(id, aviary_core::now()).await?;
         // a hung envd must not hang the lease operation waiting on it
         let fence = current.map(|l| l.token.fence());

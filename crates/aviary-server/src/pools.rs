@@ -19,22 +19,34 @@
 //! that only a `forget` call emptied — and nothing called it — once made
 //! pools stop refilling after `pool_min` hand-outs.) Hits and misses are
 //! process-local counters, like every metric.
+//!
+//! Concurrency: a pool's bounds are read from the registry on every refill
+//! pass and view (`pool set` on any replica takes effect on the next pass;
+//! there is no in-process copy to keep in step). A refill pass of one pool
+//! holds the lock `pool/<class>/<template>/<runtime>` of the control plane's
+//! [`aviary_leases::Locks`] (tried, never waited for: a pool another pass is
+//! refilling is skipped), so two passes — of this replica or of another one
+//! sharing the lock backend — never both start the same missing sandboxes.
+//! Claims take no lock: `claim_sandbox` is version-checked, so of two
+//! claims of one sandbox exactly one wins and the other tries the next, and
+//! a hit never waits behind a refill that is provisioning.
 
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_config::PoolSettings;
 use aviary_core::{SandboxId, SandboxState};
+use aviary_leases::{LockName, LockRequest};
 use aviary_registry::{
     FenceCheck, NewSandbox, PoolBoundsRecord, SandboxRecord, TransitionCtx, POOL_TENANT,
 };
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
-/// One pool's settings and counters.
+/// One pool: its configured settings (the bounds `pool set` stored in the
+/// registry override them, see `Pool::effective`) and its counters.
 pub struct Pool {
-    pub settings: Mutex<PoolSettings>,
+    pub settings: PoolSettings,
     pub hits: AtomicU64,
     pub misses: AtomicU64,
     /// Hand-outs that still hold compute, as of the last registry read (the
@@ -44,12 +56,29 @@ pub struct Pool {
 
 impl Pool {
     fn key(&self) -> (String, String, String) {
-        let s = self.settings.lock().expect("pool poisoned");
+        let s = &self.settings;
         (
             s.class.clone(),
             s.template.clone(),
             s.runtime.as_str().to_owned(),
         )
+    }
+
+    /// The settings the pool runs with: the configured ones, with the
+    /// bounds `pool set` stored for its class (`bounds`, the registry's
+    /// rows) applied.
+    fn effective(&self, bounds: &[PoolBoundsRecord]) -> PoolSettings {
+        let mut s = self.settings.clone();
+        if let Some(b) = bounds.iter().find(|b| b.class == s.class) {
+            apply_bounds(&mut s, b.pool_min, b.pool_max);
+        }
+        s
+    }
+
+    /// The lock a refill pass of this pool holds.
+    fn refill_lock(&self) -> LockName {
+        let (class, template, runtime) = self.key();
+        LockName::new("pool", format!("{class}/{template}/{runtime}"))
     }
 }
 
@@ -99,13 +128,13 @@ struct LegacyOverride {
 }
 
 impl Pools {
-    /// The configured pools; bounds set with `pool set` are applied by
-    /// [`ControlPlane::load_pool_bounds`].
+    /// The configured pools (bounds set with `pool set` are read from the
+    /// registry when they are used).
     pub fn new(settings: &[PoolSettings]) -> Self {
         let pools = settings
             .iter()
             .map(|p| Pool {
-                settings: Mutex::new(p.clone()),
+                settings: p.clone(),
                 hits: AtomicU64::new(0),
                 misses: AtomicU64::new(0),
                 handed_out: AtomicU64::new(0),
@@ -191,19 +220,6 @@ fn counts_as_handed_out(r: &SandboxRecord, s: &PoolSettings) -> bool {
 }
 
 impl ControlPlane {
-    /// Applies the bounds `pool set` stored in the registry (start-up).
-    pub async fn load_pool_bounds(&self) -> Result<(), OpError> {
-        for b in self.registry.list_pool_bounds().await? {
-            for p in &self.pools.pools {
-                let mut s = p.settings.lock().expect("pool poisoned");
-                if s.class == b.class {
-                    apply_bounds(&mut s, b.pool_min, b.pool_max);
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// Moves `<data dir>/pools.json` of older versions into the registry and
     /// removes it. The file wins over bounds already stored: only an older
     /// version writes it, after this one last ran. Safe to repeat.
@@ -246,10 +262,9 @@ impl ControlPlane {
             .pools
             .iter()
             .map(|p| {
-                let s = p.settings.lock().expect("pool poisoned").clone();
                 let n = handouts
                     .iter()
-                    .filter(|r| counts_as_handed_out(r, &s))
+                    .filter(|r| counts_as_handed_out(r, &p.settings))
                     .count();
                 p.handed_out.store(n as u64, Ordering::Relaxed);
                 u32::try_from(n).unwrap_or(u32::MAX)
@@ -263,9 +278,10 @@ impl ControlPlane {
             .list_sandboxes(Some(POOL_TENANT), false)
             .await?;
         let handed_out = self.handed_out_counts().await?;
+        let bounds = self.registry.list_pool_bounds().await?;
         let mut out = Vec::new();
         for (p, handed_out) in self.pools.pools.iter().zip(handed_out) {
-            let s = p.settings.lock().expect("pool poisoned").clone();
+            let s = p.effective(&bounds);
             out.push(PoolView {
                 idle: rows
                     .iter()
@@ -302,15 +318,12 @@ impl ControlPlane {
                 "pool bounds need min <= max <= 10000".into(),
             ));
         }
-        let known = self
-            .pools
-            .pools
-            .iter()
-            .any(|p| p.settings.lock().expect("pool poisoned").class == class);
+        let known = self.pools.pools.iter().any(|p| p.settings.class == class);
         if !known {
             return Err(OpError::NotFound(format!("pool for class {class:?}")));
         }
-        // stored first: what the pools run with is always what a restart loads
+        // the registry is the only copy: every refill pass (of any replica)
+        // and every view reads it
         self.registry
             .set_pool_bounds(&PoolBoundsRecord {
                 class: class.to_owned(),
@@ -319,12 +332,6 @@ impl ControlPlane {
                 updated_at: aviary_core::now(),
             })
             .await?;
-        for p in &self.pools.pools {
-            let mut s = p.settings.lock().expect("pool poisoned");
-            if s.class == class {
-                apply_bounds(&mut s, req.min, req.max);
-            }
-        }
         self.pools.refill.notify_one();
         self.pools_view().await
     }
@@ -371,15 +378,24 @@ impl ControlPlane {
     }
 
     /// One pass of the refill: brings every pool to its target and trims
-    /// idle sandboxes above `buffer_max`. Returns how many were started.
+    /// idle sandboxes above `buffer_max`. Returns how many were started. A
+    /// pool whose refill lock is held (another pass is at it) is skipped.
     pub async fn refill_pools(&self) -> Result<usize, OpError> {
         let mut started = 0;
-        let handed_out = self.handed_out_counts().await?;
-        for (pool, handed) in self.pools.pools.iter().zip(handed_out) {
-            let s = pool.settings.lock().expect("pool poisoned").clone();
+        let bounds = self.registry.list_pool_bounds().await?;
+        for (i, pool) in self.pools.pools.iter().enumerate() {
+            let s = pool.effective(&bounds);
             if s.runtime.as_str() != self.runtime.name() {
                 continue;
             }
+            let owner = format!("aviary-server[{}] pool refill", std::process::id());
+            let req = LockRequest::new(pool.refill_lock(), owner, crate::lifecycle::LOCK_TTL);
+            let Some(guard) = self.locks.try_acquire(&req).await? else {
+                continue;
+            };
+            let _refilling = guard.keep_alive();
+            // read under the lock: what another pass started is counted
+            let handed = self.handed_out_counts().await?[i];
             // a pool whose template is not (yet) there has nothing to start
             let Ok(template) = self.template_info(&s.template).await else {
                 continue;
