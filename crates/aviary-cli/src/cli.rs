@@ -1082,20 +1082,20 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
             ))
         }
     };
-    let runtime = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
-        binary,
-        a.data_dir.join("sandboxes"),
-    ))
+    let templates_dir = a
+        .templates_dir
+        .unwrap_or_else(|| a.data_dir.join("templates"));
+    let runtime = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(binary, a.data_dir.join("sandboxes"))
+            .with_template_store(&templates_dir),
+    )
     .map_err(|e| fail(format!("runtime: {e}")))?;
     runtime
         .probe()
         .await
         .map_err(|e| fail(format!("runtime self-check: {e}")))?;
-    let templates = aviary_templates::TemplateStore::open(
-        a.templates_dir
-            .unwrap_or_else(|| a.data_dir.join("templates")),
-    )
-    .map_err(|e| fail(format!("templates: {e}")))?;
+    let templates = aviary_templates::TemplateStore::open(templates_dir)
+        .map_err(|e| fail(format!("templates: {e}")))?;
     let envd = find_envd(a.envd);
     let running = aviary_node::start_node(aviary_node::NodeConfig {
         id: a.id.clone(),

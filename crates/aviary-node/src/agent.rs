@@ -312,8 +312,12 @@ async fn create(
     let found = blocking(move || find_template(&store, &wanted))
         .await?
         .map_err(NodeError::ListTemplates)?;
-    let (digest, rootfs) = found.ok_or(NodeError::FindTemplate { template })?;
-    spec.template_rootfs = rootfs;
+    let (digest, name) = found.ok_or(NodeError::FindTemplate { template })?;
+    // the node's runtime resolves the digest in this node's store
+    spec.template = aviary_runtime::TemplateRef {
+        name,
+        digest: digest.clone(),
+    };
     for bind in &mut spec.binds {
         let provided = node
             .provided_binds
@@ -355,19 +359,19 @@ async fn create(
     Ok((StatusCode::CREATED, Json(handle)))
 }
 
-/// A digest (`sha256:<hex>`) or a name → (digest, rootfs).
+/// A digest (`sha256:<hex>`) or a name → (digest, name).
 fn find_template(
     store: &TemplateStore,
     wanted: &str,
-) -> Result<Option<(String, PathBuf)>, aviary_templates::TemplateError> {
+) -> Result<Option<(String, String)>, aviary_templates::TemplateError> {
     if wanted.starts_with("sha256:") {
         Ok(store
             .list()?
             .into_iter()
             .find(|t| t.digest == wanted)
-            .map(|t| (t.digest, t.rootfs)))
+            .map(|t| (t.digest, t.name)))
     } else if aviary_templates::validate_name(wanted).is_ok() {
-        Ok(store.get(wanted)?.map(|t| (t.digest, t.rootfs)))
+        Ok(store.get(wanted)?.map(|t| (t.digest, t.name)))
     } else {
         Ok(None)
     }

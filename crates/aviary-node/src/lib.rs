@@ -35,4 +35,4 @@ mod remote;
 pub use agent::{start_node, NodeConfig, RunningNode};
 pub use api::{Capacity, NodeInfo, ProvidedBind};
 pub use error::NodeError;
-pub use remote::{template_ref_of, RemoteRuntime};
+pub use remote::RemoteRuntime;

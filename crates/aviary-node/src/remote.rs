@@ -87,7 +87,7 @@ impl RemoteRuntime {
     }
 
     /// Creates a sandbox from `template` (a digest `sha256:<hex>` or a name
-    /// on the node); `spec.template_rootfs` is ignored. Binds must target
+    /// on the node); the node puts what it finds in `spec.template`. Binds must target
     /// paths the node provides (see [`CreateSandboxRequest`]).
     pub async fn create_from_template(
         &self,
@@ -259,22 +259,18 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     aviary_runtime::conformance::chain(e)
 }
 
-/// The template a control-plane spec refers to: template rootfs directories
-/// are named by the hex of their digest (`<store>/rootfs/<hex>`), and digests
-/// are the same on every node.
-pub fn template_ref_of(spec: &SandboxSpec) -> Result<String, RuntimeError> {
-    let hex = spec
-        .template_rootfs
-        .file_name()
-        .and_then(|n| n.to_str())
-        .filter(|n| n.len() == 64 && n.bytes().all(|b| b.is_ascii_hexdigit()))
-        .ok_or_else(|| RuntimeError::InvalidSpec {
+/// The template a control-plane spec names, as the node's API takes it: its
+/// digest (a digest names the same tree on every node).
+fn template_of(spec: &SandboxSpec) -> Result<&str, RuntimeError> {
+    match spec.template.digest_hex() {
+        Some(_) => Ok(&spec.template.digest),
+        None => Err(RuntimeError::InvalidSpec {
             reason: format!(
-                "template rootfs {:?} is not a template store directory (named by its digest)",
-                spec.template_rootfs
+                "template digest {:?} is not sha256:<64 hex>",
+                spec.template.digest
             ),
-        })?;
-    Ok(format!("sha256:{hex}"))
+        }),
+    }
 }
 
 #[async_trait]
@@ -283,11 +279,11 @@ impl Runtime for RemoteRuntime {
         &self.runtime_name
     }
 
-    /// Sends the spec with the template digest taken from
-    /// `spec.template_rootfs` ([`template_ref_of`]).
+    /// Sends the spec; the node resolves `spec.template`'s digest in its
+    /// own template store.
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
-        let template = template_ref_of(spec)?;
-        self.create_from_template(spec, &template).await
+        let template = template_of(spec)?;
+        self.create_from_template(spec, template).await
     }
 
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
@@ -350,10 +346,13 @@ mod tests {
     use super::*;
     use aviary_core::{NetworkProfile, ResourceLimits};
 
-    fn spec_at(rootfs: &str) -> SandboxSpec {
+    fn spec_at(digest: &str) -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: rootfs.into(),
+            template: aviary_runtime::TemplateRef {
+                name: "t".into(),
+                digest: digest.into(),
+            },
             resources: ResourceLimits::default(),
             network: NetworkProfile::None,
             hostname: "h".into(),
@@ -459,21 +458,18 @@ mod tests {
     }
 
     #[test]
-    fn the_template_is_named_by_the_rootfs_digest() {
-        let hex = "ab".repeat(32);
-        assert_eq!(
-            template_ref_of(&spec_at(&format!("/data/templates/rootfs/{hex}"))).unwrap(),
-            format!("sha256:{hex}")
-        );
+    fn the_node_is_asked_for_the_template_digest() {
+        let digest = format!("sha256:{}", "ab".repeat(32));
+        assert_eq!(template_of(&spec_at(&digest)).unwrap(), digest);
         for bad in [
             "/some/dir",
-            "/",
-            "/x/abcd",
-            &format!("/x/{}", "zz".repeat(32)),
+            "busybox",
+            "sha256:abcd",
+            &format!("sha256:{}", "zz".repeat(32)),
         ] {
             assert!(
                 matches!(
-                    template_ref_of(&spec_at(bad)).unwrap_err(),
+                    template_of(&spec_at(bad)).unwrap_err(),
                     RuntimeError::InvalidSpec { .. }
                 ),
                 "{bad}"

@@ -158,8 +158,13 @@ mod node {
         })
         .await
         .unwrap();
-        let runtime =
-            Arc::new(OciRuntime::new(OciConfig::new(OciBinary::Crun, state.join("oci"))).unwrap());
+        let runtime = Arc::new(
+            OciRuntime::new(
+                OciConfig::new(OciBinary::Crun, state.join("oci"))
+                    .with_template_store(state.join("templates")),
+            )
+            .unwrap(),
+        );
         let capacity = Capacity { cpu, memory_mb };
         let cfg = node_config(
             id,
@@ -187,10 +192,13 @@ mod node {
         }
     }
 
-    fn spec(template_rootfs: &Path, cpu: f64) -> SandboxSpec {
+    fn spec(digest: &str, cpu: f64) -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: template_rootfs.to_path_buf(),
+            template: aviary_runtime::TemplateRef {
+                name: "busybox".into(),
+                digest: digest.into(),
+            },
             resources: ResourceLimits {
                 cpu,
                 memory_mb: 128,
@@ -271,10 +279,8 @@ mod node {
         assert_eq!(decision.node_id, "node-b");
         let b = &nodes[1];
 
-        // The control plane names the template by its rootfs dir (= digest).
-        let control_plane_rootfs = PathBuf::from("/control-plane/templates/rootfs")
-            .join(digest.trim_start_matches("sha256:"));
-        let s = spec(&control_plane_rootfs, 0.5);
+        // The control plane names the template by its digest.
+        let s = spec(&digest, 0.5);
         let id = s.id.clone();
         let t = Instant::now();
         let handle = b.rt.create(&s).await.unwrap();
@@ -460,7 +466,6 @@ mod node {
         let mut n = start_test_node("node-x", 2.0, 4096).await;
         let addr = n.addr();
         let digest = n.rt.info().await.unwrap().templates[0].digest.clone();
-        let rootfs = PathBuf::from("/x/rootfs").join(digest.trim_start_matches("sha256:"));
         let http = reqwest::Client::new();
         let url = |p: &str| format!("http://{addr}/node/v1{p}");
 
@@ -469,7 +474,7 @@ mod node {
             .await
             .unwrap_err();
         assert!(matches!(err, RuntimeError::ProbeRuntime { .. }), "{err:?}");
-        let s = spec(&rootfs, 0.5);
+        let s = spec(&digest, 0.5);
         let body = serde_json::json!({"spec": s, "template": digest});
         for auth in [Some("Bearer wrong"), Some(TOKEN), Some("Bearer "), None] {
             let mut r = http.post(url("/sandboxes")).json(&body);
@@ -552,7 +557,7 @@ mod node {
             assert_eq!(v["error"]["kind"].as_str(), kind, "{body}: {v}");
         }
         // A bind the node does not provide (e.g. the host's /etc) is refused.
-        let mut sneaky = spec(&rootfs, 0.5);
+        let mut sneaky = spec(&digest, 0.5);
         sneaky.binds.push(BindMount {
             host: "/etc".into(),
             sandbox: "/host-etc".into(),
@@ -560,11 +565,8 @@ mod node {
         });
         let e = n.rt.create(&sneaky).await.unwrap_err();
         assert!(matches!(e, RuntimeError::InvalidSpec { .. }), "{e:?}");
-        // A spec whose template is not a store directory.
-        let e =
-            n.rt.create(&spec(Path::new("/some/dir"), 0.5))
-                .await
-                .unwrap_err();
+        // A spec whose template is not a digest.
+        let e = n.rt.create(&spec("/some/dir", 0.5)).await.unwrap_err();
         assert!(matches!(e, RuntimeError::InvalidSpec { .. }), "{e:?}");
         // The envd route without the upgrade headers.
         let resp = http
@@ -577,7 +579,7 @@ mod node {
         assert!(n.runtime.list().await.unwrap().is_empty());
 
         // By name works as well as by digest.
-        let named = spec(&rootfs, 0.25);
+        let named = spec(&digest, 0.25);
         let h = n.rt.create_from_template(&named, "busybox").await.unwrap();
         assert_eq!(h.id, named.id);
         // A duplicate id is a conflict, and the original survives.
@@ -648,7 +650,7 @@ tar -cf image.tar manifest.json "$cfg.json" l1
             "upload removed"
         );
 
-        let s = spec(Path::new("/unused"), 0.5);
+        let s = spec("sha256:unused", 0.5);
         n.rt.create_from_template(&s, &entry.digest).await.unwrap();
         let envd = n.rt.envd(&s.id);
         envd.wait_ready(Duration::from_secs(10)).await.unwrap();
@@ -734,8 +736,7 @@ tar -cf image.tar manifest.json "$cfg.json" l1
         envd_binary();
         let mut n = start_test_node("node-conf", 2.0, 4096).await;
         let digest = n.rt.info().await.unwrap().templates[0].digest.clone();
-        let rootfs = PathBuf::from("/cp/rootfs").join(digest.trim_start_matches("sha256:"));
-        let make = || spec(&rootfs, 0.5);
+        let make = || spec(&digest, 0.5);
         let rt = n.rt.clone();
         conformance::check_lifecycle(&rt, &make).await;
         conformance::check_unknown_ids(&rt).await;

@@ -344,7 +344,10 @@ mod tests {
     fn config_with(id_range: Option<IdRange>) -> Value {
         let spec = SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: "/t".into(),
+            template: aviary_runtime::TemplateRef {
+                name: "t".into(),
+                digest: format!("sha256:{}", "ab".repeat(32)),
+            },
             resources: ResourceLimits {
                 cpu: 0.5,
                 memory_mb: 256,

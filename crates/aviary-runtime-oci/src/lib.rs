@@ -56,7 +56,7 @@ use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
     validate_spec, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage, Runtime,
     RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable, SpawnIsolation,
-    SpawnOutput, SpawnRequest, SpawnStdio, Spawner,
+    SpawnOutput, SpawnRequest, SpawnStdio, Spawner, TemplateRef,
 };
 use host::CgroupLayout;
 use std::os::fd::AsRawFd;
@@ -102,6 +102,10 @@ pub struct OciConfig {
     /// Host ids for user namespaces, one range per sandbox (see [`idmap`]).
     /// `None` runs sandboxes without one: root inside is host root.
     pub user_namespace: Option<idmap::IdPool>,
+    /// The template store (`aviary-templates`) whose `rootfs/<digest hex>`
+    /// trees a spec's [`TemplateRef`] resolves to. `None`: every create is
+    /// refused.
+    pub template_store: Option<PathBuf>,
 }
 
 impl OciConfig {
@@ -115,7 +119,14 @@ impl OciConfig {
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
             user_namespace: Some(idmap::IdPool::default()),
+            template_store: None,
         }
+    }
+
+    /// Resolves templates in the store at `root`.
+    pub fn with_template_store(mut self, root: impl Into<PathBuf>) -> Self {
+        self.template_store = Some(root.into());
+        self
     }
 }
 
@@ -286,6 +297,36 @@ impl OciRuntime {
         SandboxDirs {
             root: self.config.state_dir.join(id.as_str()),
         }
+    }
+
+    /// The rootfs tree of a template: `<store>/rootfs/<digest hex>` (the
+    /// layout of `aviary-templates`, whose trees never change once there).
+    pub fn template_rootfs(&self, template: &TemplateRef) -> Result<PathBuf, RuntimeError> {
+        let hex = template
+            .digest_hex()
+            .ok_or_else(|| RuntimeError::InvalidSpec {
+                reason: format!(
+                    "template digest {:?} is not sha256:<64 hex>",
+                    template.digest
+                ),
+            })?;
+        let store =
+            self.config
+                .template_store
+                .as_ref()
+                .ok_or_else(|| RuntimeError::InvalidSpec {
+                    reason: "this runtime has no template store".into(),
+                })?;
+        let rootfs = store.join("rootfs").join(hex);
+        if !rootfs.is_dir() {
+            return Err(RuntimeError::InvalidSpec {
+                reason: format!(
+                    "template {} ({}) is not in the template store {store:?}",
+                    template.name, template.digest
+                ),
+            });
+        }
+        Ok(rootfs)
     }
 
     fn cgroups_path(&self, id: &SandboxId) -> String {
@@ -460,6 +501,7 @@ impl OciRuntime {
     async fn create_inner(
         &self,
         spec: &SandboxSpec,
+        template: &Path,
         dirs: &SandboxDirs,
     ) -> Result<SandboxHandle, RuntimeError> {
         // Layers staged for this id (`stage_layers`, a restore) are adopted
@@ -501,11 +543,11 @@ impl OciRuntime {
         let lower = match id_range {
             Some(range) => idmap::prepare_sandbox(
                 &dirs.root,
-                &spec.template_rootfs,
+                template,
                 &[dirs.upper(), dirs.workspace()],
                 range,
             )?,
-            None => spec.template_rootfs.clone(),
+            None => template.to_path_buf(),
         };
         host::mount_sandbox_overlay(&dirs.root, &lower)?;
         if id_range.is_some() {
@@ -644,14 +686,7 @@ impl Runtime for OciRuntime {
     #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         validate_spec(spec)?;
-        if !spec.template_rootfs.is_dir() {
-            return Err(RuntimeError::InvalidSpec {
-                reason: format!(
-                    "template rootfs {:?} is not a directory",
-                    spec.template_rootfs
-                ),
-            });
-        }
+        let template = self.template_rootfs(&spec.template)?;
         let dirs = self.dirs(&spec.id);
         if self.runtime_knows(&spec.id) {
             return Err(RuntimeError::AlreadyExists {
@@ -678,7 +713,7 @@ impl Runtime for OciRuntime {
             .attach(&*self.spawner, &dirs.root, spec.resources.disk_mb)
             .await
         {
-            Ok(()) => self.create_inner(spec, &dirs).await,
+            Ok(()) => self.create_inner(spec, &template, &dirs).await,
             Err(e) => Err(e),
         };
         match created {

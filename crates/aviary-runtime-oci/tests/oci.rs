@@ -29,7 +29,7 @@ mod oci {
     fn spec_for(f: &Fixture) -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: f.template.clone(),
+            template: f.template_ref.clone(),
             resources: ResourceLimits {
                 cpu: 0.5,
                 memory_mb: 128,

@@ -11,7 +11,7 @@ mod quota {
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance;
     use aviary_runtime::{BindMount, Runtime, SandboxSpec, Snapshottable, SpawnOutput};
-    use aviary_runtime_oci::{disk_image, OciBinary, OciConfig, OciRuntime};
+    use aviary_runtime_oci::{disk_image, OciBinary, OciRuntime};
     use std::os::unix::fs::MetadataExt;
     use std::path::Path;
     use tokio::sync::Mutex;
@@ -40,7 +40,7 @@ mod quota {
     fn spec_for(f: &Fixture, disk_mb: u64) -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: f.template.clone(),
+            template: f.template_ref.clone(),
             resources: ResourceLimits {
                 cpu: 1.0,
                 memory_mb: 256,
@@ -357,7 +357,7 @@ mod quota {
     async fn quotas_off_keeps_the_sandbox_on_the_host_file_system() {
         let _g = LOCK.lock().await;
         let Some(f) = fixture() else { return };
-        let mut config = OciConfig::new(OciBinary::Crun, &f.state);
+        let mut config = f.config(OciBinary::Crun);
         config.disk_quota = false;
         let rt = OciRuntime::new(config).unwrap();
         let spec = spec_for(&f, DISK_MB);
@@ -409,7 +409,7 @@ mod quota {
             .and_then(|v| v.parse().ok())
             .unwrap_or(50);
         let with = runtime(&f);
-        let mut config = OciConfig::new(OciBinary::Crun, &f.state);
+        let mut config = f.config(OciBinary::Crun);
         config.disk_quota = false;
         let without = OciRuntime::new(config).unwrap();
         let t = std::time::Instant::now();

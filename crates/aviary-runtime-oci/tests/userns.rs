@@ -53,7 +53,7 @@ mod userns {
     fn spec_for(f: &Fixture) -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: f.template.clone(),
+            template: f.common.template_ref.clone(),
             resources: ResourceLimits {
                 cpu: 0.5,
                 memory_mb: 128,
@@ -365,7 +365,10 @@ mod userns {
         std::fs::create_dir(&private).unwrap();
         std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
         let state = private.join("state");
-        let rt = OciRuntime::new(OciConfig::new(OciBinary::Crun, &state)).unwrap();
+        let rt = OciRuntime::new(
+            OciConfig::new(OciBinary::Crun, &state).with_template_store(&f.common.templates),
+        )
+        .unwrap();
         let spec = spec_for(&f);
         let err = rt.create(&spec).await.unwrap_err();
         let text = aviary_runtime::conformance::chain(&err);
@@ -429,7 +432,7 @@ mod userns {
             return;
         };
         let with = runtime(&f, OciBinary::Crun);
-        let mut cfg = OciConfig::new(OciBinary::Crun, &f.state);
+        let mut cfg = f.common.config(OciBinary::Crun);
         cfg.user_namespace = None;
         let without = OciRuntime::new(cfg).unwrap();
         let mut times: [Vec<u128>; 2] = [Vec::new(), Vec::new()];

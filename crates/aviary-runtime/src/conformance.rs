@@ -120,7 +120,8 @@ pub async fn check_unknown_ids(rt: &dyn Runtime) {
 }
 
 /// Network profiles other than `none` are refused with `Unsupported`, and
-/// leave nothing behind; a missing init binary fails cleanly.
+/// leave nothing behind; a template the runtime does not have and a missing
+/// init binary fail cleanly.
 pub async fn check_refusals(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     let mut spec = make_spec();
     spec.network = NetworkProfile::Open;
@@ -135,6 +136,17 @@ pub async fn check_refusals(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     assert_eq!(
         rt.status(&spec.id).await.expect("status"),
         RuntimeStatus::NotFound
+    );
+
+    let mut spec = make_spec();
+    spec.template.digest = format!("sha256:{}", "0".repeat(64));
+    rt.create(&spec)
+        .await
+        .expect_err("create from a template the runtime does not have");
+    assert_eq!(
+        rt.status(&spec.id).await.expect("status"),
+        RuntimeStatus::NotFound,
+        "a refused template leaves nothing"
     );
 
     let mut spec = make_spec();

@@ -61,12 +61,35 @@ pub struct BindMount {
     pub read_only: bool,
 }
 
+/// Which template a sandbox starts from. The runtime resolves it to a root
+/// file system on its own host (a template's digest names the same tree on
+/// every node); the caller never names a host path.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TemplateRef {
+    /// The template's name, for messages (names can move to new content).
+    pub name: String,
+    /// `sha256:<64 lowercase hex>` of the template's canonical tree: what
+    /// the runtime resolves.
+    pub digest: String,
+}
+
+impl TemplateRef {
+    /// The hex part of a well-formed digest.
+    pub fn digest_hex(&self) -> Option<&str> {
+        self.digest.strip_prefix("sha256:").filter(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+    }
+}
+
 /// Everything a runtime needs to start one sandbox.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SandboxSpec {
     pub id: SandboxId,
-    /// Read-only lower layer, shared by many sandboxes; never modified.
-    pub template_rootfs: PathBuf,
+    /// The read-only lower layer, shared by many sandboxes; never modified.
+    pub template: TemplateRef,
     pub resources: ResourceLimits,
     /// Only [`NetworkProfile::None`] (loopback only) is supported today;
     /// other profiles fail with [`RuntimeError::Unsupported`].
@@ -269,6 +292,12 @@ impl std::fmt::Debug for CapableRuntime {
 /// sandbox path for every bind, a valid hostname, a non-empty init, sane limits.
 pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
     let invalid = |reason: String| Err(RuntimeError::InvalidSpec { reason });
+    if spec.template.digest_hex().is_none() {
+        return invalid(format!(
+            "template digest {:?} is not sha256:<64 hex>",
+            spec.template.digest
+        ));
+    }
     if spec.network != NetworkProfile::None {
         return Err(RuntimeError::Unsupported {
             what: format!("network profile {:?}", spec.network.as_str()),
@@ -338,7 +367,10 @@ mod tests {
     fn spec() -> SandboxSpec {
         SandboxSpec {
             id: SandboxId::generate(),
-            template_rootfs: "/var/lib/aviary/templates/t".into(),
+            template: TemplateRef {
+                name: "t".into(),
+                digest: format!("sha256:{}", "ab".repeat(32)),
+            },
             resources: ResourceLimits::default(),
             network: NetworkProfile::None,
             hostname: "sbx".into(),
@@ -403,5 +435,27 @@ mod tests {
         let mut s = spec();
         s.init.clear();
         validate_spec(&s).unwrap_err();
+    }
+
+    #[test]
+    fn template_digests_are_checked() {
+        for bad in [
+            "",
+            "sha256:",
+            "sha256:../../etc",
+            "md5:abcd",
+            &format!("sha256:{}", "AB".repeat(32)),
+            &format!("sha256:{}/x", "ab".repeat(32)),
+        ] {
+            let mut s = spec();
+            s.template.digest = bad.to_string();
+            assert!(
+                matches!(
+                    validate_spec(&s).unwrap_err(),
+                    RuntimeError::InvalidSpec { .. }
+                ),
+                "{bad} accepted"
+            );
+        }
     }
 }

@@ -67,13 +67,16 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             .await
             .with_context(|| format!("opening registry {}", cfg.registry_path().display()))?,
     );
-    let runtime = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
-        match cfg.runtime {
-            config::RuntimeKind::Crun => aviary_runtime_oci::OciBinary::Crun,
-            config::RuntimeKind::Runc => aviary_runtime_oci::OciBinary::Runc,
-        },
-        cfg.runtime_state_dir(),
-    ))
+    let runtime = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            match cfg.runtime {
+                config::RuntimeKind::Crun => aviary_runtime_oci::OciBinary::Crun,
+                config::RuntimeKind::Runc => aviary_runtime_oci::OciBinary::Runc,
+            },
+            cfg.runtime_state_dir(),
+        )
+        .with_template_store(cfg.templates_root()),
+    )
     .context("setting up the OCI runtime")?;
     runtime
         .probe()

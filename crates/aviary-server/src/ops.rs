@@ -959,7 +959,10 @@ impl ControlPlane {
     ) -> SandboxSpec {
         SandboxSpec {
             id: id.clone(),
-            template_rootfs: template.rootfs.clone(),
+            template: aviary_runtime::TemplateRef {
+                name: template.name.clone(),
+                digest: template.digest.clone(),
+            },
             resources,
             network,
             hostname: "sandbox".into(),

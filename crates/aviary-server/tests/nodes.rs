@@ -17,10 +17,13 @@ async fn agent(
     memory_mb: u64,
 ) -> (aviary_node::RunningNode, String) {
     let state = dir.join(id);
-    let rt = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
-        aviary_runtime_oci::OciBinary::Crun,
-        state.join("sandboxes"),
-    ))
+    let rt = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            state.join("sandboxes"),
+        )
+        .with_template_store(common::template_cache()),
+    )
     .unwrap();
     let token = format!("token-{id}");
     let node = aviary_node::start_node(aviary_node::NodeConfig {

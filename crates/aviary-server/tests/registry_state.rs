@@ -30,10 +30,13 @@ fn pool_config(data: &std::path::Path) -> aviary_server::config::ServerConfig {
 
 async fn agent(dir: &std::path::Path, id: &str) -> (aviary_node::RunningNode, String) {
     let state = dir.join(id);
-    let rt = aviary_runtime_oci::OciRuntime::new(aviary_runtime_oci::OciConfig::new(
-        aviary_runtime_oci::OciBinary::Crun,
-        state.join("sandboxes"),
-    ))
+    let rt = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            state.join("sandboxes"),
+        )
+        .with_template_store(common::template_cache()),
+    )
     .unwrap();
     let token = format!("token-{id}-{}", aviary_core::new_id("s"));
     let node = aviary_node::start_node(aviary_node::NodeConfig {

@@ -4,7 +4,7 @@
 //! a `Drop` that destroys whatever a failed test left running.
 #![allow(dead_code)]
 
-use aviary_runtime::{conformance, Runtime};
+use aviary_runtime::{conformance, Runtime, TemplateRef};
 use aviary_runtime_oci::{OciBinary, OciConfig, OciRuntime};
 use std::path::{Path, PathBuf};
 
@@ -50,8 +50,12 @@ pub const APPLETS: &[&str] = &[
 
 pub struct Fixture {
     pub dir: tempfile::TempDir,
-    /// A read-only busybox root file system.
+    /// A read-only busybox root file system, in the template store
+    /// `templates` (as `rootfs/<digest hex>`).
     pub template: PathBuf,
+    pub templates: PathBuf,
+    /// How a spec names `template`.
+    pub template_ref: TemplateRef,
     pub state: PathBuf,
     /// A shell script bind-mounted where envd would be.
     pub envd: PathBuf,
@@ -78,7 +82,15 @@ pub fn fixture(what: &str, needs: &[(&str, &str)]) -> Option<Fixture> {
         .prefix(&format!("aviary-{what}-"))
         .tempdir_in("/var/tmp")
         .unwrap();
-    let template = dir.path().join("template");
+    // Laid out as an `aviary-templates` store; the digest is made up (the
+    // runtime only resolves it).
+    let hex = "f1".repeat(32);
+    let templates = dir.path().join("templates");
+    let template = templates.join("rootfs").join(&hex);
+    let template_ref = TemplateRef {
+        name: "busybox-fixture".into(),
+        digest: format!("sha256:{hex}"),
+    };
     let bin = template.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     for d in ["etc", "proc", "sys", "dev", "tmp", "root", "srv"] {
@@ -99,6 +111,8 @@ pub fn fixture(what: &str, needs: &[(&str, &str)]) -> Option<Fixture> {
     let state = dir.path().join("state");
     Some(Fixture {
         template,
+        templates,
+        template_ref,
         state,
         envd,
         dir,
@@ -114,8 +128,13 @@ pub fn binary_needs(binary: OciBinary) -> (&'static str, &'static str) {
 }
 
 impl Fixture {
+    /// A runtime's configuration with the fixture's state dir and templates.
+    pub fn config(&self, binary: OciBinary) -> OciConfig {
+        OciConfig::new(binary, &self.state).with_template_store(&self.templates)
+    }
+
     pub fn runtime(&self, binary: OciBinary) -> OciRuntime {
-        OciRuntime::new(OciConfig::new(binary, &self.state)).unwrap()
+        OciRuntime::new(self.config(binary)).unwrap()
     }
 }
 
