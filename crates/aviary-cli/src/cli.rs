@@ -1072,16 +1072,11 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
             }
         }
     };
-    let binary = match a.runtime.as_str() {
-        "crun" => aviary_runtime_oci::OciBinary::Crun,
-        "runc" => aviary_runtime_oci::OciBinary::Runc,
-        other => {
-            return Err(Failure::new(
-                ErrorCode::InvalidRequest,
-                format!("unknown runtime {other:?} (crun|runc)"),
-            ))
-        }
-    };
+    let binary = aviary_runtime_oci::OciBinary::from(
+        a.runtime
+            .parse::<aviary_core::RuntimeName>()
+            .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?,
+    );
     let templates_dir = a
         .templates_dir
         .unwrap_or_else(|| a.data_dir.join("templates"));

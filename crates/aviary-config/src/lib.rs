@@ -35,7 +35,6 @@ use aviary_core::{NetworkProfile, ResourceLimits};
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
 /// The example file, which documents every option; it equals the defaults.
 pub const EXAMPLE_TOML: &str = include_str!("../../../aviary.example.toml");
@@ -123,41 +122,9 @@ impl EdgeSettings {
     }
 }
 
-/// An OCI runtime a sandbox can run on.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Runtime {
-    Crun,
-    Runc,
-}
-
-impl Runtime {
-    pub const ALL: [Runtime; 2] = [Runtime::Crun, Runtime::Runc];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Runtime::Crun => "crun",
-            Runtime::Runc => "runc",
-        }
-    }
-}
-
-impl fmt::Display for Runtime {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Runtime {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "crun" => Ok(Runtime::Crun),
-            "runc" => Ok(Runtime::Runc),
-            other => Err(format!("unknown runtime {other:?} (crun|runc)")),
-        }
-    }
-}
+/// A runtime a sandbox can run on: the one list of runtime names lives in
+/// `aviary-core`.
+pub use aviary_core::RuntimeName as Runtime;
 
 /// `[[class]]`: a named resource class. A sandbox always runs with exactly one
 /// class's limits.

@@ -37,7 +37,7 @@ impl Default for PlannerDefaults {
         PlannerDefaults {
             template: "default".into(),
             class_templates: BTreeMap::new(),
-            runtime: "crun".into(),
+            runtime: aviary_core::RuntimeName::default().as_str().into(),
         }
     }
 }

@@ -94,7 +94,10 @@ impl ClassSpec {
             disk_mb: disk_gib * 1024,
             pids,
             gpu: false,
-            runtimes: vec!["crun".into(), "runc".into()],
+            runtimes: aviary_core::RuntimeName::ALL
+                .iter()
+                .map(|r| r.as_str().into())
+                .collect(),
             network_profiles: nets.iter().map(|s| s.to_string()).collect(),
         }
     }

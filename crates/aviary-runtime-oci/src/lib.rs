@@ -51,7 +51,7 @@ pub use quota::{disk_image, MIN_DISK_MB};
 pub use spawn::ProcessSpawner;
 
 use async_trait::async_trait;
-use aviary_core::SandboxId;
+use aviary_core::{RuntimeName, SandboxId};
 use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
     validate_spec, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage, Runtime,
@@ -73,10 +73,27 @@ pub enum OciBinary {
 }
 
 impl OciBinary {
+    /// The runtime's name (`aviary_core::RuntimeName`), which is also the
+    /// binary's.
     pub fn name(self) -> &'static str {
-        match self {
-            OciBinary::Crun => "crun",
-            OciBinary::Runc => "runc",
+        RuntimeName::from(self).as_str()
+    }
+}
+
+impl From<RuntimeName> for OciBinary {
+    fn from(name: RuntimeName) -> Self {
+        match name {
+            RuntimeName::Crun => OciBinary::Crun,
+            RuntimeName::Runc => OciBinary::Runc,
+        }
+    }
+}
+
+impl From<OciBinary> for RuntimeName {
+    fn from(binary: OciBinary) -> Self {
+        match binary {
+            OciBinary::Crun => RuntimeName::Crun,
+            OciBinary::Runc => RuntimeName::Runc,
         }
     }
 }

@@ -4,33 +4,6 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-/// Which OCI runtime binary drives sandboxes on the local node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RuntimeKind {
-    Crun,
-    Runc,
-}
-
-impl std::str::FromStr for RuntimeKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "crun" => Ok(RuntimeKind::Crun),
-            "runc" => Ok(RuntimeKind::Runc),
-            other => Err(format!("unknown runtime {other:?} (crun|runc)")),
-        }
-    }
-}
-
-impl RuntimeKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RuntimeKind::Crun => "crun",
-            RuntimeKind::Runc => "runc",
-        }
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     /// The `--config` file (classes, network profiles, tenants, pools,
@@ -38,7 +11,8 @@ pub struct ServerConfig {
     pub settings: aviary_config::Config,
     pub data_dir: PathBuf,
     pub listen: SocketAddr,
-    pub runtime: RuntimeKind,
+    /// The runtime of the local node.
+    pub runtime: aviary_core::RuntimeName,
     /// Template store root; `<data_dir>/templates` unless set (tests share one).
     pub templates_dir: Option<PathBuf>,
     /// Static envd binary bind-mounted into every sandbox as PID 1.
@@ -98,10 +72,7 @@ impl ServerConfig {
         ServerConfig {
             data_dir: settings.server.data_dir.clone(),
             listen: settings.server.listen,
-            runtime: match settings.server.runtime {
-                aviary_config::Runtime::Crun => RuntimeKind::Crun,
-                aviary_config::Runtime::Runc => RuntimeKind::Runc,
-            },
+            runtime: settings.server.runtime,
             templates_dir: None,
             envd_binary,
             default_template: settings.server.default_template.clone(),

@@ -69,10 +69,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     );
     let runtime = aviary_runtime_oci::OciRuntime::new(
         aviary_runtime_oci::OciConfig::new(
-            match cfg.runtime {
-                config::RuntimeKind::Crun => aviary_runtime_oci::OciBinary::Crun,
-                config::RuntimeKind::Runc => aviary_runtime_oci::OciBinary::Runc,
-            },
+            aviary_runtime_oci::OciBinary::from(cfg.runtime),
             cfg.runtime_state_dir(),
         )
         .with_template_store(cfg.templates_root()),

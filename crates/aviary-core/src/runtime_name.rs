@@ -1,0 +1,69 @@
+//! The names of the sandbox runtimes Aviary knows: the one list that
+//! configuration, policy, placement, the node agent and the runtimes agree
+//! on. A new runtime backend adds its name here (and its crate).
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A sandbox runtime, by the name it is configured, recorded and placed by.
+#[derive(
+    Clone, Copy, PartialEq, Eq, Hash, Debug, Default, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum RuntimeName {
+    /// `crun` driving OCI containers (the default).
+    #[default]
+    Crun,
+    /// `runc` driving OCI containers.
+    Runc,
+}
+
+impl RuntimeName {
+    /// Every known runtime, the default first.
+    pub const ALL: [RuntimeName; 2] = [RuntimeName::Crun, RuntimeName::Runc];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuntimeName::Crun => "crun",
+            RuntimeName::Runc => "runc",
+        }
+    }
+}
+
+impl fmt::Display for RuntimeName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RuntimeName {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RuntimeName::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| {
+                let known: Vec<&str> = RuntimeName::ALL.iter().map(|r| r.as_str()).collect();
+                format!("unknown runtime {s:?} ({})", known.join("|"))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_through_text_and_json() {
+        for r in RuntimeName::ALL {
+            assert_eq!(r.as_str().parse::<RuntimeName>().unwrap(), r);
+            let json = serde_json::to_string(&r).unwrap();
+            assert_eq!(json, format!("\"{r}\""));
+            assert_eq!(serde_json::from_str::<RuntimeName>(&json).unwrap(), r);
+        }
+        assert_eq!(
+            "kata".parse::<RuntimeName>().unwrap_err(),
+            "unknown runtime \"kata\" (crun|runc)"
+        );
+    }
+}
