@@ -21,6 +21,33 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+/// Destroys every sandbox the runtime still has when dropped.
+struct SweepOnDrop(std::sync::Arc<dyn aviary_runtime::Runtime>);
+
+impl Drop for SweepOnDrop {
+    fn drop(&mut self) {
+        let runtime = self.0.clone();
+        let swept = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                if let Ok(ids) = runtime.list().await {
+                    for id in ids {
+                        if let Err(e) = runtime.destroy(&id).await {
+                            eprintln!("bench cleanup of {id}: {e}");
+                        }
+                    }
+                }
+            });
+        });
+        let _ = swept.join();
+    }
+}
+
 struct Stats {
     p50: f64,
     p90: f64,
@@ -85,6 +112,9 @@ async fn main() -> anyhow::Result<()> {
     if server.control_plane.wait_ready().await != aviary_server::ops::Readiness::Ready {
         bail!("server did not get ready");
     }
+    // Whatever happens below (an error returns early), no sandbox, mount or
+    // loop device of this run outlives it.
+    let _sweep = SweepOnDrop(server.control_plane.runtime.clone());
     let client = Client::new(&server.url(), &server.admin_key);
     let state_dir = server.control_plane.cfg.runtime_state_dir();
     let rootfs = server
