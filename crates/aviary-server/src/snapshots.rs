@@ -383,14 +383,7 @@ impl ControlPlane {
                 mid,
                 dir,
             )
-            .await
-            .map_err(|e| match e {
-                aviary_snapshots::SnapshotError::Corrupt { .. } => OpError::InvalidState {
-                    state: SandboxState::Provisioning,
-                    what: format!("snapshot {} is corrupt: {e}", snap.id),
-                },
-                other => OpError::internal(other),
-            })?;
+            .await?;
         }
         Ok(())
     }
@@ -582,8 +575,7 @@ impl ControlPlane {
             mid,
             staging,
         )
-        .await
-        .map_err(OpError::internal)?;
+        .await?;
         runtime
             .merge_workspace(&rec.id)
             .await
@@ -683,7 +675,7 @@ async fn snapshot_tree(
         move || async move { aviary_snapshots::snapshot_dir(store.as_ref(), &root, req).await },
     )
     .await?
-    .map_err(OpError::internal)
+    .map_err(OpError::from)
 }
 
 async fn restore_tree(
@@ -691,17 +683,15 @@ async fn restore_tree(
     tenant: String,
     id: SnapshotId,
     target: PathBuf,
-) -> Result<aviary_snapshots::RestoreStats, aviary_snapshots::SnapshotError> {
+) -> Result<aviary_snapshots::RestoreStats, OpError> {
+    // a failed restore task is the control plane's own failure (500); the
+    // restore's own errors carry their codes (not found, corrupt, store down)
     off_thread(move || async move {
         let m = store.get_manifest(&tenant, &id).await?;
         aviary_snapshots::restore_dir(store.as_ref(), &m, &target, &RestoreOptions::default()).await
     })
-    .await
-    .unwrap_or_else(|e| {
-        Err(aviary_snapshots::SnapshotError::NotFound {
-            what: format!("restore task: {e}"),
-        })
-    })
+    .await?
+    .map_err(OpError::from)
 }
 
 /// `POST /v1/snapshots/gc` (admin): retention, then a sweep of chunks no
@@ -760,7 +750,7 @@ impl ControlPlane {
                     off_thread(move || async move { st.delete_manifest(&tenant, &id).await })
                         .await?
                         .or_else(|e| if e.is_not_found() { Ok(()) } else { Err(e) })
-                        .map_err(OpError::internal)?;
+                        .map_err(OpError::from)?;
                 }
                 match self.registry.delete_snapshot(&old.id).await {
                     Ok(()) | Err(aviary_registry::RegistryError::NotFound) => {}
@@ -773,7 +763,7 @@ impl ControlPlane {
         let report =
             off_thread(move || async move { aviary_snapshots::collect_garbage(st.as_ref()).await })
                 .await?
-                .map_err(OpError::internal)?;
+                .map_err(OpError::from)?;
         Ok(GcResult {
             snapshots_deleted: deleted,
             chunks_kept: report.chunks_kept,
@@ -799,6 +789,6 @@ impl ControlPlane {
                 .await
         })
         .await?
-        .map_err(OpError::internal)
+        .map_err(OpError::from)
     }
 }
