@@ -400,7 +400,7 @@ mod quota {
     /// without, interleaved so both see the same machine. A measurement,
     /// not a test: run by `scripts/bench.sh`.
     #[tokio::test]
-    #[ignore = "benchmark; run by hand"]
+    #[ignore = "a timing measurement, not a test: scripts/bench.sh runs it and writes BENCHMARKS.md; tests never assert timings"]
     async fn measure_create_cost_with_and_without_quota() {
         let _g = LOCK.lock().await;
         let Some(f) = fixture() else { return };

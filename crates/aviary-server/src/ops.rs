@@ -39,6 +39,33 @@ pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
 /// runtime binds on the host and passes as fd 3 (socket activation).
 pub const ENVD_INIT_ARGS: [&str; 2] = ["--listen-fd", "3"];
 
+/// A control call to envd (fence move, kill-all) within [`FENCE_PUSH_TIMEOUT`]:
+/// a hung envd must not hang the operation waiting on it, and `busy` is
+/// retried (envd keeps a reserved lane for control calls, which a burst of
+/// refused calls can fill for a moment).
+async fn envd_control<F, Fut>(what: &str, call: F) -> Result<(), OpError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<(), aviary_envd_proto::EnvdError>>,
+{
+    let attempt = async {
+        loop {
+            match call().await {
+                Err(aviary_envd_proto::EnvdError::Busy) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                other => break other,
+            }
+        }
+    };
+    match tokio::time::timeout(FENCE_PUSH_TIMEOUT, attempt).await {
+        Ok(r) => r.map_err(OpError::from),
+        Err(_) => Err(OpError::Unavailable(format!(
+            "envd did not {what} within {FENCE_PUSH_TIMEOUT:?}"
+        ))),
+    }
+}
+
 /// The client of a local sandbox's envd: its host-only socket, and every
 /// connection's peer checked to be the sandbox's init (a socket the sandbox
 /// could have swapped in would belong to another process).
@@ -596,47 +623,13 @@ impl ControlPlane {
             )
             .await?;
         let current = self.leases.current(id, aviary_core::now()).await?;
-        // a hung envd must not hang the lease operation waiting on it
         let fence = current.map(|l| l.token.fence());
-        // `busy` is transient (envd keeps a reserved lane for control calls,
-        // which a burst of refused calls can fill for a moment): retry it.
-        let push = async {
-            loop {
-                match live.envd.set_fence(fence).await {
-                    Err(aviary_envd_proto::EnvdError::Busy) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await
-                    }
-                    other => break other,
-                }
-            }
-        };
-        match tokio::time::timeout(FENCE_PUSH_TIMEOUT, push).await {
-            Ok(r) => r.map_err(OpError::from),
-            Err(_) => Err(OpError::Unavailable(format!(
-                "envd did not answer the fence within {FENCE_PUSH_TIMEOUT:?}"
-            ))),
-        }
+        envd_control("take the fence", || live.envd.set_fence(fence)).await
     }
 
-    /// Kills every process of the sandbox but envd (level-1 reset), with
-    /// the fence push's time limit; `busy` is retried like the fence push.
+    /// Kills every process of the sandbox but envd (level-1 reset).
     pub(crate) async fn kill_all(&self, live: &LiveSandbox) -> Result<(), OpError> {
-        let kill = async {
-            loop {
-                match live.envd.kill_all().await {
-                    Err(aviary_envd_proto::EnvdError::Busy) => {
-                        tokio::time::sleep(Duration::from_millis(50)).await
-                    }
-                    other => break other,
-                }
-            }
-        };
-        match tokio::time::timeout(FENCE_PUSH_TIMEOUT, kill).await {
-            Ok(r) => r.map_err(OpError::from),
-            Err(_) => Err(OpError::Unavailable(format!(
-                "envd did not end the sandbox's processes within {FENCE_PUSH_TIMEOUT:?}"
-            ))),
-        }
+        envd_control("end the sandbox's processes", || live.envd.kill_all()).await
     }
 
     /// Every attached sandbox (for the background probe).

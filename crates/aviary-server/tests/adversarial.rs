@@ -16,14 +16,11 @@ use reqwest::{Method, StatusCode};
 /// A server whose per-key rate limit is out of the way: these tests send
 /// hundreds of requests from one key on purpose (limits are `edge.rs`'s).
 async fn start_unthrottled() -> (common::TestServer, tempfile::TempDir) {
-    let dir = tempfile::Builder::new()
-        .prefix("avt")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.settings.server.edge.rate_limit_per_s = 1e6;
-    cfg.settings.server.edge.rate_limit_burst = 1_000_000;
-    (common::start_cfg(cfg).await, dir)
+    common::start_edited(|cfg| {
+        cfg.settings.server.edge.rate_limit_per_s = 1e6;
+        cfg.settings.server.edge.rate_limit_burst = 1_000_000;
+    })
+    .await
 }
 
 async fn sh(c: &Client, id: &str, script: &str) -> (i32, String) {

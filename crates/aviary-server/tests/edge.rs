@@ -17,13 +17,7 @@ use tokio::net::TcpStream;
 async fn start_with_edge(
     edit: impl FnOnce(&mut aviary_config::EdgeSettings),
 ) -> (common::TestServer, tempfile::TempDir) {
-    let dir = tempfile::Builder::new()
-        .prefix("avt")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    edit(&mut cfg.settings.server.edge);
-    (common::start_cfg(cfg).await, dir)
+    common::start_edited(|cfg| edit(&mut cfg.settings.server.edge)).await
 }
 
 fn code(e: aviary_client::ClientError) -> ErrorCode {

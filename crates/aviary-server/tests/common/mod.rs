@@ -90,6 +90,18 @@ pub async fn start_with(default_template: &str) -> TestServer {
     ts
 }
 
+/// A ready server (busybox default) on a fresh temp data dir, its config
+/// changed by `edit` first; the dir lives as long as the returned guard.
+pub async fn start_edited(edit: impl FnOnce(&mut ServerConfig)) -> (TestServer, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = config(&dir.path().join("d"), "busybox");
+    edit(&mut cfg);
+    (start_cfg(cfg).await, dir)
+}
+
 pub async fn start_on(data: &Path, default_template: &str) -> TestServer {
     let cfg = config(data, default_template);
     start_cfg(cfg).await
