@@ -7,10 +7,13 @@
 //! - exec round trip of `true` through the API vs `crun exec` vs `docker exec`;
 //! - host memory per idle sandbox.
 //!
-//! `aviary-bench planner` runs only the planner scoring ([`planner`]).
+//! `aviary-bench planner` runs only the planner scoring ([`planner`]);
+//! `aviary-bench pool-churn [CYCLES]` a warm pool under create → exec → rm
+//! churn, hits and hit/miss latency ([`pool_churn`]).
 #![forbid(unsafe_code)]
 
 mod planner;
+mod pool_churn;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -48,6 +51,54 @@ impl Drop for SweepOnDrop {
     }
 }
 
+/// The scratch directory of one run (data dir, templates, bundles).
+fn work_dir() -> anyhow::Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new()
+        .prefix("avbench")
+        .tempdir_in("/var/tmp")?)
+}
+
+/// Starts the server every API measurement runs against, in this process, on
+/// `127.0.0.1:0`, with its data under `work`: the busybox template, one pool
+/// (`python-small` on busybox, empty until `pool set`), and waits until it is
+/// ready.
+async fn start_server(work: &Path) -> anyhow::Result<aviary_server::RunningServer> {
+    let envd = PathBuf::from(
+        std::env::var("AVIARY_ENVD")
+            .context("AVIARY_ENVD must name the static envd (scripts/bench.sh sets it)")?,
+    );
+    let mut cfg = aviary_server::config::ServerConfig::new(work.join("data"), envd);
+    cfg.listen = "127.0.0.1:0".parse()?;
+    cfg.control.default_template = "busybox".into();
+    cfg.control.default_template_source = aviary_server::config::DefaultTemplateSource::Busybox;
+    cfg.templates_dir = Some(work.join("templates"));
+    // The benchmark measures latency from one key on a 2-core machine: the
+    // per-key rate limit and the scheduler's over-commit bound are not what
+    // is measured here (edge.rs and robustness.rs test those).
+    cfg.control.settings.server.edge.rate_limit_per_s = 1e6;
+    cfg.control.settings.server.edge.rate_limit_burst = 1_000_000;
+    cfg.control.settings.overcommit.cpu_ratio = 100.0;
+    cfg.control.settings.overcommit.memory_ratio = 100.0;
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
+        class: POOL_CLASS.into(),
+        template: "busybox".into(),
+        runtime: aviary_config::Runtime::Crun,
+        pool_min: 0,
+        pool_max: 64,
+        buffer_min: 0,
+        buffer_max: 0,
+    }];
+    let server = aviary_server::start(cfg, |_| {}).await?;
+    if server.control_plane.wait_ready().await != aviary_server::ops::Readiness::Ready {
+        bail!("server did not get ready");
+    }
+    Ok(server)
+}
+
+/// The class of the one pool [`start_server`] configures (the class a default
+/// create is planned into).
+const POOL_CLASS: &str = "python-small";
+
 struct Stats {
     p50: f64,
     p90: f64,
@@ -78,48 +129,19 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("planner") {
         return planner::run();
     }
-    let envd = PathBuf::from(
-        std::env::var("AVIARY_ENVD")
-            .context("AVIARY_ENVD must name the static envd (scripts/bench.sh sets it)")?,
-    );
-    let iters: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(30);
-    let work = tempfile::Builder::new()
-        .prefix("avbench")
-        .tempdir_in("/var/tmp")?;
-    let data = work.path().join("data");
-    let mut cfg = aviary_server::config::ServerConfig::new(data.clone(), envd);
-    cfg.listen = "127.0.0.1:0".parse()?;
-    cfg.default_template = "busybox".into();
-    cfg.default_template_source = aviary_server::config::DefaultTemplateSource::Busybox;
-    cfg.templates_dir = Some(work.path().join("templates"));
-    // The benchmark measures latency from one key on a 2-core machine: the
-    // per-key rate limit and the scheduler's over-commit bound are not what
-    // is measured here (edge.rs and robustness.rs test those).
-    cfg.settings.server.edge.rate_limit_per_s = 1e6;
-    cfg.settings.server.edge.rate_limit_burst = 1_000_000;
-    cfg.settings.overcommit.cpu_ratio = 100.0;
-    cfg.settings.overcommit.memory_ratio = 100.0;
-    cfg.settings.pools = vec![aviary_config::PoolSettings {
-        class: "python-small".into(),
-        template: "busybox".into(),
-        runtime: aviary_config::Runtime::Crun,
-        pool_min: 0,
-        pool_max: 64,
-        buffer_min: 0,
-        buffer_max: 0,
-    }];
-    let server = aviary_server::start(cfg, |_| {}).await?;
-    if server.control_plane.wait_ready().await != aviary_server::ops::Readiness::Ready {
-        bail!("server did not get ready");
+    if args.get(1).map(String::as_str) == Some("pool-churn") {
+        let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
+        return pool_churn::run(cycles).await;
     }
+    let iters: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(30);
+    let work = work_dir()?;
+    let server = start_server(work.path()).await?;
     // Whatever happens below (an error returns early), no sandbox, mount or
     // loop device of this run outlives it.
-    let _sweep = SweepOnDrop(server.control_plane.runtime.clone());
+    let _sweep = SweepOnDrop(server.control_plane.runtime().clone());
     let client = Client::new(&server.url(), &server.admin_key);
-    let state_dir = server.control_plane.cfg.runtime_state_dir();
-    let rootfs = server
-        .control_plane
-        .templates
+    let state_dir = server.cfg.runtime_state_dir();
+    let rootfs = aviary_templates::TemplateStore::open(server.cfg.templates_root())?
         .get("busybox")?
         .context("busybox template")?
         .rootfs;
@@ -217,7 +239,7 @@ async fn main() -> anyhow::Result<()> {
     // 4. warm pool: refill rate, then acquire -> first exec on hits
     let warm_n = iters.min(20) as u32;
     let t = Instant::now();
-    client.set_pool("python-small", warm_n, 64).await?;
+    client.set_pool(POOL_CLASS, warm_n, 64).await?;
     wait_idle(&client, warm_n as u64).await?;
     let refill_rate = warm_n as f64 / t.elapsed().as_secs_f64();
     let mut warm = Vec::new();
@@ -235,7 +257,7 @@ async fn main() -> anyhow::Result<()> {
         }
         warm_ids.push(s.sandbox.id);
     }
-    client.set_pool("python-small", 0, 0).await?;
+    client.set_pool(POOL_CLASS, 0, 0).await?;
     for id in &warm_ids {
         client.delete_sandbox(id.as_str(), None).await?;
     }
@@ -335,14 +357,43 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn wait_idle(c: &Client, want: u64) -> anyhow::Result<()> {
-    for _ in 0..6000 {
-        let v = c.pools().await?;
-        if v["pools"][0]["idle"].as_u64() >= Some(want) {
-            return Ok(());
+    pool_when(c, Duration::from_millis(10), |v| {
+        v["idle"].as_u64() >= Some(want)
+    })
+    .await
+    .with_context(|| format!("pool did not fill to {want}"))?;
+    Ok(())
+}
+
+/// The view of the [`POOL_CLASS`] pool (`GET /v1/pools`).
+async fn pool_view(c: &Client) -> anyhow::Result<serde_json::Value> {
+    let v = c.pools().await?;
+    v["pools"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["class"] == POOL_CLASS))
+        .cloned()
+        .with_context(|| format!("no {POOL_CLASS} pool in {v}"))
+}
+
+/// Polls the pool's view every `poll` until `ready(view)` holds and returns
+/// that view; gives up after 60 s, so a pool that never refills fails the
+/// run instead of hanging it.
+async fn pool_when(
+    c: &Client,
+    poll: Duration,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let v = pool_view(c).await?;
+        if ready(&v) {
+            return Ok(v);
         }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        if Instant::now() > deadline {
+            bail!("pool stayed at {v}");
+        }
+        tokio::time::sleep(poll).await;
     }
-    bail!("pool did not fill to {want}")
 }
 
 fn true_cmd() -> ExecRequest {

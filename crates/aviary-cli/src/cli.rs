@@ -565,7 +565,7 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
     }
     let data_dir = cfg.data_dir.clone();
     cfg.templates_dir = a.templates_dir;
-    cfg.default_template_source = match a.default_template_source.as_str() {
+    cfg.control.default_template_source = match a.default_template_source.as_str() {
         "debootstrap" => aviary_server::config::DefaultTemplateSource::Debootstrap,
         "busybox" => aviary_server::config::DefaultTemplateSource::Busybox,
         other => {

@@ -29,8 +29,10 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+pub mod memory;
 mod records;
 
+pub use memory::MemoryRegistry;
 pub use records::*;
 
 use async_trait::async_trait;

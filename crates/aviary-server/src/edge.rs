@@ -22,7 +22,7 @@
 //! shutdown asks every connection to finish gracefully and waits until all
 //! permits are back.
 
-use crate::ops::ControlPlane;
+use aviary_control::ControlPlane;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;

@@ -1,5 +1,5 @@
 //! The HTTP API v1 (axum). Handlers are thin: extract, check the input at
-//! the edge ([`crate::validate`]), call one [`ControlPlane`] operation, map
+//! the edge ([`aviary_control::validate`]), call one [`ControlPlane`] operation, map
 //! the error (in `error.rs`). The OpenAPI document is generated from the
 //! handler annotations.
 //!
@@ -11,8 +11,9 @@
 //! admin key.
 
 use crate::edge::RateLimiter;
-use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane, Readiness};
+use crate::error::ApiError;
+use aviary_control::ops::{Caller, ControlPlane, Readiness};
+use aviary_control::OpError;
 use aviary_core::api::*;
 use aviary_core::{ErrorBody, LeaseToken};
 use axum::body::Body;
@@ -31,7 +32,32 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use utoipa::OpenApi;
 
-pub type AppState = Arc<ControlPlane>;
+/// What every handler gets: the control plane and the HTTP limits.
+#[derive(Clone)]
+pub struct AppState {
+    pub cp: Arc<ControlPlane>,
+    pub server: Arc<ServerSettings>,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = ControlPlane;
+    fn deref(&self) -> &ControlPlane {
+        &self.cp
+    }
+}
+
+/// The HTTP surface's own settings (the control plane's are in its config).
+#[derive(Clone, Debug)]
+pub struct ServerSettings {
+    /// Largest JSON body accepted.
+    pub max_json_bytes: usize,
+    /// Largest file upload accepted.
+    pub max_upload_bytes: u64,
+    /// Largest template archive accepted.
+    pub max_archive_bytes: u64,
+    /// Where uploads and template archives are spooled.
+    pub spool_dir: std::path::PathBuf,
+}
 
 pub const LEASE_TOKEN_HEADER: &str = "x-aviary-lease-token";
 
@@ -47,8 +73,8 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 pub struct Auth(pub Caller);
 
 impl FromRequestParts<AppState> for Auth {
-    type Rejection = OpError;
-    async fn from_request_parts(parts: &mut Parts, cp: &AppState) -> Result<Self, OpError> {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, cp: &AppState) -> Result<Self, ApiError> {
         let key = bearer(&parts.headers);
         let limiter = parts.extensions.get::<Arc<RateLimiter>>().cloned();
         let limited = |retry_after_s, message: &str| {
@@ -65,12 +91,12 @@ impl FromRequestParts<AppState> for Auth {
             .extensions
             .get::<crate::edge::ClientAddr>()
             .map(|a| format!("unauthenticated {}", a.0.ip()));
-        let hash = key.map(crate::ops::hash_key);
+        let hash = key.map(aviary_control::ops::hash_key);
         let now = std::time::Instant::now();
         if let (Some(l), Some(f)) = (&limiter, &failures) {
             if let Err(s) = l.check(f, now) {
                 if hash.as_deref().and_then(|h| cp.key_cache.get(h)).is_none() {
-                    return Err(limited(s, "too many requests without a valid API key"));
+                    return Err(limited(s, "too many requests without a valid API key").into());
                 }
             }
         }
@@ -79,7 +105,7 @@ impl FromRequestParts<AppState> for Auth {
                 if let (Some(l), Some(f)) = (&limiter, &failures) {
                     let _ = l.take(f, now);
                 }
-                return Err(OpError::Unauthorized);
+                return Err(OpError::Unauthorized.into());
             }
             other => other?,
         };
@@ -88,20 +114,21 @@ impl FromRequestParts<AppState> for Auth {
                 .map_err(|s| limited(s, "too many requests for this API key"))?;
         }
         // keys made before tenant names were checked may name a path
-        if crate::validate::identifier("tenant", &caller.tenant).is_err() {
+        if aviary_control::validate::identifier("tenant", &caller.tenant).is_err() {
             return Err(OpError::Forbidden(
                 "this key's tenant name is not valid; create a key for a valid tenant".into(),
-            ));
+            )
+            .into());
         }
         Ok(Auth(caller))
     }
 }
 
-fn require_admin(c: &Caller, what: &str) -> Result<(), OpError> {
+fn require_admin(c: &Caller, what: &str) -> Result<(), ApiError> {
     if c.admin {
         Ok(())
     } else {
-        Err(OpError::Forbidden(format!("{what} needs an admin key")))
+        Err(OpError::Forbidden(format!("{what} needs an admin key")).into())
     }
 }
 
@@ -112,21 +139,23 @@ fn require_admin(c: &Caller, what: &str) -> Result<(), OpError> {
 pub struct ApiJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
-    type Rejection = OpError;
-    async fn from_request(req: Request, state: &S) -> Result<Self, OpError> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         if !json_content_type(req.headers()) {
             return Err(OpError::InvalidRequest(
                 "expected a JSON body (Content-Type: application/json)".into(),
-            ));
+            )
+            .into());
         }
         let bytes = match bytes::Bytes::from_request(req, state).await {
             Ok(b) => b,
             Err(rej) if rej.status() == StatusCode::PAYLOAD_TOO_LARGE => {
                 return Err(OpError::PayloadTooLarge(
                     "request body is larger than the limit for this route".into(),
-                ))
+                )
+                .into())
             }
-            Err(rej) => return Err(OpError::InvalidRequest(rej.body_text())),
+            Err(rej) => return Err(OpError::InvalidRequest(rej.body_text()).into()),
         };
         json_object(&bytes).map(ApiJson)
     }
@@ -151,27 +180,27 @@ fn json_content_type(headers: &HeaderMap) -> bool {
 
 /// Deserializes `bytes` as `T`, which must be written as a JSON object: serde
 /// reads a struct from an array too (`[]` would be `{}` with all defaults).
-fn json_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, OpError> {
+fn json_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err(OpError::InvalidRequest(
-            "the request body must be a JSON object".into(),
-        ));
+        return Err(
+            OpError::InvalidRequest("the request body must be a JSON object".into()).into(),
+        );
     }
     Json::<T>::from_bytes(bytes)
         .map(|Json(v)| v)
-        .map_err(|rej| OpError::InvalidRequest(rej.body_text()))
+        .map_err(|rej| ApiError::from(OpError::InvalidRequest(rej.body_text())))
 }
 
 /// Query string with our error mapping.
 pub struct ApiQuery<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
-    type Rejection = OpError;
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, OpError> {
+    type Rejection = ApiError;
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         axum::extract::Query::<T>::from_request_parts(parts, state)
             .await
             .map(|q| ApiQuery(q.0))
-            .map_err(|rej| OpError::InvalidRequest(rej.body_text()))
+            .map_err(|rej| ApiError::from(OpError::InvalidRequest(rej.body_text())))
     }
 }
 
@@ -184,7 +213,7 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| aviary_core::new_id("req"))
 }
 
-fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, OpError> {
+fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, ApiError> {
     match headers.get(LEASE_TOKEN_HEADER) {
         None => Ok(None),
         Some(v) => v
@@ -196,6 +225,7 @@ fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, OpError> {
                 OpError::InvalidRequest(format!(
                     "{LEASE_TOKEN_HEADER} must be a lease token FENCE.SECRET as the grant returned it"
                 ))
+                .into()
             }),
     }
 }
@@ -258,7 +288,7 @@ async fn readyz(State(cp): State<AppState>) -> Response {
 /// Prometheus metrics. Needs `Authorization: Bearer` with the metrics token
 /// (the variable named by `server.metrics_token_env`) or an admin API key.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain"), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
-async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Response, OpError> {
+async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let presented = bearer(&headers).ok_or(OpError::Unauthorized)?;
     let is_token = cp
         .cfg
@@ -294,8 +324,8 @@ async fn create_sandbox(
     Auth(c): Auth,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
-) -> Result<(StatusCode, Json<CreateSandboxResponse>), OpError> {
-    crate::validate::create_request(&req)?;
+) -> Result<(StatusCode, Json<CreateSandboxResponse>), ApiError> {
+    aviary_control::validate::create_request(&req)?;
     let rid = request_id(&headers);
     Ok((
         StatusCode::CREATED,
@@ -308,7 +338,7 @@ async fn list_sandboxes(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiQuery(q): ApiQuery<ListQuery>,
-) -> Result<Json<SandboxList>, OpError> {
+) -> Result<Json<SandboxList>, ApiError> {
     Ok(Json(SandboxList {
         sandboxes: cp.list(&c, q.all).await?,
     }))
@@ -319,7 +349,7 @@ async fn get_sandbox(
     State(cp): State<AppState>,
     Auth(c): Auth,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     Ok(Json(cp.get(&c, &id).await?))
 }
 
@@ -330,7 +360,7 @@ async fn delete_sandbox(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.delete(&c, &id, header_token(&headers)?, Some(&rid))
@@ -338,7 +368,7 @@ async fn delete_sandbox(
     ))
 }
 
-fn body_token(req: &ExecRequest, headers: &HeaderMap) -> Result<ExecRequest, OpError> {
+fn body_token(req: &ExecRequest, headers: &HeaderMap) -> Result<ExecRequest, ApiError> {
     let mut req = req.clone();
     if req.token.is_none() {
         req.token = header_token(headers)?;
@@ -354,8 +384,8 @@ async fn exec(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
-) -> Result<Json<ExecResult>, OpError> {
-    crate::validate::exec_request(&req)?;
+) -> Result<Json<ExecResult>, ApiError> {
+    aviary_control::validate::exec_request(&req)?;
     let req = body_token(&req, &headers)?;
     Ok(Json(cp.exec(&c, &id, &req).await?))
 }
@@ -370,8 +400,8 @@ async fn exec_stream(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
-) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, OpError> {
-    crate::validate::exec_request(&req)?;
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    aviary_control::validate::exec_request(&req)?;
     let req = body_token(&req, &headers)?;
     let run = cp.exec_start(&c, &id, &req).await?;
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
@@ -442,7 +472,7 @@ async fn read_file(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
-) -> Result<Response, OpError> {
+) -> Result<Response, ApiError> {
     let reader = cp.read_file(&c, &id, &q.path).await?;
     let body = Body::from_stream(tokio_util::io::ReaderStream::new(reader));
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
@@ -458,17 +488,15 @@ async fn write_file(
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
     body: Body,
-) -> Result<Json<serde_json::Value>, OpError> {
-    let max = cp.cfg.max_upload_bytes;
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let max = cp.server.max_upload_bytes;
     check_content_length(&headers, max)?;
     let (reader, exceeded) = limited_reader(body, max);
     let res = cp
         .write_file(&c, &id, &q.path, header_token(&headers)?, reader)
         .await;
     if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
-        return Err(OpError::PayloadTooLarge(format!(
-            "upload larger than {max} bytes"
-        )));
+        return Err(OpError::PayloadTooLarge(format!("upload larger than {max} bytes")).into());
     }
     Ok(Json(serde_json::json!({"bytes": res?})))
 }
@@ -480,7 +508,7 @@ async fn remove_file(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
-) -> Result<StatusCode, OpError> {
+) -> Result<StatusCode, ApiError> {
     cp.remove(&c, &id, &q.path, q.recursive, header_token(&headers)?)
         .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -492,7 +520,7 @@ async fn list_files(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
-) -> Result<Json<FileList>, OpError> {
+) -> Result<Json<FileList>, ApiError> {
     Ok(Json(cp.list_files(&c, &id, &q.path).await?))
 }
 
@@ -502,7 +530,7 @@ async fn stat_file(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
-) -> Result<Json<FileInfo>, OpError> {
+) -> Result<Json<FileInfo>, ApiError> {
     Ok(Json(cp.stat(&c, &id, &q.path).await?))
 }
 
@@ -513,7 +541,7 @@ async fn mkdir(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<MkdirRequest>,
-) -> Result<StatusCode, OpError> {
+) -> Result<StatusCode, ApiError> {
     let token = match req.token {
         Some(t) => Some(t),
         None => header_token(&headers)?,
@@ -529,7 +557,7 @@ async fn lease_acquire(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<AcquireLeaseRequest>,
-) -> Result<(StatusCode, Json<Lease>), OpError> {
+) -> Result<(StatusCode, Json<Lease>), ApiError> {
     let rid = request_id(&headers);
     Ok((
         StatusCode::CREATED,
@@ -543,7 +571,7 @@ async fn lease_renew(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<RenewLeaseRequest>,
-) -> Result<Json<Lease>, OpError> {
+) -> Result<Json<Lease>, ApiError> {
     Ok(Json(cp.lease_renew(&c, &id, req).await?))
 }
 
@@ -554,7 +582,7 @@ async fn lease_release(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ReleaseLeaseRequest>,
-) -> Result<StatusCode, OpError> {
+) -> Result<StatusCode, ApiError> {
     let rid = request_id(&headers);
     cp.lease_release(&c, &id, req, Some(&rid)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -565,7 +593,7 @@ async fn events(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiQuery(q): ApiQuery<EventsQuery>,
-) -> Result<Json<EventList>, OpError> {
+) -> Result<Json<EventList>, ApiError> {
     Ok(Json(EventList {
         events: cp
             .events(&c, q.sandbox.as_deref(), q.after, q.limit)
@@ -579,7 +607,7 @@ async fn sandbox_events(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<SandboxEventsQuery>,
-) -> Result<Json<EventList>, OpError> {
+) -> Result<Json<EventList>, ApiError> {
     Ok(Json(EventList {
         events: cp.events(&c, Some(&id), q.after, q.limit).await?,
     }))
@@ -589,7 +617,7 @@ async fn sandbox_events(
 async fn templates(
     State(cp): State<AppState>,
     Auth(_c): Auth,
-) -> Result<Json<TemplateList>, OpError> {
+) -> Result<Json<TemplateList>, ApiError> {
     Ok(Json(TemplateList {
         templates: cp.templates().await?,
     }))
@@ -604,15 +632,13 @@ async fn import_template(
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Body,
-) -> Result<(StatusCode, Json<Template>), OpError> {
+) -> Result<(StatusCode, Json<Template>), ApiError> {
     if !c.admin {
-        return Err(OpError::Forbidden(
-            "importing templates needs an admin key".into(),
-        ));
+        return Err(OpError::Forbidden("importing templates needs an admin key".into()).into());
     }
-    let max = cp.cfg.max_archive_bytes;
+    let max = cp.server.max_archive_bytes;
     check_content_length(&headers, max)?;
-    let dir = cp.spool_dir();
+    let dir = cp.server.spool_dir.clone();
     tokio::fs::create_dir_all(&dir)
         .await
         .map_err(OpError::internal)?;
@@ -626,29 +652,27 @@ async fn import_template(
     .await;
     if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
         let _ = tokio::fs::remove_file(&path).await;
-        return Err(OpError::PayloadTooLarge(format!(
-            "archive larger than {max} bytes"
-        )));
+        return Err(OpError::PayloadTooLarge(format!("archive larger than {max} bytes")).into());
     }
     if let Err(e) = copy {
         let _ = tokio::fs::remove_file(&path).await;
-        return Err(OpError::InvalidRequest(format!("upload interrupted: {e}")));
+        return Err(OpError::InvalidRequest(format!("upload interrupted: {e}")).into());
     }
-    Ok((
-        StatusCode::CREATED,
-        Json(cp.import_template(&c, &name, path).await?),
-    ))
+    // the spooled archive is the server's: removed whatever the import did
+    let imported = cp.import_template(&c, &name, path.clone()).await;
+    let _ = tokio::fs::remove_file(&path).await;
+    Ok((StatusCode::CREATED, Json(imported?)))
 }
 
 /// Runs the resource planner on a task context and shows what the policy
 /// guard would approve for the caller; the decision is recorded.
 #[utoipa::path(post, path = "/v1/plan", request_body(content = Object, description = "task context (DESIGN §7)"),
-    responses((status = 200, body = crate::planning::PlanResponse), (status = 400, body = ErrorBody)), security(("api_key" = [])))]
+    responses((status = 200, body = aviary_control::planning::PlanResponse), (status = 400, body = ErrorBody)), security(("api_key" = [])))]
 async fn plan(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiJson(ctx): ApiJson<serde_json::Value>,
-) -> Result<Json<crate::planning::PlanResponse>, OpError> {
+) -> Result<Json<aviary_control::planning::PlanResponse>, ApiError> {
     Ok(Json(cp.plan(&c, ctx).await?))
 }
 
@@ -660,35 +684,35 @@ pub struct LimitQuery {
 
 /// Planner and policy decisions (`sandbox_allocation`), newest first, with
 /// the measured usage once a sandbox ended.
-#[utoipa::path(get, path = "/v1/allocations", params(LimitQuery), responses((status = 200, body = crate::planning::AllocationList)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/allocations", params(LimitQuery), responses((status = 200, body = aviary_control::planning::AllocationList)), security(("api_key" = [])))]
 async fn allocations(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiQuery(q): ApiQuery<LimitQuery>,
-) -> Result<Json<crate::planning::AllocationList>, OpError> {
+) -> Result<Json<aviary_control::planning::AllocationList>, ApiError> {
     Ok(Json(cp.allocations(&c, q.limit).await?))
 }
 
 /// Warm pools with their sizes and hit/miss counts (admin only: the counts
 /// are server-wide).
-#[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = crate::pools::PoolList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = aviary_control::pools::PoolList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn pools(
     State(cp): State<AppState>,
     Auth(c): Auth,
-) -> Result<Json<crate::pools::PoolList>, OpError> {
+) -> Result<Json<aviary_control::pools::PoolList>, ApiError> {
     require_admin(&c, "listing pools")?;
     Ok(Json(cp.pools_view().await?))
 }
 
 /// Sets `pool_min`/`pool_max` of the pools of a class (admin only; kept across restarts).
-#[utoipa::path(put, path = "/v1/pools/{class}", request_body = crate::pools::SetPoolRequest,
-    responses((status = 200, body = crate::pools::PoolList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(put, path = "/v1/pools/{class}", request_body = aviary_control::pools::SetPoolRequest,
+    responses((status = 200, body = aviary_control::pools::PoolList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn set_pool(
     State(cp): State<AppState>,
     Auth(c): Auth,
     Path(class): Path<String>,
-    ApiJson(req): ApiJson<crate::pools::SetPoolRequest>,
-) -> Result<Json<crate::pools::PoolList>, OpError> {
+    ApiJson(req): ApiJson<aviary_control::pools::SetPoolRequest>,
+) -> Result<Json<aviary_control::pools::PoolList>, ApiError> {
     Ok(Json(cp.set_pool(&c, &class, req).await?))
 }
 
@@ -699,7 +723,7 @@ async fn pause(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.pause(&c, &id, header_token(&headers)?, Some(&rid))
@@ -713,7 +737,7 @@ async fn resume(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.resume(&c, &id, header_token(&headers)?, Some(&rid))
@@ -730,7 +754,7 @@ async fn reset(
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ResetQuery>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.reset_level(
@@ -758,7 +782,7 @@ async fn release(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.release(&c, &id, header_token(&headers)?, Some(&rid))
@@ -781,19 +805,19 @@ async fn manifest(
     Auth(c): Auth,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ManifestQuery>,
-) -> Result<Json<aviary_reuse::EnvironmentManifest>, OpError> {
+) -> Result<Json<aviary_reuse::EnvironmentManifest>, ApiError> {
     Ok(Json(cp.manifest(&c, &id, q.refresh).await?))
 }
 
 /// Checkpoint: workspace + writable layer as content-defined chunks (fenced).
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = crate::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn snapshot(
     State(cp): State<AppState>,
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<LabelQuery>,
-) -> Result<(StatusCode, Json<crate::snapshots::SandboxSnapshot>), OpError> {
+) -> Result<(StatusCode, Json<aviary_control::snapshots::SandboxSnapshot>), ApiError> {
     let rid = request_id(&headers);
     let label = q.label.as_deref().unwrap_or("checkpoint");
     Ok((
@@ -818,24 +842,24 @@ pub struct SnapshotsQuery {
     sandbox: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/snapshots", params(SnapshotsQuery), responses((status = 200, body = crate::snapshots::SnapshotList)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/snapshots", params(SnapshotsQuery), responses((status = 200, body = aviary_control::snapshots::SnapshotList)), security(("api_key" = [])))]
 async fn snapshots(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiQuery(q): ApiQuery<SnapshotsQuery>,
-) -> Result<Json<crate::snapshots::SnapshotList>, OpError> {
+) -> Result<Json<aviary_control::snapshots::SnapshotList>, ApiError> {
     Ok(Json(cp.list_snapshots(&c, q.sandbox.as_deref()).await?))
 }
 
 /// A new sandbox from a checkpoint of this one (a fresh one when none is named).
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = crate::snapshots::ForkRequest, responses((status = 201, body = CreateSandboxResponse), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = aviary_control::snapshots::ForkRequest, responses((status = 201, body = CreateSandboxResponse), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn fork(
     State(cp): State<AppState>,
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-    ApiJson(mut req): ApiJson<crate::snapshots::ForkRequest>,
-) -> Result<(StatusCode, Json<CreateSandboxResponse>), OpError> {
+    ApiJson(mut req): ApiJson<aviary_control::snapshots::ForkRequest>,
+) -> Result<(StatusCode, Json<CreateSandboxResponse>), ApiError> {
     let rid = request_id(&headers);
     if req.token.is_none() {
         req.token = header_token(&headers)?;
@@ -853,7 +877,7 @@ async fn hibernate(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(
         cp.hibernate(&c, &id, header_token(&headers)?, Some(&rid))
@@ -867,73 +891,73 @@ async fn wake(
     Auth(c): Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-) -> Result<Json<Sandbox>, OpError> {
+) -> Result<Json<Sandbox>, ApiError> {
     let rid = request_id(&headers);
     Ok(Json(cp.wake(&c, &id, Some(&rid)).await?))
 }
 
 /// Every node (the local one and registered agents) as the scheduler sees it
 /// (admin only: capacity and commitments are server-wide).
-#[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = crate::nodes::NodeList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = aviary_control::nodes::NodeList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn nodes(
     State(cp): State<AppState>,
     Auth(c): Auth,
-) -> Result<Json<crate::nodes::NodeList>, OpError> {
+) -> Result<Json<aviary_control::nodes::NodeList>, ApiError> {
     require_admin(&c, "listing nodes")?;
     Ok(Json(cp.list_nodes().await?))
 }
 
 /// Registers an `aviary node` agent (admin only); it is asked for its info first.
-#[utoipa::path(post, path = "/v1/nodes", request_body = crate::nodes::AddNodeRequest, responses((status = 201, body = crate::nodes::NodeList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/nodes", request_body = aviary_control::nodes::AddNodeRequest, responses((status = 201, body = aviary_control::nodes::NodeList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn add_node(
     State(cp): State<AppState>,
     Auth(c): Auth,
-    ApiJson(req): ApiJson<crate::nodes::AddNodeRequest>,
-) -> Result<(StatusCode, Json<crate::nodes::NodeList>), OpError> {
+    ApiJson(req): ApiJson<aviary_control::nodes::AddNodeRequest>,
+) -> Result<(StatusCode, Json<aviary_control::nodes::NodeList>), ApiError> {
     Ok((StatusCode::CREATED, Json(cp.add_node(&c, req).await?)))
 }
 
 /// Snapshot retention and chunk garbage collection (admin only).
-#[utoipa::path(post, path = "/v1/snapshots/gc", request_body = crate::snapshots::GcRequest, responses((status = 200, body = crate::snapshots::GcResult), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/snapshots/gc", request_body = aviary_control::snapshots::GcRequest, responses((status = 200, body = aviary_control::snapshots::GcResult), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn gc_snapshots(
     State(cp): State<AppState>,
     Auth(c): Auth,
-    ApiJson(req): ApiJson<crate::snapshots::GcRequest>,
-) -> Result<Json<crate::snapshots::GcResult>, OpError> {
+    ApiJson(req): ApiJson<aviary_control::snapshots::GcRequest>,
+) -> Result<Json<aviary_control::snapshots::GcResult>, ApiError> {
     Ok(Json(cp.gc_snapshots(&c, req).await?))
 }
 
 /// Creates a key for a tenant (admin only); the secret is in this answer only.
-#[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = crate::keys::IssuedKey), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = aviary_control::keys::IssuedKey), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
     Auth(c): Auth,
     ApiJson(req): ApiJson<CreateKeyRequest>,
-) -> Result<(StatusCode, Json<crate::keys::IssuedKey>), OpError> {
+) -> Result<(StatusCode, Json<aviary_control::keys::IssuedKey>), ApiError> {
     Ok((StatusCode::CREATED, Json(cp.issue_key(&c, req).await?)))
 }
 
 /// Every API key with its id, tenant and revocation time; never a secret
 /// (admin only).
-#[utoipa::path(get, path = "/v1/keys", responses((status = 200, body = crate::keys::KeyList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/keys", responses((status = 200, body = aviary_control::keys::KeyList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn list_keys(
     State(cp): State<AppState>,
     Auth(c): Auth,
-) -> Result<Json<crate::keys::KeyList>, OpError> {
+) -> Result<Json<aviary_control::keys::KeyList>, ApiError> {
     Ok(Json(cp.list_keys(&c).await?))
 }
 
 /// Revokes a key (admin only): from the next request on it is 401.
-#[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = crate::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = aviary_control::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn revoke_key(
     State(cp): State<AppState>,
     Auth(c): Auth,
     Path(id): Path<String>,
-) -> Result<Json<crate::keys::ApiKeyInfo>, OpError> {
+) -> Result<Json<aviary_control::keys::ApiKeyInfo>, ApiError> {
     Ok(Json(cp.revoke_key(&c, &id).await?))
 }
 
-fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), OpError> {
+fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), ApiError> {
     if let Some(len) = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -942,7 +966,8 @@ fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), OpError> {
         if len > max {
             return Err(OpError::PayloadTooLarge(format!(
                 "body of {len} bytes is larger than {max}"
-            )));
+            ))
+            .into());
         }
     }
     Ok(())
@@ -982,8 +1007,8 @@ fn limited_reader(
     )
 }
 
-async fn not_found() -> OpError {
-    OpError::NotFound("route".into())
+async fn not_found() -> ApiError {
+    OpError::NotFound("route".into()).into()
 }
 
 async fn method_not_allowed() -> Response {
@@ -1017,9 +1042,10 @@ impl utoipa::Modify for SecurityAddon {
 )]
 pub struct ApiDoc;
 
-pub fn router(cp: AppState) -> Router {
+pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
     use axum::extract::DefaultBodyLimit;
-    let json_limit = cp.cfg.max_json_bytes;
+    let json_limit = server.max_json_bytes;
+    let cp = AppState { cp, server };
     let edge = &cp.cfg.settings.server.edge;
     let limiter = Arc::new(RateLimiter::from_settings(edge));
     let body_timeout = std::time::Duration::from_millis(edge.body_read_timeout_ms);

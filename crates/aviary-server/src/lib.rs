@@ -1,58 +1,35 @@
-//! Aviary's control plane.
+//! Aviary's HTTP server: the v1 API over the control-plane library
+//! (`aviary-control`), and the place where backends are chosen.
 //!
-//! Owns the lifecycle of sandboxes: it turns API calls into registry
-//! transitions, runtime actions and envd calls ([`ops::ControlPlane`]),
-//! serves them over HTTP ([`http`]), and runs the background tasks: the
-//! sweep that expires leases and TTLs, the envd health probe that finds lost
-//! sandboxes, pool refill, and the collection of unreferenced snapshot chunks.
+//! [`build`] picks the backends from the configuration (the embedded
+//! default: SQLite registry with its lease table, in-process locks, the OCI
+//! runtime on crun or runc, the local template store and chunk store, `aviary
+//! node` agents over HTTP) and hands them to `ControlPlane::new`; [`http`]
+//! turns requests into one control-plane operation each (handlers parse,
+//! call, map the error through [`error::ApiError`]); [`edge`] is the accept
+//! loop with its timeouts, connection caps and rate limits; [`start`] runs
+//! the background tasks (lease/TTL sweep, envd health probe, pool refill,
+//! chunk collection).
 //!
-//! Concurrency: one tokio runtime; per-sandbox ordering comes from the
-//! registry's optimistic versions and the lease store's fencing tokens. Work
-//! that must not overlap across requests takes a named lock of the
-//! coordination backend (`aviary_leases::Locks`), never an in-process
-//! `Mutex`: `bucket/<bucket>` (a scope bucket's find-or-create, `scopes`),
-//! `lifecycle/<id>` (hibernate/wake, `lifecycle`), `placement/nodes` (a
-//! placement until its row exists, `nodes`), `pool/<class>/<template>/<runtime>`
-//! (one refill pass of a pool, `pools`; claims are version-checked in the
-//! registry instead) and `fence/<id>` (fence pushes to one envd, `ops`).
-//!
-//! In-process state that remains, none of it a record or a serialisation of
-//! cross-request work:
-//! - live handles: the attached sandboxes' envd clients and their per-process
-//!   flags (paused, running execs, last activity; `ops::LiveSandbox`), and
-//!   the connected node agents' clients (`nodes`). They are rebuilt from the
-//!   registry and the runtimes at start-up; a replica knows the sandboxes it
-//!   attached.
-//! - caches: resolved API keys (`keys`, emptied on every revocation), when
-//!   `last_active_at` was last written per sandbox (to rate-limit that
-//!   write), the last projection index per sandbox (`projection`; a missing
-//!   one costs a full upload, not correctness).
-//! - metrics and counters: request metrics, pool hits/misses and the last
-//!   read hand-out count (`metrics`, `pools`), per process like every metric.
-//! - the edge's per-key rate-limit buckets and per-IP connection counts
-//!   (`edge`): limits of this process's listener.
-//! - readiness, and the planner and policy built from the configuration.
+//! In-process state here: the edge's per-key rate-limit buckets and per-IP
+//! connection counts (limits of this process's listener). The control
+//! plane's own in-process state is listed in `aviary-control`'s crate doc.
 #![forbid(unsafe_code)]
 
+pub mod backends;
 pub mod config;
 pub mod edge;
 pub mod error;
 pub mod http;
-pub mod keys;
-pub mod lifecycle;
-pub mod metrics;
-pub mod nodes;
-pub mod ops;
-pub mod planning;
-pub mod pools;
-pub mod projection;
-pub mod scopes;
-pub mod snapshots;
-pub mod validate;
+mod side_files;
+
+// The control plane's modules, where callers of the server found them.
+pub use aviary_control::{keys, lifecycle, metrics, nodes, ops, planning, pools, projection};
+pub use aviary_control::{scopes, snapshots, validate};
 
 use anyhow::Context;
+use aviary_control::ControlPlane;
 use config::ServerConfig;
-use ops::ControlPlane;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -61,7 +38,7 @@ use std::time::Duration;
 /// Opens the registry, the runtime and the template store.
 pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     create_private_dir(&cfg.data_dir)?;
-    check_static_binary(&cfg.envd_binary)?;
+    check_static_binary(&cfg.control.envd_binary)?;
     let registry = Arc::new(
         aviary_registry_sqlite::SqliteRegistry::open(&cfg.registry_path())
             .await
@@ -87,50 +64,63 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     let chunk_store = open_snapshot_store(&cfg).await?;
     tighten_data_dir(&cfg.data_dir, &cfg.runtime_state_dir())?;
     let runtime = Arc::new(runtime);
-    // the embedded default: leases in the registry's database, locks in
-    // this process
-    let coordination = aviary_leases::Coordination {
-        leases: registry.clone(),
-        locks: Arc::new(aviary_leases::InProcessLocks::new()),
+    let data_dir = cfg.data_dir.clone();
+    // Backends are chosen here, and only here: a new registry, coordination
+    // store, runtime or chunk store is one more arm where its kind is read
+    // from the configuration.
+    let backends = aviary_control::Backends {
+        // the embedded default: leases in the registry's database, locks in
+        // this process
+        coordination: aviary_leases::Coordination {
+            leases: registry.clone(),
+            locks: Arc::new(aviary_leases::InProcessLocks::new()),
+        },
+        registry: registry.clone(),
+        runtimes: aviary_control::RuntimeSet::single(
+            aviary_runtime::CapableRuntime::snapshottable(runtime),
+        ),
+        chunks: chunk_store,
+        trees: Arc::new(backends::HostTrees),
+        templates: Arc::new(backends::LocalTemplates(templates)),
+        nodes: Arc::new(backends::AgentConnector),
     };
-    let cp = ControlPlane::new(
-        cfg,
-        registry,
-        coordination,
-        aviary_runtime::CapableRuntime::snapshottable(runtime),
-        templates,
-        chunk_store,
-    )?;
-    import_side_files(&cp).await?;
+    let cp = ControlPlane::new(cfg.control, backends)?;
+    side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
 }
 
-/// Moves the JSON side files older versions kept in the data dir (snapshot
-/// index, pool bounds, node registrations) into the registry, once: each is
-/// removed after its content is stored, and a repeated import (after a crash
-/// in between) stores the same rows again.
-async fn import_side_files(cp: &ControlPlane) -> anyhow::Result<()> {
-    let snapshots = cp
-        .import_snapshot_index_files()
+/// Registers the bootstrap admin key kept in `<data dir>/admin.key` (made
+/// and written, 0600, on the first start).
+async fn ensure_admin_key(cp: &ControlPlane, path: &Path) -> anyhow::Result<String> {
+    let existing = std::fs::read_to_string(path).ok();
+    let key = cp
+        .ensure_admin_key(existing.as_deref())
         .await
-        .map_err(|e| anyhow::anyhow!("importing snapshot-index/: {e}"))?;
-    let pools = cp
-        .import_pools_file()
-        .await
-        .map_err(|e| anyhow::anyhow!("importing pools.json: {e}"))?;
-    let nodes = cp
-        .import_nodes_file()
-        .await
-        .map_err(|e| anyhow::anyhow!("importing nodes.json: {e}"))?;
-    if snapshots + pools + nodes > 0 {
-        tracing::info!(
-            snapshots,
-            pools,
-            nodes,
-            "data dir side files imported into the registry"
-        );
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if existing.as_deref().map(str::trim) != Some(key.as_str()) {
+        write_secret_file(path, &key)
+            .with_context(|| format!("writing the admin key to {}", path.display()))?;
     }
-    Ok(())
+    Ok(key)
+}
+
+fn write_secret_file(path: &Path, content: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(content.as_bytes())?;
+    f.write_all(b"\n")?;
+    f.sync_all()?;
+    std::fs::rename(tmp, path)
 }
 
 /// The configured snapshot store (`[snapshots]`).
@@ -142,7 +132,7 @@ pub async fn open_snapshot_store(
         std::env::var(name)
             .with_context(|| format!("snapshot store: environment variable {name} is not set"))
     };
-    Ok(match &cfg.settings.snapshots.store {
+    Ok(match &cfg.control.settings.snapshots.store {
         SnapshotStore::Local => Arc::new(aviary_snapshots::LocalStore::open(
             cfg.data_dir.join("snapshots"),
         )?),
@@ -181,6 +171,8 @@ pub async fn open_snapshot_store(
 /// A server started in this process (used by `aviary serve` and the tests).
 pub struct RunningServer {
     pub addr: SocketAddr,
+    /// The configuration it was started with.
+    pub cfg: ServerConfig,
     pub admin_key: String,
     pub control_plane: Arc<ControlPlane>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
@@ -214,12 +206,17 @@ pub async fn start(
     progress: impl Fn(&str) + Send + Sync + 'static,
 ) -> anyhow::Result<RunningServer> {
     let listen = cfg.listen;
-    let sweep_every = Duration::from_millis(cfg.sweep_interval_ms.max(50));
+    let sweep_every = Duration::from_millis(cfg.control.sweep_interval_ms.max(50));
+    let admin_key_path = cfg.admin_key_path();
+    let server = Arc::new(http::ServerSettings {
+        max_json_bytes: cfg.max_json_bytes,
+        max_upload_bytes: cfg.max_upload_bytes,
+        max_archive_bytes: cfg.max_archive_bytes,
+        spool_dir: cfg.spool_dir(),
+    });
+    let started_with = cfg.clone();
     let cp = build(cfg).await?;
-    let admin_key = cp
-        .ensure_admin_key()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let admin_key = ensure_admin_key(&cp, &admin_key_path).await?;
     cp.load_nodes().await;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -237,7 +234,7 @@ pub async fn start(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if sweeper.readiness() != ops::Readiness::Ready {
+            if sweeper.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
             if let Err(e) = sweeper.sweep().await {
@@ -252,7 +249,7 @@ pub async fn start(
                 _ = refiller.pools.refill.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            if refiller.readiness() != ops::Readiness::Ready {
+            if refiller.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
             if let Err(e) = refiller.refill_pools().await {
@@ -264,7 +261,7 @@ pub async fn start(
     let probe_task = tokio::spawn(probe_envds(cp.clone()));
     let gc_task = tokio::spawn(collect_chunks(cp.clone()));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = http::router(cp.clone());
+    let app = http::router(cp.clone(), server);
     let edge_cp = cp.clone();
     let task = tokio::spawn(async move {
         let res = edge::serve(listener, app, edge_cp, async move {
@@ -279,6 +276,7 @@ pub async fn start(
     });
     Ok(RunningServer {
         addr,
+        cfg: started_with,
         admin_key,
         control_plane: cp,
         shutdown: Some(tx),
@@ -289,7 +287,7 @@ pub async fn start(
 /// Background task: asks every attached sandbox's envd for its health; a
 /// sandbox whose envd is gone becomes `Lost` without waiting for a call.
 async fn probe_envds(cp: Arc<ControlPlane>) {
-    if cp.wait_ready().await != ops::Readiness::Ready {
+    if cp.wait_ready().await != aviary_control::Readiness::Ready {
         return;
     }
     let every = Duration::from_millis(cp.cfg.health_probe_interval_ms.max(100));
@@ -305,7 +303,7 @@ async fn probe_envds(cp: Arc<ControlPlane>) {
 /// right after start-up and then periodically, so what a snapshot
 /// interrupted by a crash wrote does not stay until an admin GC.
 async fn collect_chunks(cp: Arc<ControlPlane>) {
-    if cp.wait_ready().await != ops::Readiness::Ready {
+    if cp.wait_ready().await != aviary_control::Readiness::Ready {
         return;
     }
     let every = Duration::from_secs(cp.cfg.chunk_gc_interval_s.max(1));

@@ -17,8 +17,8 @@ use reqwest::{Method, StatusCode};
 /// hundreds of requests from one key on purpose (limits are `edge.rs`'s).
 async fn start_unthrottled() -> (common::TestServer, tempfile::TempDir) {
     common::start_edited(|cfg| {
-        cfg.settings.server.edge.rate_limit_per_s = 1e6;
-        cfg.settings.server.edge.rate_limit_burst = 1_000_000;
+        cfg.control.settings.server.edge.rate_limit_per_s = 1e6;
+        cfg.control.settings.server.edge.rate_limit_burst = 1_000_000;
     })
     .await
 }
@@ -74,14 +74,13 @@ async fn a_sandbox_cannot_redirect_the_hosts_envd_connection() {
     // The attack as reported: plant symlinks where the socket used to be,
     // to the victim's socket by host path and through /proc/<pid>/root.
     let victim_sock = ts
-        .cp()
-        .cfg
+        .server_cfg()
         .runtime_state_dir()
         .join(&id_a)
         .join("control/envd.sock");
     let victim_init = ts
         .cp()
-        .runtime
+        .runtime()
         .envd_endpoint(&id_a.parse().unwrap())
         .await
         .unwrap()
@@ -307,7 +306,7 @@ async fn reset_never_strands_a_sandbox() {
 
     let pid = ts
         .cp()
-        .runtime
+        .runtime()
         .envd_endpoint(&id.parse().unwrap())
         .await
         .unwrap()

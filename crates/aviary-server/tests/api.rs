@@ -238,7 +238,12 @@ async fn files_round_trip_and_confinement() {
         }
     }
     // the template is never written
-    let template_root = ts.cp().templates.get("busybox").unwrap().unwrap().rootfs;
+    let template_root = aviary_templates::TemplateStore::open(ts.server_cfg().templates_root())
+        .unwrap()
+        .get("busybox")
+        .unwrap()
+        .unwrap()
+        .rootfs;
     c.write_file(&id, "/bin/evil", b"x".to_vec(), None)
         .await
         .unwrap();
@@ -372,9 +377,8 @@ async fn lease_at_create_and_fencing_inside_envd() {
     assert_eq!(created.sandbox.lease_owner.as_deref(), Some("me"));
     let id = created.sandbox.id;
     // envd itself refuses a stale token, even if a caller got past the API
-    let live = ts.cp();
-    let sock = live
-        .cfg
+    let sock = ts
+        .server_cfg()
         .runtime_state_dir()
         .join(id.as_str())
         .join("control/envd.sock");

@@ -17,7 +17,7 @@ use tokio::net::TcpStream;
 async fn start_with_edge(
     edit: impl FnOnce(&mut aviary_config::EdgeSettings),
 ) -> (common::TestServer, tempfile::TempDir) {
-    common::start_edited(|cfg| edit(&mut cfg.settings.server.edge)).await
+    common::start_edited(|cfg| edit(&mut cfg.control.settings.server.edge)).await
 }
 
 fn code(e: aviary_client::ClientError) -> ErrorCode {

@@ -8,11 +8,11 @@
 mod common;
 
 use aviary_client::ClientError;
+use aviary_control::OpError;
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::{ErrorCode, SandboxId, SandboxState, Scope};
 use aviary_leases::{LockName, LockRequest};
 use aviary_registry::{FenceCheck, TransitionCtx};
-use aviary_server::error::OpError;
 use axum::response::IntoResponse;
 use std::time::Duration;
 
@@ -75,7 +75,13 @@ async fn an_illegal_transition_is_409_invalid_state_everywhere() {
     assert_eq!(refused.code(), ErrorCode::InvalidState);
     let e = OpError::from(refused);
     assert_eq!(e.code(), ErrorCode::InvalidState);
-    assert_eq!(e.into_response().status().as_u16(), 409);
+    assert_eq!(
+        aviary_server::error::ApiError(e)
+            .into_response()
+            .status()
+            .as_u16(),
+        409
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -86,7 +92,7 @@ async fn a_runtime_not_found_is_404() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.health_probe_interval_ms = 3_600_000;
+    cfg.control.health_probe_interval_ms = 3_600_000;
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
     let id = common::new_sandbox(c).await;

@@ -76,7 +76,7 @@ async fn a_pool_refilled_elsewhere_is_skipped() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.settings.pools = vec![aviary_config::PoolSettings {
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: "python-small".into(),
         template: "busybox".into(),
         runtime: aviary_config::Runtime::Crun,

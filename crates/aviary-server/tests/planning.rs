@@ -126,7 +126,7 @@ async fn policy_clamps_and_denies_per_tenant() {
         "test config must define tenant small"
     );
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.settings = settings;
+    cfg.control.settings = settings;
     let ts = common::start_cfg(cfg).await;
     let key = ts.client.create_key("small", false).await.unwrap().key;
     let c = aviary_client::Client::new(&ts.url(), &key);
@@ -265,7 +265,7 @@ async fn the_llm_planner_is_used_and_a_hostile_answer_falls_back() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.settings.planner.llm = Some(aviary_config::LlmSettings {
+    cfg.control.settings.planner.llm = Some(aviary_config::LlmSettings {
         base_url: format!("http://{llm}/v1"),
         model: "test-model".into(),
         api_key: None,

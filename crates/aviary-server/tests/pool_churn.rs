@@ -39,7 +39,7 @@ async fn a_pool_keeps_serving_hits_under_create_exec_rm_churn() {
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
     // `pool set python-small --min 2 --max 8` on the default pool
-    cfg.settings.pools = vec![aviary_config::PoolSettings {
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: "python-small".into(),
         template: "busybox".into(),
         runtime: aviary_config::Runtime::Crun,
@@ -50,8 +50,8 @@ async fn a_pool_keeps_serving_hits_under_create_exec_rm_churn() {
     }];
     // the loop and its polling are faster than the default per-key rate
     // limit allows; it is not what this test is about
-    cfg.settings.server.edge.rate_limit_per_s = 1e6;
-    cfg.settings.server.edge.rate_limit_burst = 1_000_000;
+    cfg.control.settings.server.edge.rate_limit_per_s = 1e6;
+    cfg.control.settings.server.edge.rate_limit_burst = 1_000_000;
     let ts = common::start_cfg(cfg).await;
     let c = ts.client.clone();
     let refilled = |v: &serde_json::Value| v["idle"] == 2;

@@ -18,9 +18,9 @@ fn pool_config(
     let mut cfg = common::config(data, "busybox");
     // the parallel-claim test needs more sandboxes than this host's CPUs
     // take under the default over-commit
-    cfg.settings.overcommit.cpu_ratio = 100.0;
-    cfg.settings.overcommit.memory_ratio = 100.0;
-    cfg.settings.pools = vec![aviary_config::PoolSettings {
+    cfg.control.settings.overcommit.cpu_ratio = 100.0;
+    cfg.control.settings.overcommit.memory_ratio = 100.0;
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: "python-small".into(),
         template: "busybox".into(),
         runtime: aviary_config::Runtime::Crun,

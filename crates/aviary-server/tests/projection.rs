@@ -39,7 +39,7 @@ async fn server(h: &Path) -> (common::TestServer, tempfile::TempDir) {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.settings.projections = [
+    cfg.control.settings.projections = [
         ("AGENTS.md", "/workspace/AGENTS.md"),
         ("skills", "/workspace/.agent/skills"),
         ("knowledge", "/workspace/knowledge"),
@@ -194,7 +194,7 @@ async fn a_root_with_a_symlink_to_etc_fails_the_start_and_projects_nothing() {
     assert!(error.contains("skills/etc"), "{error}");
     assert!(!all.iter().any(|e| e.event_type == "projection_synced"));
     // nothing was left running, and no sandbox is live
-    assert!(ts.cp().runtime.list().await.unwrap().is_empty());
+    assert!(ts.cp().runtime().list().await.unwrap().is_empty());
     let listed = c.list_sandboxes(true).await.unwrap();
     assert!(
         listed.sandboxes.iter().all(|s| s.state.is_terminal()),

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 fn pool_config(data: &std::path::Path) -> aviary_server::config::ServerConfig {
     let mut cfg = common::config(data, "busybox");
-    cfg.settings.pools = vec![aviary_config::PoolSettings {
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: "python-small".into(),
         template: "busybox".into(),
         runtime: aviary_config::Runtime::Crun,

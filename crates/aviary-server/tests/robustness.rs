@@ -37,7 +37,7 @@ async fn restart(ts: &mut TestServer, cfg: aviary_server::config::ServerConfig) 
 /// The host pid of the sandbox's init, which is its envd.
 async fn envd_pid(ts: &TestServer, id: &str) -> u32 {
     let id: SandboxId = id.parse().unwrap();
-    ts.cp().runtime.envd_endpoint(&id).await.unwrap().peer_pid
+    ts.cp().runtime().envd_endpoint(&id).await.unwrap().peer_pid
 }
 
 async fn events_of(ts: &TestServer, id: &str) -> Vec<aviary_core::api::Event> {
@@ -92,7 +92,7 @@ async fn restart_goes_on_when_one_envd_refuses_its_fence() {
     // behind the server's back, the bad sandbox's envd is moved to a fence
     // far above the lease store's: it refuses the one pushed at start-up
     let bad_id: SandboxId = bad.parse().unwrap();
-    let ep = ts.cp().runtime.envd_endpoint(&bad_id).await.unwrap();
+    let ep = ts.cp().runtime().envd_endpoint(&bad_id).await.unwrap();
     ts.stop().await;
     EnvdClient::new(ep.socket)
         .set_fence(Some(1 << 40))
@@ -154,7 +154,11 @@ async fn an_expired_holder_cannot_write_after_a_new_lease() {
     assert!(lease2.token.fence() > token1.fence());
     tokio::time::sleep(Duration::from_secs(4)).await;
     let _ = holder.await.unwrap();
-    let ws = ts.cp().cfg.runtime_state_dir().join(&id).join("workspace");
+    let ws = ts
+        .server_cfg()
+        .runtime_state_dir()
+        .join(&id)
+        .join("workspace");
     assert!(
         !ws.join("stale").exists(),
         "the old holder's command wrote after the new lease"
@@ -176,11 +180,17 @@ async fn an_expired_holder_cannot_write_after_a_new_lease() {
 async fn local_node_refuses_creates_past_its_overcommit() {
     let (_dir, data) = data_dir();
     let mut cfg = common::config(&data, "busybox");
-    let class_cpu = cfg.settings.class(&cfg.default_class).unwrap().limits().cpu;
+    let class_cpu = cfg
+        .control
+        .settings
+        .class(&cfg.control.default_class)
+        .unwrap()
+        .limits()
+        .cpu;
     let cpus = std::thread::available_parallelism().unwrap().get() as f64;
     // room for exactly two sandboxes of the default class
-    cfg.settings.overcommit.cpu_ratio = 2.0 * class_cpu / cpus;
-    cfg.settings.overcommit.memory_ratio = 100.0;
+    cfg.control.settings.overcommit.cpu_ratio = 2.0 * class_cpu / cpus;
+    cfg.control.settings.overcommit.memory_ratio = 100.0;
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
     let a = common::new_sandbox(c).await;
@@ -211,7 +221,7 @@ async fn a_killed_envd_makes_its_sandbox_lost_on_the_next_call() {
     let (_dir, data) = data_dir();
     let mut cfg = common::config(&data, "busybox");
     // only the call may find it here
-    cfg.health_probe_interval_ms = 3_600_000;
+    cfg.control.health_probe_interval_ms = 3_600_000;
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
     let id = common::new_sandbox(c).await;
@@ -250,7 +260,7 @@ async fn a_killed_envd_makes_its_sandbox_lost_on_the_next_call() {
 async fn the_health_probe_finds_a_killed_envd() {
     let (_dir, data) = data_dir();
     let mut cfg = common::config(&data, "busybox");
-    cfg.health_probe_interval_ms = 200;
+    cfg.control.health_probe_interval_ms = 200;
     let ts = common::start_cfg(cfg).await;
     let id = common::new_sandbox(&ts.client).await;
     nix_kill(envd_pid(&ts, &id).await);
@@ -329,8 +339,8 @@ async fn restart_thaws_a_sandbox_frozen_without_a_pause() {
 async fn orphan_chunks_are_collected_without_an_admin() {
     let (_dir, data) = data_dir();
     let mut cfg = common::config(&data, "busybox");
-    cfg.chunk_gc_interval_s = 1;
-    cfg.chunk_gc_grace_s = 1;
+    cfg.control.chunk_gc_interval_s = 1;
+    cfg.control.chunk_gc_grace_s = 1;
     let mut ts = common::start_cfg(cfg.clone()).await;
     let id = common::new_sandbox(&ts.client).await;
     ts.client

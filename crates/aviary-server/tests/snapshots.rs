@@ -193,7 +193,7 @@ async fn all_four_restore_branches() {
     let h = c.sandbox_action(&id, "hibernate", None).await.unwrap();
     assert_eq!(h.state, SandboxState::Hibernating);
     assert!(
-        !ts.cp().runtime.list().await.unwrap().contains(&h.id),
+        !ts.cp().runtime().list().await.unwrap().contains(&h.id),
         "compute must be stopped"
     );
     assert_eq!(
@@ -226,7 +226,7 @@ async fn idle_sandboxes_hibernate_and_wake_with_their_files() {
         .tempdir_in("/tmp")
         .unwrap();
     let mut cfg = common::config(&dir.path().join("d"), "busybox");
-    cfg.idle_hibernate_s = Some(2);
+    cfg.control.idle_hibernate_s = Some(2);
     let ts = common::start_cfg(cfg).await;
     let c = &ts.client;
     let id = common::new_sandbox(c).await;
@@ -378,7 +378,7 @@ async fn snapshots_round_trip_on_every_store() {
             .tempdir_in("/tmp")
             .unwrap();
         let mut cfg = common::config(&dir.path().join("d"), "busybox");
-        cfg.settings.snapshots.store = store;
+        cfg.control.settings.snapshots.store = store;
         let ts = common::start_cfg(cfg).await;
         let c = &ts.client;
         let p = common::new_sandbox(c).await;

@@ -58,7 +58,7 @@ fn entries(dir: &Path) -> usize {
 async fn fifty_cycles_leave_nothing_behind() {
     let ts = common::start().await;
     let c = &ts.client;
-    let state_dir = ts.cp().cfg.runtime_state_dir();
+    let state_dir = ts.server_cfg().runtime_state_dir();
     // one warm-up cycle so lazily created shared dirs exist before counting
     let id = c
         .create_sandbox(&CreateSandboxRequest::default())

@@ -36,6 +36,7 @@ pub use hash::{validate_tenant, ChunkHash, SnapshotId};
 pub use manifest::{Entry, EntryKind, ManifestKey, SnapshotManifest};
 pub use service::SnapshotService;
 pub use store::local::LocalStore;
+pub use store::memory::MemoryStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PgStore;
 #[cfg(feature = "redis")]

@@ -20,6 +20,10 @@ impl TestServer {
     pub fn url(&self) -> String {
         self.server.as_ref().expect("server running").url()
     }
+    /// The configuration the running server was started with.
+    pub fn server_cfg(&self) -> &ServerConfig {
+        &self.server.as_ref().expect("server running").cfg
+    }
     pub fn cp(&self) -> &aviary_server::ops::ControlPlane {
         &self.server.as_ref().expect("server running").control_plane
     }
@@ -64,13 +68,13 @@ pub fn config(data: &Path, default_template: &str) -> ServerConfig {
     let mut cfg = ServerConfig::new(data.to_path_buf(), envd_binary());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
     cfg.templates_dir = Some(template_cache());
-    cfg.default_template = default_template.into();
-    cfg.default_template_source = if default_template == "default" {
+    cfg.control.default_template = default_template.into();
+    cfg.control.default_template_source = if default_template == "default" {
         DefaultTemplateSource::Debootstrap
     } else {
         DefaultTemplateSource::Busybox
     };
-    cfg.sweep_interval_ms = 100;
+    cfg.control.sweep_interval_ms = 100;
     cfg
 }
 
@@ -135,9 +139,9 @@ impl TestServer {
     /// Destroys every sandbox this server's runtime still has, pooled ones
     /// included (test cleanup).
     pub async fn cleanup(&self) {
-        if let Ok(ids) = self.cp().runtime.list().await {
+        if let Ok(ids) = self.cp().runtime().list().await {
             for id in ids {
-                let _ = self.cp().runtime.destroy(&id).await;
+                let _ = self.cp().runtime().destroy(&id).await;
             }
         }
     }
@@ -152,7 +156,7 @@ impl Drop for TestServer {
         let Some(server) = self.server.as_ref() else {
             return;
         };
-        let runtime = server.control_plane.runtime.clone();
+        let runtime = server.control_plane.runtime().clone();
         let swept = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()

@@ -17,6 +17,7 @@ use crate::manifest::{ManifestKey, SnapshotManifest};
 use async_trait::async_trait;
 
 pub mod local;
+pub mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]
@@ -26,7 +27,7 @@ pub mod s3;
 
 #[async_trait]
 pub trait ChunkStore: Send + Sync {
-    /// Short backend name for logs and errors (`local`, `s3`, `redis`, `postgres`).
+    /// Short backend name for logs and errors (`local`, `memory`, `s3`, `redis`, `postgres`).
     fn backend(&self) -> &'static str;
 
     /// Store `bytes` under `hash` (idempotent; overwriting with the same bytes is fine).

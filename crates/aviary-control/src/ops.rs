@@ -14,20 +14,21 @@
 //!   and always push the lease store's *current* view, read while the lock
 //!   is held, so they cannot reorder into a stale state.
 
-use crate::config::{DefaultTemplateSource, ServerConfig};
+use crate::backends::{Backends, RuntimeSet, TemplateCatalog, TreeArchive};
+use crate::config::ControlConfig;
 use crate::error::OpError;
 use aviary_core::api::*;
 use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
 use aviary_envd_proto::{EnvdClient, ExecSpec};
 use aviary_leases::LeaseStore;
+use aviary_registry::TemplateRecord;
 use aviary_registry::{
     EventFilter, FenceCheck, NewEvent, NewSandbox, Registry, SandboxRecord, TransitionCtx,
 };
 use aviary_runtime::{BindMount, Runtime, SandboxSpec};
-use aviary_templates::{TemplateInfo, TemplateStore};
 use sha2::Digest;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -134,18 +135,18 @@ impl Drop for ExecGuard {
 }
 
 pub struct ControlPlane {
-    pub cfg: ServerConfig,
+    pub cfg: ControlConfig,
     pub registry: Arc<dyn Registry>,
     pub leases: Arc<dyn LeaseStore>,
-    pub runtime: Arc<dyn Runtime>,
-    /// The same runtime seen as `Pausable`, when it can pause.
-    pub pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
-    /// The same runtime seen as `Snapshottable`, when it can hand out and
-    /// take in sandbox layers (snapshots, fork, hibernate/wake, restores).
-    pub snapshottable: Option<Arc<dyn aviary_runtime::Snapshottable>>,
-    pub templates: Arc<TemplateStore>,
+    /// The local runtimes; a sandbox runs on the one its record names.
+    pub runtimes: RuntimeSet,
+    pub templates: Arc<dyn TemplateCatalog>,
+    /// Reads and writes the directories runtimes export and stage.
+    pub(crate) trees: Arc<dyn TreeArchive>,
+    /// Connects `aviary node` agents.
+    pub(crate) connector: Arc<dyn crate::backends::NodeConnector>,
     live: StdMutex<HashMap<SandboxId, Arc<LiveSandbox>>>,
-    pub(crate) key_cache: crate::keys::KeyCache,
+    pub key_cache: crate::keys::KeyCache,
     /// Named locks with a TTL: scope buckets' execution guards and
     /// hibernate/wake of one sandbox (see `scopes`, `lifecycle`).
     pub locks: Arc<dyn aviary_leases::Locks>,
@@ -158,6 +159,13 @@ pub struct ControlPlane {
     pub pools: crate::pools::Pools,
     pub snapshots: aviary_snapshots::SnapshotService,
     pub nodes: crate::nodes::Nodes,
+    /// The last synced projection index per sandbox (a cache: a missing one
+    /// costs a full upload, not correctness).
+    pub(crate) projection_indexes:
+        StdMutex<HashMap<SandboxId, aviary_reuse::projection::RemoteIndex>>,
+    /// Hash of the bootstrap admin key (set by [`Self::ensure_admin_key`]),
+    /// which `revoke_key` refuses.
+    pub(crate) bootstrap_key_hash: std::sync::RwLock<Option<String>>,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -208,24 +216,25 @@ pub fn check_sandbox_path(p: &str) -> Result<(), OpError> {
 }
 
 impl ControlPlane {
-    pub fn new(
-        cfg: ServerConfig,
-        registry: Arc<dyn Registry>,
-        coordination: aviary_leases::Coordination,
-        runtime: aviary_runtime::CapableRuntime,
-        templates: Arc<TemplateStore>,
-        chunk_store: Arc<dyn aviary_snapshots::ChunkStore>,
-    ) -> anyhow::Result<Arc<Self>> {
+    /// A control plane over `backends`.
+    pub fn new(cfg: ControlConfig, backends: Backends) -> anyhow::Result<Arc<Self>> {
+        let Backends {
+            registry,
+            coordination,
+            runtimes,
+            chunks,
+            trees,
+            templates,
+            nodes: connector,
+        } = backends;
         let aviary_leases::Coordination { leases, locks } = coordination;
-        let aviary_runtime::CapableRuntime {
-            runtime,
-            pausable,
-            snapshottable,
-        } = runtime;
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
-        let planning = crate::planning::Planning::new(&cfg.settings, runtime.name())?;
+        let planning = crate::planning::Planning::new(
+            &cfg.settings,
+            runtimes.default_runtime().runtime.name(),
+        )?;
         let pools = crate::pools::Pools::new(&cfg.settings.pools);
-        let snapshots = aviary_snapshots::SnapshotService::new(chunk_store);
+        let snapshots = aviary_snapshots::SnapshotService::new(chunks);
         let nodes = crate::nodes::Nodes::new(aviary_scheduler::SchedulerConfig {
             cpu_overcommit: cfg.settings.overcommit.cpu_ratio,
             memory_overcommit: cfg.settings.overcommit.memory_ratio,
@@ -235,10 +244,10 @@ impl ControlPlane {
             cfg,
             registry,
             leases,
-            runtime,
-            pausable,
-            snapshottable,
+            runtimes,
             templates,
+            trees,
+            connector,
             live: StdMutex::new(HashMap::new()),
             key_cache: Default::default(),
             locks,
@@ -249,7 +258,15 @@ impl ControlPlane {
             pools,
             snapshots,
             nodes,
+            projection_indexes: StdMutex::new(HashMap::new()),
+            bootstrap_key_hash: std::sync::RwLock::new(None),
         }))
+    }
+
+    /// The default local runtime (what a create gets unless its class or
+    /// request names another).
+    pub fn runtime(&self) -> &Arc<dyn Runtime> {
+        &self.runtimes.default_runtime().runtime
     }
 
     pub fn readiness(&self) -> Readiness {
@@ -334,24 +351,22 @@ impl ControlPlane {
         })
     }
 
-    /// Makes sure `<data dir>/admin.key` exists and is registered.
-    pub async fn ensure_admin_key(&self) -> Result<String, OpError> {
-        let path = self.cfg.admin_key_path();
-        if let Ok(existing) = std::fs::read_to_string(&path) {
-            let key = existing.trim().to_owned();
-            if self.registry.find_api_key(&hash_key(&key)).await?.is_some() {
-                return Ok(key);
-            }
-            self.registry
-                .insert_api_key(&hash_key(&key), "default", true)
-                .await?;
-            return Ok(key);
+    /// Registers the bootstrap admin key: `existing` (the key the server
+    /// kept from an earlier start) when given, else a new one. Returns the
+    /// key, which the caller stores.
+    pub async fn ensure_admin_key(&self, existing: Option<&str>) -> Result<String, OpError> {
+        let key = match existing.map(str::trim).filter(|k| !k.is_empty()) {
+            Some(k) => k.to_owned(),
+            None => new_api_key(),
+        };
+        let hash = hash_key(&key);
+        if self.registry.find_api_key(&hash).await?.is_none() {
+            self.registry.insert_api_key(&hash, "default", true).await?;
         }
-        let key = new_api_key();
-        self.registry
-            .insert_api_key(&hash_key(&key), "default", true)
-            .await?;
-        write_secret_file(&path, &key).map_err(OpError::internal)?;
+        *self
+            .bootstrap_key_hash
+            .write()
+            .expect("bootstrap key poisoned") = Some(hash);
         Ok(key)
     }
 
@@ -363,31 +378,15 @@ impl ControlPlane {
         self: &Arc<Self>,
         progress: impl Fn(&str) + Send + 'static,
     ) -> Result<(), OpError> {
-        let this = self.clone();
         self.set_readiness(Readiness::Preparing("preparing default template".into()));
-        let name = self.cfg.default_template.clone();
-        let source = self.cfg.default_template_source;
-        let res = tokio::task::spawn_blocking(move || -> Result<TemplateInfo, OpError> {
-            if let Some(t) = this.templates.get(&name).map_err(OpError::internal)? {
-                return Ok(t);
-            }
-            match source {
-                DefaultTemplateSource::Debootstrap if name == "default" => {
-                    let mut p = |s: &str| progress(s);
-                    this.templates
-                        .ensure_default(&mut p)
-                        .map_err(OpError::internal)
-                }
-                _ => {
-                    progress(&format!("building busybox template {name:?}"));
-                    this.templates
-                        .build_busybox(&name)
-                        .map_err(OpError::internal)
-                }
-            }
-        })
-        .await
-        .map_err(OpError::internal)?;
+        let res = self
+            .templates
+            .prepare(
+                &self.cfg.default_template,
+                self.cfg.default_template_source,
+                Box::new(progress),
+            )
+            .await;
         let res = match res {
             Ok(_) => {
                 self.set_readiness(Readiness::Preparing(
@@ -414,13 +413,8 @@ impl ControlPlane {
     }
 
     async fn sync_templates(&self) -> Result<(), OpError> {
-        let store = self.templates.clone();
-        let all = tokio::task::spawn_blocking(move || store.list())
-            .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?;
-        for t in all {
-            self.registry.upsert_template(&template_record(&t)).await?;
+        for t in self.templates.list().await? {
+            self.registry.upsert_template(&t).await?;
         }
         Ok(())
     }
@@ -431,11 +425,17 @@ impl ControlPlane {
     /// is marked lost (tainted, with an event) and start-up goes on.
     pub async fn reconcile_on_start(&self) -> Result<(), OpError> {
         let records = self.registry.list_sandboxes(None, false).await?;
-        let actual = self
-            .runtime
-            .list()
-            .await
-            .map_err(OpError::runtime("list the runtime's sandboxes"))?;
+        let mut actual = Vec::new();
+        for rt in self.runtimes.all() {
+            for id in rt
+                .runtime
+                .list()
+                .await
+                .map_err(OpError::runtime("list the runtime's sandboxes"))?
+            {
+                actual.push((rt.runtime.clone(), id));
+            }
+        }
         for rec in &records {
             if let Err(e) = self.reconcile_one(rec, &actual).await {
                 tracing::warn!(sandbox.id = %rec.id, error = format!("{:#}", anyhow_of(&e)), "could not reconcile the sandbox after a restart");
@@ -446,10 +446,15 @@ impl ControlPlane {
                 }
             }
         }
-        for id in actual {
-            if !records.iter().any(|r| r.id == id) {
-                tracing::warn!(sandbox.id = %id, "destroying runtime sandbox unknown to the registry");
-                let _ = self.runtime.destroy(&id).await;
+        for (runtime, id) in actual {
+            // a sandbox of this runtime the registry does not know (or
+            // knows on another runtime) is left over
+            if !records
+                .iter()
+                .any(|r| r.id == id && r.runtime == runtime.name())
+            {
+                tracing::warn!(sandbox.id = %id, runtime = runtime.name(), "destroying runtime sandbox unknown to the registry");
+                let _ = runtime.destroy(&id).await;
             }
         }
         Ok(())
@@ -459,7 +464,7 @@ impl ControlPlane {
     async fn reconcile_one(
         &self,
         rec: &SandboxRecord,
-        actual: &[SandboxId],
+        actual: &[(Arc<dyn Runtime>, SandboxId)],
     ) -> Result<(), OpError> {
         // envd calls here are bounded: a hung envd must not hold up start-up
         const ANSWER: Duration = Duration::from_secs(3);
@@ -476,33 +481,38 @@ impl ControlPlane {
             }
             return Ok(());
         }
+        let capable = self.local_runtime(&rec.runtime)?;
+        let runtime = capable.runtime.clone();
+        let on_runtime = actual
+            .iter()
+            .any(|(rt, id)| id == &rec.id && rt.name() == rec.runtime);
         match rec.state {
             // no compute: a hibernated sandbox wakes from its snapshot (a
             // crash may have left its old compute behind), a lost one waits
             // for its owner to delete it
             SandboxState::Hibernating => {
-                if actual.contains(&rec.id) {
-                    let _ = self.runtime.destroy(&rec.id).await;
+                if on_runtime {
+                    let _ = runtime.destroy(&rec.id).await;
                 }
                 return Ok(());
             }
             SandboxState::Lost => return Ok(()),
             _ => {}
         }
-        let mut status = if actual.contains(&rec.id) {
-            self.runtime.status(&rec.id).await.ok()
+        let mut status = if on_runtime {
+            runtime.status(&rec.id).await.ok()
         } else {
             None
         };
         if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Paused) {
             if self.paused_on_record(&rec.id).await? {
                 // a frozen envd cannot answer; its fence is pushed on resume
-                if let Ok(envd) = self.local_envd(&rec.id).await {
+                if let Ok(envd) = self.local_envd(rec).await {
                     let live = self.attach(&rec.id, envd, None);
                     live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
                     return Ok(());
                 }
-            } else if let Some(p) = &self.pausable {
+            } else if let Some(p) = &capable.pausable {
                 // frozen without a pause on record: a snapshot the crash interrupted
                 p.resume(&rec.id)
                     .await
@@ -518,7 +528,7 @@ impl ControlPlane {
             }
         }
         if rec.state.is_live() && status == Some(aviary_runtime::RuntimeStatus::Running) {
-            if let Ok(envd) = self.local_envd(&rec.id).await {
+            if let Ok(envd) = self.local_envd(rec).await {
                 if let Ok(Ok(())) =
                     tokio::time::timeout(ANSWER, envd.wait_ready(Duration::from_secs(2))).await
                 {
@@ -533,7 +543,7 @@ impl ControlPlane {
             return Ok(());
         }
         // Lost: the runtime no longer has it (or it never finished starting).
-        let _ = self.runtime.destroy(&rec.id).await;
+        let _ = runtime.destroy(&rec.id).await;
         let _ = self.leases.revoke(&rec.id).await;
         let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Lost) {
             &[SandboxState::Lost, SandboxState::Terminated]
@@ -560,10 +570,11 @@ impl ControlPlane {
 
     /// The envd client of a sandbox on the local runtime, found through the
     /// runtime (never a path built here) and bound to its init's pid.
-    async fn local_envd(&self, id: &SandboxId) -> Result<EnvdClient, OpError> {
+    async fn local_envd(&self, rec: &SandboxRecord) -> Result<EnvdClient, OpError> {
         let ep = self
+            .local_runtime(&rec.runtime)?
             .runtime
-            .envd_endpoint(id)
+            .envd_endpoint(&rec.id)
             .await
             .map_err(OpError::runtime("find the envd endpoint"))?;
         Ok(envd_client(&ep))
@@ -851,7 +862,7 @@ impl ControlPlane {
             resources,
             template: template.name.clone(),
             template_digest: template.digest.clone(),
-            runtime: self.runtime.name().to_owned(),
+            runtime: self.runtime().name().to_owned(),
             runtime_instance_id: None,
             node: node.clone(),
             network_profile: network,
@@ -946,7 +957,7 @@ impl ControlPlane {
     pub(crate) fn sandbox_spec(
         &self,
         id: &SandboxId,
-        template: &TemplateInfo,
+        template: &TemplateRecord,
         resources: aviary_core::ResourceLimits,
         network: aviary_core::NetworkProfile,
     ) -> SandboxSpec {
@@ -994,7 +1005,7 @@ impl ControlPlane {
         caller: &Caller,
         req: &CreateSandboxRequest,
         approved: &crate::planning::Approved,
-        template: &TemplateInfo,
+        template: &TemplateRecord,
         scope: Scope,
         expires_at: OffsetDateTime,
         lease_req: Option<(String, Duration)>,
@@ -1002,7 +1013,7 @@ impl ControlPlane {
     ) -> Result<Option<CreateSandboxResponse>, OpError> {
         let Some(pool) = self
             .pools
-            .find(&approved.class, &template.name, self.runtime.name())
+            .find(&approved.class, &template.name, self.runtime().name())
         else {
             return Ok(None);
         };
@@ -1065,13 +1076,10 @@ impl ControlPlane {
             .remove(id);
     }
 
-    pub(crate) async fn template_info(&self, name: &str) -> Result<TemplateInfo, OpError> {
-        let store = self.templates.clone();
-        let n = name.to_owned();
-        tokio::task::spawn_blocking(move || store.get(&n))
-            .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?
+    pub(crate) async fn template_info(&self, name: &str) -> Result<TemplateRecord, OpError> {
+        self.templates
+            .get(name)
+            .await?
             .ok_or_else(|| OpError::InvalidRequest(format!("unknown template {name:?}")))
     }
 
@@ -1108,7 +1116,7 @@ impl ControlPlane {
         allocation_id: Option<i64>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let id = &spec.id;
-        let runtime = self.runtime_for(&rec.node)?;
+        let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let handle = runtime
             .create(spec)
             .await
@@ -1191,11 +1199,11 @@ impl ControlPlane {
         tracing::warn!(sandbox.id = %id, error = format!("{:#}", anyhow_of(cause)), "create failed");
         self.live.lock().expect("live map poisoned").remove(id);
         let rec = self.registry.get_sandbox(id).await;
-        let node = rec
+        let (node, runtime) = rec
             .as_ref()
-            .map(|r| r.node.as_str())
-            .unwrap_or(crate::nodes::LOCAL_NODE);
-        let destroy = self.destroy_compute(node, id).await;
+            .map(|r| (r.node.as_str(), r.runtime.as_str()))
+            .unwrap_or((crate::nodes::LOCAL_NODE, self.runtime().name()));
+        let destroy = self.destroy_compute(node, runtime, id).await;
         let _ = self.leases.revoke(id).await;
         if let Ok(rec) = rec {
             let path: &[SandboxState] = if rec.state.can_transition_to(SandboxState::Failed) {
@@ -1235,8 +1243,13 @@ impl ControlPlane {
     }
 
     /// Removes a sandbox's compute from the runtime of its node.
-    async fn destroy_compute(&self, node: &str, id: &SandboxId) -> Result<(), OpError> {
-        self.runtime_for(node)?
+    async fn destroy_compute(
+        &self,
+        node: &str,
+        runtime: &str,
+        id: &SandboxId,
+    ) -> Result<(), OpError> {
+        self.runtime_for(node, runtime)?
             .destroy(id)
             .await
             .map_err(OpError::runtime("runtime teardown"))
@@ -1280,7 +1293,7 @@ impl ControlPlane {
         if let Some(live) = &live {
             self.record_usage(&rec, live).await;
         }
-        let destroyed = self.destroy_compute(&rec.node, &id).await;
+        let destroyed = self.destroy_compute(&rec.node, &rec.runtime, &id).await;
         self.leases.revoke(&id).await?;
         let mut meta = serde_json::json!({"reason": why});
         if let Err(e) = &destroyed {
@@ -1313,7 +1326,7 @@ impl ControlPlane {
         if alloc < 0 {
             return;
         }
-        let Ok(rt) = self.runtime_for(&rec.node) else {
+        let Ok(rt) = self.runtime_for(&rec.node, &rec.runtime) else {
             return;
         };
         let Ok(u) = rt.usage(&rec.id).await else {
@@ -1454,7 +1467,7 @@ impl ControlPlane {
     ) -> Result<ExecRun, OpError> {
         let spec = Self::exec_spec(req)?;
         let (rec, live) = self.writable(caller, id, req.token).await?;
-        let runtime = self.runtime_for(&rec.node)?;
+        let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self
             .via_envd(
@@ -1918,15 +1931,16 @@ impl ControlPlane {
     }
 
     pub async fn templates(&self) -> Result<Vec<Template>, OpError> {
-        let store = self.templates.clone();
-        let all = tokio::task::spawn_blocking(move || store.list())
-            .await
-            .map_err(OpError::internal)?
-            .map_err(OpError::internal)?;
-        Ok(all.iter().map(template_api).collect())
+        Ok(self
+            .templates
+            .list()
+            .await?
+            .iter()
+            .map(template_api)
+            .collect())
     }
 
-    /// Imports an archive already spooled to `archive` (removed afterwards).
+    /// Imports an archive already spooled to `archive` (the caller removes it).
     pub async fn import_template(
         &self,
         caller: &Caller,
@@ -1934,7 +1948,6 @@ impl ControlPlane {
         archive: PathBuf,
     ) -> Result<Template, OpError> {
         if !caller.admin {
-            let _ = std::fs::remove_file(&archive);
             return Err(OpError::Forbidden(
                 "importing templates needs an admin key".into(),
             ));
@@ -1946,22 +1959,12 @@ impl ControlPlane {
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
             || name.starts_with('.')
         {
-            let _ = std::fs::remove_file(&archive);
             return Err(OpError::InvalidRequest(
                 "template name must be 1-64 of [A-Za-z0-9._-], not starting with '.'".into(),
             ));
         }
-        let store = self.templates.clone();
-        let n = name.to_owned();
-        let a = archive.clone();
-        let res = tokio::task::spawn_blocking(move || store.import_archive(&n, &a))
-            .await
-            .map_err(OpError::internal)?;
-        let _ = std::fs::remove_file(&archive);
-        let info = res?;
-        self.registry
-            .upsert_template(&template_record(&info))
-            .await?;
+        let info = self.templates.import(name, archive).await?;
+        self.registry.upsert_template(&info).await?;
         self.record_event(
             &caller.tenant,
             None,
@@ -1972,10 +1975,6 @@ impl ControlPlane {
         )
         .await?;
         Ok(template_api(&info))
-    }
-
-    pub fn spool_dir(&self) -> PathBuf {
-        self.cfg.data_dir.join("spool")
     }
 
     /// Stops every background resource of the server; sandboxes keep running
@@ -2021,17 +2020,7 @@ fn file_info(s: aviary_envd_proto::FileStat) -> FileInfo {
     }
 }
 
-fn template_record(t: &TemplateInfo) -> aviary_registry::TemplateRecord {
-    aviary_registry::TemplateRecord {
-        name: t.name.clone(),
-        digest: t.digest.clone(),
-        size_bytes: t.size_bytes,
-        source: t.source.clone(),
-        created_at: t.created_at,
-    }
-}
-
-fn template_api(t: &TemplateInfo) -> Template {
+fn template_api(t: &TemplateRecord) -> Template {
     Template {
         name: t.name.clone(),
         digest: t.digest.clone(),
@@ -2046,25 +2035,6 @@ fn new_api_key() -> String {
     let mut b = [0u8; 24];
     rand::thread_rng().fill_bytes(&mut b);
     format!("avk_{}", hex::encode(b))
-}
-
-pub(crate) fn write_secret_file(path: &Path, content: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(content.as_bytes())?;
-    f.write_all(b"\n")?;
-    f.sync_all()?;
-    std::fs::rename(tmp, path)
 }
 
 fn anyhow_of(e: &OpError) -> anyhow::Error {

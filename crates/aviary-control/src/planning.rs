@@ -251,7 +251,7 @@ impl ControlPlane {
                         ))
                     })?;
                     (
-                        class_request(c, &network_name, self.runtime.name()),
+                        class_request(c, &network_name, self.runtime().name()),
                         class.clone(),
                         "class requested by the caller".to_owned(),
                         1.0,
@@ -296,7 +296,7 @@ impl ControlPlane {
                         ))
                     })?;
                     (
-                        class_request(c, &network_name, self.runtime.name()),
+                        class_request(c, &network_name, self.runtime().name()),
                         class.clone(),
                         "default class".to_owned(),
                         1.0,

@@ -14,7 +14,7 @@
 //!   with `unavailable` (503: the operator's configuration is wrong, not the
 //!   caller's request) and a `projection_failed` event is recorded.
 //! - The index of the last sync (sandbox path → SHA-256) is kept in memory per
-//!   control plane and sandbox, and stored only after a successful apply; a
+//!   sandbox (a field of the control plane), and stored only after a successful apply; a
 //!   sync takes it out first, so after a failed apply (remote state unknown)
 //!   or a server restart the next sync starts from an empty index (uploads
 //!   everything, cannot delete what an earlier process projected).
@@ -40,23 +40,11 @@ use aviary_reuse::projection::{
     apply, ProjectionPlanner, ProjectionRoot, ProjectionTarget, RemoteIndex, TargetError,
 };
 use sha2::Digest;
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
 use tokio::io::AsyncReadExt;
 
 /// Hash recorded for an indexed file the sandbox changed: never equal to a
 /// real SHA-256, so the planner re-uploads (or deletes) it.
 const TAMPERED: &str = "";
-
-/// Last synced index per (control plane, sandbox). Keyed by the plane's
-/// address so that several planes in one process (tests) never prune or read
-/// each other's entries; `ControlPlane` itself has no field for it.
-type Indexes = HashMap<(usize, SandboxId), RemoteIndex>;
-
-fn indexes() -> &'static Mutex<Indexes> {
-    static INDEXES: OnceLock<Mutex<Indexes>> = OnceLock::new();
-    INDEXES.get_or_init(|| Mutex::new(HashMap::new()))
-}
 
 /// `e` and its sources, `: `-separated.
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -196,24 +184,22 @@ async fn verify_index(live: &LiveSandbox, index: RemoteIndex, limit: u64) -> (Re
 }
 
 impl ControlPlane {
-    fn plane_key(&self) -> usize {
-        self as *const ControlPlane as usize
-    }
-
     /// Takes this sandbox's stored index out (a failed sync leaves none) and
-    /// drops entries of this plane's sandboxes that are no longer live.
+    /// drops entries of sandboxes that are no longer live.
     fn take_index(&self, id: &SandboxId) -> RemoteIndex {
-        let key = self.plane_key();
-        let mut map = indexes().lock().expect("projection index map poisoned");
-        map.retain(|(plane, sid), _| *plane != key || sid == id || self.live_opt(sid).is_some());
-        map.remove(&(key, id.clone())).unwrap_or_default()
+        let mut map = self
+            .projection_indexes
+            .lock()
+            .expect("projection index map poisoned");
+        map.retain(|sid, _| sid == id || self.live_opt(sid).is_some());
+        map.remove(id).unwrap_or_default()
     }
 
     fn store_index(&self, id: &SandboxId, index: RemoteIndex) {
-        indexes()
+        self.projection_indexes
             .lock()
             .expect("projection index map poisoned")
-            .insert((self.plane_key(), id.clone()), index);
+            .insert(id.clone(), index);
     }
 
     /// Syncs the configured projection roots into the sandbox (a no-op when

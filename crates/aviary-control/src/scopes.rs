@@ -115,7 +115,7 @@ impl ControlPlane {
             &caller.tenant,
             req,
             template_digest,
-            self.runtime.name(),
+            self.runtime().name(),
             class,
             network,
             requirements(req)?,

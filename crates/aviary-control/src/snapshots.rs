@@ -28,7 +28,7 @@ use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sa
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
 use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};
 use aviary_runtime::Snapshottable;
-use aviary_snapshots::{RestoreOptions, SnapshotId, SnapshotRequest};
+use aviary_snapshots::{SnapshotId, SnapshotRequest};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -83,7 +83,7 @@ impl From<SnapshotRecord> for SandboxSnapshot {
 impl SandboxSnapshot {
     /// The registry row of this snapshot; `None` when its sandbox id is
     /// malformed (only a hand-edited index file can have one).
-    fn to_record(&self) -> Option<SnapshotRecord> {
+    pub fn to_record(&self) -> Option<SnapshotRecord> {
         Some(SnapshotRecord {
             id: self.id.clone(),
             tenant: self.tenant.clone(),
@@ -187,46 +187,6 @@ impl ControlPlane {
             .map(SandboxSnapshot::from))
     }
 
-    /// Moves the index files of older versions (`<data>/snapshot-index/*.json`)
-    /// into the registry and removes them. Safe to repeat after a crash: an
-    /// entry already in the registry is kept. A file that cannot be read or
-    /// parsed stays where it is (older versions ignored it too) and is logged.
-    pub(crate) async fn import_snapshot_index_files(&self) -> Result<usize, OpError> {
-        let dir = self.cfg.data_dir.join("snapshot-index");
-        let entries = match std::fs::read_dir(&dir) {
-            Ok(rd) => rd,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-            Err(e) => return Err(OpError::internal(e)),
-        };
-        let mut imported = 0;
-        for e in entries {
-            let path = e.map_err(OpError::internal)?.path();
-            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            // `.<id>.tmp`: a write the old version never finished
-            if name.starts_with('.') && name.ends_with(".tmp") {
-                std::fs::remove_file(&path).map_err(OpError::internal)?;
-                continue;
-            }
-            let record = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<SandboxSnapshot>(&b).ok())
-                .and_then(|s| s.to_record());
-            let Some(record) = record else {
-                tracing::warn!(file = %path.display(), "snapshot index file not imported: unreadable");
-                continue;
-            };
-            match self.registry.insert_snapshot(&record).await {
-                Ok(_) | Err(aviary_registry::RegistryError::Duplicate) => {}
-                Err(e) => return Err(e.into()),
-            }
-            std::fs::remove_file(&path).map_err(OpError::internal)?;
-            imported += 1;
-        }
-        // only succeeds once nothing is left in it
-        let _ = std::fs::remove_dir(&dir);
-        Ok(imported)
-    }
-
     /// `POST /v1/sandboxes/{id}/snapshot` (fenced).
     pub async fn snapshot(
         &self,
@@ -272,12 +232,15 @@ impl ControlPlane {
         what: &str,
     ) -> Result<Arc<dyn Snapshottable>, OpError> {
         Self::require_local(rec, what)?;
-        self.snapshottable.clone().ok_or_else(|| {
-            OpError::InvalidRequest(format!(
-                "{what} is not supported by runtime {}",
-                self.runtime.name()
-            ))
-        })
+        self.local_runtime(&rec.runtime)?
+            .snapshottable
+            .clone()
+            .ok_or_else(|| {
+                OpError::InvalidRequest(format!(
+                    "{what} is not supported by runtime {}",
+                    rec.runtime
+                ))
+            })
     }
 
     /// Snapshots the sandbox's workspace and writable layer, frozen.
@@ -322,9 +285,8 @@ impl ControlPlane {
                 .export_layers(&rec.id)
                 .await
                 .map_err(OpError::runtime("read the sandbox's layers"))?;
-            let store = self.snapshots.store().clone();
-            let w = snapshot_tree(store.clone(), layers.workspace, ws).await?;
-            let u = snapshot_tree(store, layers.writable, up).await?;
+            let w = self.snapshot_tree(layers.workspace, ws).await?;
+            let u = self.snapshot_tree(layers.writable, up).await?;
             Ok::<_, OpError>((w, u))
         }
         .await;
@@ -377,13 +339,7 @@ impl ControlPlane {
             (&snap.upper_manifest, stage.writable),
         ] {
             let mid: SnapshotId = manifest.parse().map_err(OpError::internal)?;
-            restore_tree(
-                self.snapshots.store().clone(),
-                snap.tenant.clone(),
-                mid,
-                dir,
-            )
-            .await?;
+            self.restore_tree(snap.tenant.clone(), mid, dir).await?;
         }
         Ok(())
     }
@@ -474,7 +430,11 @@ impl ControlPlane {
             )
             .await?;
         self.forget_live(&rec.id);
-        if let Err(e) = self.runtime.destroy(&rec.id).await {
+        if let Err(e) = self
+            .runtime_for(&rec.node, &rec.runtime)?
+            .destroy(&rec.id)
+            .await
+        {
             tracing::warn!(sandbox.id = %rec.id, error = %e, "stopping hibernated compute failed");
         }
         self.view(&rec).await
@@ -569,13 +529,7 @@ impl ControlPlane {
             .stage_workspace(&rec.id)
             .await
             .map_err(OpError::runtime("stage the workspace"))?;
-        restore_tree(
-            self.snapshots.store().clone(),
-            snap.tenant.clone(),
-            mid,
-            staging,
-        )
-        .await?;
+        self.restore_tree(snap.tenant.clone(), mid, staging).await?;
         runtime
             .merge_workspace(&rec.id)
             .await
@@ -600,13 +554,7 @@ impl ControlPlane {
                 return false;
             }
         };
-        tokio::task::spawn_blocking(move || {
-            std::fs::read_dir(&ws)
-                .map(|mut r| r.next().is_none())
-                .unwrap_or(true)
-        })
-        .await
-        .unwrap_or(false)
+        self.trees.is_empty(ws).await
     }
 
     /// Hibernates idle sandboxes past the idle timeout (called by the sweep).
@@ -666,32 +614,36 @@ where
         .map_err(OpError::internal)
 }
 
-async fn snapshot_tree(
-    store: std::sync::Arc<dyn aviary_snapshots::ChunkStore>,
-    root: PathBuf,
-    req: SnapshotRequest,
-) -> Result<aviary_snapshots::SnapshotManifest, OpError> {
-    off_thread(
-        move || async move { aviary_snapshots::snapshot_dir(store.as_ref(), &root, req).await },
-    )
-    .await?
-    .map_err(OpError::from)
-}
+impl ControlPlane {
+    /// Snapshots a directory a runtime exported, through the tree archive.
+    async fn snapshot_tree(
+        &self,
+        root: PathBuf,
+        req: SnapshotRequest,
+    ) -> Result<aviary_snapshots::SnapshotManifest, OpError> {
+        let store = self.snapshots.store().clone();
+        // chunks land before their manifest: the caller holds off GC
+        self.trees
+            .snapshot(store, root, req)
+            .await
+            .map_err(OpError::from)
+    }
 
-async fn restore_tree(
-    store: std::sync::Arc<dyn aviary_snapshots::ChunkStore>,
-    tenant: String,
-    id: SnapshotId,
-    target: PathBuf,
-) -> Result<aviary_snapshots::RestoreStats, OpError> {
-    // a failed restore task is the control plane's own failure (500); the
-    // restore's own errors carry their codes (not found, corrupt, store down)
-    off_thread(move || async move {
+    /// Restores `tenant`'s snapshot `id` into a directory a runtime staged.
+    async fn restore_tree(
+        &self,
+        tenant: String,
+        id: SnapshotId,
+        target: PathBuf,
+    ) -> Result<aviary_snapshots::RestoreStats, OpError> {
+        let store = self.snapshots.store().clone();
+        // the restore's errors carry their codes (not found, corrupt, store down)
         let m = store.get_manifest(&tenant, &id).await?;
-        aviary_snapshots::restore_dir(store.as_ref(), &m, &target, &RestoreOptions::default()).await
-    })
-    .await?
-    .map_err(OpError::from)
+        self.trees
+            .restore(store, m, target)
+            .await
+            .map_err(OpError::from)
+    }
 }
 
 /// `POST /v1/snapshots/gc` (admin): retention, then a sweep of chunks no

@@ -107,7 +107,7 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<Sandbox, OpError> {
         let (rec, live) = self.writable(caller, id, token).await?;
-        self.runtime_for(&rec.node)?
+        self.runtime_for(&rec.node, &rec.runtime)?
             .pause(&rec.id)
             .await
             .map_err(OpError::runtime("pause"))?;
@@ -139,7 +139,7 @@ impl ControlPlane {
                 what: "it is not paused".into(),
             });
         }
-        self.runtime_for(&rec.node)?
+        self.runtime_for(&rec.node, &rec.runtime)?
             .resume(&rec.id)
             .await
             .map_err(OpError::runtime("resume"))?;
@@ -225,7 +225,7 @@ impl ControlPlane {
             .await?;
         self.leases.revoke(&rec.id).await?;
         self.forget_live(&rec.id);
-        self.runtime
+        self.runtime_for(&rec.node, &rec.runtime)?
             .destroy(&rec.id)
             .await
             .map_err(OpError::runtime("stop compute for reset"))?;
@@ -279,7 +279,7 @@ impl ControlPlane {
             // cannot be trusted again
             tracing::warn!(sandbox.id = %rec.id, error = %e, "reset could not fence the sandbox");
             self.forget_live(&rec.id);
-            if let Ok(rt) = self.runtime_for(&rec.node) {
+            if let Ok(rt) = self.runtime_for(&rec.node, &rec.runtime) {
                 let _ = rt.pause(&rec.id).await;
             }
             self.registry
@@ -495,7 +495,7 @@ impl ControlPlane {
             // its token is void: envd may never have been told about a newer one
             let _ = self.leases.revoke(id).await;
             // without a fence envd enforces, nothing in it may keep running
-            let frozen = match self.runtime_for(&rec.node) {
+            let frozen = match self.runtime_for(&rec.node, &rec.runtime) {
                 Ok(rt) => match rt.status(id).await {
                     Ok(RuntimeStatus::Running) => rt.pause(id).await.is_ok(),
                     Ok(RuntimeStatus::Paused) => true,
@@ -540,7 +540,7 @@ impl ControlPlane {
         rec: &SandboxRecord,
         live: Option<&LiveSandbox>,
     ) -> bool {
-        let Ok(rt) = self.runtime_for(&rec.node) else {
+        let Ok(rt) = self.runtime_for(&rec.node, &rec.runtime) else {
             return false;
         };
         match rt.status(&rec.id).await {

@@ -8,8 +8,9 @@
 //! and its score are events. Node agent registrations, tokens included, are
 //! registry rows (`node_registration`, in the 0600 registry file; never
 //! logged) so a restarted control plane reconnects. (Older versions kept
-//! them in `<data>/nodes.json`; [`ControlPlane::import_nodes_file`] moves
-//! that into the registry once, at start-up.)
+//! them in `<data>/nodes.json`; the server moves that into the registry once,
+//! at start-up.) Agents are reached through the [`crate::NodeConnector`]
+//! backend.
 //!
 //! Every placement goes through the scheduler's filters, the local node's
 //! included, so no node is committed past its over-commit limit
@@ -25,11 +26,11 @@
 //! rebuilt from the registry's `node_registration` rows at start-up) is a
 //! cache of live handles, not a record; nothing else.
 
+use crate::backends::NodeAgent;
 use crate::error::OpError;
 use crate::ops::{Caller, ControlPlane};
 use aviary_core::ResourceLimits;
 use aviary_leases::{LockGuard, LockName};
-use aviary_node::RemoteRuntime;
 use aviary_registry::NodeRegistration;
 use aviary_scheduler::{NodeView, PlacementRequest, Scheduler, SchedulerConfig};
 use serde::{Deserialize, Serialize};
@@ -52,7 +53,7 @@ pub struct RemoteNode {
     pub id: String,
     pub address: String,
     /// The agent's client (it holds the agent's token).
-    pub runtime: Arc<RemoteRuntime>,
+    pub runtime: Arc<dyn NodeAgent>,
 }
 
 pub struct Nodes {
@@ -89,14 +90,6 @@ impl std::fmt::Debug for AddNodeRequest {
             .field("token", &"<redacted>")
             .finish()
     }
-}
-
-/// One entry of `<data>/nodes.json` of older versions.
-#[derive(Deserialize)]
-struct LegacyNode {
-    id: String,
-    address: String,
-    token: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
@@ -143,25 +136,6 @@ fn holds_compute(s: aviary_core::SandboxState) -> bool {
     !matches!(s, Hibernating | Terminated | Failed | Lost)
 }
 
-fn host_capacity() -> (f64, u64) {
-    let cpus = std::thread::available_parallelism()
-        .map(|n| n.get() as f64)
-        .unwrap_or(1.0);
-    let mem_kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| {
-                    l.split_whitespace()
-                        .nth(1)
-                        .and_then(|v| v.parse::<u64>().ok())
-                })
-        })
-        .unwrap_or(0);
-    (cpus, mem_kib / 1024)
-}
-
 impl ControlPlane {
     /// Reconnects the nodes registered before a restart.
     pub async fn load_nodes(&self) {
@@ -173,14 +147,14 @@ impl ControlPlane {
             }
         };
         for s in saved {
-            match RemoteRuntime::connect(s.address.clone(), s.token.clone()).await {
+            match self.connector.connect(&s.address, &s.token).await {
                 Ok((rt, _)) => {
                     self.nodes.map.write().expect("nodes poisoned").insert(
                         s.id.clone(),
                         Arc::new(RemoteNode {
                             id: s.id,
                             address: s.address,
-                            runtime: Arc::new(rt),
+                            runtime: rt,
                         }),
                     );
                 }
@@ -189,40 +163,6 @@ impl ControlPlane {
                 }
             }
         }
-    }
-
-    /// Moves `<data>/nodes.json` of older versions into the registry and
-    /// removes it. The file wins over a stored registration of the same id:
-    /// only an older version writes it, after this one last ran. Safe to
-    /// repeat.
-    pub(crate) async fn import_nodes_file(&self) -> Result<usize, OpError> {
-        let file = self.cfg.data_dir.join("nodes.json");
-        let bytes = match std::fs::read(&file) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-            Err(e) => return Err(OpError::internal(e)),
-        };
-        let saved: Vec<LegacyNode> = match serde_json::from_slice(&bytes) {
-            Ok(s) => s,
-            Err(_) => {
-                // the serde error could quote a token: only the file is named
-                tracing::warn!(file = %file.display(), "nodes.json not imported: unreadable");
-                return Ok(0);
-            }
-        };
-        let now = aviary_core::now();
-        for n in &saved {
-            self.registry
-                .upsert_node_registration(&NodeRegistration {
-                    id: n.id.clone(),
-                    address: n.address.clone(),
-                    token: n.token.clone(),
-                    registered_at: now,
-                })
-                .await?;
-        }
-        crate::pools::remove_legacy_file(&file)?;
-        Ok(saved.len())
     }
 
     pub async fn add_node(
@@ -252,7 +192,9 @@ impl ControlPlane {
                 "node address must be ip:port".into(),
             ));
         }
-        let (rt, info) = RemoteRuntime::connect(req.address.clone(), req.token.clone())
+        let (rt, info) = self
+            .connector
+            .connect(&req.address, &req.token)
             .await
             .map_err(|e| {
                 OpError::InvalidRequest(format!(
@@ -265,8 +207,8 @@ impl ControlPlane {
                 id: req.id.clone(),
                 address: req.address.clone(),
                 runtimes: info.runtimes.clone(),
-                cpu: info.capacity.cpu,
-                memory_mb: info.capacity.memory_mb,
+                cpu: info.cpu,
+                memory_mb: info.memory_mb,
                 healthy: true,
                 last_seen: aviary_core::now(),
             })
@@ -284,7 +226,7 @@ impl ControlPlane {
             Arc::new(RemoteNode {
                 id: req.id,
                 address: req.address,
-                runtime: Arc::new(rt),
+                runtime: rt,
             }),
         );
         self.list_nodes().await
@@ -307,7 +249,7 @@ impl ControlPlane {
         placing: Option<&str>,
     ) -> Result<Vec<NodeView>, OpError> {
         let now = aviary_core::now();
-        let (cpu, mem) = host_capacity();
+        let (cpu, mem) = (self.cfg.local_cpu, self.cfg.local_memory_mb);
         let mut committed = (0.0, 0u64);
         for r in self.registry.list_sandboxes(None, false).await? {
             if r.node == LOCAL_NODE && holds_compute(r.state) {
@@ -317,21 +259,18 @@ impl ControlPlane {
         }
         let templates = match placing {
             Some(digest) if local_only => vec![digest.to_owned()],
-            _ => {
-                let store = self.templates.clone();
-                tokio::task::spawn_blocking(move || store.list())
-                    .await
-                    .map_err(OpError::internal)?
-                    .map_err(OpError::internal)?
-                    .into_iter()
-                    .map(|t| t.digest)
-                    .collect()
-            }
+            _ => self
+                .templates
+                .list()
+                .await?
+                .into_iter()
+                .map(|t| t.digest)
+                .collect(),
         };
         let mut views = vec![NodeView {
             id: LOCAL_NODE.into(),
             address: LOCAL_NODE.into(),
-            runtimes: vec![self.runtime.name().to_owned()],
+            runtimes: self.runtimes.names(),
             templates,
             cpu_capacity: cpu,
             memory_capacity_mb: mem,
@@ -347,8 +286,8 @@ impl ControlPlane {
             if local_only {
                 break;
             }
-            match n.runtime.info().await {
-                Ok(info) => views.push(info.to_view(n.address.clone(), HashMap::new(), now)),
+            match n.runtime.view(&n.address, now).await {
+                Ok(view) => views.push(view),
                 Err(e) => {
                     tracing::warn!(node = %n.id, error = %e, "node info failed; not placing there")
                 }
@@ -380,7 +319,7 @@ impl ControlPlane {
             class: class.to_owned(),
             limits,
             template_digest: template_digest.to_owned(),
-            runtime: self.runtime.name().to_owned(),
+            runtime: self.runtime().name().to_owned(),
         };
         let decision = match self.nodes.scheduler.place(&views, &req, aviary_core::now()) {
             Ok(d) => d,
@@ -414,21 +353,42 @@ impl ControlPlane {
         })
     }
 
-    /// The runtime that runs sandboxes of `node`.
+    /// The runtime that runs the sandboxes of `node` on `runtime`: a local
+    /// runtime of the [`crate::RuntimeSet`] by name, or the node's agent.
     pub(crate) fn runtime_for(
         &self,
         node: &str,
+        runtime: &str,
     ) -> Result<Arc<dyn aviary_runtime::Pausable>, OpError> {
         if node == LOCAL_NODE {
             return self
+                .local_runtime(runtime)?
                 .pausable
                 .clone()
-                .ok_or_else(|| OpError::internal(anyhow::anyhow!("local runtime is not set up")));
+                .ok_or_else(|| {
+                    OpError::internal(anyhow::anyhow!(
+                        "local runtime {runtime} cannot pause, which the control plane needs"
+                    ))
+                });
         }
         self.nodes
             .get(node)
-            .map(|n| n.runtime.clone() as Arc<dyn aviary_runtime::Pausable>)
+            .map(|n| n.runtime.runtime())
             .ok_or_else(|| OpError::Unavailable(format!("node {node} is not connected")))
+    }
+
+    /// The local runtime called `name` (a record names the runtime it runs
+    /// on; one this control plane does not serve is `unavailable`).
+    pub(crate) fn local_runtime(
+        &self,
+        name: &str,
+    ) -> Result<&aviary_runtime::CapableRuntime, OpError> {
+        self.runtimes.get(name).ok_or_else(|| {
+            OpError::Unavailable(format!(
+                "runtime {name:?} is not served here (serving: {})",
+                self.runtimes.names().join(", ")
+            ))
+        })
     }
 
     /// Refuses work that needs the sandbox's layers on this host.

@@ -152,15 +152,16 @@ impl ControlPlane {
         require_admin(caller, "revoking keys")?;
         crate::validate::identifier("key id", id)?;
         let not_found = || OpError::NotFound(format!("key {id}"));
-        if let Ok(bootstrap) = std::fs::read_to_string(self.cfg.admin_key_path()) {
-            let rec = self
-                .registry
-                .find_api_key(&hash_key(bootstrap.trim()))
-                .await?;
+        let bootstrap = self
+            .bootstrap_key_hash
+            .read()
+            .expect("bootstrap key poisoned")
+            .clone();
+        if let Some(bootstrap) = bootstrap {
+            let rec = self.registry.find_api_key(&bootstrap).await?;
             if rec.is_some_and(|r| r.id == id) {
                 return Err(OpError::Forbidden(format!(
-                    "key {id} is the server's bootstrap admin key ({}); delete that file and restart to rotate it, then revoke the old key",
-                    self.cfg.admin_key_path().display()
+                    "key {id} is the server's bootstrap admin key (admin.key in its data dir); delete that file and restart to rotate it, then revoke the old key"
                 )));
             }
         }

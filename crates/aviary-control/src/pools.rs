@@ -40,7 +40,6 @@ use aviary_registry::{
     FenceCheck, NewSandbox, PoolBoundsRecord, SandboxRecord, TransitionCtx, POOL_TENANT,
 };
 use serde::{Deserialize, Serialize};
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One pool: its configured settings (the bounds `pool set` stored in the
@@ -117,14 +116,6 @@ pub struct PoolList {
 pub struct SetPoolRequest {
     pub min: u32,
     pub max: u32,
-}
-
-/// `<data dir>/pools.json` of older versions: `pool set` bounds per class.
-#[derive(Deserialize)]
-struct LegacyOverride {
-    class: String,
-    min: u32,
-    max: u32,
 }
 
 impl Pools {
@@ -220,39 +211,6 @@ fn counts_as_handed_out(r: &SandboxRecord, s: &PoolSettings) -> bool {
 }
 
 impl ControlPlane {
-    /// Moves `<data dir>/pools.json` of older versions into the registry and
-    /// removes it. The file wins over bounds already stored: only an older
-    /// version writes it, after this one last ran. Safe to repeat.
-    pub(crate) async fn import_pools_file(&self) -> Result<usize, OpError> {
-        let file = self.cfg.data_dir.join("pools.json");
-        let bytes = match std::fs::read(&file) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-            Err(e) => return Err(OpError::internal(e)),
-        };
-        let overrides: Vec<LegacyOverride> = match serde_json::from_slice(&bytes) {
-            Ok(o) => o,
-            Err(e) => {
-                // older versions ignored an unreadable file too
-                tracing::warn!(file = %file.display(), error = %e, "pools.json not imported: unreadable");
-                return Ok(0);
-            }
-        };
-        let now = aviary_core::now();
-        for o in &overrides {
-            self.registry
-                .set_pool_bounds(&PoolBoundsRecord {
-                    class: o.class.clone(),
-                    pool_min: o.min,
-                    pool_max: o.max,
-                    updated_at: now,
-                })
-                .await?;
-        }
-        remove_legacy_file(&file)?;
-        Ok(overrides.len())
-    }
-
     /// Per pool (in `self.pools.pools` order), its hand-outs that still hold
     /// compute, read from the registry; also refreshes the metrics' copy.
     async fn handed_out_counts(&self) -> Result<Vec<u32>, OpError> {
@@ -385,7 +343,7 @@ impl ControlPlane {
         let bounds = self.registry.list_pool_bounds().await?;
         for (i, pool) in self.pools.pools.iter().enumerate() {
             let s = pool.effective(&bounds);
-            if s.runtime.as_str() != self.runtime.name() {
+            if s.runtime.as_str() != self.runtime().name() {
                 continue;
             }
             let owner = format!("aviary-server[{}] pool refill", std::process::id());
@@ -445,7 +403,7 @@ impl ControlPlane {
     async fn start_pooled(
         &self,
         class: &aviary_config::ResourceClass,
-        template: &aviary_templates::TemplateInfo,
+        template: &aviary_registry::TemplateRecord,
     ) -> Result<(), OpError> {
         // warm sandboxes are committed like any other: only within the
         // local node's over-commit limit
@@ -471,7 +429,7 @@ impl ControlPlane {
             resources: class.limits(),
             template: template.name.clone(),
             template_digest: template.digest.clone(),
-            runtime: self.runtime.name().to_owned(),
+            runtime: self.runtime().name().to_owned(),
             runtime_instance_id: None,
             node: "local".into(),
             network_profile: aviary_core::NetworkProfile::None,
@@ -538,15 +496,5 @@ impl ControlPlane {
                 Err(e)
             }
         }
-    }
-}
-
-/// Removes a side file of an older version once its content is in the
-/// registry; a file already gone (a repeated import) is fine.
-pub(crate) fn remove_legacy_file(path: &Path) -> Result<(), OpError> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(OpError::internal(e)),
     }
 }

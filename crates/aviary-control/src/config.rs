@@ -1,0 +1,71 @@
+//! What the control plane is configured with: the settings file (classes,
+//! network profiles, tenants, pools, planner) and the limits and intervals
+//! of its operations. Where data lives and where to listen are the server's.
+
+use crate::backends::DefaultTemplateSource;
+use std::path::PathBuf;
+
+#[derive(Clone, Debug)]
+pub struct ControlConfig {
+    /// The `--config` file (classes, network profiles, tenants, pools,
+    /// planner); built-in defaults equal `aviary.example.toml`.
+    pub settings: aviary_config::Config,
+    /// Static envd binary bind-mounted into every sandbox as PID 1 (a host
+    /// path the runtime binds; the control plane never opens it).
+    pub envd_binary: PathBuf,
+    /// Template used when a create names none.
+    pub default_template: String,
+    /// How the default template is made when missing.
+    pub default_template_source: DefaultTemplateSource,
+    pub default_class: String,
+    /// Cap per stream of the non-streaming exec answer.
+    pub exec_output_cap: usize,
+    /// Lease ttl when the client gives none, and the longest allowed.
+    pub default_lease_ttl_s: u64,
+    pub max_lease_ttl_s: u64,
+    pub max_sandbox_ttl_s: u64,
+    /// How often leases and TTLs are checked.
+    pub sweep_interval_ms: u64,
+    /// Idle sandboxes are hibernated (snapshot, compute stopped) after this
+    /// many seconds without activity; `None` keeps them warm forever.
+    pub idle_hibernate_s: Option<u64>,
+    /// How often the sweep asks every live sandbox's envd for its health
+    /// (a dead envd turns its sandbox `Lost`).
+    pub health_probe_interval_ms: u64,
+    /// How often unreferenced snapshot chunks are collected in the
+    /// background (also once at start-up).
+    pub chunk_gc_interval_s: u64,
+    /// An unreferenced chunk is deleted only once it has been seen
+    /// unreferenced for this long (a snapshot in flight elsewhere writes its
+    /// chunks before its manifest).
+    pub chunk_gc_grace_s: u64,
+    /// The local node's capacity (CPUs, memory in MiB), for placement; the
+    /// server reads it off the host.
+    pub local_cpu: f64,
+    pub local_memory_mb: u64,
+}
+
+impl ControlConfig {
+    /// Settings from a configuration file with the built-in limits; callers
+    /// override fields afterwards.
+    pub fn from_settings(settings: aviary_config::Config, envd_binary: PathBuf) -> Self {
+        ControlConfig {
+            default_template: settings.server.default_template.clone(),
+            default_template_source: DefaultTemplateSource::Debootstrap,
+            default_class: settings.server.default_class.clone(),
+            settings,
+            envd_binary,
+            exec_output_cap: 1 << 20,
+            default_lease_ttl_s: 60,
+            max_lease_ttl_s: 24 * 3600,
+            max_sandbox_ttl_s: 7 * 24 * 3600,
+            sweep_interval_ms: 500,
+            idle_hibernate_s: Some(900),
+            health_probe_interval_ms: 5_000,
+            chunk_gc_interval_s: 600,
+            chunk_gc_grace_s: 3_600,
+            local_cpu: 1.0,
+            local_memory_mb: 1024,
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! [`FakeRuntime`]: a [`Runtime`] + [`Pausable`] whose sandboxes are a map
+//! entry, two empty host directories and a [`FakeEnvd`].
+//!
+//! Layout under the fake's own temporary directory, like the OCI runtime's:
+//! `<root>/<id>/control/envd.sock` (the control dir) and
+//! `<root>/<id>/workspace`. Concurrency: one std mutex over the sandbox map,
+//! never held across an await; everything `create` does after its hold point
+//! happens under it, so creates of one id cannot race.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use aviary_core::SandboxId;
+use aviary_runtime::{
+    validate_spec, CapableRuntime, EnvdEndpoint, Pausable, ResourceUsage, Runtime, RuntimeError,
+    RuntimeStatus, SandboxHandle, SandboxSpec, ENVD_SOCKET_NAME,
+};
+use tokio::sync::Notify;
+
+use crate::FakeEnvd;
+
+/// What `usage` reports for a new sandbox: PID 1 and some memory, no OOM kill.
+pub const INITIAL_USAGE: ResourceUsage = ResourceUsage {
+    memory_current_bytes: 16 * 1024 * 1024,
+    memory_peak_bytes: 16 * 1024 * 1024,
+    cpu_usage_ns: 0,
+    oom_kills: 0,
+    pids_current: 1,
+};
+
+struct FakeSandbox {
+    handle: SandboxHandle,
+    envd: FakeEnvd,
+    status: RuntimeStatus,
+    usage: ResourceUsage,
+}
+
+#[derive(Default)]
+struct State {
+    sandboxes: BTreeMap<SandboxId, FakeSandbox>,
+    created_specs: Vec<SandboxSpec>,
+    create_failures: VecDeque<RuntimeError>,
+    create_holds: VecDeque<Arc<HoldInner>>,
+}
+
+/// A runtime for unit tests: no root, no crun, no processes.
+pub struct FakeRuntime {
+    name: String,
+    root: tempfile::TempDir,
+    state: Mutex<State>,
+    creates: AtomicU64,
+    destroys: AtomicU64,
+}
+
+impl std::fmt::Debug for FakeRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeRuntime")
+            .field("name", &self.name)
+            .field("root", &self.root.path())
+            .field("live", &self.live_ids())
+            .finish()
+    }
+}
+
+#[derive(Default)]
+struct HoldInner {
+    entered: Notify,
+    released: Notify,
+}
+
+/// Holds one `create` at its start until released (see
+/// [`FakeRuntime::hold_next_create`]). Dropping the hold releases it.
+pub struct CreateHold {
+    inner: Arc<HoldInner>,
+}
+
+impl CreateHold {
+    /// Waits until a create is waiting on this hold.
+    pub async fn entered(&self) {
+        self.inner.entered.notified().await;
+    }
+
+    /// Lets the held create go on (also before it arrived).
+    pub fn release(&self) {
+        self.inner.released.notify_one();
+    }
+}
+
+impl Drop for CreateHold {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl FakeRuntime {
+    /// A fake named `"crun"` with its own temporary directory (under `/tmp`,
+    /// so socket paths stay short), removed when the fake is dropped.
+    pub fn new() -> io::Result<FakeRuntime> {
+        let root = tempfile::Builder::new()
+            .prefix("aviary-fake-rt-")
+            .tempdir_in(short_tmp())?;
+        Ok(FakeRuntime {
+            name: "crun".to_owned(),
+            root,
+            state: Mutex::new(State::default()),
+            creates: AtomicU64::new(0),
+            destroys: AtomicU64::new(0),
+        })
+    }
+
+    /// The same fake under another backend name.
+    #[must_use]
+    pub fn with_name(mut self, name: impl Into<String>) -> FakeRuntime {
+        self.name = name.into();
+        self
+    }
+
+    /// The fake seen through the capabilities it has: pausable, not
+    /// snapshottable.
+    pub fn capable(self: &Arc<Self>) -> CapableRuntime {
+        CapableRuntime {
+            runtime: self.clone(),
+            pausable: Some(self.clone()),
+            snapshottable: None,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The fake's own directory (sandbox directories live below it).
+    pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+
+    fn sandbox_dir(&self, id: &SandboxId) -> PathBuf {
+        self.root.path().join(id.as_str())
+    }
+
+    /// The next create fails with `err` (after its validation passed);
+    /// queued failures are used up one per create.
+    pub fn fail_next_create(&self, err: RuntimeError) {
+        self.state().create_failures.push_back(err);
+    }
+
+    /// The next `n` creates fail with what `make` returns.
+    pub fn fail_next_creates(&self, n: usize, make: impl Fn() -> RuntimeError) {
+        let mut s = self.state();
+        for _ in 0..n {
+            s.create_failures.push_back(make());
+        }
+    }
+
+    /// The next create waits at its start until the returned hold is
+    /// released or dropped. Holds queue up, one per create.
+    pub fn hold_next_create(&self) -> CreateHold {
+        let inner = Arc::new(HoldInner::default());
+        self.state().create_holds.push_back(Arc::clone(&inner));
+        CreateHold { inner }
+    }
+
+    /// Specs of every successful create, in order.
+    pub fn created_specs(&self) -> Vec<SandboxSpec> {
+        self.state().created_specs.clone()
+    }
+
+    /// The sandboxes that exist (running, paused or stopped).
+    pub fn live_ids(&self) -> Vec<SandboxId> {
+        self.state().sandboxes.keys().cloned().collect()
+    }
+
+    /// The fake envd of an existing sandbox.
+    pub fn envd(&self, id: &SandboxId) -> Option<FakeEnvd> {
+        self.state().sandboxes.get(id).map(|s| s.envd.clone())
+    }
+
+    /// The handle `create` returned for an existing sandbox.
+    pub fn handle(&self, id: &SandboxId) -> Option<SandboxHandle> {
+        self.state().sandboxes.get(id).map(|s| s.handle.clone())
+    }
+
+    /// Calls of `create`, failed ones included.
+    pub fn create_calls(&self) -> u64 {
+        self.creates.load(Ordering::SeqCst)
+    }
+
+    /// Calls of `destroy`, of unknown ids included.
+    pub fn destroy_calls(&self) -> u64 {
+        self.destroys.load(Ordering::SeqCst)
+    }
+
+    /// Sets what `usage` reports; `false` for an unknown sandbox.
+    pub fn set_usage(&self, id: &SandboxId, usage: ResourceUsage) -> bool {
+        self.update_usage(id, |u| *u = usage)
+    }
+
+    /// Changes what `usage` reports (e.g. `|u| u.oom_kills += 1` to
+    /// simulate an OOM kill); `false` for an unknown sandbox.
+    pub fn update_usage(&self, id: &SandboxId, f: impl FnOnce(&mut ResourceUsage)) -> bool {
+        match self.state().sandboxes.get_mut(id) {
+            Some(s) => {
+                f(&mut s.usage);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// PID 1 exited: the envd dies, status becomes `Stopped`, the sandbox is
+    /// still listed until destroyed. `false` for an unknown sandbox.
+    pub async fn crash(&self, id: &SandboxId) -> bool {
+        let envd = {
+            let mut s = self.state();
+            let Some(sbx) = s.sandboxes.get_mut(id) else {
+                return false;
+            };
+            sbx.status = RuntimeStatus::Stopped;
+            sbx.usage.pids_current = 0;
+            sbx.envd.clone()
+        };
+        envd.die().await;
+        true
+    }
+
+    /// The host lost the sandbox: its envd dies, its directories go, and
+    /// the runtime no longer knows it (status `NotFound`, not listed).
+    /// `false` for an unknown sandbox.
+    pub async fn vanish(&self, id: &SandboxId) -> bool {
+        let Some(sbx) = self.state().sandboxes.remove(id) else {
+            return false;
+        };
+        sbx.envd.die().await;
+        let _ = std::fs::remove_dir_all(self.sandbox_dir(id));
+        true
+    }
+
+    /// Everything `create` does once it may go on, under the state lock.
+    fn create_locked(
+        &self,
+        s: &mut State,
+        spec: &SandboxSpec,
+    ) -> Result<SandboxHandle, RuntimeError> {
+        if let Some(err) = s.create_failures.pop_front() {
+            return Err(err);
+        }
+        if s.sandboxes.contains_key(&spec.id) {
+            return Err(RuntimeError::AlreadyExists {
+                id: spec.id.clone(),
+            });
+        }
+        let dir = self.sandbox_dir(&spec.id);
+        let control = dir.join("control");
+        let workspace = dir.join("workspace");
+        let made = make_dirs(&[&control, &workspace]).and_then(|()| {
+            FakeEnvd::start(control.join(ENVD_SOCKET_NAME)).map_err(|source| RuntimeError::Spawn {
+                program: "fake envd".into(),
+                source,
+            })
+        });
+        let envd = match made {
+            Ok(envd) => envd,
+            Err(e) => return Err(e.with_cleanup(remove_dir(&dir))),
+        };
+        let handle = SandboxHandle {
+            id: spec.id.clone(),
+            runtime: self.name.clone(),
+            runtime_instance_id: spec.id.to_string(),
+            control_dir: control,
+            workspace_dir: workspace,
+            init_pid: envd.peer_pid(),
+        };
+        s.sandboxes.insert(
+            spec.id.clone(),
+            FakeSandbox {
+                handle: handle.clone(),
+                envd,
+                status: RuntimeStatus::Running,
+                usage: INITIAL_USAGE,
+            },
+        );
+        s.created_specs.push(spec.clone());
+        Ok(handle)
+    }
+
+    fn set_paused(&self, id: &SandboxId, paused: bool) -> Result<(), RuntimeError> {
+        let mut s = self.state();
+        let sbx = s
+            .sandboxes
+            .get_mut(id)
+            .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })?;
+        let action = if paused { "pause" } else { "resume" };
+        if sbx.status == RuntimeStatus::Stopped {
+            return Err(RuntimeError::InvokeRuntime {
+                action: action.into(),
+                detail: format!("sandbox {id} is stopped"),
+            });
+        }
+        if paused {
+            sbx.status = RuntimeStatus::Paused;
+            sbx.envd.freeze();
+        } else {
+            sbx.status = RuntimeStatus::Running;
+            sbx.envd.thaw();
+        }
+        Ok(())
+    }
+}
+
+/// `/tmp` when it exists (unix socket paths are limited to 108 bytes),
+/// else the platform's temporary directory.
+fn short_tmp() -> PathBuf {
+    let tmp = Path::new("/tmp");
+    if tmp.is_dir() {
+        tmp.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+fn make_dirs(dirs: &[&Path]) -> Result<(), RuntimeError> {
+    for d in dirs {
+        std::fs::create_dir_all(d).map_err(|source| RuntimeError::CreateDir {
+            path: d.to_path_buf(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+fn remove_dir(dir: &Path) -> Result<(), RuntimeError> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(RuntimeError::RemoveDir {
+            path: dir.to_path_buf(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[async_trait]
+impl Runtime for FakeRuntime {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        self.creates.fetch_add(1, Ordering::SeqCst);
+        let hold = self.state().create_holds.pop_front();
+        if let Some(hold) = hold {
+            hold.entered.notify_one();
+            hold.released.notified().await;
+        }
+        validate_spec(spec)?;
+        let mut s = self.state();
+        self.create_locked(&mut s, spec)
+    }
+
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.destroys.fetch_add(1, Ordering::SeqCst);
+        let sbx = self.state().sandboxes.remove(id);
+        if let Some(sbx) = sbx {
+            sbx.envd.die().await;
+        }
+        remove_dir(&self.sandbox_dir(id))
+    }
+
+    async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError> {
+        Ok(self
+            .state()
+            .sandboxes
+            .get(id)
+            .map_or(RuntimeStatus::NotFound, |s| s.status))
+    }
+
+    async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
+        self.state()
+            .sandboxes
+            .get(id)
+            .map(|s| s.usage)
+            .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })
+    }
+
+    async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError> {
+        Ok(self.live_ids())
+    }
+
+    async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        self.state()
+            .sandboxes
+            .get(id)
+            .map(|s| s.handle.envd_endpoint())
+            .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })
+    }
+}
+
+#[async_trait]
+impl Pausable for FakeRuntime {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.set_paused(id, true)
+    }
+
+    async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.set_paused(id, false)
+    }
+}
