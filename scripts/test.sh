@@ -27,3 +27,5 @@ echo "== clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"
 cargo test --workspace --locked --no-fail-fast -- --test-threads="${AVIARY_TEST_THREADS:-4}"
+echo "== control plane: no backend crate in its tree, unit tests as a non-root user"
+scripts/check-control.sh
