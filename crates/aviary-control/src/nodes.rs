@@ -62,6 +62,19 @@ pub struct Nodes {
     scheduler: Scheduler,
 }
 
+/// What a placement decides from.
+pub(crate) struct PlaceRequest<'a> {
+    pub tenant: &'a str,
+    pub class: &'a str,
+    pub limits: ResourceLimits,
+    pub template_digest: &'a str,
+    /// The approved runtime: only nodes offering it are candidates.
+    pub runtime: &'a str,
+    /// Only this host (a fork's layers are restored here).
+    pub local_only: bool,
+    pub request_id: Option<&'a str>,
+}
+
 /// Where a new sandbox goes. Keep it until the sandbox's registry row is
 /// inserted: until then the placed limits are not counted as committed, and
 /// it holds the placement lock that keeps other placements out.
@@ -301,15 +314,16 @@ impl ControlPlane {
     /// are restored here). A node past its over-commit limit is never
     /// chosen; when none has room the answer is `capacity_exhausted`. The
     /// decision is an event when agents are registered.
-    pub(crate) async fn place(
-        &self,
-        tenant: &str,
-        class: &str,
-        limits: ResourceLimits,
-        template_digest: &str,
-        local_only: bool,
-        request_id: Option<&str>,
-    ) -> Result<Placement, OpError> {
+    pub(crate) async fn place(&self, place: PlaceRequest<'_>) -> Result<Placement, OpError> {
+        let PlaceRequest {
+            tenant,
+            class,
+            limits,
+            template_digest,
+            runtime,
+            local_only,
+            request_id,
+        } = place;
         let placing = self
             .hold_lock(placement_lock(), "placement", PLACEMENT_WAIT)
             .await?;
@@ -319,7 +333,7 @@ impl ControlPlane {
             class: class.to_owned(),
             limits,
             template_digest: template_digest.to_owned(),
-            runtime: self.runtime().name().to_owned(),
+            runtime: runtime.to_owned(),
         };
         let decision = match self.nodes.scheduler.place(&views, &req, aviary_core::now()) {
             Ok(d) => d,

@@ -795,20 +795,17 @@ impl ControlPlane {
             None => None,
         };
         if let Some(b) = &bucket {
-            match self
-                .reuse_in_bucket(
-                    caller,
-                    &req,
-                    b,
-                    scope,
-                    &template.digest,
-                    &approved.class,
-                    approved.network,
-                    lease_req.clone(),
-                    request_id,
-                )
-                .await?
-            {
+            let stage = CreateStage {
+                caller,
+                req: &req,
+                approved: &approved,
+                template: &template,
+                scope,
+                expires_at,
+                lease_req: lease_req.clone(),
+                request_id,
+            };
+            match self.reuse_in_bucket(&stage, b).await? {
                 crate::scopes::BucketOutcome::Reused(resp) => return Ok(*resp),
                 crate::scopes::BucketOutcome::New(d) => new_decision = Some(d),
             }
@@ -823,16 +820,16 @@ impl ControlPlane {
         if seed.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
         } else if let Some(hit) = self
-            .try_pool(
+            .try_pool(&CreateStage {
                 caller,
-                &req,
-                &approved,
-                &template,
+                req: &req,
+                approved: &approved,
+                template: &template,
                 scope,
                 expires_at,
-                lease_req.clone(),
+                lease_req: lease_req.clone(),
                 request_id,
-            )
+            })
             .await?
         {
             return Ok(hit);
@@ -841,14 +838,15 @@ impl ControlPlane {
         let now = aviary_core::now();
         // a fork's layers are restored on this host: it runs here
         let placement = self
-            .place(
-                &caller.tenant,
-                &class,
-                resources,
-                &template.digest,
-                seed.is_some(),
+            .place(crate::nodes::PlaceRequest {
+                tenant: &caller.tenant,
+                class: &class,
+                limits: resources,
+                template_digest: &template.digest,
+                runtime: &approved.runtime,
+                local_only: seed.is_some(),
                 request_id,
-            )
+            })
             .await?;
         let node = placement.node.clone();
         let new = NewSandbox {
@@ -862,7 +860,7 @@ impl ControlPlane {
             resources,
             template: template.name.clone(),
             template_digest: template.digest.clone(),
-            runtime: self.runtime().name().to_owned(),
+            runtime: approved.runtime.clone(),
             runtime_instance_id: None,
             node: node.clone(),
             network_profile: network,
@@ -999,21 +997,24 @@ impl ControlPlane {
 
     /// Hands out a warm pooled sandbox when a pool matches the approved
     /// class, template and runtime.
-    #[allow(clippy::too_many_arguments)]
     async fn try_pool(
         &self,
-        caller: &Caller,
-        req: &CreateSandboxRequest,
-        approved: &crate::planning::Approved,
-        template: &TemplateRecord,
-        scope: Scope,
-        expires_at: OffsetDateTime,
-        lease_req: Option<(String, Duration)>,
-        request_id: Option<&str>,
+        stage: &CreateStage<'_>,
     ) -> Result<Option<CreateSandboxResponse>, OpError> {
+        let CreateStage {
+            caller,
+            req,
+            approved,
+            template,
+            scope,
+            expires_at,
+            request_id,
+            ..
+        } = *stage;
+        let lease_req = stage.lease_req.clone();
         let Some(pool) = self
             .pools
-            .find(&approved.class, &template.name, self.runtime().name())
+            .find(&approved.class, &template.name, &approved.runtime)
         else {
             return Ok(None);
         };
@@ -1982,6 +1983,20 @@ impl ControlPlane {
     pub fn live_count(&self) -> usize {
         self.live.lock().expect("live map poisoned").len()
     }
+}
+
+/// What the create pipeline's later stages (scope and reuse, warm pool)
+/// decide from: the caller's request and what planning and policy approved.
+#[derive(Clone)]
+pub(crate) struct CreateStage<'a> {
+    pub caller: &'a Caller,
+    pub req: &'a CreateSandboxRequest,
+    pub approved: &'a crate::planning::Approved,
+    pub template: &'a TemplateRecord,
+    pub scope: Scope,
+    pub expires_at: OffsetDateTime,
+    pub lease_req: Option<(String, Duration)>,
+    pub request_id: Option<&'a str>,
 }
 
 /// A started exec.

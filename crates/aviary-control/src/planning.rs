@@ -74,6 +74,9 @@ pub struct Approved {
     pub class: String,
     pub limits: ResourceLimits,
     pub network: NetworkProfile,
+    /// The runtime the guard approved (one of the class's runtimes); the
+    /// sandbox runs on it, on whichever node offers it.
+    pub runtime: String,
     pub reason: String,
     pub allocation: AllocationRecord,
 }
@@ -348,6 +351,7 @@ impl ControlPlane {
             class: approval.class.clone(),
             limits: approval.limits,
             network: approval.network_kind,
+            runtime: approval.runtime.as_str().to_owned(),
             reason: reason_text.clone(),
             allocation: AllocationRecord {
                 id: None,

@@ -343,7 +343,7 @@ impl ControlPlane {
         let bounds = self.registry.list_pool_bounds().await?;
         for (i, pool) in self.pools.pools.iter().enumerate() {
             let s = pool.effective(&bounds);
-            if s.runtime.as_str() != self.runtime().name() {
+            if self.runtimes.get(s.runtime.as_str()).is_none() {
                 continue;
             }
             let owner = format!("aviary-server[{}] pool refill", std::process::id());
@@ -381,7 +381,10 @@ impl ControlPlane {
             let keep = s.buffer_max.max(target).min(room);
             let mut have = idle.len() as u32;
             while have < target {
-                match self.start_pooled(&class, &template).await {
+                match self
+                    .start_pooled(&class, &template, s.runtime.as_str())
+                    .await
+                {
                     Ok(()) => {}
                     // a full node is not a failure: the pool waits for room
                     Err(OpError::CapacityExhausted(why)) => {
@@ -404,18 +407,20 @@ impl ControlPlane {
         &self,
         class: &aviary_config::ResourceClass,
         template: &aviary_registry::TemplateRecord,
+        runtime: &str,
     ) -> Result<(), OpError> {
         // warm sandboxes are committed like any other: only within the
         // local node's over-commit limit
         let placement = self
-            .place(
-                POOL_TENANT,
-                &class.name,
-                class.limits(),
-                &template.digest,
-                true,
-                None,
-            )
+            .place(crate::nodes::PlaceRequest {
+                tenant: POOL_TENANT,
+                class: &class.name,
+                limits: class.limits(),
+                template_digest: &template.digest,
+                runtime,
+                local_only: true,
+                request_id: None,
+            })
             .await?;
         let id = SandboxId::generate();
         let new = NewSandbox {
@@ -429,7 +434,7 @@ impl ControlPlane {
             resources: class.limits(),
             template: template.name.clone(),
             template_digest: template.digest.clone(),
-            runtime: self.runtime().name().to_owned(),
+            runtime: runtime.to_owned(),
             runtime_instance_id: None,
             node: "local".into(),
             network_profile: aviary_core::NetworkProfile::None,

@@ -98,24 +98,27 @@ impl ControlPlane {
     }
 
     /// Looks for a reusable sandbox in the bucket and hands it out.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn reuse_in_bucket(
         &self,
-        caller: &Caller,
-        req: &CreateSandboxRequest,
+        stage: &crate::ops::CreateStage<'_>,
         bucket: &str,
-        scope: Scope,
-        template_digest: &str,
-        class: &str,
-        network: aviary_core::NetworkProfile,
-        lease_req: Option<(String, Duration)>,
-        request_id: Option<&str>,
     ) -> Result<BucketOutcome, OpError> {
+        let crate::ops::CreateStage {
+            caller,
+            req,
+            scope,
+            request_id,
+            ..
+        } = *stage;
+        let template_digest = stage.template.digest.as_str();
+        let class = stage.approved.class.as_str();
+        let network = stage.approved.network;
+        let lease_req = stage.lease_req.clone();
         let request = ReuseRequest::from_create(
             &caller.tenant,
             req,
             template_digest,
-            self.runtime().name(),
+            &stage.approved.runtime,
             class,
             network,
             requirements(req)?,

@@ -480,14 +480,15 @@ impl ControlPlane {
             })?;
         // new compute: it must fit under the node's over-commit like a create
         let placement = self
-            .place(
-                &rec.tenant,
-                &rec.resource_class,
-                rec.resources,
-                &rec.template_digest,
-                true,
+            .place(crate::nodes::PlaceRequest {
+                tenant: &rec.tenant,
+                class: &rec.resource_class,
+                limits: rec.resources,
+                template_digest: &rec.template_digest,
+                runtime: &rec.runtime,
+                local_only: true,
                 request_id,
-            )
+            })
             .await?;
         let rec = self
             .registry
