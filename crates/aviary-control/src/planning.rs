@@ -414,7 +414,13 @@ fn class_request(c: &aviary_config::ResourceClass, network: &str, runtime: &str)
         disk_mb: c.disk_mb,
         needs_gpu: false,
         network_profile: Some(network.to_owned()),
-        runtime: Some(runtime.to_owned()),
+        // the control plane's default runtime when the class offers it;
+        // otherwise the guard picks one of the class's runtimes
+        runtime: c
+            .runtimes
+            .iter()
+            .any(|r| r.as_str() == runtime)
+            .then(|| runtime.to_owned()),
         template: None,
     }
 }

@@ -174,3 +174,145 @@ pub fn admin() -> Caller {
         admin: true,
     }
 }
+
+// ---- helpers for the create, scope and pool tests ---------------------------
+
+/// A tenant rule as open as the built-in `default` one; tests narrow it.
+pub fn open_tenant(name: &str) -> aviary_config::Tenant {
+    aviary_config::Tenant {
+        name: name.to_owned(),
+        max_sandboxes: 64,
+        max_cpu: 128.0,
+        max_memory_mb: 262_144,
+        allowed_classes: aviary_config::Allowed::All,
+        allowed_network_profiles: aviary_config::Allowed::All,
+        allowed_runtimes: aviary_config::Allowed::All,
+    }
+}
+
+/// One warm pool of `class` on the test template (`busybox`) and the fake's
+/// runtime (`crun`), with no idle buffer beyond `pool_min`.
+pub fn pool_settings(class: &str, pool_min: u32, pool_max: u32) -> aviary_config::PoolSettings {
+    aviary_config::PoolSettings {
+        class: class.to_owned(),
+        template: "busybox".into(),
+        runtime: aviary_config::Runtime::Crun,
+        pool_min,
+        pool_max,
+        buffer_min: 0,
+        buffer_max: 0,
+    }
+}
+
+/// Every event of the caller's tenant (sandbox events and the others, such
+/// as policy denials), oldest first.
+pub async fn tenant_events(p: &Plane, caller: &Caller) -> Vec<aviary_core::api::Event> {
+    p.cp.events(caller, None, None, Some(1000)).await.unwrap()
+}
+
+/// The events of one sandbox, oldest first.
+pub async fn sandbox_events(
+    p: &Plane,
+    caller: &Caller,
+    id: &aviary_core::SandboxId,
+) -> Vec<aviary_core::api::Event> {
+    p.cp.events(caller, Some(id.as_str()), None, Some(1000))
+        .await
+        .unwrap()
+}
+
+/// The states a sandbox walked through, from its events (events that leave
+/// the state as it is are skipped). Read from the registry directly, so it
+/// works for pooled sandboxes before and after their claim too.
+pub async fn state_path(p: &Plane, id: &aviary_core::SandboxId) -> Vec<aviary_core::SandboxState> {
+    use aviary_registry::Registry;
+    p.registry
+        .list_events(&aviary_registry::EventFilter {
+            tenant: None,
+            sandbox_id: Some(id.clone()),
+            after_id: None,
+            limit: 1000,
+        })
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.old_state != e.new_state)
+        .filter_map(|e| e.new_state)
+        .collect()
+}
+
+/// The fake envd of a sandbox the fake runtime still has.
+pub fn envd_of(p: &Plane, id: &aviary_core::SandboxId) -> aviary_fakes::FakeEnvd {
+    p.runtime
+        .envd(id)
+        .unwrap_or_else(|| panic!("the fake runtime has no sandbox {id}"))
+}
+
+// ---- helpers for the lease, lifecycle and reconcile tests -------------------
+
+/// A ready control plane over an existing `registry` and `runtime`: a
+/// restarted server finds the rows and the sandboxes the previous one left
+/// (start-up runs `reconcile_on_start`).
+pub async fn plane_over(
+    cfg: ControlConfig,
+    registry: MemoryRegistry,
+    runtime: Arc<FakeRuntime>,
+) -> Plane {
+    let templates = Arc::new(MemoryTemplates::default());
+    let backends = Backends {
+        registry: Arc::new(registry.clone()),
+        coordination: aviary_leases::Coordination {
+            leases: Arc::new(registry.clone()),
+            locks: Arc::new(aviary_leases::InProcessLocks::new()),
+        },
+        runtimes: RuntimeSet::single(runtime.capable()),
+        chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
+        trees: Arc::new(NoTrees),
+        templates: templates.clone(),
+        nodes: Arc::new(NoNodes),
+    };
+    let cp = ControlPlane::new(cfg, backends).expect("control plane");
+    cp.prepare(|_| {}).await.expect("prepare");
+    assert_eq!(cp.readiness(), Readiness::Ready);
+    Plane {
+        cp,
+        registry,
+        runtime,
+        templates,
+    }
+}
+
+/// Simulates a server restart: the old control plane (and its in-process
+/// state) goes, a new one starts over the same registry and runtime.
+pub async fn restart(p: Plane) -> Plane {
+    let Plane {
+        cp,
+        registry,
+        runtime,
+        ..
+    } = p;
+    drop(cp);
+    plane_over(config(), registry, runtime).await
+}
+
+/// Waits until the fake envd's call log satisfies `done` and returns it.
+/// The fake logs a call just after it sent the answer, so a client may see
+/// the answer a moment before the log shows the call; the deadline only
+/// turns a hang into a failure, it is not a timing assertion.
+pub async fn calls_until(
+    envd: &aviary_fakes::FakeEnvd,
+    done: impl Fn(&[aviary_fakes::EnvdCall]) -> bool,
+) -> Vec<aviary_fakes::EnvdCall> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let calls = envd.calls();
+        if done(&calls) {
+            return calls;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fake envd never logged the expected calls: {calls:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}

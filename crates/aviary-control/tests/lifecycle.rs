@@ -1,0 +1,548 @@
+//! The sandbox state machine through the control plane's operations, over
+//! fakes: pause/resume, the level-1 reset, illegal operations (409
+//! `invalid_state`, nothing changed), fenced delete, lost sandboxes (an envd
+//! that died, a sandbox the host lost) and the capabilities this runtime
+//! lacks (snapshot, fork, hibernate, level-2 reset: 400 `invalid_request`).
+
+mod support;
+
+#[cfg(test)]
+mod tests {
+    use super::support::*;
+    use aviary_control::snapshots::ForkRequest;
+    use aviary_control::OpError;
+    use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest, ExecRequest, Lease};
+    use aviary_core::{ErrorCode, LeaseToken, SandboxId, SandboxState};
+    use aviary_fakes::FakeEnvd;
+    use aviary_leases::LeaseStore;
+    use aviary_registry::Registry;
+    use aviary_runtime::{Runtime, RuntimeStatus};
+
+    fn echo(token: Option<LeaseToken>) -> ExecRequest {
+        ExecRequest {
+            cmd: Some(vec!["echo".into(), "hi".into()]),
+            token,
+            ..Default::default()
+        }
+    }
+
+    async fn idle_sandbox(p: &Plane) -> (SandboxId, FakeEnvd) {
+        let created =
+            p.cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+                .await
+                .unwrap();
+        assert_eq!(created.sandbox.state, SandboxState::Idle);
+        let id = created.sandbox.id;
+        let envd = envd_of(p, &id);
+        (id, envd)
+    }
+
+    async fn acquire(p: &Plane, id: &SandboxId) -> Lease {
+        p.cp.lease_acquire(
+            &tenant("alice"),
+            id.as_str(),
+            AcquireLeaseRequest {
+                owner: "agent-1".into(),
+                ttl_s: None,
+            },
+            None,
+        )
+        .await
+        .unwrap()
+    }
+
+    /// The registry row's state, version and taint, and how many events it has.
+    async fn row(p: &Plane, id: &SandboxId) -> (SandboxState, i64, bool, usize) {
+        let rec = p.registry.get_sandbox(id).await.unwrap();
+        let events = sandbox_events(p, &tenant("alice"), id).await.len();
+        (rec.state, rec.version, rec.tainted, events)
+    }
+
+    #[track_caller]
+    fn assert_code<T: std::fmt::Debug>(r: Result<T, OpError>, code: ErrorCode, what: &str) {
+        let e = r.unwrap_err();
+        assert_eq!(e.code(), code, "{what}: {e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pause_refuses_exec_and_files_until_resume() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+
+        let paused = p.cp.pause(&alice, id.as_str(), None, None).await.unwrap();
+        assert_eq!(paused.state, SandboxState::Idle, "pause is not a state");
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
+        let before = row(&p, &id).await;
+
+        assert_code(
+            p.cp.exec(&alice, id.as_str(), &echo(None)).await,
+            ErrorCode::InvalidState,
+            "exec while paused",
+        );
+        assert_code(
+            p.cp.write_file(&alice, id.as_str(), "/workspace/f", None, &b"x"[..])
+                .await,
+            ErrorCode::InvalidState,
+            "write while paused",
+        );
+        assert_code(
+            p.cp.list_files(&alice, id.as_str(), "/workspace").await,
+            ErrorCode::InvalidState,
+            "list while paused",
+        );
+        assert_code(
+            p.cp.pause(&alice, id.as_str(), None, None).await,
+            ErrorCode::InvalidState,
+            "pause while paused",
+        );
+        assert!(envd.execs().is_empty(), "{:?}", envd.execs());
+        assert_eq!(row(&p, &id).await, before);
+
+        let resumed = p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();
+        assert_eq!(resumed.state, SandboxState::Idle);
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
+        let out = p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        assert_eq!(out.stdout, "hi\n");
+        let kinds: Vec<String> = sandbox_events(&p, &alice, &id)
+            .await
+            .into_iter()
+            .map(|e| e.event_type)
+            .filter(|t| t == "paused" || t == "resumed")
+            .collect();
+        assert_eq!(kinds, ["paused", "resumed"]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pause_and_resume_of_a_leased_sandbox_need_its_token() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, _envd) = idle_sandbox(&p).await;
+        let lease = acquire(&p, &id).await;
+
+        assert_code(
+            p.cp.pause(&alice, id.as_str(), None, None).await,
+            ErrorCode::LeaseRequired,
+            "pause without token",
+        );
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
+        p.cp.pause(&alice, id.as_str(), Some(lease.token), None)
+            .await
+            .unwrap();
+        assert_code(
+            p.cp.resume(&alice, id.as_str(), None, None).await,
+            ErrorCode::LeaseRequired,
+            "resume without token",
+        );
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
+        p.cp.resume(&alice, id.as_str(), Some(lease.token), None)
+            .await
+            .unwrap();
+        p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn level_one_reset_kills_everything_revokes_the_lease_and_ends_idle() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let lease = acquire(&p, &id).await;
+        envd.clear_calls();
+
+        let reset =
+            p.cp.reset_level(&alice, id.as_str(), Some(lease.token), 1, None)
+                .await
+                .unwrap();
+        assert_eq!(reset.state, SandboxState::Idle);
+        assert_eq!(reset.lease_owner, None);
+
+        let calls = calls_until(&envd, |c| c.iter().any(|c| c.method == "kill_all")).await;
+        let kill = calls.iter().find(|c| c.method == "kill_all").unwrap();
+        assert_eq!(kill.result, Ok(()));
+        assert_eq!(kill.fence, None, "the lease was revoked before the kill");
+        assert_eq!(envd.fence(), None);
+        let script = envd.execs();
+        assert_eq!(script.len(), 1, "{script:?}");
+        assert_eq!(script[0].argv[..2], ["/bin/sh", "-c"]);
+        assert!(script[0].argv[2].contains("kill -9 -1"), "{script:?}");
+
+        let path = state_path(&p, &id).await;
+        assert_eq!(
+            path[path.len() - 3..],
+            [
+                SandboxState::Leased,
+                SandboxState::Sanitizing,
+                SandboxState::Idle
+            ]
+        );
+        let resets: Vec<_> = sandbox_events(&p, &alice, &id)
+            .await
+            .into_iter()
+            .filter(|e| e.event_type == "reset")
+            .collect();
+        assert_eq!(resets.len(), 2, "{resets:?}");
+        assert!(resets.iter().all(|e| e.metadata["level"] == 1));
+
+        // the old holder is out; the sandbox serves unleased calls again
+        assert_code(
+            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
+                .await,
+            ErrorCode::StaleToken,
+            "exec with the revoked token",
+        );
+        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        // and a reset level outside 1-3 is a clear refusal
+        assert_code(
+            p.cp.reset_level(&alice, id.as_str(), None, 4, None).await,
+            ErrorCode::InvalidRequest,
+            "reset level 4",
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn resuming_a_running_sandbox_is_invalid_state_and_changes_nothing() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let before = row(&p, &id).await;
+        let e =
+            p.cp.resume(&alice, id.as_str(), None, None)
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidState, "{e}");
+        assert_eq!(e.code().http_status(), 409);
+        assert_eq!(row(&p, &id).await, before);
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
+        assert_eq!(envd.fence(), None);
+        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_operation_on_a_terminated_sandbox_is_invalid_state() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let gone = p.cp.delete(&alice, id.as_str(), None, None).await.unwrap();
+        assert_eq!(gone.state, SandboxState::Terminated);
+        assert!(envd.is_dead());
+        assert!(p.runtime.live_ids().is_empty());
+        let before = row(&p, &id).await;
+        let (creates, destroys) = (p.runtime.create_calls(), p.runtime.destroy_calls());
+        let sid = id.as_str();
+        let code = ErrorCode::InvalidState;
+
+        assert_code(p.cp.exec(&alice, sid, &echo(None)).await, code, "exec");
+        assert_code(
+            p.cp.write_file(&alice, sid, "/workspace/f", None, &b"x"[..])
+                .await,
+            code,
+            "write_file",
+        );
+        assert_code(
+            p.cp.read_file(&alice, sid, "/workspace/f").await,
+            code,
+            "read_file",
+        );
+        assert_code(p.cp.pause(&alice, sid, None, None).await, code, "pause");
+        assert_code(p.cp.resume(&alice, sid, None, None).await, code, "resume");
+        assert_code(p.cp.reset(&alice, sid, None, None).await, code, "reset");
+        assert_code(
+            p.cp.reset_level(&alice, sid, None, 2, None).await,
+            code,
+            "reset level 2",
+        );
+        assert_code(p.cp.delete(&alice, sid, None, None).await, code, "delete");
+        assert_code(p.cp.release(&alice, sid, None, None).await, code, "release");
+        assert_code(
+            p.cp.lease_acquire(
+                &alice,
+                sid,
+                AcquireLeaseRequest {
+                    owner: "agent-1".into(),
+                    ttl_s: None,
+                },
+                None,
+            )
+            .await,
+            code,
+            "lease_acquire",
+        );
+        assert_code(
+            p.cp.snapshot(&alice, sid, None, None).await,
+            code,
+            "snapshot",
+        );
+        assert_code(
+            p.cp.hibernate(&alice, sid, None, None).await,
+            code,
+            "hibernate",
+        );
+        assert_code(p.cp.wake(&alice, sid, None).await, code, "wake");
+        assert_code(
+            p.cp.fork(&alice, sid, ForkRequest::default(), None).await,
+            code,
+            "fork",
+        );
+
+        assert_eq!(row(&p, &id).await, before);
+        assert_eq!(p.runtime.create_calls(), creates);
+        assert_eq!(p.runtime.destroy_calls(), destroys);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deleting_a_leased_sandbox_needs_its_token() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let lease = acquire(&p, &id).await;
+        let before = row(&p, &id).await;
+
+        assert_code(
+            p.cp.delete(&alice, id.as_str(), None, None).await,
+            ErrorCode::LeaseRequired,
+            "delete without token",
+        );
+        assert_code(
+            p.cp.delete(
+                &alice,
+                id.as_str(),
+                Some(LeaseToken::generate(lease.token.fence())),
+                None,
+            )
+            .await,
+            ErrorCode::StaleToken,
+            "delete with a forged token",
+        );
+        assert_eq!(row(&p, &id).await, before);
+        assert_eq!(p.runtime.live_ids(), vec![id.clone()]);
+        assert!(!envd.is_dead());
+
+        let gone =
+            p.cp.delete(&alice, id.as_str(), Some(lease.token), None)
+                .await
+                .unwrap();
+        assert_eq!(gone.state, SandboxState::Terminated);
+        assert!(p.runtime.live_ids().is_empty());
+        assert!(envd.is_dead());
+        assert_eq!(
+            p.registry.current(&id, aviary_core::now()).await.unwrap(),
+            None
+        );
+        let path = state_path(&p, &id).await;
+        assert_eq!(
+            path[path.len() - 3..],
+            [
+                SandboxState::Leased,
+                SandboxState::Sanitizing,
+                SandboxState::Terminated
+            ]
+        );
+    }
+
+    /// Calls on a lost sandbox: `sandbox_lost` (409) for the calls that
+    /// need its compute, never a 5xx; the owner can still delete it.
+    async fn assert_lost_afterwards(p: &Plane, id: &SandboxId, token: Option<LeaseToken>) {
+        let alice = tenant("alice");
+        let sid = id.as_str();
+        let lost = ErrorCode::SandboxLost;
+        for (what, r) in [
+            ("exec", p.cp.exec(&alice, sid, &echo(token)).await.map(drop)),
+            (
+                "exec unfenced",
+                p.cp.exec(&alice, sid, &echo(None)).await.map(drop),
+            ),
+            (
+                "write_file",
+                p.cp.write_file(&alice, sid, "/workspace/f", token, &b"x"[..])
+                    .await
+                    .map(drop),
+            ),
+            (
+                "read_file",
+                p.cp.read_file(&alice, sid, "/workspace").await.map(drop),
+            ),
+            (
+                "list_files",
+                p.cp.list_files(&alice, sid, "/workspace").await.map(drop),
+            ),
+            (
+                "pause",
+                p.cp.pause(&alice, sid, token, None).await.map(drop),
+            ),
+            (
+                "reset",
+                p.cp.reset(&alice, sid, token, None).await.map(drop),
+            ),
+            (
+                "snapshot",
+                p.cp.snapshot(&alice, sid, token, None).await.map(drop),
+            ),
+        ] {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), lost, "{what}: {e}");
+            assert_eq!(e.code().http_status(), 409, "{what}");
+        }
+        assert_eq!(
+            p.registry.get_sandbox(id).await.unwrap().state,
+            SandboxState::Lost
+        );
+        let gone = p.cp.delete(&alice, sid, None, None).await.unwrap();
+        assert_eq!(gone.state, SandboxState::Terminated);
+        assert!(!p.runtime.live_ids().contains(id));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exec_that_finds_envd_dead_makes_the_sandbox_lost() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let lease = acquire(&p, &id).await;
+        envd.die().await;
+
+        let e =
+            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::SandboxLost, "{e}");
+        assert_eq!(e.code().http_status(), 409);
+
+        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        assert_eq!(sandbox.state, SandboxState::Lost);
+        assert!(sandbox.tainted);
+        assert_eq!(sandbox.lease_owner, None, "its lease is revoked");
+        // what still ran in it is frozen: nobody enforces its fence any more
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
+        let events = sandbox_events(&p, &alice, &id).await;
+        let lost = events
+            .iter()
+            .find(|e| e.event_type == "sandbox_lost")
+            .unwrap();
+        assert_eq!(lost.old_state, Some(SandboxState::Leased));
+        assert_eq!(lost.new_state, Some(SandboxState::Lost));
+        assert_eq!(lost.metadata["reason"], "its envd is not running");
+        assert_eq!(lost.metadata["frozen"], true);
+
+        assert_lost_afterwards(&p, &id, Some(lease.token)).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_probe_makes_a_sandbox_the_host_lost_lost_and_leaves_the_others() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, _envd) = idle_sandbox(&p).await;
+        let (healthy, _) = idle_sandbox(&p).await;
+        assert!(p.runtime.vanish(&id).await);
+
+        p.cp.probe_envds().await;
+
+        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        assert_eq!(sandbox.state, SandboxState::Lost);
+        assert!(sandbox.tainted);
+        let events = sandbox_events(&p, &alice, &id).await;
+        let lost = events.last().unwrap();
+        assert_eq!(lost.event_type, "sandbox_lost");
+        assert_eq!(lost.old_state, Some(SandboxState::Idle));
+        assert_eq!(lost.new_state, Some(SandboxState::Lost));
+        assert_eq!(lost.metadata["frozen"], false, "nothing left to freeze");
+
+        let other = p.cp.get(&alice, healthy.as_str()).await.unwrap();
+        assert_eq!(other.state, SandboxState::Idle);
+        assert!(!other.tainted);
+        p.cp.exec(&alice, healthy.as_str(), &echo(None))
+            .await
+            .unwrap();
+
+        // probing again changes nothing
+        let before = row(&p, &id).await;
+        p.cp.probe_envds().await;
+        assert_eq!(row(&p, &id).await, before);
+
+        assert_lost_afterwards(&p, &id, None).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "BUG: resume and lease_acquire on a Lost sandbox answer invalid_state, not sandbox_lost"]
+    async fn resume_and_lease_acquire_on_a_lost_sandbox_say_it_is_lost() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        envd.die().await;
+        p.cp.probe_envds().await;
+        assert_eq!(
+            p.cp.get(&alice, id.as_str()).await.unwrap().state,
+            SandboxState::Lost
+        );
+        assert_code(
+            p.cp.resume(&alice, id.as_str(), None, None).await,
+            ErrorCode::SandboxLost,
+            "resume",
+        );
+        assert_code(
+            p.cp.lease_acquire(
+                &alice,
+                id.as_str(),
+                AcquireLeaseRequest {
+                    owner: "agent-1".into(),
+                    ttl_s: None,
+                },
+                None,
+            )
+            .await,
+            ErrorCode::SandboxLost,
+            "lease_acquire",
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn snapshot_fork_hibernate_and_level_two_reset_need_a_snapshottable_runtime() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let before = row(&p, &id).await;
+        let (creates, destroys) = (p.runtime.create_calls(), p.runtime.destroy_calls());
+        let sid = id.as_str();
+
+        for (what, r) in [
+            (
+                "snapshot",
+                p.cp.snapshot(&alice, sid, None, None).await.map(drop),
+            ),
+            (
+                "fork",
+                p.cp.fork(&alice, sid, ForkRequest::default(), None)
+                    .await
+                    .map(drop),
+            ),
+            (
+                "hibernate",
+                p.cp.hibernate(&alice, sid, None, None).await.map(drop),
+            ),
+            (
+                "reset level 2",
+                p.cp.reset_level(&alice, sid, None, 2, None).await.map(drop),
+            ),
+        ] {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidRequest, "{what}: {e}");
+            assert_eq!(e.code().http_status(), 400, "{what}");
+            assert!(
+                e.to_string().contains("not supported by runtime crun"),
+                "{what}: {e}"
+            );
+        }
+
+        assert_eq!(row(&p, &id).await, before);
+        assert_eq!(p.runtime.create_calls(), creates, "no fork was created");
+        assert_eq!(p.runtime.destroy_calls(), destroys);
+        assert_eq!(p.runtime.live_ids(), vec![id.clone()]);
+        assert_eq!(
+            p.runtime.status(&id).await.unwrap(),
+            RuntimeStatus::Running,
+            "not left frozen"
+        );
+        assert_eq!(envd.sweeps(), 0);
+        p.cp.exec(&alice, sid, &echo(None)).await.unwrap();
+    }
+}

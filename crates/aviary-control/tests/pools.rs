@@ -1,0 +1,361 @@
+//! Warm pools over fakes: refills start `Ready` sandboxes up to the bounds,
+//! a matching create claims one without starting compute, hand-outs are
+//! counted until their sandbox ends, and one pooled sandbox is never handed
+//! to two creates.
+
+mod support;
+
+#[cfg(test)]
+mod tests {
+    use super::support::*;
+    use aviary_control::pools::{PoolView, SetPoolRequest};
+    use aviary_core::api::{CreateSandboxRequest, ExecRequest};
+    use aviary_core::{ErrorCode, SandboxState};
+    use aviary_registry::{Registry, POOL_TENANT};
+
+    /// A plane with one python-small pool on the test template.
+    async fn pooled_plane(pool_min: u32, pool_max: u32) -> Plane {
+        let mut cfg = config();
+        cfg.settings.pools = vec![pool_settings("python-small", pool_min, pool_max)];
+        plane_with(cfg).await
+    }
+
+    async fn view(p: &Plane) -> PoolView {
+        let mut pools = p.cp.pools_view().await.unwrap().pools;
+        assert_eq!(pools.len(), 1);
+        pools.remove(0)
+    }
+
+    fn is_hit(c: &aviary_core::api::CreateSandboxResponse) -> bool {
+        c.decision.reason.starts_with("warm pool hit")
+    }
+
+    async fn pooled_rows(p: &Plane) -> Vec<aviary_registry::SandboxRecord> {
+        p.registry
+            .list_sandboxes(Some(POOL_TENANT), false)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refill_starts_ready_sandboxes_up_to_pool_min() {
+        let p = pooled_plane(3, 5).await;
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 3);
+        assert_eq!(p.runtime.create_calls(), 3);
+        let rows = pooled_rows(&p).await;
+        assert_eq!(rows.len(), 3);
+        for r in &rows {
+            assert_eq!(r.state, SandboxState::Ready);
+            assert_eq!(r.resource_class, "python-small");
+            assert_eq!(r.template, "busybox");
+            assert_eq!(
+                state_path(&p, &r.id).await,
+                [
+                    SandboxState::Requested,
+                    SandboxState::Planning,
+                    SandboxState::Allocating,
+                    SandboxState::Provisioning,
+                    SandboxState::Ready,
+                ]
+            );
+        }
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.handed_out, v.hits, v.misses), (3, 0, 0, 0));
+        // a full pool starts nothing more
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 0);
+        assert_eq!(p.runtime.create_calls(), 3);
+        // pooled sandboxes belong to no tenant
+        assert!(p.cp.list(&tenant("alice"), true).await.unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_matching_create_claims_a_warm_sandbox_without_new_compute() {
+        let p = pooled_plane(1, 2).await;
+        p.cp.refill_pools().await.unwrap();
+        let warm = pooled_rows(&p).await[0].id.clone();
+        let creates = p.runtime.create_calls();
+
+        let alice = tenant("alice");
+        let c =
+            p.cp.create(&alice, CreateSandboxRequest::default(), Some("req-hit"))
+                .await
+                .unwrap();
+        assert!(is_hit(&c), "{:?}", c.decision);
+        assert_eq!(c.sandbox.id, warm);
+        assert_eq!(c.sandbox.tenant, "alice");
+        assert_eq!(c.sandbox.state, SandboxState::Idle);
+        assert_eq!(p.runtime.create_calls(), creates);
+        assert_eq!(
+            state_path(&p, &warm).await[4..],
+            [
+                SandboxState::Ready,
+                SandboxState::Locking,
+                SandboxState::Idle
+            ]
+        );
+        let claimed: Vec<_> = sandbox_events(&p, &alice, &warm)
+            .await
+            .into_iter()
+            .filter(|e| e.event_type == "pool_claimed")
+            .collect();
+        assert_eq!(claimed.len(), 1);
+        assert_eq!(claimed[0].request_id.as_deref(), Some("req-hit"));
+        // the claim's allocation row names the sandbox
+        let a = &p.cp.allocations(&alice, None).await.unwrap().allocations[0];
+        assert_eq!(a.sandbox_id.as_deref(), Some(warm.as_str()));
+
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.handed_out, v.hits, v.misses), (0, 1, 1, 0));
+        // the sandbox works
+        let out =
+            p.cp.exec(
+                &alice,
+                warm.as_str(),
+                &ExecRequest {
+                    cmd: Some(vec!["echo".into(), "warm".into()]),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, "warm\n");
+
+        p.cp.delete(&alice, warm.as_str(), None, None)
+            .await
+            .unwrap();
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.handed_out), (0, 0));
+        // and the pool fills again
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 1);
+        assert_eq!(view(&p).await.idle, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_empty_pool_is_a_miss_and_a_cold_create() {
+        let p = pooled_plane(1, 2).await;
+        let alice = tenant("alice");
+        let c =
+            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                .await
+                .unwrap();
+        assert!(!is_hit(&c), "{:?}", c.decision);
+        assert!(
+            c.decision.reason.starts_with("cold create"),
+            "{:?}",
+            c.decision
+        );
+        assert_eq!(p.runtime.create_calls(), 1);
+        let v = view(&p).await;
+        assert_eq!((v.hits, v.misses, v.handed_out), (0, 1, 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_create_the_pool_does_not_match_is_not_served_from_it() {
+        let p = pooled_plane(1, 2).await;
+        p.cp.refill_pools().await.unwrap();
+        let alice = tenant("alice");
+        let c =
+            p.cp.create(
+                &alice,
+                CreateSandboxRequest {
+                    class: Some("python-ds".into()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(!is_hit(&c), "{:?}", c.decision);
+        assert_eq!(p.runtime.create_calls(), 2);
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.hits, v.misses), (1, 0, 0));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scoped_create_claims_from_the_pool_and_is_reused_after() {
+        let p = pooled_plane(1, 2).await;
+        p.cp.refill_pools().await.unwrap();
+        let alice = tenant("alice");
+        let req = || CreateSandboxRequest {
+            session_id: Some("s1".into()),
+            scope: Some(aviary_core::Scope::Session),
+            ..Default::default()
+        };
+        let first = p.cp.create(&alice, req(), None).await.unwrap();
+        assert!(is_hit(&first), "{:?}", first.decision);
+        assert_eq!(first.sandbox.session_id.as_deref(), Some("s1"));
+        let again = p.cp.create(&alice, req(), None).await.unwrap();
+        assert_eq!(again.decision.action, "reuse");
+        assert_eq!(again.sandbox.id, first.sandbox.id);
+        assert_eq!(view(&p).await.hits, 1);
+        assert_eq!(p.runtime.create_calls(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fifty_cycles_with_refills_are_all_hits() {
+        let p = pooled_plane(2, 4).await;
+        let alice = tenant("alice");
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 2);
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..50 {
+            let before = p.runtime.create_calls();
+            let c =
+                p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                    .await
+                    .unwrap();
+            assert!(is_hit(&c), "cycle {i}: {:?}", c.decision);
+            assert_eq!(p.runtime.create_calls(), before, "cycle {i}");
+            assert!(
+                seen.insert(c.sandbox.id.clone()),
+                "cycle {i}: handed out twice"
+            );
+            let out =
+                p.cp.exec(
+                    &alice,
+                    c.sandbox.id.as_str(),
+                    &ExecRequest {
+                        cmd: Some(vec!["echo".into(), format!("{i}")]),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            assert_eq!(out.stdout, format!("{i}\n"));
+            p.cp.delete(&alice, c.sandbox.id.as_str(), None, None)
+                .await
+                .unwrap();
+            assert_eq!(view(&p).await.handed_out, 0, "cycle {i}");
+            assert_eq!(p.cp.refill_pools().await.unwrap(), 1, "cycle {i}");
+        }
+        let v = view(&p).await;
+        assert_eq!(
+            (v.hits, v.misses, v.handed_out, v.idle),
+            (50, 0, 0, 2),
+            "{v:?}"
+        );
+        assert_eq!(p.runtime.create_calls(), 52);
+        assert_eq!(p.runtime.live_ids().len(), 2);
+        assert!(p.cp.list(&alice, false).await.unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn one_pooled_sandbox_is_never_handed_to_two_creates() {
+        let p = pooled_plane(1, 1).await;
+        let alice = tenant("alice");
+        for round in 0..20 {
+            assert_eq!(p.cp.refill_pools().await.unwrap(), 1, "round {round}");
+            let warm = pooled_rows(&p).await[0].id.clone();
+            let start = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+            let tasks: Vec<_> = (0..2)
+                .map(|_| {
+                    let cp = p.cp.clone();
+                    let start = start.clone();
+                    tokio::spawn(async move {
+                        start.wait().await;
+                        cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+                            .await
+                    })
+                })
+                .collect();
+            let mut got = Vec::new();
+            for t in tasks {
+                got.push(t.await.unwrap().unwrap());
+            }
+            let hits: Vec<_> = got.iter().filter(|c| is_hit(c)).collect();
+            assert_eq!(hits.len(), 1, "round {round}: {got:?}");
+            assert_eq!(hits[0].sandbox.id, warm);
+            assert_ne!(got[0].sandbox.id, got[1].sandbox.id, "round {round}");
+            for c in &got {
+                p.cp.delete(&alice, c.sandbox.id.as_str(), None, None)
+                    .await
+                    .unwrap();
+            }
+        }
+        let v = view(&p).await;
+        assert_eq!((v.hits, v.misses, v.handed_out), (20, 20, 0), "{v:?}");
+        // one refill and one cold create per round
+        assert_eq!(p.runtime.create_calls(), 40);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pool_set_changes_the_bounds_refills_follow() {
+        let p = pooled_plane(1, 2).await;
+        let e =
+            p.cp.set_pool(
+                &tenant("alice"),
+                "python-small",
+                SetPoolRequest { min: 3, max: 4 },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
+        let e =
+            p.cp.set_pool(&admin(), "compute-large", SetPoolRequest { min: 1, max: 1 })
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound, "{e}");
+        let e =
+            p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 3, max: 2 })
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
+
+        let list =
+            p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 3, max: 4 })
+                .await
+                .unwrap();
+        assert_eq!((list.pools[0].pool_min, list.pools[0].pool_max), (3, 4));
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 3);
+        assert_eq!(view(&p).await.idle, 3);
+        // lowering the bounds trims idle sandboxes above them
+        p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 1, max: 1 })
+            .await
+            .unwrap();
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 0);
+        assert_eq!(view(&p).await.idle, 1);
+        assert_eq!(p.runtime.live_ids().len(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refills_stop_at_the_node_capacity() {
+        let mut cfg = config();
+        cfg.settings.pools = vec![pool_settings("python-small", 4, 4)];
+        cfg.local_cpu = 2.0;
+        cfg.settings.overcommit.cpu_ratio = 1.0;
+        let p = plane_with(cfg).await;
+        // a full node is not a refill failure: the pool waits for room
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 2);
+        assert_eq!(p.runtime.create_calls(), 2);
+        assert_eq!(view(&p).await.idle, 2);
+        // warm sandboxes are committed: a cold create finds no room
+        let e =
+            p.cp.create(
+                &tenant("alice"),
+                CreateSandboxRequest {
+                    class: Some("python-ds".into()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::CapacityExhausted, "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_refill_leaves_nothing_behind() {
+        let p = pooled_plane(2, 2).await;
+        p.runtime
+            .fail_next_create(aviary_runtime::RuntimeError::InvokeRuntime {
+                action: "crun run".into(),
+                detail: "boom".into(),
+            });
+        let e = p.cp.refill_pools().await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Internal, "{e}");
+        assert!(p.runtime.live_ids().is_empty());
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.handed_out), (0, 0));
+        // the next pass fills the pool
+        assert_eq!(p.cp.refill_pools().await.unwrap(), 2);
+    }
+}

@@ -1,0 +1,149 @@
+//! Several runtimes side by side in one control plane (`RuntimeSet`): a
+//! sandbox runs on the runtime its class allows, every later call goes to
+//! that runtime, and a runtime nobody serves is a clear refusal.
+
+mod support;
+
+#[cfg(test)]
+mod tests {
+    use super::support::*;
+    use aviary_control::{Backends, ControlPlane, NoNodes, RuntimeSet};
+    use aviary_core::api::{CreateSandboxRequest, ExecRequest};
+    use aviary_core::{ErrorCode, RuntimeName};
+    use aviary_fakes::FakeRuntime;
+    use aviary_registry::MemoryRegistry;
+    use std::sync::Arc;
+
+    /// The built-in classes plus `runc-only`, a copy of the default class
+    /// that allows runc alone.
+    fn config_with_runc_class() -> aviary_control::ControlConfig {
+        let mut cfg = config();
+        let mut c = cfg
+            .settings
+            .class(&cfg.default_class)
+            .expect("default class")
+            .clone();
+        c.name = "runc-only".into();
+        c.runtimes = vec![RuntimeName::Runc];
+        cfg.settings.classes.push(c);
+        cfg
+    }
+
+    async fn plane_of(
+        cfg: aviary_control::ControlConfig,
+        runtimes: Vec<Arc<FakeRuntime>>,
+    ) -> Arc<ControlPlane> {
+        let registry = MemoryRegistry::new();
+        let backends = Backends {
+            registry: Arc::new(registry.clone()),
+            coordination: aviary_leases::Coordination {
+                leases: Arc::new(registry),
+                locks: Arc::new(aviary_leases::InProcessLocks::new()),
+            },
+            runtimes: RuntimeSet::new(runtimes.iter().map(|r| r.capable()).collect()).unwrap(),
+            chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
+            trees: Arc::new(NoTrees),
+            templates: Arc::new(MemoryTemplates::default()),
+            nodes: Arc::new(NoNodes),
+        };
+        let cp = ControlPlane::new(cfg, backends).unwrap();
+        cp.prepare(|_| {}).await.unwrap();
+        cp
+    }
+
+    fn echo() -> ExecRequest {
+        ExecRequest {
+            cmd: Some(vec!["echo".into(), "ok".into()]),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_sandbox_runs_on_the_runtime_its_class_allows() {
+        let crun = Arc::new(FakeRuntime::new().unwrap());
+        let runc = Arc::new(FakeRuntime::new().unwrap().with_name("runc"));
+        let cp = plane_of(config_with_runc_class(), vec![crun.clone(), runc.clone()]).await;
+        let alice = tenant("alice");
+
+        let on_default = cp
+            .create(&alice, CreateSandboxRequest::default(), None)
+            .await
+            .unwrap();
+        assert_eq!(on_default.sandbox.runtime, "crun");
+        let on_runc = cp
+            .create(
+                &alice,
+                CreateSandboxRequest {
+                    class: Some("runc-only".into()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(on_runc.sandbox.runtime, "runc");
+        assert_eq!(crun.live_ids(), vec![on_default.sandbox.id.clone()]);
+        assert_eq!(runc.live_ids(), vec![on_runc.sandbox.id.clone()]);
+
+        // later calls reach the sandbox's own runtime and envd
+        let out = cp
+            .exec(&alice, on_runc.sandbox.id.as_str(), &echo())
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, "ok\n");
+        assert_eq!(runc.envd(&on_runc.sandbox.id).unwrap().execs().len(), 1);
+        cp.pause(&alice, on_runc.sandbox.id.as_str(), None, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            aviary_runtime::Runtime::status(runc.as_ref(), &on_runc.sandbox.id)
+                .await
+                .unwrap(),
+            aviary_runtime::RuntimeStatus::Paused
+        );
+        cp.resume(&alice, on_runc.sandbox.id.as_str(), None, None)
+            .await
+            .unwrap();
+        cp.delete(&alice, on_runc.sandbox.id.as_str(), None, None)
+            .await
+            .unwrap();
+        assert!(runc.live_ids().is_empty());
+        assert_eq!(runc.destroy_calls(), 1);
+        assert_eq!(crun.destroy_calls(), 0, "crun's sandbox is untouched");
+        assert_eq!(crun.live_ids().len(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_runtime_no_node_serves_is_refused_before_anything_starts() {
+        let crun = Arc::new(FakeRuntime::new().unwrap());
+        let cp = plane_of(config_with_runc_class(), vec![crun.clone()]).await;
+        let e = cp
+            .create(
+                &tenant("alice"),
+                CreateSandboxRequest {
+                    class: Some("runc-only".into()),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e.code(),
+                ErrorCode::Unavailable | ErrorCode::CapacityExhausted
+            ),
+            "{e:?}"
+        );
+        assert_eq!(crun.create_calls(), 0);
+    }
+
+    #[test]
+    fn a_runtime_set_refuses_two_runtimes_of_one_name() {
+        let rt = || Arc::new(FakeRuntime::new().unwrap()).capable();
+        assert!(RuntimeSet::new(vec![rt(), rt()])
+            .unwrap_err()
+            .contains("configured twice"));
+        assert!(RuntimeSet::new(vec![]).is_err());
+    }
+}
