@@ -794,17 +794,17 @@ impl ControlPlane {
             Some(b) => Some(self.bucket_guard(b).await?),
             None => None,
         };
+        let mut stage = CreateStage {
+            caller,
+            req: &req,
+            approved: &approved,
+            template: &template,
+            scope,
+            expires_at,
+            lease_req: lease_req.clone(),
+            request_id,
+        };
         if let Some(b) = &bucket {
-            let stage = CreateStage {
-                caller,
-                req: &req,
-                approved: &approved,
-                template: &template,
-                scope,
-                expires_at,
-                lease_req: lease_req.clone(),
-                request_id,
-            };
             match self.reuse_in_bucket(&stage, b).await? {
                 crate::scopes::BucketOutcome::Reused(resp) => return Ok(*resp),
                 crate::scopes::BucketOutcome::New(d) => new_decision = Some(d),
@@ -815,23 +815,12 @@ impl ControlPlane {
                     format!("scope:{b}"),
                     Duration::from_secs(self.cfg.default_lease_ttl_s),
                 ));
+                stage.lease_req = lease_req.clone();
             }
         }
         if seed.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
-        } else if let Some(hit) = self
-            .try_pool(&CreateStage {
-                caller,
-                req: &req,
-                approved: &approved,
-                template: &template,
-                scope,
-                expires_at,
-                lease_req: lease_req.clone(),
-                request_id,
-            })
-            .await?
-        {
+        } else if let Some(hit) = self.try_pool(&stage).await? {
             return Ok(hit);
         }
         let id = SandboxId::generate();
