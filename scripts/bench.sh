@@ -2,13 +2,24 @@
 # Benchmarks: builds release binaries, starts what it compares against
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
-#   scripts/bench.sh [ITERATIONS]
+#   scripts/bench.sh [ITERATIONS] [PART...]
+# PARTs (default: all, in this order): core snapshots quota planner pool.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+iterations=${1:-30}
+all_parts=" core snapshots quota planner pool "
+parts=" ${*:2} "
+[[ $parts == "  " ]] && parts=$all_parts
+for p in $parts; do
+  [[ $all_parts == *" $p "* ]] || { echo "bench: unknown part $p (parts:$all_parts)" >&2; exit 2; }
+done
+want() { [[ $parts == *" $1 "* ]]; }
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build --release --locked -p aviary-bench
-cargo build --release --locked -p aviary-snapshots --example snapshot_bench
+if want snapshots; then
+  cargo build --release --locked -p aviary-snapshots --example snapshot_bench
+fi
 AVIARY_ENVD=$(scripts/build-envd.sh)
 export AVIARY_ENVD
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r), $(. /etc/os-release; echo "$PRETTY_NAME"), crun $(crun --version | head -1 | awk '{print $3}')"
@@ -36,20 +47,34 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 # core path: cold create, exec round trip, warm pool, memory (vs crun and docker)
-"$CARGO_TARGET_DIR/release/aviary-bench" "${1:-30}" | tee "$out"
-write_section core "$measured" "$out"
+if want core; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" "$iterations" | tee "$out"
+  write_section core "$measured" "$out"
+fi
 
 # snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd
-"$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$out"
-write_section snapshots "$measured" "$out"
+if want snapshots; then
+  "$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$out"
+  write_section snapshots "$measured" "$out"
+fi
 
 # disk quotas: create/destroy with and without the per-sandbox disk, interleaved
-cargo test --release --locked -p aviary-runtime-oci --test quota -- \
-    --ignored --nocapture measure_create_cost 2>/dev/null |
-    grep -E '^(probe|create|destroy)' | { echo '```'; cat; echo '```'; } | tee "$out"
-write_section quota "$measured p50 / p90 ms:" "$out"
+if want quota; then
+  cargo test --release --locked -p aviary-runtime-oci --test quota -- \
+      --ignored --nocapture measure_create_cost 2>/dev/null |
+      grep -E '^(probe|create|destroy)' | { echo '```'; cat; echo '```'; } | tee "$out"
+  write_section quota "$measured p50 / p90 ms:" "$out"
+fi
 
 # planner: accuracy on the labelled corpus, beside both baselines (no root, seconds)
-"$CARGO_TARGET_DIR/release/aviary-bench" planner | tee "$out"
-write_section planner "Measured $(date -u +%Y-%m-%d) by \`aviary-bench planner\` (accuracy does not depend on the machine; the timing does: $machine)." "$out"
+if want planner; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" planner | tee "$out"
+  write_section planner "Measured $(date -u +%Y-%m-%d) by \`aviary-bench planner\` (accuracy does not depend on the machine; the timing does: $machine)." "$out"
+fi
+
+# warm pool under churn: hits over create → exec → rm cycles, hit vs miss latency
+if want pool; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" pool-churn "${AVIARY_BENCH_POOL_CYCLES:-50}" | tee "$out"
+  write_section pool "$measured" "$out"
+fi
 echo "BENCHMARKS.md updated" >&2

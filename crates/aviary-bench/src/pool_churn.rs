@@ -44,6 +44,7 @@ struct Run {
 
 pub async fn run(cycles: usize) -> anyhow::Result<()> {
     anyhow::ensure!(cycles > 0, "pool-churn needs at least one cycle");
+    let load_before = load_average();
     let work = crate::work_dir()?;
     let server = crate::start_server(work.path()).await?;
     // no sandbox of this run outlives it, also when a cycle fails
@@ -70,7 +71,8 @@ pub async fn run(cycles: usize) -> anyhow::Result<()> {
     client.set_pool(POOL_CLASS, 0, 0).await?;
     server.stop().await?;
 
-    report(cycles, fill, &back_to_back, &paced);
+    let load = (load_before, load_average());
+    report(cycles, fill, &back_to_back, &paced, load);
     Ok(())
 }
 
@@ -117,6 +119,17 @@ async fn cycle(c: &Client) -> anyhow::Result<(bool, Duration)> {
     Ok((hit, create))
 }
 
+/// The 1-minute load average: the back-to-back run races the refill for
+/// the cores, so other work on the machine shows in its hit rate.
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 fn idle(view: &serde_json::Value) -> u64 {
     view["idle"].as_u64().unwrap_or(0)
 }
@@ -129,7 +142,7 @@ fn measured(v: &[Duration]) -> Result<Stats, String> {
     }
 }
 
-fn report(cycles: usize, fill: Duration, b2b: &Run, paced: &Run) {
+fn report(cycles: usize, fill: Duration, b2b: &Run, paced: &Run, load: (Option<f64>, Option<f64>)) {
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     println!("### Warm pool under churn (issue 8)\n");
     println!(
@@ -165,5 +178,13 @@ fn report(cycles: usize, fill: Duration, b2b: &Run, paced: &Run) {
          in the paced run, rm answered → {POOL_MIN} idle again: {refill}.",
         ms(fill),
         f64::from(POOL_MIN) / fill.as_secs_f64()
+    );
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let show = |l: Option<f64>| l.map_or_else(|| "n/a".into(), |l| format!("{l:.2}"));
+    println!(
+        "1-minute load average before / after: {} / {} on {cores} cores \
+         (other work on the machine takes cores from the refill).",
+        show(load.0),
+        show(load.1)
     );
 }
