@@ -635,7 +635,31 @@ impl ControlPlane {
             .await?;
         let current = self.leases.current(id, aviary_core::now()).await?;
         let fence = current.map(|l| l.token.fence());
-        envd_control("take the fence", || live.envd.set_fence(fence)).await
+        // A frozen envd cannot answer, and deferring the push to the resume
+        // would let the previous holder's processes run between the thaw
+        // and the push: thaw, move the fence (envd ends the previous
+        // holder's processes first), freeze again.
+        let thawed = if live.paused.load(std::sync::atomic::Ordering::SeqCst) {
+            let rec = self.registry.get_sandbox(id).await?;
+            let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
+            runtime
+                .resume(id)
+                .await
+                .map_err(OpError::runtime("thaw the paused sandbox for a fence move"))?;
+            Some(runtime)
+        } else {
+            None
+        };
+        let pushed = envd_control("take the fence", || live.envd.set_fence(fence)).await;
+        if let Some(runtime) = thawed {
+            if let Err(e) = runtime.pause(id).await {
+                // reported with the push's own outcome, never instead of it
+                tracing::error!(sandbox.id = %id, error = %e, "could not freeze the sandbox again after a fence move");
+                live.paused
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        pushed
     }
 
     /// Kills every process of the sandbox but envd (level-1 reset).

@@ -545,4 +545,38 @@ mod tests {
         assert_eq!(envd.sweeps(), 0);
         p.cp.exec(&alice, sid, &echo(None)).await.unwrap();
     }
+
+    /// Pause is not a state and keeps the lease; ending the lease while the
+    /// sandbox is frozen must not cost the sandbox: the control plane thaws
+    /// it for the fence move (envd ends the holder's processes first) and
+    /// freezes it again. Before the fix the push went to the frozen envd,
+    /// waited out the 10 s timeout and made the sandbox Lost.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn releasing_the_lease_of_a_paused_sandbox_keeps_the_sandbox() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, envd) = idle_sandbox(&p).await;
+        let lease = acquire(&p, &id).await;
+        p.cp.pause(&alice, id.as_str(), Some(lease.token), None)
+            .await
+            .unwrap();
+
+        p.cp.lease_release(
+            &alice,
+            id.as_str(),
+            aviary_core::api::ReleaseLeaseRequest { token: lease.token },
+            None,
+        )
+        .await
+        .unwrap();
+
+        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        assert_eq!(sandbox.state, SandboxState::Idle);
+        assert!(!sandbox.tainted);
+        // frozen again after the fence move, as the caller left it
+        assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
+        p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();
+        assert_eq!(envd.fence(), None, "the release reached envd");
+        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+    }
 }

@@ -144,6 +144,8 @@ mod tests {
         assert!(RuntimeSet::new(vec![rt(), rt()])
             .unwrap_err()
             .contains("configured twice"));
-        assert!(RuntimeSet::new(vec![]).is_err());
+        assert!(RuntimeSet::new(vec![])
+            .unwrap_err()
+            .contains("at least one"));
     }
 }

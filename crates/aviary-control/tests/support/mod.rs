@@ -316,3 +316,28 @@ pub async fn calls_until(
         tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     }
 }
+
+/// The fake envd's `method` calls once at least one is logged. The fake
+/// logs a call just after sending its answer, so a caller that has its
+/// answer may look a moment before the entry is there; this yields (no
+/// sleep) until it is, and panics if it never comes.
+pub async fn logged_calls(
+    envd: &aviary_fakes::FakeEnvd,
+    method: &str,
+) -> Vec<aviary_fakes::EnvdCall> {
+    for _ in 0..100_000 {
+        let calls: Vec<_> = envd
+            .calls()
+            .into_iter()
+            .filter(|c| c.method == method)
+            .collect();
+        if !calls.is_empty() {
+            return calls;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!(
+        "the fake envd never logged a {method} call: {:?}",
+        envd.calls()
+    )
+}
