@@ -358,4 +358,109 @@ mod tests {
         // the next pass fills the pool
         assert_eq!(p.cp.refill_pools().await.unwrap(), 2);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pool_hit_with_a_lease_fences_envd_before_it_answers() {
+        let p = pooled_plane(1, 1).await;
+        p.cp.refill_pools().await.unwrap();
+        let warm = pooled_rows(&p).await[0].id.clone();
+        let c =
+            p.cp.create(
+                &tenant("alice"),
+                CreateSandboxRequest {
+                    lease: Some(aviary_core::api::AcquireLeaseRequest {
+                        owner: "agent-1".into(),
+                        ttl_s: None,
+                    }),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(is_hit(&c), "{:?}", c.decision);
+        assert_eq!(c.sandbox.state, SandboxState::Leased);
+        let fence = c.lease.unwrap().token.fence();
+        let envd = envd_of(&p, &warm);
+        assert_eq!(envd.fence(), Some(fence));
+        let pushes = logged_calls(&envd, "set_fence").await;
+        assert_eq!(pushes.last().unwrap().token, Some(fence), "{pushes:?}");
+        assert_eq!(pushes.last().unwrap().result, Ok(()));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pool_hit_gets_the_requested_ttl() {
+        let p = pooled_plane(1, 1).await;
+        p.cp.refill_pools().await.unwrap();
+        assert_eq!(pooled_rows(&p).await[0].expires_at, None);
+        let before = aviary_core::now();
+        let c =
+            p.cp.create(
+                &tenant("alice"),
+                CreateSandboxRequest {
+                    ttl_s: Some(600),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert!(is_hit(&c), "{:?}", c.decision);
+        let expires = c.sandbox.expires_at.unwrap();
+        assert!(
+            expires >= before + time::Duration::seconds(600),
+            "{expires}"
+        );
+        assert!(
+            expires <= aviary_core::now() + time::Duration::seconds(600),
+            "{expires}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "BUG: a pool hit drops `user_managed` (SandboxClaim has no such field), so the TTL sweep destroys a user-managed sandbox"]
+    async fn a_user_managed_create_stays_user_managed_on_a_pool_hit() {
+        let p = pooled_plane(1, 1).await;
+        p.cp.refill_pools().await.unwrap();
+        let c =
+            p.cp.create(
+                &tenant("alice"),
+                CreateSandboxRequest {
+                    user_managed: true,
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        // served from the pool or not, the sandbox is the user's to keep
+        assert!(c.sandbox.user_managed, "{:?}", c.decision);
+        let rec = p.registry.get_sandbox(&c.sandbox.id).await.unwrap();
+        assert!(rec.user_managed);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "BUG: claim_pooled only checks the in-process live handle, so a pooled sandbox whose compute is gone is handed out"]
+    async fn a_pooled_sandbox_whose_compute_vanished_is_not_handed_out() {
+        let p = pooled_plane(1, 1).await;
+        p.cp.refill_pools().await.unwrap();
+        let warm = pooled_rows(&p).await[0].id.clone();
+        assert!(p.runtime.vanish(&warm).await);
+        let alice = tenant("alice");
+        let c =
+            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                .await
+                .unwrap();
+        assert_ne!(c.sandbox.id, warm, "{:?}", c.decision);
+        p.cp.exec(
+            &alice,
+            c.sandbox.id.as_str(),
+            &ExecRequest {
+                cmd: Some(vec!["true".into()]),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    }
 }

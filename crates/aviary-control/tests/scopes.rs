@@ -282,4 +282,23 @@ mod tests {
         assert_eq!(ids.len(), 1, "{ids:?}");
         assert_eq!(p.runtime.create_calls(), 1);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "BUG: the quota is checked before the scope bucket is looked into, so handing back the tenant's existing sandbox is denied over_quota"]
+    async fn reusing_a_sandbox_does_not_count_against_the_quota() {
+        let mut cfg = config();
+        let mut acme = open_tenant("acme");
+        acme.max_sandboxes = 1;
+        cfg.settings.tenants.push(acme);
+        let p = plane_with(cfg).await;
+        let acme = tenant("acme");
+        let first = create(&p, &acme, session("s1")).await;
+        // the tenant's one sandbox is handed back: no new sandbox is made
+        let again = p.cp.create(&acme, session("s1"), None).await.unwrap();
+        assert_reused(&again);
+        assert_eq!(again.sandbox.id, first.sandbox.id);
+        // a second session would be a second sandbox: over the quota
+        let e = p.cp.create(&acme, session("s2"), None).await.unwrap_err();
+        assert_eq!(e.code(), aviary_core::ErrorCode::Forbidden, "{e}");
+    }
 }
