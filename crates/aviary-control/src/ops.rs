@@ -1041,6 +1041,7 @@ impl ControlPlane {
             agent: req.agent.clone(),
             scope,
             expires_at: Some(expires_at),
+            user_managed: req.user_managed,
         };
         let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
             return Ok(None);

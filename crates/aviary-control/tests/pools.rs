@@ -418,7 +418,6 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "BUG: a pool hit drops `user_managed` (SandboxClaim has no such field), so the TTL sweep destroys a user-managed sandbox"]
     async fn a_user_managed_create_stays_user_managed_on_a_pool_hit() {
         let p = pooled_plane(1, 1).await;
         p.cp.refill_pools().await.unwrap();

@@ -426,7 +426,7 @@ impl Registry for SqliteRegistry {
         validate_path(state, &[SandboxState::Locking])?;
         let updated = sqlx::query(&format!(
             "UPDATE sandbox_instance SET tenant_id = ?, user_id = ?, session_id = ?, agent = ?, scope = ?, \
-             expires_at = ?, state = ?, version = version + 1, last_active_at = ?, \
+             expires_at = ?, user_managed = ?, state = ?, version = version + 1, last_active_at = ?, \
              pool_claimed_at = ? WHERE sandbox_id = ? RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
@@ -435,6 +435,7 @@ impl Registry for SqliteRegistry {
         .bind(&claim.agent)
         .bind(claim.scope.as_str())
         .bind(claim.expires_at.map(truncate).map(micros))
+        .bind(claim.user_managed)
         .bind(SandboxState::Locking.as_str())
         .bind(micros(now))
         .bind(micros(now))

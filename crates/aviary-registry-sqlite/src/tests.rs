@@ -340,6 +340,7 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
         agent: None,
         scope: aviary_core::Scope::Session,
         expires_at: None,
+        user_managed: false,
     };
     // 20 concurrent claimers, one winner
     let mut tasks = Vec::new();

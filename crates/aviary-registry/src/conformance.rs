@@ -965,6 +965,7 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
         agent: None,
         scope: Scope::Session,
         expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
+        user_managed: true,
     };
     let rec = r
         .claim_sandbox(
@@ -977,6 +978,7 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
         .unwrap();
     assert_eq!((rec.state, rec.tenant.as_str()), (Locking, t.as_str()));
     assert_eq!(rec.version, claimed.version + 1);
+    assert!(rec.user_managed, "the claim's user_managed is recorded");
     assert_eq!(
         r.claim_sandbox(&claimed.id, rec.version, &claim, TransitionCtx::default())
             .await

@@ -324,6 +324,7 @@ impl Registry for MemoryRegistry {
         r.agent = claim.agent;
         r.scope = claim.scope;
         r.expires_at = claim.expires_at.map(truncate);
+        r.user_managed = claim.user_managed;
         r.state = SandboxState::Locking;
         r.version += 1;
         r.last_active_at = now;

@@ -80,6 +80,10 @@ pub struct SandboxClaim {
     pub scope: aviary_core::Scope,
     #[serde(with = "time::serde::rfc3339::option")]
     pub expires_at: Option<time::OffsetDateTime>,
+    /// The new owner manages the sandbox (it is only stopped, never
+    /// destroyed, by the TTL sweep), as a cold create would have recorded.
+    #[serde(default)]
+    pub user_managed: bool,
 }
 
 /// Tenant of a pooled sandbox that nobody owns yet (no real tenant name is empty).
