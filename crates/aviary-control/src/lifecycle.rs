@@ -125,12 +125,7 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<Sandbox, OpError> {
         let rec = self.sandbox_for(caller, id).await?;
-        if !rec.state.is_live() {
-            return Err(OpError::InvalidState {
-                state: rec.state,
-                what: "it is not running".into(),
-            });
-        }
+        Self::running(&rec)?;
         self.check_fence(&rec.id, token).await?;
         let live = self.live(&rec.id)?;
         if !live.paused.load(Ordering::SeqCst) {
@@ -608,25 +603,30 @@ impl ControlPlane {
 
     /// The background health probe: every attached, unpaused sandbox's envd
     /// is asked for its health; one that is gone makes its sandbox lost.
+    /// One health call to a sandbox's envd: true when nothing answers on its
+    /// socket (connect or transport failure). A slow or busy envd is not
+    /// unreachable.
+    pub(crate) async fn envd_unreachable(id: &SandboxId, live: &LiveSandbox) -> bool {
+        match tokio::time::timeout(PROBE_TIMEOUT, live.envd.health()).await {
+            Ok(Ok(_)) => false,
+            Ok(Err(EnvdError::Connect(_) | EnvdError::Transport(_))) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(sandbox.id = %id, error = %e, "envd health probe");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(sandbox.id = %id, "envd health probe timed out");
+                false
+            }
+        }
+    }
+
     pub async fn probe_envds(&self) {
         for (id, live) in self.live_snapshot() {
             if live.paused.load(Ordering::SeqCst) {
                 continue;
             }
-            let answer = tokio::time::timeout(PROBE_TIMEOUT, live.envd.health()).await;
-            let failed = match answer {
-                Ok(Ok(_)) => false,
-                Ok(Err(EnvdError::Connect(_) | EnvdError::Transport(_))) => true,
-                Ok(Err(e)) => {
-                    tracing::debug!(sandbox.id = %id, error = %e, "envd health probe");
-                    false
-                }
-                Err(_) => {
-                    tracing::debug!(sandbox.id = %id, "envd health probe timed out");
-                    false
-                }
-            };
-            if !failed {
+            if !Self::envd_unreachable(&id, &live).await {
                 continue;
             }
             let Ok(rec) = self.registry.get_sandbox(&id).await else {

@@ -842,6 +842,9 @@ impl ControlPlane {
                 stage.lease_req = lease_req.clone();
             }
         }
+        // from here on the create adds a sandbox: it must fit the quota,
+        // counted under a lock held until its row exists
+        let quota = self.quota_stage(caller, &approved, request_id).await?;
         if seed.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
         } else if let Some(hit) = self.try_pool(&stage).await? {
@@ -892,8 +895,9 @@ impl ControlPlane {
                 ),
             )
             .await?;
-        // the row now counts as committed on its node
+        // the row now counts as committed on its node and against the quota
         drop(placement);
+        drop(quota);
         let rec = self
             .registry
             .transition(
@@ -1740,6 +1744,7 @@ impl ControlPlane {
         valid_name("lease owner", &req.owner)?;
         let ttl = self.lease_ttl(req.ttl_s)?;
         let rec = self.sandbox_for(caller, id).await?;
+        Self::running(&rec)?;
         if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
             return Err(OpError::InvalidState {
                 state: rec.state,

@@ -79,7 +79,21 @@ pub struct Approved {
     pub runtime: String,
     pub reason: String,
     pub allocation: AllocationRecord,
+    /// What the guard was asked and what it approved, for the quota check
+    /// of a sandbox the create really adds ([`ControlPlane::quota_stage`]).
+    pub(crate) policy: (IntentRequest, aviary_policy::Approval),
 }
+
+/// Held from a create's quota check until its new sandbox's row exists
+/// (inserted, or a pooled one claimed), so concurrent creates of one tenant
+/// count each other: the lock `quota/<tenant>`.
+pub(crate) struct QuotaHold {
+    _held: aviary_leases::LockGuard,
+}
+
+/// How long a create waits for another create of the same tenant between
+/// its quota check and its row (one placement and insert, or a claim).
+const QUOTA_WAIT: Duration = Duration::from_secs(300);
 
 /// `POST /v1/plan` answer: the recommendation, how it was reached, and what
 /// the policy guard would do with it for the caller.
@@ -310,33 +324,15 @@ impl ControlPlane {
                     )
                 }
             };
-        let usage = self.tenant_usage(&caller.tenant).await?;
-        let approval =
-            match self
-                .planning
-                .guard
-                .approve(self.policy_tenant(caller), &intent_req, &usage)
-            {
-                Ok(a) => a,
-                Err(d) => {
-                    let mut meta = d.to_event_metadata();
-                    meta["recommended_class"] = serde_json::Value::String(recommended.clone());
-                    self.record_event(
-                        &caller.tenant,
-                        None,
-                        None,
-                        aviary_policy::Denial::EVENT_TYPE,
-                        request_id,
-                        meta,
-                    )
-                    .await?;
-                    return Err(OpError::Forbidden(format!(
-                        "policy denied the sandbox: {} [{}]",
-                        d.message,
-                        d.code.as_str()
-                    )));
-                }
-            };
+        // quotas are checked later, only for a sandbox the create adds
+        let approval = match self
+            .planning
+            .guard
+            .approve_class(self.policy_tenant(caller), &intent_req)
+        {
+            Ok(a) => a,
+            Err(d) => return Err(self.denied(caller, &recommended, d, request_id).await),
+        };
         if approval.network_kind != NetworkProfile::None {
             return Err(OpError::InvalidRequest(format!(
                 "network profile {:?} ({}) is allowed but not available on this node: sandboxes here get loopback only (profile \"none\")",
@@ -370,7 +366,74 @@ impl ControlPlane {
                 created_at: aviary_core::now(),
                 usage: None,
             },
+            policy: (intent_req, approval),
         })
+    }
+
+    /// Records a policy denial (`policy.denied`) and answers it.
+    async fn denied(
+        &self,
+        caller: &Caller,
+        recommended: &str,
+        d: aviary_policy::Denial,
+        request_id: Option<&str>,
+    ) -> OpError {
+        let mut meta = d.to_event_metadata();
+        meta["recommended_class"] = serde_json::Value::String(recommended.to_owned());
+        if let Err(e) = self
+            .record_event(
+                &caller.tenant,
+                None,
+                None,
+                aviary_policy::Denial::EVENT_TYPE,
+                request_id,
+                meta,
+            )
+            .await
+        {
+            return e;
+        }
+        OpError::Forbidden(format!(
+            "policy denied the sandbox: {} [{}]",
+            d.message,
+            d.code.as_str()
+        ))
+    }
+
+    /// The create pipeline's quota stage, for a sandbox the create adds
+    /// (after the scope stage found none to hand back): takes `quota/<tenant>`
+    /// and checks the tenant's quotas against the registry's rows read under
+    /// it. Keep the hold until the new row exists.
+    pub(crate) async fn quota_stage(
+        &self,
+        caller: &Caller,
+        approved: &Approved,
+        request_id: Option<&str>,
+    ) -> Result<QuotaHold, OpError> {
+        let held = self
+            .hold_lock(
+                aviary_leases::LockName::new("quota", &caller.tenant),
+                "quota check",
+                QUOTA_WAIT,
+            )
+            .await?;
+        let usage = self.tenant_usage(&caller.tenant).await?;
+        let (req, approval) = &approved.policy;
+        if let Err(d) =
+            self.planning
+                .guard
+                .check_quota(self.policy_tenant(caller), req, approval, &usage)
+        {
+            return Err(self
+                .denied(
+                    caller,
+                    &approved.allocation.recommended_class,
+                    d,
+                    request_id,
+                )
+                .await);
+        }
+        Ok(QuotaHold { _held: held })
     }
 
     pub async fn allocations(

@@ -307,7 +307,17 @@ impl ControlPlane {
             .list_sandboxes(Some(POOL_TENANT), false)
             .await?;
         for r in rows.iter().filter(|r| is_pooled(r, &class, &template)) {
-            if self.live_opt(&r.id).is_none() {
+            let Some(live) = self.live_opt(&r.id) else {
+                continue;
+            };
+            // its compute may have gone since the last probe: one health
+            // call (a socket round trip) before it is handed out
+            if Self::envd_unreachable(&r.id, &live).await {
+                self.fail_pooled(
+                    &r.id,
+                    &OpError::SandboxLost("the pooled sandbox's envd does not answer".into()),
+                )
+                .await;
                 continue;
             }
             let ctx = TransitionCtx {

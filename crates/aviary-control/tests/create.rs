@@ -642,17 +642,16 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-    #[ignore = "BUG: tenant quotas are checked (decide) outside any lock that covers the row insert, so concurrent creates both pass"]
     async fn concurrent_creates_never_exceed_the_tenant_quota() {
-        // an empty pool of the default class makes the point every create
-        // has passed the policy guard observable (its miss is counted)
+        // an empty pool of the default class makes the point a create has
+        // passed its quota check observable (its miss is counted)
         let mut cfg = config();
         let mut acme = open_tenant("acme");
         acme.max_sandboxes = 1;
         cfg.settings.tenants.push(acme);
         cfg.settings.pools = vec![pool_settings("python-small", 0, 1)];
         let p = plane_with(cfg).await;
-        // placements wait on this lock until both creates are past the guard
+        // placements wait on this lock
         let placing =
             p.cp.locks
                 .try_acquire(&aviary_leases::LockRequest::new(
@@ -672,13 +671,35 @@ mod tests {
                 })
             })
             .collect();
+        // the first is past its quota check and the pool (a miss) and waits
+        // for the placement; the second waits for the first's quota hold,
+        // which ends only once the first's row exists
         while p.cp.pools.pools[0]
             .misses
             .load(std::sync::atomic::Ordering::SeqCst)
-            < 2
+            < 1
         {
             tokio::task::yield_now().await;
         }
+        // give the second every chance to get past its quota check too (it
+        // would, and count a second miss, if the check did not wait for the
+        // first's row); it must not
+        let misses = || {
+            p.cp.pools.pools[0]
+                .misses
+                .load(std::sync::atomic::Ordering::SeqCst)
+        };
+        for _ in 0..10_000 {
+            if misses() > 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            misses(),
+            1,
+            "the second create passed its quota check early"
+        );
         drop(placing);
         let mut ok = 0;
         for t in tasks {

@@ -463,7 +463,6 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "BUG: resume and lease_acquire on a Lost sandbox answer invalid_state, not sandbox_lost"]
     async fn resume_and_lease_acquire_on_a_lost_sandbox_say_it_is_lost() {
         let p = plane().await;
         let alice = tenant("alice");

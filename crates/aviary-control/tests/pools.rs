@@ -439,7 +439,6 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "BUG: claim_pooled only checks the in-process live handle, so a pooled sandbox whose compute is gone is handed out"]
     async fn a_pooled_sandbox_whose_compute_vanished_is_not_handed_out() {
         let p = pooled_plane(1, 1).await;
         p.cp.refill_pools().await.unwrap();

@@ -209,29 +209,44 @@ impl PolicyGuard {
         }
     }
 
-    /// Maps `req` to a class `tenant` may use, or denies it.
+    /// Maps `req` to a class `tenant` may use, or denies it; quotas
+    /// included ([`Self::approve_class`] then [`Self::check_quota`]).
     pub fn approve(
         &self,
         tenant: &str,
         req: &IntentRequest,
         usage: &TenantUsage,
     ) -> Result<Approval, Denial> {
+        let approval = self.approve_class(tenant, req)?;
+        self.check_quota(tenant, req, &approval, usage)?;
+        Ok(approval)
+    }
+
+    fn tenant_rules(&self, tenant: &str, req: &IntentRequest) -> Result<&Tenant, Denial> {
+        self.tenants
+            .iter()
+            .find(|t| t.name == tenant)
+            .ok_or_else(|| Denial {
+                code: DenialCode::UnknownTenant,
+                message: format!("tenant {tenant:?} has no policy in the configuration"),
+                tenant: tenant.to_owned(),
+                requested_class: req.class.clone(),
+            })
+    }
+
+    /// Everything [`Self::approve`] decides but the quotas: the class, its
+    /// network profile, runtime and template. A caller that may not need a
+    /// new sandbox (a scope hands an existing one back) approves the class
+    /// first and checks the quota only for a sandbox it really adds, under a
+    /// lock that covers the new sandbox's row.
+    pub fn approve_class(&self, tenant: &str, req: &IntentRequest) -> Result<Approval, Denial> {
         let deny = |code: DenialCode, message: String| Denial {
             code,
             message,
             tenant: tenant.to_owned(),
             requested_class: req.class.clone(),
         };
-        let t = self
-            .tenants
-            .iter()
-            .find(|t| t.name == tenant)
-            .ok_or_else(|| {
-                deny(
-                    DenialCode::UnknownTenant,
-                    format!("tenant {tenant:?} has no policy in the configuration"),
-                )
-            })?;
+        let t = self.tenant_rules(tenant, req)?;
         let mut reasons = Vec::new();
 
         // Network profile: configured and allowed for the tenant.
@@ -446,35 +461,6 @@ impl PolicyGuard {
             }
         };
 
-        // Quotas, counting the new sandbox at its class's limits.
-        if usage.sandboxes.saturating_add(1) > t.max_sandboxes {
-            return Err(deny(
-                DenialCode::OverQuota,
-                format!(
-                    "tenant {tenant:?} has {} of {} sandboxes",
-                    usage.sandboxes, t.max_sandboxes
-                ),
-            ));
-        }
-        if usage.cpu + chosen.cpu > t.max_cpu + CPU_EPSILON {
-            return Err(deny(
-                DenialCode::OverQuota,
-                format!(
-                    "tenant {tenant:?} cpu quota is {}: {} in use + {} for class {} exceeds it",
-                    t.max_cpu, usage.cpu, chosen.cpu, chosen.name
-                ),
-            ));
-        }
-        if usage.memory_mb.saturating_add(chosen.memory_mb) > t.max_memory_mb {
-            return Err(deny(
-                DenialCode::OverQuota,
-                format!(
-                    "tenant {tenant:?} memory quota is {} MiB: {} in use + {} for class {} exceeds it",
-                    t.max_memory_mb, usage.memory_mb, chosen.memory_mb, chosen.name
-                ),
-            ));
-        }
-
         let template = req
             .template
             .clone()
@@ -490,6 +476,55 @@ impl PolicyGuard {
             clamped,
             reasons,
         })
+    }
+
+    /// Whether one more sandbox of the approved class fits `tenant`'s
+    /// quotas, given what it `usage`s now (counting the new sandbox at its
+    /// class's limits).
+    pub fn check_quota(
+        &self,
+        tenant: &str,
+        req: &IntentRequest,
+        approval: &Approval,
+        usage: &TenantUsage,
+    ) -> Result<(), Denial> {
+        let deny = |code: DenialCode, message: String| Denial {
+            code,
+            message,
+            tenant: tenant.to_owned(),
+            requested_class: req.class.clone(),
+        };
+        let t = self.tenant_rules(tenant, req)?;
+        let chosen = &approval.limits;
+        let class = &approval.class;
+        if usage.sandboxes.saturating_add(1) > t.max_sandboxes {
+            return Err(deny(
+                DenialCode::OverQuota,
+                format!(
+                    "tenant {tenant:?} has {} of {} sandboxes",
+                    usage.sandboxes, t.max_sandboxes
+                ),
+            ));
+        }
+        if usage.cpu + chosen.cpu > t.max_cpu + CPU_EPSILON {
+            return Err(deny(
+                DenialCode::OverQuota,
+                format!(
+                    "tenant {tenant:?} cpu quota is {}: {} in use + {} for class {} exceeds it",
+                    t.max_cpu, usage.cpu, chosen.cpu, class
+                ),
+            ));
+        }
+        if usage.memory_mb.saturating_add(chosen.memory_mb) > t.max_memory_mb {
+            return Err(deny(
+                DenialCode::OverQuota,
+                format!(
+                    "tenant {tenant:?} memory quota is {} MiB: {} in use + {} for class {} exceeds it",
+                    t.max_memory_mb, usage.memory_mb, chosen.memory_mb, class
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
