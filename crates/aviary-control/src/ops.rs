@@ -635,13 +635,21 @@ impl ControlPlane {
             .await?;
         let current = self.leases.current(id, aviary_core::now()).await?;
         let fence = current.map(|l| l.token.fence());
-        // A frozen envd cannot answer, and deferring the push to the resume
-        // would let the previous holder's processes run between the thaw
-        // and the push: thaw, move the fence (envd ends the previous
-        // holder's processes first), freeze again.
+        // A frozen envd cannot answer, and a thaw before the push would let
+        // the previous holder's processes run until envd ends them. So the
+        // runtime ends them while they are frozen (they die on the thaw
+        // without running again), then: thaw, move the fence, freeze again.
+        // A runtime that cannot end them fails the push (the sandbox is
+        // then lost, never written to by the old holder).
         let thawed = if live.paused.load(std::sync::atomic::Ordering::SeqCst) {
             let rec = self.registry.get_sandbox(id).await?;
             let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
+            runtime
+                .end_frozen_processes(id)
+                .await
+                .map_err(OpError::runtime(
+                    "end the paused sandbox's processes for a fence move",
+                ))?;
             runtime
                 .resume(id)
                 .await

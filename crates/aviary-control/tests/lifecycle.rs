@@ -572,6 +572,8 @@ mod tests {
         let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
         assert_eq!(sandbox.state, SandboxState::Idle);
         assert!(!sandbox.tainted);
+        // the holder's processes were ended while frozen, before the thaw
+        assert_eq!(p.runtime.frozen_kill_calls(), 1);
         // frozen again after the fence move, as the caller left it
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
         p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();

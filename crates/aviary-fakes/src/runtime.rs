@@ -54,6 +54,7 @@ pub struct FakeRuntime {
     state: Mutex<State>,
     creates: AtomicU64,
     destroys: AtomicU64,
+    frozen_kills: AtomicU64,
 }
 
 impl std::fmt::Debug for FakeRuntime {
@@ -109,6 +110,7 @@ impl FakeRuntime {
             state: Mutex::new(State::default()),
             creates: AtomicU64::new(0),
             destroys: AtomicU64::new(0),
+            frozen_kills: AtomicU64::new(0),
         })
     }
 
@@ -192,6 +194,11 @@ impl FakeRuntime {
     /// Calls of `destroy`, of unknown ids included.
     pub fn destroy_calls(&self) -> u64 {
         self.destroys.load(Ordering::SeqCst)
+    }
+
+    /// How often `end_frozen_processes` was called for an existing sandbox.
+    pub fn frozen_kill_calls(&self) -> u64 {
+        self.frozen_kills.load(Ordering::SeqCst)
     }
 
     /// Sets what `usage` reports; `false` for an unknown sandbox.
@@ -406,5 +413,14 @@ impl Pausable for FakeRuntime {
 
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         self.set_paused(id, false)
+    }
+
+    /// No processes to end: counts the call (for a sandbox that exists).
+    async fn end_frozen_processes(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        if !self.state().sandboxes.contains_key(id) {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        self.frozen_kills.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 }

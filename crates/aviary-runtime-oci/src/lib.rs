@@ -905,6 +905,24 @@ impl Pausable for OciRuntime {
             .await
             .map(drop)
     }
+
+    /// The pids come from the sandbox's cgroups (`cgroup.procs`, written by
+    /// the kernel) and the init pid from the runtime's own pid file; frozen
+    /// processes cannot exit, so no pid is reused under us.
+    async fn end_frozen_processes(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let init = self.envd_endpoint(id).await?.peer_pid;
+        for pid in self.cgroups.processes(id) {
+            if pid as u32 == init {
+                continue;
+            }
+            // ESRCH: already gone
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Runs blocking file work off the async workers; a panicked task is

@@ -193,6 +193,19 @@ pub trait Runtime: Send + Sync {
 pub trait Pausable: Runtime {
     async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError>;
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+    /// Sends SIGKILL to every process of a paused sandbox but its init
+    /// (envd), from the host. Frozen processes die on the thaw that follows
+    /// without running again, so a lease can move while a sandbox is
+    /// paused: its holder's processes never get back to user code. Runtimes
+    /// that cannot do this answer [`RuntimeError::Unsupported`].
+    async fn end_frozen_processes(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Unsupported {
+            what: format!(
+                "ending the processes of paused sandbox {id} on runtime {}",
+                self.name()
+            ),
+        })
+    }
 }
 
 /// A running sandbox's layers as host directories, for reading: what a

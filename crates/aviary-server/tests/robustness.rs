@@ -122,6 +122,71 @@ async fn restart_goes_on_when_one_envd_refuses_its_fence() {
     ts.stop().await;
 }
 
+/// A lease that moves while its sandbox is paused: the holder's processes
+/// (frozen mid-command) are ended before the thaw the fence move needs, so
+/// they never write; the sandbox stays paused and usable, never lost.
+#[tokio::test]
+async fn a_paused_holder_cannot_write_after_its_lease_is_released() {
+    let ts = common::start().await;
+    let c = ts.client.clone();
+    let created = c
+        .create_sandbox(&CreateSandboxRequest {
+            lease: Some(AcquireLeaseRequest {
+                owner: "first".into(),
+                ttl_s: Some(60),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = created.sandbox.id.to_string();
+    let token1 = created.lease.unwrap().token;
+    // background writers that outlive their exec: one appending without
+    // pause (it would write the moment it ran again), one waiting
+    let mut req = shell(
+        "(while :; do echo x >> /workspace/spin; done) >/dev/null 2>&1 & \
+         (sleep 2; echo late > /workspace/stale_bg) >/dev/null 2>&1 &",
+    );
+    req.token = Some(token1);
+    c.exec(&id, &req).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.sandbox_action(&id, "pause", Some(token1)).await.unwrap();
+    let ws = ts
+        .server_cfg()
+        .runtime_state_dir()
+        .join(&id)
+        .join("workspace");
+    let frozen_at = std::fs::metadata(ws.join("spin")).unwrap().len();
+    assert!(frozen_at > 0, "the writer ran before the pause");
+    c.release_lease(&id, token1).await.unwrap();
+    assert_eq!(
+        std::fs::metadata(ws.join("spin")).unwrap().len(),
+        frozen_at,
+        "the released holder's process wrote during the fence move"
+    );
+    let s = c.get_sandbox(&id).await.unwrap();
+    assert_eq!(s.state, SandboxState::Idle);
+    assert!(
+        !s.tainted,
+        "a fence move on a paused sandbox must not lose it"
+    );
+    c.sandbox_action(&id, "resume", None).await.unwrap();
+    // long past the waiting writer's sleep
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        std::fs::metadata(ws.join("spin")).unwrap().len(),
+        frozen_at,
+        "the released holder's process wrote after the resume"
+    );
+    assert!(
+        !ws.join("stale_bg").exists(),
+        "a process of the released holder wrote after the fence moved"
+    );
+    let out = c.exec(&id, &shell("echo ok")).await.unwrap();
+    assert_eq!(out.stdout, "ok\n");
+    ts.cleanup().await;
+}
+
 /// Finding 3: a command still running under an expired lease, and what it
 /// started in the background, must not write once a new lease is granted.
 #[tokio::test]
