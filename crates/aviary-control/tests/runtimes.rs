@@ -7,7 +7,7 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
-    use aviary_control::{Backends, ControlPlane, NoNodes, RuntimeSet};
+    use aviary_control::RuntimeSet;
     use aviary_core::api::{CreateSandboxRequest, ExecRequest};
     use aviary_core::{ErrorCode, RuntimeName};
     use aviary_fakes::FakeRuntime;
@@ -32,23 +32,9 @@ mod tests {
     async fn plane_of(
         cfg: aviary_control::ControlConfig,
         runtimes: Vec<Arc<FakeRuntime>>,
-    ) -> Arc<ControlPlane> {
-        let registry = MemoryRegistry::new();
-        let backends = Backends {
-            registry: Arc::new(registry.clone()),
-            coordination: aviary_leases::Coordination {
-                leases: Arc::new(registry),
-                locks: Arc::new(aviary_leases::InProcessLocks::new()),
-            },
-            runtimes: RuntimeSet::new(runtimes.iter().map(|r| r.capable()).collect()).unwrap(),
-            chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
-            trees: Arc::new(NoTrees),
-            templates: Arc::new(MemoryTemplates::default()),
-            nodes: Arc::new(NoNodes),
-        };
-        let cp = ControlPlane::new(cfg, backends).unwrap();
-        cp.prepare(|_| {}).await.unwrap();
-        cp
+    ) -> Arc<aviary_control::ControlPlane> {
+        let templates = Arc::new(MemoryTemplates::default());
+        ready(cfg, backends(&MemoryRegistry::new(), &runtimes, templates)).await
     }
 
     fn echo() -> ExecRequest {

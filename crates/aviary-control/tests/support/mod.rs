@@ -131,29 +131,37 @@ pub async fn plane_with(cfg: ControlConfig) -> Plane {
 
 /// A ready control plane whose local runtime is `runtime`.
 pub async fn plane_on(cfg: ControlConfig, runtime: Arc<FakeRuntime>) -> Plane {
-    let registry = MemoryRegistry::new();
-    let templates = Arc::new(MemoryTemplates::default());
-    let backends = Backends {
+    plane_over(cfg, MemoryRegistry::new(), runtime).await
+}
+
+/// The fakes' backends over `registry`, with `runtimes` side by side (the
+/// first is the default).
+pub fn backends(
+    registry: &MemoryRegistry,
+    runtimes: &[Arc<FakeRuntime>],
+    templates: Arc<MemoryTemplates>,
+) -> Backends {
+    Backends {
         registry: Arc::new(registry.clone()),
         coordination: aviary_leases::Coordination {
             leases: Arc::new(registry.clone()),
             locks: Arc::new(aviary_leases::InProcessLocks::new()),
         },
-        runtimes: RuntimeSet::single(runtime.capable()),
+        runtimes: RuntimeSet::new(runtimes.iter().map(|r| r.capable()).collect())
+            .expect("runtime set"),
         chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
         trees: Arc::new(NoTrees),
-        templates: templates.clone(),
+        templates,
         nodes: Arc::new(NoNodes),
-    };
+    }
+}
+
+/// A ready control plane over `backends`.
+pub async fn ready(cfg: ControlConfig, backends: Backends) -> Arc<ControlPlane> {
     let cp = ControlPlane::new(cfg, backends).expect("control plane");
     cp.prepare(|_| {}).await.expect("prepare");
     assert_eq!(cp.readiness(), Readiness::Ready);
-    Plane {
-        cp,
-        registry,
-        runtime,
-        templates,
-    }
+    cp
 }
 
 /// A ready control plane over fakes with the test configuration.
@@ -259,21 +267,11 @@ pub async fn plane_over(
     runtime: Arc<FakeRuntime>,
 ) -> Plane {
     let templates = Arc::new(MemoryTemplates::default());
-    let backends = Backends {
-        registry: Arc::new(registry.clone()),
-        coordination: aviary_leases::Coordination {
-            leases: Arc::new(registry.clone()),
-            locks: Arc::new(aviary_leases::InProcessLocks::new()),
-        },
-        runtimes: RuntimeSet::single(runtime.capable()),
-        chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
-        trees: Arc::new(NoTrees),
-        templates: templates.clone(),
-        nodes: Arc::new(NoNodes),
-    };
-    let cp = ControlPlane::new(cfg, backends).expect("control plane");
-    cp.prepare(|_| {}).await.expect("prepare");
-    assert_eq!(cp.readiness(), Readiness::Ready);
+    let cp = ready(
+        cfg,
+        backends(&registry, std::slice::from_ref(&runtime), templates.clone()),
+    )
+    .await;
     Plane {
         cp,
         registry,
