@@ -37,7 +37,7 @@ mod memory;
 pub use aviary_core::api::Lease;
 pub use in_process_locks::InProcessLocks;
 pub use locks::{HeldLock, LockError, LockGuard, LockHolder, LockName, LockRequest, Locks};
-pub use memory::MemoryLeaseStore;
+pub use memory::{LeaseSlot, MemoryLeaseStore};
 
 use async_trait::async_trait;
 use aviary_core::{LeaseToken, SandboxId};

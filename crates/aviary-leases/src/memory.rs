@@ -1,6 +1,8 @@
 //! [`MemoryLeaseStore`]: the lease store in a mutex-guarded map, for unit
 //! tests at the seams. Clones share one storage, so "restarting" it is
-//! cloning it; nothing survives the process.
+//! cloning it; nothing survives the process. [`LeaseSlot`] is one sandbox's
+//! lease state with the store's rules, which every in-memory store (this
+//! one, the in-memory registry's lease table) keeps under its own lock.
 
 use crate::{expiry, fence_rule, Fence, Lease, LeaseError, LeaseStore};
 use async_trait::async_trait;
@@ -10,16 +12,95 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use time::OffsetDateTime;
 
-#[derive(Default)]
-struct Slot {
-    /// The highest token ever granted for this sandbox.
+/// One sandbox's lease and fencing counter, with the [`LeaseStore`] rules
+/// as plain methods (`now` and the expiry are the caller's).
+#[derive(Clone, Debug, Default)]
+pub struct LeaseSlot {
+    /// The highest fence ever granted for this sandbox; never decreases.
     counter: u64,
     lease: Option<Lease>,
 }
 
-impl Slot {
-    fn live(&self, now: OffsetDateTime) -> Option<&Lease> {
+impl LeaseSlot {
+    /// The lease, unless it has run out at `now`.
+    pub fn live(&self, now: OffsetDateTime) -> Option<&Lease> {
         self.lease.as_ref().filter(|l| now < l.expires_at)
+    }
+
+    /// A new lease with the next fence, unless one is live (`Held`).
+    pub fn acquire(
+        &mut self,
+        sandbox: &SandboxId,
+        owner: &str,
+        expires_at: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<Lease, LeaseError> {
+        if let Some(l) = self.live(now) {
+            return Err(LeaseError::Held {
+                owner: l.owner.clone(),
+                expires_at: l.expires_at,
+            });
+        }
+        self.counter += 1;
+        let lease = Lease {
+            sandbox_id: sandbox.clone(),
+            owner: owner.to_owned(),
+            token: LeaseToken::generate(self.counter),
+            acquired_at: now,
+            expires_at,
+        };
+        self.lease = Some(lease.clone());
+        Ok(lease)
+    }
+
+    /// Extends the live lease `token` names (else `StaleToken`).
+    pub fn renew(
+        &mut self,
+        token: LeaseToken,
+        expires_at: OffsetDateTime,
+        now: OffsetDateTime,
+    ) -> Result<Lease, LeaseError> {
+        match self.lease.as_mut() {
+            Some(l) if now < l.expires_at && l.token.matches(&token) => {
+                l.expires_at = expires_at;
+                Ok(l.clone())
+            }
+            _ => Err(LeaseError::StaleToken),
+        }
+    }
+
+    /// Ends the live lease `token` names (else `StaleToken`).
+    pub fn release(&mut self, token: LeaseToken, now: OffsetDateTime) -> Result<(), LeaseError> {
+        match self.live(now) {
+            Some(l) if l.token.matches(&token) => {
+                self.lease = None;
+                Ok(())
+            }
+            _ => Err(LeaseError::StaleToken),
+        }
+    }
+
+    /// The fencing rule against the live lease.
+    pub fn check(
+        &self,
+        token: Option<LeaseToken>,
+        now: OffsetDateTime,
+    ) -> Result<Fence, LeaseError> {
+        fence_rule(self.live(now).map(|l| l.token), token)
+    }
+
+    /// Takes the lease out when it has run out at `now`.
+    pub fn expire(&mut self, now: OffsetDateTime) -> Option<Lease> {
+        if self.lease.as_ref().is_some_and(|l| l.expires_at <= now) {
+            self.lease.take()
+        } else {
+            None
+        }
+    }
+
+    /// Drops the lease (the counter stays).
+    pub fn revoke(&mut self) {
+        self.lease = None;
     }
 }
 
@@ -28,7 +109,7 @@ impl Slot {
 /// database-backed stores).
 #[derive(Clone, Default)]
 pub struct MemoryLeaseStore {
-    slots: Arc<Mutex<HashMap<SandboxId, Slot>>>,
+    slots: Arc<Mutex<HashMap<SandboxId, LeaseSlot>>>,
 }
 
 impl MemoryLeaseStore {
@@ -41,10 +122,18 @@ impl MemoryLeaseStore {
         self.lock().entry(sandbox.clone()).or_default();
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<SandboxId, Slot>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<SandboxId, LeaseSlot>> {
         // A panic while holding the lock cannot leave a slot half-written
         // (every update is a single assignment), so a poisoned map is usable.
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn slot<T>(
+        &self,
+        sandbox: &SandboxId,
+        f: impl FnOnce(&mut LeaseSlot) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
+        f(self.lock().get_mut(sandbox).ok_or(LeaseError::NotFound)?)
     }
 }
 
@@ -58,24 +147,7 @@ impl LeaseStore for MemoryLeaseStore {
         now: OffsetDateTime,
     ) -> Result<Lease, LeaseError> {
         let expires_at = expiry(now, ttl)?;
-        let mut slots = self.lock();
-        let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
-        if let Some(l) = slot.live(now) {
-            return Err(LeaseError::Held {
-                owner: l.owner.clone(),
-                expires_at: l.expires_at,
-            });
-        }
-        slot.counter += 1;
-        let lease = Lease {
-            sandbox_id: sandbox.clone(),
-            owner: owner.to_owned(),
-            token: LeaseToken::generate(slot.counter),
-            acquired_at: now,
-            expires_at,
-        };
-        slot.lease = Some(lease.clone());
-        Ok(lease)
+        self.slot(sandbox, |s| s.acquire(sandbox, owner, expires_at, now))
     }
 
     async fn renew(
@@ -86,15 +158,7 @@ impl LeaseStore for MemoryLeaseStore {
         now: OffsetDateTime,
     ) -> Result<Lease, LeaseError> {
         let expires_at = expiry(now, ttl)?;
-        let mut slots = self.lock();
-        let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
-        match slot.lease.as_mut() {
-            Some(l) if now < l.expires_at && l.token.matches(&token) => {
-                l.expires_at = expires_at;
-                Ok(l.clone())
-            }
-            _ => Err(LeaseError::StaleToken),
-        }
+        self.slot(sandbox, |s| s.renew(token, expires_at, now))
     }
 
     async fn release(
@@ -103,15 +167,7 @@ impl LeaseStore for MemoryLeaseStore {
         token: LeaseToken,
         now: OffsetDateTime,
     ) -> Result<(), LeaseError> {
-        let mut slots = self.lock();
-        let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
-        match slot.live(now) {
-            Some(l) if l.token.matches(&token) => {
-                slot.lease = None;
-                Ok(())
-            }
-            _ => Err(LeaseError::StaleToken),
-        }
+        self.slot(sandbox, |s| s.release(token, now))
     }
 
     async fn current(
@@ -119,9 +175,7 @@ impl LeaseStore for MemoryLeaseStore {
         sandbox: &SandboxId,
         now: OffsetDateTime,
     ) -> Result<Option<Lease>, LeaseError> {
-        let slots = self.lock();
-        let slot = slots.get(sandbox).ok_or(LeaseError::NotFound)?;
-        Ok(slot.live(now).cloned())
+        self.slot(sandbox, |s| Ok(s.live(now).cloned()))
     }
 
     async fn check(
@@ -130,27 +184,22 @@ impl LeaseStore for MemoryLeaseStore {
         token: Option<LeaseToken>,
         now: OffsetDateTime,
     ) -> Result<Fence, LeaseError> {
-        let slots = self.lock();
-        let slot = slots.get(sandbox).ok_or(LeaseError::NotFound)?;
-        fence_rule(slot.live(now).map(|l| l.token), token)
+        self.slot(sandbox, |s| s.check(token, now))
     }
 
     async fn expire_due(&self, now: OffsetDateTime) -> Result<Vec<Lease>, LeaseError> {
-        let mut slots = self.lock();
-        let mut expired = Vec::new();
-        for slot in slots.values_mut() {
-            if slot.lease.as_ref().is_some_and(|l| l.expires_at <= now) {
-                expired.extend(slot.lease.take());
-            }
-        }
-        Ok(expired)
+        Ok(self
+            .lock()
+            .values_mut()
+            .filter_map(|s| s.expire(now))
+            .collect())
     }
 
     async fn revoke(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
-        let mut slots = self.lock();
-        let slot = slots.get_mut(sandbox).ok_or(LeaseError::NotFound)?;
-        slot.lease = None;
-        Ok(())
+        self.slot(sandbox, |s| {
+            s.revoke();
+            Ok(())
+        })
     }
 }
 

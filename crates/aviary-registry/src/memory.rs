@@ -15,7 +15,7 @@
 
 use crate::*;
 use aviary_core::api::Event;
-use aviary_leases::{expiry, fence_rule, Fence, Lease, LeaseStore};
+use aviary_leases::{expiry, Fence, Lease, LeaseSlot, LeaseStore};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -58,15 +58,9 @@ struct SandboxRow {
     /// Set by [`Registry::claim_sandbox`]: the sandbox is a pool hand-out,
     /// listed in this order.
     claimed: Option<u64>,
-    /// The highest lease fence ever granted; never decreases.
-    fence: u64,
-    lease: Option<Lease>,
-}
-
-impl SandboxRow {
-    fn live_lease(&self, now: OffsetDateTime) -> Option<&Lease> {
-        self.lease.as_ref().filter(|l| now < l.expires_at)
-    }
+    /// The lease and the highest fence ever granted (the lease store's
+    /// rules, shared with `MemoryLeaseStore`).
+    lease: LeaseSlot,
 }
 
 struct SnapshotRow {
@@ -213,8 +207,7 @@ impl Registry for MemoryRegistry {
             record: record.clone(),
             order: state.order.next(),
             claimed: None,
-            fence: 0,
-            lease: None,
+            lease: LeaseSlot::default(),
         };
         state.sandboxes.insert(record.id.clone(), row);
         Ok(record)
@@ -261,7 +254,7 @@ impl Registry for MemoryRegistry {
         }
         // the live lease is read under the lock that writes the state
         if let FenceCheck::Require(token) = fence {
-            fence_rule(row.live_lease(now).map(|l| l.token), token)?;
+            row.lease.check(token, now)?;
         }
         let from = row.record.state;
         validate_path(from, path)?;
@@ -640,27 +633,7 @@ impl LeaseStore for MemoryRegistry {
     ) -> Result<Lease, LeaseError> {
         let now = truncate(now);
         let expires_at = expiry(now, ttl)?;
-        let mut state = self.lock();
-        let row = state
-            .sandboxes
-            .get_mut(sandbox)
-            .ok_or(LeaseError::NotFound)?;
-        if let Some(held) = row.live_lease(now) {
-            return Err(LeaseError::Held {
-                owner: held.owner.clone(),
-                expires_at: held.expires_at,
-            });
-        }
-        row.fence += 1;
-        let lease = Lease {
-            sandbox_id: sandbox.clone(),
-            owner: owner.to_owned(),
-            token: LeaseToken::generate(row.fence),
-            acquired_at: now,
-            expires_at,
-        };
-        row.lease = Some(lease.clone());
-        Ok(lease)
+        self.slot(sandbox, |s| s.acquire(sandbox, owner, expires_at, now))
     }
 
     async fn renew(
@@ -672,18 +645,7 @@ impl LeaseStore for MemoryRegistry {
     ) -> Result<Lease, LeaseError> {
         let now = truncate(now);
         let expires_at = expiry(now, ttl)?;
-        let mut state = self.lock();
-        let row = state
-            .sandboxes
-            .get_mut(sandbox)
-            .ok_or(LeaseError::NotFound)?;
-        match row.lease.as_mut() {
-            Some(l) if now < l.expires_at && l.token.matches(&token) => {
-                l.expires_at = expires_at;
-                Ok(l.clone())
-            }
-            _ => Err(LeaseError::StaleToken),
-        }
+        self.slot(sandbox, |s| s.renew(token, expires_at, now))
     }
 
     async fn release(
@@ -692,19 +654,7 @@ impl LeaseStore for MemoryRegistry {
         token: LeaseToken,
         now: OffsetDateTime,
     ) -> Result<(), LeaseError> {
-        let now = truncate(now);
-        let mut state = self.lock();
-        let row = state
-            .sandboxes
-            .get_mut(sandbox)
-            .ok_or(LeaseError::NotFound)?;
-        match row.live_lease(now) {
-            Some(l) if l.token.matches(&token) => {
-                row.lease = None;
-                Ok(())
-            }
-            _ => Err(LeaseError::StaleToken),
-        }
+        self.slot(sandbox, |s| s.release(token, truncate(now)))
     }
 
     async fn current(
@@ -712,9 +662,7 @@ impl LeaseStore for MemoryRegistry {
         sandbox: &SandboxId,
         now: OffsetDateTime,
     ) -> Result<Option<Lease>, LeaseError> {
-        let state = self.lock();
-        let row = state.sandboxes.get(sandbox).ok_or(LeaseError::NotFound)?;
-        Ok(row.live_lease(truncate(now)).cloned())
+        self.slot(sandbox, |s| Ok(s.live(truncate(now)).cloned()))
     }
 
     async fn check(
@@ -723,30 +671,39 @@ impl LeaseStore for MemoryRegistry {
         token: Option<LeaseToken>,
         now: OffsetDateTime,
     ) -> Result<Fence, LeaseError> {
-        let state = self.lock();
-        let row = state.sandboxes.get(sandbox).ok_or(LeaseError::NotFound)?;
-        fence_rule(row.live_lease(truncate(now)).map(|l| l.token), token)
+        self.slot(sandbox, |s| s.check(token, truncate(now)))
     }
 
     async fn expire_due(&self, now: OffsetDateTime) -> Result<Vec<Lease>, LeaseError> {
         let now = truncate(now);
-        let mut state = self.lock();
-        let mut expired = Vec::new();
-        for row in state.sandboxes.values_mut() {
-            if row.lease.as_ref().is_some_and(|l| l.expires_at <= now) {
-                expired.extend(row.lease.take());
-            }
-        }
-        Ok(expired)
+        Ok(self
+            .lock()
+            .sandboxes
+            .values_mut()
+            .filter_map(|r| r.lease.expire(now))
+            .collect())
     }
 
     async fn revoke(&self, sandbox: &SandboxId) -> Result<(), LeaseError> {
+        self.slot(sandbox, |s| {
+            s.revoke();
+            Ok(())
+        })
+    }
+}
+
+impl MemoryRegistry {
+    /// Runs `f` on one sandbox's lease slot under the storage lock.
+    fn slot<T>(
+        &self,
+        sandbox: &SandboxId,
+        f: impl FnOnce(&mut LeaseSlot) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
         let mut state = self.lock();
         let row = state
             .sandboxes
             .get_mut(sandbox)
             .ok_or(LeaseError::NotFound)?;
-        row.lease = None;
-        Ok(())
+        f(&mut row.lease)
     }
 }
