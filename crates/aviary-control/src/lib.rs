@@ -23,7 +23,8 @@
 //! across requests takes a named lock of the coordination backend
 //! (`aviary_leases::Locks`), never an in-process `Mutex`: `bucket/<bucket>`
 //! (a scope bucket's find-or-create, `scopes`), `lifecycle/<id>`
-//! (hibernate/wake, `lifecycle`), `placement/nodes` (a placement until its
+//! (hibernate/wake, `lifecycle`), `quota/<tenant>` (a create's quota check
+//! until its new row exists, `planning`), `placement/nodes` (a placement until its
 //! row exists, `nodes`), `pool/<class>/<template>/<runtime>` (one refill
 //! pass of a pool, `pools`; claims are version-checked in the registry
 //! instead) and `fence/<id>` (fence pushes to one envd, `ops`).
