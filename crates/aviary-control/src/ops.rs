@@ -852,10 +852,10 @@ impl ControlPlane {
         }
         // from here on the create adds a sandbox: it must fit the quota,
         // counted under a lock held until its row exists
-        let quota = self.quota_stage(caller, &approved, request_id).await?;
+        let mut quota = Some(self.quota_stage(caller, &approved, request_id).await?);
         if seed.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
-        } else if let Some(hit) = self.try_pool(&stage).await? {
+        } else if let Some(hit) = self.try_pool(&stage, &mut quota).await? {
             return Ok(hit);
         }
         let id = SandboxId::generate();
@@ -1025,6 +1025,7 @@ impl ControlPlane {
     async fn try_pool(
         &self,
         stage: &CreateStage<'_>,
+        quota: &mut Option<crate::planning::QuotaHold>,
     ) -> Result<Option<CreateSandboxResponse>, OpError> {
         let CreateStage {
             caller,
@@ -1058,6 +1059,8 @@ impl ControlPlane {
         let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
             return Ok(None);
         };
+        // the claimed row counts against the quota now
+        drop(quota.take());
         let id = rec.id.clone();
         let mut allocation = approved.allocation.clone();
         allocation.sandbox_id = Some(id.clone());
