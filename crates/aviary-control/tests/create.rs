@@ -51,6 +51,21 @@ mod tests {
             .collect()
     }
 
+    /// `e` is a policy denial (403 forbidden) recorded as exactly one
+    /// `policy.denied` event with `code`; returns that event's metadata.
+    async fn the_one_denial(
+        p: &Plane,
+        caller: &aviary_control::Caller,
+        e: &aviary_control::OpError,
+        code: &str,
+    ) -> serde_json::Value {
+        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
+        let mut denied = denials(p, caller).await;
+        assert_eq!(denied.len(), 1, "{denied:?}");
+        assert_eq!(denied[0]["code"], code);
+        denied.remove(0)
+    }
+
     // ---- class: requested, planned, default --------------------------------
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,14 +234,11 @@ mod tests {
             p.cp.create(&acme, CreateSandboxRequest::default(), Some("req-deny"))
                 .await
                 .unwrap_err();
-        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
         assert_eq!(e.code().http_status(), 403);
         assert!(e.to_string().contains("class_not_allowed"), "{e}");
-        let denied = denials(&p, &acme).await;
-        assert_eq!(denied.len(), 1, "{denied:?}");
-        assert_eq!(denied[0]["code"], "class_not_allowed");
-        assert_eq!(denied[0]["tenant"], "acme");
-        assert_eq!(denied[0]["recommended_class"], "python-small");
+        let denied = the_one_denial(&p, &acme, &e, "class_not_allowed").await;
+        assert_eq!(denied["tenant"], "acme");
+        assert_eq!(denied["recommended_class"], "python-small");
         let ev = tenant_events(&p, &acme).await;
         assert_eq!(ev[0].request_id.as_deref(), Some("req-deny"));
         assert_eq!(p.runtime.create_calls(), 0);
@@ -271,10 +283,7 @@ mod tests {
             ..Default::default()
         };
         let e = p.cp.create(&acme, req, None).await.unwrap_err();
-        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
-        let denied = denials(&p, &acme).await;
-        assert_eq!(denied.len(), 1, "{denied:?}");
-        assert_eq!(denied[0]["code"], "network_profile_not_allowed");
+        the_one_denial(&p, &acme, &e, "network_profile_not_allowed").await;
         assert_eq!(p.runtime.create_calls(), 0);
     }
 
@@ -287,10 +296,7 @@ mod tests {
             ..Default::default()
         };
         let e = p.cp.create(&alice, req, None).await.unwrap_err();
-        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
-        let denied = denials(&p, &alice).await;
-        assert_eq!(denied.len(), 1, "{denied:?}");
-        assert_eq!(denied[0]["code"], "network_profile_not_allowed");
+        the_one_denial(&p, &alice, &e, "network_profile_not_allowed").await;
         assert_eq!(p.runtime.create_calls(), 0);
     }
 
@@ -322,10 +328,7 @@ mod tests {
             p.cp.create(&acme, CreateSandboxRequest::default(), None)
                 .await
                 .unwrap_err();
-        assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
-        let denied = denials(&p, &acme).await;
-        assert_eq!(denied.len(), 1, "{denied:?}");
-        assert_eq!(denied[0]["code"], "over_quota");
+        the_one_denial(&p, &acme, &e, "over_quota").await;
         assert_eq!(p.runtime.create_calls(), 1);
         // a deleted sandbox no longer counts
         p.cp.delete(&acme, first.sandbox.id.as_str(), None, None)
