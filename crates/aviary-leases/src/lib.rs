@@ -29,12 +29,14 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+pub mod fences;
 mod in_process_locks;
 pub mod lock_conformance;
 pub mod locks;
 mod memory;
 
 pub use aviary_core::api::Lease;
+pub use fences::{FenceAuthority, MemoryFences};
 pub use in_process_locks::InProcessLocks;
 pub use locks::{HeldLock, LockError, LockGuard, LockHolder, LockName, LockRequest, Locks};
 pub use memory::{LeaseSlot, MemoryLeaseStore};
@@ -186,6 +188,22 @@ pub fn fence_rule(
     }
 }
 
+/// The write-time fencing rule against the durable counter
+/// ([`FenceAuthority`]): a write is valid only while the sandbox's counter is
+/// still `seen`, the fence the caller's lease check saw (its token's fence
+/// when `leased`, the current counter when not). A lease granted since moves
+/// the counter: a leased writer is then `StaleToken`, an unleased one
+/// `LeaseRequired`. A `seen` above the counter was never issued
+/// (`StaleToken`).
+pub fn counter_rule(counter: u64, seen: u64, leased: bool) -> Result<(), LeaseError> {
+    match (counter == seen, leased) {
+        (true, _) => Ok(()),
+        (false, true) => Err(LeaseError::StaleToken),
+        (false, false) if seen > counter => Err(LeaseError::StaleToken),
+        (false, false) => Err(LeaseError::LeaseRequired),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,6 +224,16 @@ mod tests {
             expiry(now, Duration::from_secs(60)).unwrap(),
             datetime!(2030-01-01 0:01 UTC)
         );
+    }
+
+    #[test]
+    fn counter_rule_table() {
+        assert_eq!(counter_rule(3, 3, true), Ok(()));
+        assert_eq!(counter_rule(3, 3, false), Ok(()));
+        assert_eq!(counter_rule(4, 3, true), Err(LeaseError::StaleToken));
+        assert_eq!(counter_rule(4, 3, false), Err(LeaseError::LeaseRequired));
+        assert_eq!(counter_rule(3, 4, true), Err(LeaseError::StaleToken));
+        assert_eq!(counter_rule(3, 4, false), Err(LeaseError::StaleToken));
     }
 
     #[test]

@@ -22,6 +22,18 @@ pub struct LeaseSlot {
 }
 
 impl LeaseSlot {
+    /// The highest fence ever granted (0 before the first).
+    pub fn counter(&self) -> u64 {
+        self.counter
+    }
+
+    /// Bumps the counter without granting a lease (a [`crate::FenceAuthority`]
+    /// handing a fence to another lease store) and returns it.
+    pub fn next_fence(&mut self) -> u64 {
+        self.counter += 1;
+        self.counter
+    }
+
     /// The lease, unless it has run out at `now`.
     pub fn live(&self, now: OffsetDateTime) -> Option<&Lease> {
         self.lease.as_ref().filter(|l| now < l.expires_at)

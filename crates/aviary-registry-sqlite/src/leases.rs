@@ -250,3 +250,34 @@ impl LeaseStore for SqliteRegistry {
         Ok(())
     }
 }
+
+/// The counter is `sandbox_instance.fence_token`, the one the lease table's
+/// grants bump, so a networked lease store and this one never reuse a fence.
+#[async_trait]
+impl aviary_leases::FenceAuthority for SqliteRegistry {
+    async fn next_fence(&self, sandbox: &SandboxId) -> Result<u64, LeaseError> {
+        let mut tx = self.begin_write().await.map_err(lease_storage)?;
+        let v: Option<i64> = sqlx::query_scalar(
+            "UPDATE sandbox_instance SET fence_token = fence_token + 1 \
+             WHERE sandbox_id = ? RETURNING fence_token",
+        )
+        .bind(sandbox.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(lease_storage)?;
+        let v = v.ok_or(LeaseError::NotFound)?;
+        tx.commit().await.map_err(lease_storage)?;
+        u64::try_from(v).map_err(|_| LeaseError::Storage(format!("bad stored fence {v}")))
+    }
+
+    async fn current_fence(&self, sandbox: &SandboxId) -> Result<u64, LeaseError> {
+        let v: Option<i64> =
+            sqlx::query_scalar("SELECT fence_token FROM sandbox_instance WHERE sandbox_id = ?")
+                .bind(sandbox.as_str())
+                .fetch_optional(&self.writer)
+                .await
+                .map_err(lease_storage)?;
+        let v = v.ok_or(LeaseError::NotFound)?;
+        u64::try_from(v).map_err(|_| LeaseError::Storage(format!("bad stored fence {v}")))
+    }
+}

@@ -323,7 +323,7 @@ impl Registry for SqliteRegistry {
         let mut tx = self.begin_write().await.map_err(storage)?;
         // the live lease is read in the transaction that writes the state
         let row = sqlx::query(
-            "SELECT i.state, i.version, i.tenant_id, l.lease_version, l.lease_secret \
+            "SELECT i.state, i.version, i.tenant_id, i.fence_token, l.lease_version, l.lease_secret \
              FROM sandbox_instance i \
              LEFT JOIN sandbox_lease l ON l.sandbox_id = i.sandbox_id AND l.expires_at > ?2 \
              WHERE i.sandbox_id = ?1",
@@ -338,16 +338,23 @@ impl Registry for SqliteRegistry {
         if version != expected_version {
             return Err(RegistryError::Conflict);
         }
-        if let FenceCheck::Require(token) = fence {
-            let secret = col::<Option<String>>(&row, "lease_secret")?.unwrap_or_default();
-            let live = col::<Option<i64>>(&row, "lease_version")?
-                .map(|t| {
-                    to_u64(t)?;
-                    crate::leases::token_of(t, &secret)
-                        .map_err(|e| RegistryError::Storage(e.to_string()))
-                })
-                .transpose()?;
-            fence_rule(live, token)?;
+        match fence {
+            FenceCheck::Skip => {}
+            FenceCheck::Require(token) => {
+                let secret = col::<Option<String>>(&row, "lease_secret")?.unwrap_or_default();
+                let live = col::<Option<i64>>(&row, "lease_version")?
+                    .map(|t| {
+                        to_u64(t)?;
+                        crate::leases::token_of(t, &secret)
+                            .map_err(|e| RegistryError::Storage(e.to_string()))
+                    })
+                    .transpose()?;
+                fence_rule(live, token)?;
+            }
+            FenceCheck::Counter { seen, leased } => {
+                let counter = to_u64(col::<i64>(&row, "fence_token")?)?;
+                aviary_leases::counter_rule(counter, seen, leased)?;
+            }
         }
         let from: SandboxState = parse("state", &col::<String>(&row, "state")?)?;
         validate_path(from, path)?;

@@ -19,7 +19,7 @@ use time::OffsetDateTime;
 /// How the suite reaches a backend.
 #[async_trait]
 pub trait RegistryHarness: Send + Sync {
-    type Registry: Registry + LeaseStore + 'static;
+    type Registry: Registry + LeaseStore + aviary_leases::FenceAuthority + 'static;
     /// Opens a registry on this harness's storage.
     async fn open(&self) -> Self::Registry;
 }
@@ -40,6 +40,7 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
         transition_refuses_stale_version,
         transition_refuses_illegal_steps,
         transition_checks_the_fence,
+        transition_checks_the_counter,
         field_updates_bump_version,
         touch_keeps_version,
         events_filter_and_page,
@@ -436,6 +437,136 @@ pub async fn transition_checks_the_fence<R: Registry + LeaseStore>(r: &R) {
     )
     .await
     .unwrap();
+}
+
+/// [`FenceCheck::Counter`]: the write-time check against the durable
+/// fencing counter that a networked lease store's grants bump through
+/// [`aviary_leases::FenceAuthority`], and that this registry's own lease
+/// grants share.
+pub async fn transition_checks_the_counter<
+    R: Registry + LeaseStore + aviary_leases::FenceAuthority,
+>(
+    r: &R,
+) {
+    use SandboxState::*;
+    let s = insert(r, &tenant()).await;
+    let ghost = SandboxId::generate();
+    assert_eq!(
+        r.next_fence(&ghost).await.unwrap_err(),
+        LeaseError::NotFound
+    );
+    assert_eq!(
+        r.current_fence(&ghost).await.unwrap_err(),
+        LeaseError::NotFound
+    );
+    let mut rec = r
+        .transition(
+            &s.id,
+            0,
+            &[Planning, Allocating, Locking, Idle],
+            FenceCheck::Counter {
+                seen: 0,
+                leased: false,
+            },
+            TransitionCtx::default(),
+        )
+        .await
+        .expect("unleased write at the current counter");
+    assert_eq!(r.current_fence(&s.id).await.unwrap(), 0);
+
+    // a grant by this registry's own lease table moves the same counter
+    let lease = r
+        .acquire(
+            &s.id,
+            "agent-1",
+            Duration::from_secs(300),
+            aviary_core::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.current_fence(&s.id).await.unwrap(), lease.token.fence());
+    let e = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased],
+            FenceCheck::Counter {
+                seen: 0,
+                leased: false,
+            },
+            TransitionCtx::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e,
+        RegistryError::LeaseRequired,
+        "unleased write after a grant"
+    );
+    rec = r
+        .transition(
+            &s.id,
+            rec.version,
+            &[Leased],
+            FenceCheck::Counter {
+                seen: lease.token.fence(),
+                leased: true,
+            },
+            TransitionCtx::default(),
+        )
+        .await
+        .expect("the holder's write");
+
+    // a grant elsewhere (a networked lease store) fences the holder out
+    let newer = r.next_fence(&s.id).await.unwrap();
+    assert_eq!(newer, lease.token.fence() + 1, "next_fence is counter + 1");
+    for seen in [lease.token.fence(), newer + 1] {
+        let e = r
+            .transition(
+                &s.id,
+                rec.version,
+                &[Running],
+                FenceCheck::Counter { seen, leased: true },
+                TransitionCtx::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e,
+            RegistryError::StaleToken,
+            "fence {seen} against counter {newer}"
+        );
+    }
+    assert_eq!(
+        r.get_sandbox(&s.id).await.unwrap(),
+        rec,
+        "fenced out: unchanged"
+    );
+    r.transition(
+        &s.id,
+        rec.version,
+        &[Running],
+        FenceCheck::Counter {
+            seen: newer,
+            leased: true,
+        },
+        TransitionCtx::default(),
+    )
+    .await
+    .expect("the newest holder's write");
+
+    // and the lease table's next grant is above both
+    r.revoke(&s.id).await.unwrap();
+    let again = r
+        .acquire(
+            &s.id,
+            "agent-2",
+            Duration::from_secs(300),
+            aviary_core::now(),
+        )
+        .await
+        .unwrap();
+    assert!(again.token.fence() > newer, "grants never reuse a fence");
 }
 
 pub async fn field_updates_bump_version<R: Registry>(r: &R) {

@@ -48,6 +48,28 @@ pub enum FenceCheck {
     /// Client-initiated: the call's token must pass the lease check
     /// ([`aviary_leases::LeaseStore::check`] rules, against the wall clock).
     Require(Option<LeaseToken>),
+    /// Client-initiated, with the lease checked by the caller against the
+    /// coordination store: the write is valid only while the sandbox's
+    /// durable fencing counter is still `seen` (checked in the same write,
+    /// [`aviary_leases::counter_rule`]). A lease granted since is refused
+    /// as `StaleToken` (`leased`) or `LeaseRequired`.
+    Counter { seen: u64, leased: bool },
+}
+
+impl FenceCheck {
+    /// The [`FenceCheck::Counter`] for the outcome of a lease check.
+    pub fn after(fence: aviary_leases::Fence, counter: u64) -> FenceCheck {
+        match fence {
+            aviary_leases::Fence::Leased(t) => FenceCheck::Counter {
+                seen: t.fence(),
+                leased: true,
+            },
+            aviary_leases::Fence::Unleased => FenceCheck::Counter {
+                seen: counter,
+                leased: false,
+            },
+        }
+    }
 }
 
 /// What a state change records besides the states themselves.

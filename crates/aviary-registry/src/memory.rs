@@ -253,8 +253,14 @@ impl Registry for MemoryRegistry {
             return Err(RegistryError::Conflict);
         }
         // the live lease is read under the lock that writes the state
-        if let FenceCheck::Require(token) = fence {
-            row.lease.check(token, now)?;
+        match fence {
+            FenceCheck::Skip => {}
+            FenceCheck::Require(token) => {
+                row.lease.check(token, now)?;
+            }
+            FenceCheck::Counter { seen, leased } => {
+                aviary_leases::counter_rule(row.lease.counter(), seen, leased)?;
+            }
         }
         let from = row.record.state;
         validate_path(from, path)?;
@@ -689,6 +695,17 @@ impl LeaseStore for MemoryRegistry {
             s.revoke();
             Ok(())
         })
+    }
+}
+
+#[async_trait]
+impl aviary_leases::FenceAuthority for MemoryRegistry {
+    async fn next_fence(&self, sandbox: &SandboxId) -> Result<u64, LeaseError> {
+        self.slot(sandbox, |s| Ok(s.next_fence()))
+    }
+
+    async fn current_fence(&self, sandbox: &SandboxId) -> Result<u64, LeaseError> {
+        self.slot(sandbox, |s| Ok(s.counter()))
     }
 }
 
