@@ -204,13 +204,14 @@ impl ControlPlane {
                 what: "it has no checkpoint to reset to (take one with `snapshot --label clean`)"
                     .into(),
             })?;
+        let fence = self.client_fence(&rec.id, token).await?;
         let rec = self
             .registry
             .transition(
                 &rec.id,
                 rec.version,
                 &[SandboxState::Sanitizing],
-                FenceCheck::Require(token),
+                fence,
                 ctx(
                     request_id,
                     "reset",
@@ -249,13 +250,14 @@ impl ControlPlane {
                 what: "only an idle or leased sandbox can be reset".into(),
             });
         }
+        let fence = self.client_fence(&rec.id, token).await?;
         let rec = self
             .registry
             .transition(
                 &rec.id,
                 rec.version,
                 &[SandboxState::Sanitizing],
-                FenceCheck::Require(token),
+                fence,
                 ctx(request_id, "reset", serde_json::json!({"level": 1})),
             )
             .await?;

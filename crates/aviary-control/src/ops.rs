@@ -138,6 +138,9 @@ pub struct ControlPlane {
     pub cfg: ControlConfig,
     pub registry: Arc<dyn Registry>,
     pub leases: Arc<dyn LeaseStore>,
+    /// The durable fencing counter client-initiated writes are checked
+    /// against (the registry, in both modes).
+    pub(crate) fences: Arc<dyn aviary_leases::FenceAuthority>,
     /// The local runtimes; a sandbox runs on the one its record names.
     pub runtimes: RuntimeSet,
     pub templates: Arc<dyn TemplateCatalog>,
@@ -227,7 +230,11 @@ impl ControlPlane {
             templates,
             nodes: connector,
         } = backends;
-        let aviary_leases::Coordination { leases, locks } = coordination;
+        let aviary_leases::Coordination {
+            leases,
+            locks,
+            fences,
+        } = coordination;
         let (ready_tx, _) = watch::channel(Readiness::Preparing("starting".into()));
         let planning = crate::planning::Planning::new(
             &cfg.settings,
@@ -244,6 +251,7 @@ impl ControlPlane {
             cfg,
             registry,
             leases,
+            fences,
             runtimes,
             templates,
             trees,
@@ -1268,8 +1276,8 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<Sandbox, OpError> {
         let rec = self.sandbox_for(caller, id).await?;
-        self.destroy(rec, FenceCheck::Require(token), request_id, "deleted")
-            .await
+        let fence = self.client_fence(&rec.id, token).await?;
+        self.destroy(rec, fence, request_id, "deleted").await
     }
 
     /// Removes a sandbox's compute from the runtime of its node.
@@ -1375,6 +1383,24 @@ impl ControlPlane {
         if let Err(e) = self.registry.update_allocation_usage(alloc, &usage).await {
             tracing::warn!(sandbox.id = %rec.id, error = %e, "could not record usage");
         }
+    }
+
+    /// The fence check a client-initiated registry write carries: the
+    /// lease checked now against the coordination store, and the write then
+    /// re-checked against the durable counter in the same transaction
+    /// ([`FenceCheck::Counter`]), so a lease granted in between (on any
+    /// replica, through any lease store) fences the write out.
+    pub(crate) async fn client_fence(
+        &self,
+        id: &SandboxId,
+        token: Option<LeaseToken>,
+    ) -> Result<FenceCheck, OpError> {
+        let fence = self.leases.check(id, token, aviary_core::now()).await?;
+        let counter = match fence {
+            aviary_leases::Fence::Leased(_) => 0,
+            aviary_leases::Fence::Unleased => self.fences.current_fence(id).await?,
+        };
+        Ok(FenceCheck::after(fence, counter))
     }
 
     pub(crate) async fn check_fence(

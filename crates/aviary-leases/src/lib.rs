@@ -50,10 +50,15 @@ use time::OffsetDateTime;
 /// The coordination backends a control plane runs on: leases (with fencing)
 /// and locks. The embedded default is the registry's SQLite lease table and
 /// [`InProcessLocks`]; a replicated deployment swaps both for shared ones.
+///
+/// `fences` is the durable fencing counter ([`FenceAuthority`]) the lease
+/// store's grants bump and every client-initiated registry write is checked
+/// against; it is the registry itself in both modes.
 #[derive(Clone)]
 pub struct Coordination {
     pub leases: Arc<dyn LeaseStore>,
     pub locks: Arc<dyn Locks>,
+    pub fences: Arc<dyn FenceAuthority>,
 }
 
 /// The outcome of a successful fencing check.

@@ -74,6 +74,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         coordination: aviary_leases::Coordination {
             leases: registry.clone(),
             locks: Arc::new(aviary_leases::InProcessLocks::new()),
+            fences: registry.clone(),
         },
         registry: registry.clone(),
         runtimes: aviary_control::RuntimeSet::single(

@@ -146,6 +146,7 @@ pub fn backends(
         coordination: aviary_leases::Coordination {
             leases: Arc::new(registry.clone()),
             locks: Arc::new(aviary_leases::InProcessLocks::new()),
+            fences: Arc::new(registry.clone()),
         },
         runtimes: RuntimeSet::new(runtimes.iter().map(|r| r.capable()).collect())
             .expect("runtime set"),
