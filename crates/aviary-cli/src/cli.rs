@@ -90,6 +90,19 @@ struct ServeArgs {
     /// How to build the default template when missing: debootstrap (Debian + python3) or busybox.
     #[arg(long, default_value = "debootstrap")]
     default_template_source: String,
+    /// Distributed mode: the PostgreSQL registry every replica shares
+    /// (postgres://USER:${PASSWORD_VAR}@HOST:PORT/DB; `${NAME}` is read from the
+    /// environment). Needs --coordination. Overrides [distributed] registry.
+    #[arg(long, env = "AVIARY_REGISTRY", value_name = "URL")]
+    registry: Option<String>,
+    /// Distributed mode: the Redis coordination store (leases, locks,
+    /// heartbeats, routes): redis://HOST:PORT/DB. Needs --registry.
+    #[arg(long, env = "AVIARY_COORDINATION", value_name = "URL")]
+    coordination: Option<String>,
+    /// Snapshot store: `local` or s3://BUCKET/PREFIX?endpoint=URL (keys in
+    /// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Overrides [snapshots].
+    #[arg(long, env = "AVIARY_SNAPSHOTS", value_name = "URL")]
+    snapshots: Option<String>,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -546,11 +559,13 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let settings = match &a.config {
+    let mut settings = match &a.config {
         Some(p) => aviary_config::Config::load(p)
             .map_err(|e| Failure::exit(EXIT_CONFIG, format!("{e}")))?,
         None => aviary_config::Config::default(),
     };
+    apply_backend_flags(&mut settings, &a)
+        .map_err(|e| Failure::exit(EXIT_CONFIG, format!("aviary serve: {e}")))?;
     let mut cfg = aviary_server::config::ServerConfig::from_settings(settings, find_envd(a.envd));
     if let Some(d) = a.data_dir {
         cfg.data_dir = d;
@@ -606,6 +621,22 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         .await
         .map_err(|e| Failure::new(ErrorCode::Internal, format!("{e:#}")))?;
     Ok(0)
+}
+
+/// `--registry`, `--coordination`, `--snapshots` over the file's sections.
+fn apply_backend_flags(settings: &mut aviary_config::Config, a: &ServeArgs) -> Result<(), String> {
+    use aviary_config::{ServiceKind, ServiceUrl};
+    if let Some(u) = &a.registry {
+        settings.distributed.registry = Some(ServiceUrl::parse(ServiceKind::Registry, u)?);
+    }
+    if let Some(u) = &a.coordination {
+        settings.distributed.coordination = Some(ServiceUrl::parse(ServiceKind::Coordination, u)?);
+    }
+    settings.distributed.check_complete()?;
+    if let Some(u) = &a.snapshots {
+        settings.snapshots.store = aviary_config::distributed::snapshot_store_from_url(u)?;
+    }
+    Ok(())
 }
 
 fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) -> ExecRequest {

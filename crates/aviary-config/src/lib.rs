@@ -26,9 +26,11 @@
 //! loaded); no global state.
 #![forbid(unsafe_code)]
 
+pub mod distributed;
 mod error;
 mod raw;
 
+pub use distributed::{DistributedSettings, ServiceKind, ServiceUrl};
 pub use error::{ConfigError, LineCol};
 
 use aviary_core::{NetworkProfile, ResourceLimits};
@@ -55,6 +57,9 @@ pub struct Config {
     pub overcommit: Overcommit,
     /// `[snapshots]`: where snapshot chunks and manifests are kept.
     pub snapshots: SnapshotSettings,
+    /// `[distributed]`: a shared PostgreSQL registry and Redis coordination
+    /// store (default: neither, the embedded SQLite + in-process mode).
+    pub distributed: DistributedSettings,
     /// `[[projection]]` tables, in file order (default: none).
     pub projections: Vec<Projection>,
 }
@@ -491,6 +496,7 @@ impl Default for Config {
             },
             overcommit: default_overcommit(),
             snapshots: SnapshotSettings::default(),
+            distributed: DistributedSettings::default(),
             projections: Vec::new(),
         }
     }

@@ -31,6 +31,7 @@ struct RawConfig {
     planner: Option<RawPlanner>,
     overcommit: Option<RawOvercommit>,
     snapshots: Option<RawSnapshots>,
+    distributed: Option<RawDistributed>,
     #[serde(rename = "projection")]
     projections: Option<Vec<RawProjection>>,
 }
@@ -136,6 +137,13 @@ struct RawSnapshots {
     url: Option<Spanned<String>>,
     url_env: Option<Spanned<String>>,
     namespace: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDistributed {
+    registry: Option<Spanned<String>>,
+    coordination: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -311,6 +319,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     let planner = check_planner(&ck, raw.planner)?;
     let overcommit = check_overcommit(&ck, raw.overcommit)?;
     let snapshots = check_snapshots(&ck, raw.snapshots)?;
+    let distributed = check_distributed(&ck, raw.distributed)?;
     let projections = match raw.projections {
         Some(list) => check_projections(&ck, list)?,
         None => Vec::new(),
@@ -325,8 +334,41 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         planner,
         overcommit,
         snapshots,
+        distributed,
         projections,
     })
+}
+
+fn check_distributed(
+    ck: &Checker<'_>,
+    raw: Option<RawDistributed>,
+) -> Result<crate::DistributedSettings, ConfigError> {
+    use crate::distributed::{ServiceKind, ServiceUrl};
+    let Some(raw) = raw else {
+        return Ok(crate::DistributedSettings::default());
+    };
+    let url = |kind: ServiceKind,
+               v: &Option<Spanned<String>>|
+     -> Result<Option<ServiceUrl>, ConfigError> {
+        let Some(v) = v else { return Ok(None) };
+        ServiceUrl::parse(kind, v.get_ref())
+            .map(Some)
+            .map_err(|e| ck.fail(&v.span(), format!("distributed.{}", kind.name()), e))
+    };
+    let d = crate::DistributedSettings {
+        registry: url(ServiceKind::Registry, &raw.registry)?,
+        coordination: url(ServiceKind::Coordination, &raw.coordination)?,
+    };
+    if let Err(e) = d.check_complete() {
+        let span = raw
+            .registry
+            .as_ref()
+            .or(raw.coordination.as_ref())
+            .map(|v| v.span())
+            .unwrap_or(0..0);
+        return Err(ck.fail(&span, "distributed".to_owned(), e));
+    }
+    Ok(d)
 }
 
 fn check_server(

@@ -1004,3 +1004,34 @@ fn bad_edge_limits_are_rejected() {
         expect_error(&text, 4, key, message);
     }
 }
+
+#[test]
+fn distributed_section_parses_and_bad_urls_name_their_line() {
+    let text = "[distributed]\nregistry = \"postgres://aviary:${PGPASS}@127.0.0.1:5432/aviary\"\ncoordination = \"redis://127.0.0.1:6379/0\"\n";
+    let c = Config::from_str(text, "t.toml").unwrap();
+    assert!(c.distributed.is_distributed());
+    assert_eq!(
+        c.distributed.registry.as_ref().unwrap().to_string(),
+        "postgres://aviary:***@127.0.0.1:5432/aviary",
+        "the placeholder is kept, shown without the password part"
+    );
+    assert!(!Config::default().distributed.is_distributed());
+
+    let text = "[distributed]\nregistry = \"mysql://h/db\"\ncoordination = \"redis://h\"\n";
+    expect_error(
+        text,
+        line_of(text, "registry ="),
+        "distributed.registry",
+        "must start with postgres://",
+    );
+    let text = "[distributed]\ncoordination = \"redis://h\"\n";
+    expect_error(
+        text,
+        line_of(text, "coordination ="),
+        "distributed",
+        "needs a PostgreSQL registry too",
+    );
+    let text = "[distributed]\nregistry = \"postgres://h/db\"\ncoordination = \"redis://h\"\nreplicas = 3\n";
+    let e = Config::from_str(text, "t.toml").unwrap_err();
+    assert!(e.to_string().contains("replicas"), "{e}");
+}

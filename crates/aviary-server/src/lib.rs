@@ -21,6 +21,7 @@ pub mod config;
 pub mod edge;
 pub mod error;
 pub mod http;
+pub mod leader;
 mod side_files;
 
 // The control plane's modules, where callers of the server found them.
@@ -223,6 +224,11 @@ pub async fn start(
         .await
         .with_context(|| format!("binding {listen}"))?;
     let addr = listener.local_addr()?;
+    let (leader, leader_task) = leader::Leadership::run(
+        cp.locks.clone(),
+        format!("replica {addr} pid {}", std::process::id()),
+        leader::LEADER_TTL,
+    );
     let prep = cp.clone();
     tokio::spawn(async move {
         if let Err(e) = prep.prepare(progress).await {
@@ -230,12 +236,14 @@ pub async fn start(
         }
     });
     let sweeper = cp.clone();
+    let sweep_leader = leader.clone();
     let sweep_task = tokio::spawn(async move {
         let mut tick = tokio::time::interval(sweep_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if sweeper.readiness() != aviary_control::Readiness::Ready {
+            if sweeper.readiness() != aviary_control::Readiness::Ready || !sweep_leader.is_leader()
+            {
                 continue;
             }
             if let Err(e) = sweeper.sweep().await {
@@ -244,13 +252,16 @@ pub async fn start(
         }
     });
     let refiller = cp.clone();
+    let refill_leader = leader.clone();
     let refill_task = tokio::spawn(async move {
         loop {
             tokio::select! {
                 _ = refiller.pools.refill.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            if refiller.readiness() != aviary_control::Readiness::Ready {
+            if refiller.readiness() != aviary_control::Readiness::Ready
+                || !refill_leader.is_leader()
+            {
                 continue;
             }
             if let Err(e) = refiller.refill_pools().await {
@@ -260,7 +271,7 @@ pub async fn start(
         }
     });
     let probe_task = tokio::spawn(probe_envds(cp.clone()));
-    let gc_task = tokio::spawn(collect_chunks(cp.clone()));
+    let gc_task = tokio::spawn(collect_chunks(cp.clone(), leader));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(cp.clone(), server);
     let edge_cp = cp.clone();
@@ -273,6 +284,7 @@ pub async fn start(
         refill_task.abort();
         probe_task.abort();
         gc_task.abort();
+        leader_task.abort();
         res.context("http server failed")
     });
     Ok(RunningServer {
@@ -303,7 +315,7 @@ async fn probe_envds(cp: Arc<ControlPlane>) {
 /// Background task: collects snapshot chunks no snapshot references, once
 /// right after start-up and then periodically, so what a snapshot
 /// interrupted by a crash wrote does not stay until an admin GC.
-async fn collect_chunks(cp: Arc<ControlPlane>) {
+async fn collect_chunks(cp: Arc<ControlPlane>, leader: leader::Leadership) {
     if cp.wait_ready().await != aviary_control::Readiness::Ready {
         return;
     }
@@ -312,6 +324,9 @@ async fn collect_chunks(cp: Arc<ControlPlane>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        if !leader.is_leader() {
+            continue;
+        }
         match cp.collect_unreferenced_chunks().await {
             Ok(r) if r.chunks_deleted > 0 => {
                 tracing::info!(
