@@ -6,8 +6,10 @@
 //! a lookup that read the registry before a revocation cannot put the revoked
 //! key back into the cache after it was emptied.
 
+use crate::context::{Caller, OpContext};
 use crate::error::OpError;
-use crate::ops::{hash_key, Caller, ControlPlane};
+use crate::ops::{hash_key, ControlPlane};
+use crate::requests::KeyRef;
 use aviary_core::api::CreateKeyRequest;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -99,24 +101,16 @@ impl From<aviary_registry::ApiKeyRecord> for ApiKeyInfo {
     }
 }
 
-fn require_admin(caller: &Caller, what: &str) -> Result<(), OpError> {
-    if caller.admin {
-        Ok(())
-    } else {
-        Err(OpError::Forbidden(format!("{what} needs an admin key")))
-    }
-}
-
 impl ControlPlane {
     /// Creates a key for a tenant (admin only) and returns it with its id.
     pub async fn issue_key(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         req: CreateKeyRequest,
     ) -> Result<IssuedKey, OpError> {
-        require_admin(caller, "creating keys")?;
+        cx.require_admin("creating keys")?;
         crate::validate::key_request(&req)?;
-        let created = self.create_key(caller, req).await?;
+        let created = self.create_key(cx, req).await?;
         let rec = self
             .registry
             .find_api_key(&hash_key(&created.key))
@@ -131,8 +125,8 @@ impl ControlPlane {
     }
 
     /// Every key, revoked ones included (admin only).
-    pub async fn list_keys(&self, caller: &Caller) -> Result<KeyList, OpError> {
-        require_admin(caller, "listing keys")?;
+    pub async fn list_keys(&self, cx: &OpContext) -> Result<KeyList, OpError> {
+        cx.require_admin("listing keys")?;
         Ok(KeyList {
             keys: self
                 .registry
@@ -148,8 +142,9 @@ impl ControlPlane {
     /// server's bootstrap key (`<data dir>/admin.key`) is refused: the server
     /// re-registers it at start. Rotate it by deleting the file, restarting,
     /// and then revoking the old key by id.
-    pub async fn revoke_key(&self, caller: &Caller, id: &str) -> Result<ApiKeyInfo, OpError> {
-        require_admin(caller, "revoking keys")?;
+    pub async fn revoke_key(&self, cx: &OpContext, req: KeyRef) -> Result<ApiKeyInfo, OpError> {
+        let id = req.id.as_str();
+        cx.require_admin("revoking keys")?;
         crate::validate::identifier("key id", id)?;
         let not_found = || OpError::NotFound(format!("key {id}"));
         let bootstrap = self

@@ -8,6 +8,10 @@
 //! (`aviary-server`) is a thin HTTP adapter over it, and the unit tests
 //! build it over in-memory fakes and run without root.
 //!
+//! Every client operation takes an [`OpContext`] (caller, request id,
+//! lease token; [`context`]) and one request value: an API request type of
+//! `aviary_core::api` or of its module, or one of [`requests`].
+//!
 //! One module per design component:
 //! - `ops`: the [`ControlPlane`], start-up, sandboxes (get, list, delete),
 //!   exec and files, leasing and fencing, events;
@@ -47,6 +51,7 @@
 
 pub mod backends;
 pub mod config;
+pub mod context;
 pub mod error;
 pub mod keys;
 pub mod lifecycle;
@@ -56,6 +61,7 @@ pub mod ops;
 pub mod planning;
 pub mod pools;
 pub mod projection;
+pub mod requests;
 pub mod scopes;
 pub mod snapshots;
 pub mod validate;
@@ -65,5 +71,6 @@ pub use backends::{
     TemplateCatalog, TreeArchive,
 };
 pub use config::ControlConfig;
+pub use context::{Caller, OpContext};
 pub use error::OpError;
-pub use ops::{Caller, ControlPlane, Readiness};
+pub use ops::{ControlPlane, Readiness};

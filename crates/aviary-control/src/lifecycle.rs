@@ -23,11 +23,13 @@
 //! lives [`LOCK_TTL`] and is renewed in the background while its holder
 //! works, so only a crashed holder's lock runs out.
 
+use crate::context::OpContext;
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane, LiveSandbox};
+use crate::ops::{ControlPlane, LiveSandbox};
+use crate::requests::{ManifestRequest, OnSandbox, ResetRequest, SandboxRef, SnapshotQuery};
 use aviary_core::api::Sandbox;
 use aviary_core::SandboxId;
-use aviary_core::{LeaseToken, SandboxState};
+use aviary_core::SandboxState;
 use aviary_envd_proto::EnvdError;
 use aviary_envd_proto::ExecSpec;
 use aviary_leases::{LockGuard, LockName, LockRequest};
@@ -99,34 +101,24 @@ impl ControlPlane {
     }
 
     /// Freezes every process of the sandbox (fenced like any write).
-    pub async fn pause(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let (rec, live) = self.writable(caller, id, token).await?;
+    pub async fn pause(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let (rec, live) = self.writable(cx, &req.id).await?;
         self.runtime_for(&rec.node, &rec.runtime)?
             .pause(&rec.id)
             .await
             .map_err(OpError::runtime("pause"))?;
         live.paused.store(true, Ordering::SeqCst);
-        self.event(&rec, "paused", request_id, serde_json::json!({}))
+        self.event(&rec, "paused", cx.request_id(), serde_json::json!({}))
             .await?;
         self.view(&rec).await
     }
 
-    pub async fn resume(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+    /// Thaws a paused sandbox (fenced) and pushes it the current fence.
+    pub async fn resume(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let request_id = cx.request_id();
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         Self::running(&rec)?;
-        self.check_fence(&rec.id, token).await?;
+        self.check_fence(&rec.id, cx.token).await?;
         let live = self.live(&rec.id)?;
         if !live.paused.load(Ordering::SeqCst) {
             return Err(OpError::InvalidState {
@@ -148,21 +140,12 @@ impl ControlPlane {
 
     /// Recycling at a level: 1 soft reset, 2 back to a clean checkpoint,
     /// 3 hard destroy.
-    pub async fn reset_level(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        level: u8,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        match level {
-            1 => self.reset(caller, id, token, request_id).await,
-            2 => {
-                self.reset_to_checkpoint(caller, id, token, request_id)
-                    .await
-            }
-            3 => self.delete(caller, id, token, request_id).await,
+    pub async fn reset_level(&self, cx: &OpContext, req: ResetRequest) -> Result<Sandbox, OpError> {
+        let sandbox = SandboxRef::new(req.id);
+        match req.level {
+            1 => self.reset(cx, sandbox).await,
+            2 => self.reset_to_checkpoint(cx, sandbox).await,
+            3 => self.delete(cx, sandbox).await,
             other => Err(OpError::InvalidRequest(format!(
                 "reset level must be 1, 2 or 3, got {other}"
             ))),
@@ -175,12 +158,11 @@ impl ControlPlane {
     /// is revoked. `Idle|Leased → Sanitizing → Idle`.
     pub async fn reset_to_checkpoint(
         &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
+        cx: &OpContext,
+        req: SandboxRef,
     ) -> Result<Sandbox, OpError> {
-        let (rec, _live) = self.writable(caller, id, token).await?;
+        let request_id = cx.request_id();
+        let (rec, _live) = self.writable(cx, &req.id).await?;
         if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
             return Err(OpError::InvalidState {
                 state: rec.state,
@@ -190,7 +172,12 @@ impl ControlPlane {
         // refused before the compute is stopped
         self.snapshottable_for(&rec, "a level-2 reset")?;
         let snaps = self
-            .list_snapshots(caller, Some(rec.id.as_str()))
+            .list_snapshots(
+                cx,
+                SnapshotQuery {
+                    sandbox: Some(rec.id.to_string()),
+                },
+            )
             .await?
             .snapshots;
         let clean = snaps
@@ -204,7 +191,7 @@ impl ControlPlane {
                 what: "it has no checkpoint to reset to (take one with `snapshot --label clean`)"
                     .into(),
             })?;
-        let fence = self.client_fence(&rec.id, token).await?;
+        let fence = self.client_fence(&rec.id, cx.token).await?;
         let rec = self
             .registry
             .transition(
@@ -236,21 +223,16 @@ impl ControlPlane {
     /// Recycling level 1: kill leftover processes (closing their ports),
     /// clear temporary directories, revoke the lease (its token becomes
     /// stale); the workspace stays. `Idle|Leased → Sanitizing → Idle`.
-    pub async fn reset(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let (rec, live) = self.writable(caller, id, token).await?;
+    pub async fn reset(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let request_id = cx.request_id();
+        let (rec, live) = self.writable(cx, &req.id).await?;
         if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
             return Err(OpError::InvalidState {
                 state: rec.state,
                 what: "only an idle or leased sandbox can be reset".into(),
             });
         }
-        let fence = self.client_fence(&rec.id, token).await?;
+        let fence = self.client_fence(&rec.id, cx.token).await?;
         let rec = self
             .registry
             .transition(
@@ -328,27 +310,19 @@ impl ControlPlane {
 
     /// Ends a call: the lease (if any) is released, the environment manifest
     /// is refreshed, and the sandbox is `Idle` again for its scope.
-    pub async fn release(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+    pub async fn release(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         match rec.state {
             SandboxState::Leased => {
-                let token = token.ok_or(OpError::LeaseRequired)?;
+                let token = cx.token.ok_or(OpError::LeaseRequired)?;
                 self.lease_release(
-                    caller,
-                    id,
-                    aviary_core::api::ReleaseLeaseRequest { token },
-                    request_id,
+                    cx,
+                    OnSandbox::new(req.id, aviary_core::api::ReleaseLeaseRequest { token }),
                 )
                 .await?;
             }
             SandboxState::Idle => {
-                self.check_fence(&rec.id, token).await?;
+                self.check_fence(&rec.id, cx.token).await?;
             }
             other => {
                 return Err(OpError::InvalidState {
@@ -363,7 +337,7 @@ impl ControlPlane {
                 tracing::warn!(sandbox.id = %rec.id, error = %e, "manifest refresh at release failed");
             }
         }
-        self.event(&rec, "released", request_id, serde_json::json!({}))
+        self.event(&rec, "released", cx.request_id(), serde_json::json!({}))
             .await?;
         self.view(&rec).await
     }
@@ -372,12 +346,11 @@ impl ControlPlane {
     /// none is stored yet).
     pub async fn manifest(
         &self,
-        caller: &Caller,
-        id: &str,
-        refresh: bool,
+        cx: &OpContext,
+        req: ManifestRequest,
     ) -> Result<EnvironmentManifest, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
-        if !refresh {
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
+        if !req.refresh {
             if let Some(m) = self
                 .registry
                 .get_environment(&rec.id)

@@ -27,8 +27,9 @@
 //! cache of live handles, not a record; nothing else.
 
 use crate::backends::NodeAgent;
+use crate::context::OpContext;
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane};
+use crate::ops::ControlPlane;
 use aviary_core::ResourceLimits;
 use aviary_leases::{LockGuard, LockName};
 use aviary_registry::NodeRegistration;
@@ -178,16 +179,8 @@ impl ControlPlane {
         }
     }
 
-    pub async fn add_node(
-        &self,
-        caller: &Caller,
-        req: AddNodeRequest,
-    ) -> Result<NodeList, OpError> {
-        if !caller.admin {
-            return Err(OpError::Forbidden(
-                "registering nodes needs an admin key".into(),
-            ));
-        }
+    pub async fn add_node(&self, cx: &OpContext, req: AddNodeRequest) -> Result<NodeList, OpError> {
+        cx.require_admin("registering nodes")?;
         if req.id.is_empty()
             || req.id.len() > 64
             || req.id == LOCAL_NODE
@@ -242,11 +235,17 @@ impl ControlPlane {
                 runtime: rt,
             }),
         );
-        self.list_nodes().await
+        self.node_list().await
     }
 
-    /// Every node as the scheduler sees it now.
-    pub async fn list_nodes(&self) -> Result<NodeList, OpError> {
+    /// Every node as the scheduler sees it now (admin only: capacity and
+    /// commitments are server-wide).
+    pub async fn list_nodes(&self, cx: &OpContext) -> Result<NodeList, OpError> {
+        cx.require_admin("listing nodes")?;
+        self.node_list().await
+    }
+
+    async fn node_list(&self) -> Result<NodeList, OpError> {
         Ok(NodeList {
             nodes: self.node_views(false, None).await?,
         })

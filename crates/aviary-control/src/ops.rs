@@ -1,5 +1,7 @@
 //! The control plane's operations. Every HTTP handler calls exactly one
 //! method here; the tests drive the same methods through the real HTTP API.
+//! A client operation takes the [`OpContext`] (caller, request id, lease
+//! token) and one request value.
 //!
 //! Invariants:
 //! - every state change goes through `Registry::transition` (legal moves only,
@@ -16,7 +18,13 @@
 
 use crate::backends::{Backends, RuntimeSet, TemplateCatalog, TreeArchive};
 use crate::config::ControlConfig;
+pub use crate::context::Caller;
+use crate::context::OpContext;
 use crate::error::OpError;
+use crate::requests::{
+    EventQuery, FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxQuery, SandboxRef,
+    TemplateImport,
+};
 use aviary_core::api::*;
 use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
 use aviary_envd_proto::{EnvdClient, ExecSpec};
@@ -28,7 +36,6 @@ use aviary_registry::{
 use aviary_runtime::{BindMount, Runtime, SandboxSpec};
 use sha2::Digest;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -81,13 +88,6 @@ const FENCE_PUSH_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a fence push waits for the pushes of the same sandbox before it
 /// (each bounded by [`FENCE_PUSH_TIMEOUT`]); longer answers `conflict`.
 const FENCE_LOCK_WAIT: Duration = Duration::from_secs(300);
-
-/// Who is calling, resolved from the API key.
-#[derive(Clone, Debug)]
-pub struct Caller {
-    pub tenant: String,
-    pub admin: bool,
-}
 
 /// The server's readiness.
 #[derive(Clone, Debug, PartialEq)]
@@ -339,14 +339,10 @@ impl ControlPlane {
     /// Creates a key for a tenant (admin only). The plain key is returned once.
     pub async fn create_key(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         req: CreateKeyRequest,
     ) -> Result<CreatedKey, OpError> {
-        if !caller.admin {
-            return Err(OpError::Forbidden(
-                "creating keys needs an admin key".into(),
-            ));
-        }
+        cx.require_admin("creating keys")?;
         valid_name("tenant", &req.tenant)?;
         let key = new_api_key();
         self.registry
@@ -696,7 +692,11 @@ impl ControlPlane {
     // ---- sandboxes ------------------------------------------------------
 
     /// The caller's sandbox, or `not_found` (also for other tenants' ids).
-    pub async fn sandbox_for(&self, caller: &Caller, id: &str) -> Result<SandboxRecord, OpError> {
+    pub(crate) async fn sandbox_for(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<SandboxRecord, OpError> {
         let sid: SandboxId = id
             .parse()
             .map_err(|_| OpError::NotFound(format!("sandbox {id:?}")))?;
@@ -721,19 +721,15 @@ impl ControlPlane {
         Ok(rec.to_api(owner))
     }
 
-    pub async fn get(&self, caller: &Caller, id: &str) -> Result<Sandbox, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+    pub async fn get(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         self.view(&rec).await
     }
 
-    pub async fn list(
-        &self,
-        caller: &Caller,
-        include_terminated: bool,
-    ) -> Result<Vec<Sandbox>, OpError> {
+    pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
         let recs = self
             .registry
-            .list_sandboxes(Some(&caller.tenant), include_terminated)
+            .list_sandboxes(Some(&cx.caller.tenant), req.include_terminated)
             .await?;
         let mut out = Vec::with_capacity(recs.len());
         for r in &recs {
@@ -742,16 +738,15 @@ impl ControlPlane {
         Ok(out)
     }
 
-    #[tracing::instrument(skip_all, fields(tenant = %caller.tenant))]
+    #[tracing::instrument(skip_all, fields(tenant = %cx.caller.tenant))]
     pub async fn create(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         req: CreateSandboxRequest,
-        request_id: Option<&str>,
     ) -> Result<CreateSandboxResponse, OpError> {
         let seed = match &req.from_snapshot {
             Some(snap) => {
-                let s = self.load_snapshot(&caller.tenant, snap).await?;
+                let s = self.load_snapshot(&cx.caller.tenant, snap).await?;
                 if req.template.as_ref().is_some_and(|t| *t != s.template) {
                     return Err(OpError::InvalidRequest(format!(
                         "snapshot {snap} was taken on template {:?}; it cannot be restored into {:?}",
@@ -774,17 +769,17 @@ impl ControlPlane {
         if let Some(s) = &seed {
             req.template = Some(s.template.clone());
         }
-        self.create_seeded(caller, req, request_id, seed).await
+        self.create_seeded(cx, req, seed).await
     }
 
     /// Create, optionally from a snapshot's layers (fork, restore branch C).
     pub(crate) async fn create_seeded(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         req: CreateSandboxRequest,
-        request_id: Option<&str>,
         seed: Option<crate::snapshots::SandboxSnapshot>,
     ) -> Result<CreateSandboxResponse, OpError> {
+        let (caller, request_id) = (&cx.caller, cx.request_id());
         self.ensure_ready()?;
         for (what, v) in [
             ("user_id", &req.user_id),
@@ -818,7 +813,7 @@ impl ControlPlane {
         let scope =
             aviary_reuse::effective_scope(req.scope.unwrap_or_default(), req.user_id.as_deref());
 
-        let approved = self.decide(caller, &req, request_id).await?;
+        let approved = self.decide(cx, &req).await?;
         let class = approved.class.clone();
         let resources = approved.limits;
         let network = approved.network;
@@ -835,14 +830,13 @@ impl ControlPlane {
             None => None,
         };
         let mut stage = CreateStage {
-            caller,
+            cx,
             req: &req,
             approved: &approved,
             template: &template,
             scope,
             expires_at,
             lease_req: lease_req.clone(),
-            request_id,
         };
         if let Some(b) = &bucket {
             match self.reuse_in_bucket(&stage, b).await? {
@@ -860,7 +854,7 @@ impl ControlPlane {
         }
         // from here on the create adds a sandbox: it must fit the quota,
         // counted under a lock held until its row exists
-        let mut quota = Some(self.quota_stage(caller, &approved, request_id).await?);
+        let mut quota = Some(self.quota_stage(cx, &approved).await?);
         if seed.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
         } else if let Some(hit) = self.try_pool(&stage, &mut quota).await? {
@@ -1036,15 +1030,15 @@ impl ControlPlane {
         quota: &mut Option<crate::planning::QuotaHold>,
     ) -> Result<Option<CreateSandboxResponse>, OpError> {
         let CreateStage {
-            caller,
+            cx,
             req,
             approved,
             template,
             scope,
             expires_at,
-            request_id,
             ..
         } = *stage;
+        let (caller, request_id) = (&cx.caller, cx.request_id());
         let lease_req = stage.lease_req.clone();
         let Some(pool) = self
             .pools
@@ -1267,17 +1261,11 @@ impl ControlPlane {
         }
     }
 
-    #[tracing::instrument(skip_all, fields(sandbox.id = %id))]
-    pub async fn delete(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
-        let fence = self.client_fence(&rec.id, token).await?;
-        self.destroy(rec, fence, request_id, "deleted").await
+    #[tracing::instrument(skip_all, fields(sandbox.id = %req.id))]
+    pub async fn delete(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
+        let fence = self.client_fence(&rec.id, cx.token).await?;
+        self.destroy(rec, fence, cx.request_id(), "deleted").await
     }
 
     /// Removes a sandbox's compute from the runtime of its node.
@@ -1415,16 +1403,15 @@ impl ControlPlane {
             .map_err(OpError::from)
     }
 
-    /// A sandbox that can run commands, with its fence checked.
+    /// A sandbox that can run commands, with the context's fence checked.
     pub(crate) async fn writable(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         id: &str,
-        token: Option<LeaseToken>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+        let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
-        self.check_fence(&rec.id, token).await?;
+        self.check_fence(&rec.id, cx.token).await?;
         let live = self.live(&rec.id)?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
@@ -1457,10 +1444,10 @@ impl ControlPlane {
 
     pub(crate) async fn readable(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         id: &str,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+        let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
         let live = self.live(&rec.id)?;
         Self::not_paused(&rec, &live)?;
@@ -1514,22 +1501,23 @@ impl ControlPlane {
         })
     }
 
-    /// Starts a command; the caller drains the stream.
+    /// Starts a command; the caller drains the stream and hands the exit to
+    /// [`Self::exec_finish`]. Fenced by the context's token (the request's
+    /// `token` field is the HTTP body's, moved into the context there).
     pub async fn exec_start(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: &ExecRequest,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
     ) -> Result<ExecRun, OpError> {
-        let spec = Self::exec_spec(req)?;
-        let (rec, live) = self.writable(caller, id, req.token).await?;
+        let spec = Self::exec_spec(&req.request)?;
+        let (rec, live) = self.writable(cx, &req.id).await?;
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self
             .via_envd(
                 &rec,
                 &live,
-                live.envd.exec(spec, req.token.map(|t| t.fence())).await,
+                live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
             )
             .await?;
         self.metrics.inc_exec();
@@ -1542,14 +1530,17 @@ impl ControlPlane {
         })
     }
 
-    /// Finishes an exec: OOM attribution from the sandbox's cgroup.
-    pub async fn exec_finish(
-        &self,
-        run_id: &SandboxId,
-        oom_before: Option<u64>,
-        runtime: &dyn aviary_runtime::Pausable,
-        exit: &aviary_envd_proto::ExitInfo,
-    ) -> bool {
+    /// Finishes an exec: the sandbox's activity is recorded, and the answer
+    /// is whether the exit was an OOM kill (from the sandbox's cgroup).
+    pub async fn exec_finish(&self, run: &ExecRun, exit: &aviary_envd_proto::ExitInfo) -> bool {
+        let oom = self.exec_oom(run, exit).await;
+        self.touch_lazily(&run.id);
+        oom
+    }
+
+    /// OOM attribution of an exec's exit; a timeout is noted for telemetry.
+    async fn exec_oom(&self, run: &ExecRun, exit: &aviary_envd_proto::ExitInfo) -> bool {
+        let (run_id, oom_before) = (&run.id, run.oom_before);
         if exit.timed_out {
             if let Some(l) = self.live_opt(run_id) {
                 l.timed_out
@@ -1561,7 +1552,7 @@ impl ControlPlane {
         if exit.exit_code == 0 {
             return false;
         }
-        match (oom_before, runtime.usage(run_id).await) {
+        match (oom_before, run.runtime.usage(run_id).await) {
             (Some(b), Ok(u)) => u.oom_kills > b,
             _ => false,
         }
@@ -1612,7 +1603,7 @@ impl ControlPlane {
     }
 
     /// Records activity on a sandbox without a registry write per exec.
-    pub fn touch_lazily(&self, id: &SandboxId) {
+    pub(crate) fn touch_lazily(&self, id: &SandboxId) {
         let now = std::time::Instant::now();
         {
             let mut m = self.last_touch.lock().expect("touch map poisoned");
@@ -1636,11 +1627,10 @@ impl ControlPlane {
     /// per stream (`truncated` says so), the rest is drained, not buffered.
     pub async fn exec(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: &ExecRequest,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
     ) -> Result<ExecResult, OpError> {
-        let mut run = self.exec_start(caller, id, req).await?;
+        let mut run = self.exec_start(cx, req).await?;
         let cap = self.cfg.exec_output_cap;
         let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
         loop {
@@ -1659,10 +1649,7 @@ impl ControlPlane {
                     append_capped(&mut err, &d, cap, &mut truncated)
                 }
                 aviary_envd_proto::ExecEvent::Exit(exit) => {
-                    let oom = self
-                        .exec_finish(&run.id, run.oom_before, run.runtime.as_ref(), &exit)
-                        .await;
-                    self.touch_lazily(&run.id);
+                    let oom = self.exec_finish(&run, &exit).await;
                     return Ok(ExecResult {
                         exit_code: exit.exit_code,
                         stdout: String::from_utf8_lossy(&out).into_owned(),
@@ -1681,90 +1668,73 @@ impl ControlPlane {
 
     pub async fn read_file(
         &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
+        cx: &OpContext,
+        req: FileRequest,
     ) -> Result<aviary_envd_proto::FileReader, OpError> {
-        check_sandbox_path(path)?;
-        let (rec, live) = self.readable(caller, id).await?;
-        self.via_envd(&rec, &live, live.envd.read_file(path, None).await)
+        check_sandbox_path(&req.path)?;
+        let (rec, live) = self.readable(cx, &req.id).await?;
+        self.via_envd(&rec, &live, live.envd.read_file(&req.path, None).await)
             .await
     }
 
-    pub async fn write_file<R>(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        token: Option<LeaseToken>,
-        body: R,
-    ) -> Result<u64, OpError>
+    /// Writes the upload's body to its path (fenced; the body is streamed
+    /// to envd, never buffered whole).
+    pub async fn write_file<R>(&self, cx: &OpContext, req: FileUpload<R>) -> Result<u64, OpError>
     where
         R: tokio::io::AsyncRead + Unpin + Send,
     {
-        check_sandbox_path(path)?;
-        let (rec, live) = self.writable(caller, id, token).await?;
+        let FileUpload { id, path, body } = req;
+        check_sandbox_path(&path)?;
+        let (rec, live) = self.writable(cx, &id).await?;
         let r = live
             .envd
-            .write_file(path, None, body, token.map(|t| t.fence()))
+            .write_file(&path, None, body, cx.token.map(|t| t.fence()))
             .await;
         self.via_envd(&rec, &live, r).await
     }
 
-    pub async fn list_files(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-    ) -> Result<FileList, OpError> {
-        check_sandbox_path(path)?;
-        let (rec, live) = self.readable(caller, id).await?;
+    pub async fn list_files(&self, cx: &OpContext, req: FileRequest) -> Result<FileList, OpError> {
+        check_sandbox_path(&req.path)?;
+        let (rec, live) = self.readable(cx, &req.id).await?;
         let entries = self
-            .via_envd(&rec, &live, live.envd.list_dir(path).await)
+            .via_envd(&rec, &live, live.envd.list_dir(&req.path).await)
             .await?;
         Ok(FileList {
             entries: entries.into_iter().map(file_info).collect(),
         })
     }
 
-    pub async fn stat(&self, caller: &Caller, id: &str, path: &str) -> Result<FileInfo, OpError> {
-        check_sandbox_path(path)?;
-        let (rec, live) = self.readable(caller, id).await?;
+    pub async fn stat(&self, cx: &OpContext, req: FileRequest) -> Result<FileInfo, OpError> {
+        check_sandbox_path(&req.path)?;
+        let (rec, live) = self.readable(cx, &req.id).await?;
         Ok(file_info(
-            self.via_envd(&rec, &live, live.envd.stat(path).await)
+            self.via_envd(&rec, &live, live.envd.stat(&req.path).await)
                 .await?,
         ))
     }
 
-    pub async fn mkdir(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        token: Option<LeaseToken>,
-    ) -> Result<(), OpError> {
-        check_sandbox_path(path)?;
-        let (rec, live) = self.writable(caller, id, token).await?;
-        let r = live.envd.mkdir(path, true, token.map(|t| t.fence())).await;
+    /// Creates a directory and its parents (fenced).
+    pub async fn mkdir(&self, cx: &OpContext, req: FileRequest) -> Result<(), OpError> {
+        check_sandbox_path(&req.path)?;
+        let (rec, live) = self.writable(cx, &req.id).await?;
+        let r = live
+            .envd
+            .mkdir(&req.path, true, cx.token.map(|t| t.fence()))
+            .await;
         self.via_envd(&rec, &live, r).await
     }
 
-    pub async fn remove(
-        &self,
-        caller: &Caller,
-        id: &str,
-        path: &str,
-        recursive: bool,
-        token: Option<LeaseToken>,
-    ) -> Result<(), OpError> {
-        check_sandbox_path(path)?;
-        if path.trim_end_matches('/').is_empty() {
+    /// Removes a file, or a directory (its content too when `recursive`);
+    /// fenced. `/` is refused.
+    pub async fn remove(&self, cx: &OpContext, req: RemoveFileRequest) -> Result<(), OpError> {
+        check_sandbox_path(&req.path)?;
+        if req.path.trim_end_matches('/').is_empty() {
             return Err(OpError::InvalidPath("refusing to remove /".into()));
         }
-        let (rec, live) = self.writable(caller, id, token).await?;
+        let (rec, live) = self.writable(cx, &req.id).await?;
         let r = live
             .envd
-            .remove(path, recursive, token.map(|t| t.fence()))
+            .remove(&req.path, req.recursive, cx.token.map(|t| t.fence()))
             .await;
         self.via_envd(&rec, &live, r).await
     }
@@ -1773,14 +1743,14 @@ impl ControlPlane {
 
     pub async fn lease_acquire(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: AcquireLeaseRequest,
-        request_id: Option<&str>,
+        cx: &OpContext,
+        req: OnSandbox<AcquireLeaseRequest>,
     ) -> Result<Lease, OpError> {
+        let OnSandbox { id, request: req } = req;
+        let request_id = cx.request_id();
         valid_name("lease owner", &req.owner)?;
         let ttl = self.lease_ttl(req.ttl_s)?;
-        let rec = self.sandbox_for(caller, id).await?;
+        let rec = self.sandbox_for(&cx.caller, &id).await?;
         Self::running(&rec)?;
         if !matches!(rec.state, SandboxState::Idle | SandboxState::Leased) {
             return Err(OpError::InvalidState {
@@ -1821,28 +1791,30 @@ impl ControlPlane {
         Ok(lease)
     }
 
+    /// Renews the lease whose token the request names (the lease's own
+    /// token, not the context's).
     pub async fn lease_renew(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: RenewLeaseRequest,
+        cx: &OpContext,
+        req: OnSandbox<RenewLeaseRequest>,
     ) -> Result<Lease, OpError> {
-        let ttl = self.lease_ttl(req.ttl_s)?;
-        let rec = self.sandbox_for(caller, id).await?;
+        let ttl = self.lease_ttl(req.request.ttl_s)?;
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         Ok(self
             .leases
-            .renew(&rec.id, req.token, ttl, aviary_core::now())
+            .renew(&rec.id, req.request.token, ttl, aviary_core::now())
             .await?)
     }
 
+    /// Releases the lease whose token the request names.
     pub async fn lease_release(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: ReleaseLeaseRequest,
-        request_id: Option<&str>,
+        cx: &OpContext,
+        req: OnSandbox<ReleaseLeaseRequest>,
     ) -> Result<(), OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+        let OnSandbox { id, request: req } = req;
+        let request_id = cx.request_id();
+        let rec = self.sandbox_for(&cx.caller, &id).await?;
         self.leases
             .release(&rec.id, req.token, aviary_core::now())
             .await?;
@@ -1964,30 +1936,25 @@ impl ControlPlane {
 
     // ---- events and templates -----------------------------------------------
 
-    pub async fn events(
-        &self,
-        caller: &Caller,
-        sandbox: Option<&str>,
-        after: Option<i64>,
-        limit: Option<u32>,
-    ) -> Result<Vec<Event>, OpError> {
-        let sandbox_id = match sandbox {
-            Some(s) => Some(self.sandbox_for(caller, s).await?.id),
+    pub async fn events(&self, cx: &OpContext, req: EventQuery) -> Result<Vec<Event>, OpError> {
+        let sandbox_id = match &req.sandbox {
+            Some(s) => Some(self.sandbox_for(&cx.caller, s).await?.id),
             None => None,
         };
-        let limit = limit.unwrap_or(100).clamp(1, 1000);
+        let limit = req.limit.unwrap_or(100).clamp(1, 1000);
         Ok(self
             .registry
             .list_events(&EventFilter {
-                tenant: Some(caller.tenant.clone()),
+                tenant: Some(cx.caller.tenant.clone()),
                 sandbox_id,
-                after_id: after,
+                after_id: req.after,
                 limit,
             })
             .await?)
     }
 
-    pub async fn templates(&self) -> Result<Vec<Template>, OpError> {
+    /// Every template (any caller may list them).
+    pub async fn templates(&self, _cx: &OpContext) -> Result<Vec<Template>, OpError> {
         Ok(self
             .templates
             .list()
@@ -2000,15 +1967,11 @@ impl ControlPlane {
     /// Imports an archive already spooled to `archive` (the caller removes it).
     pub async fn import_template(
         &self,
-        caller: &Caller,
-        name: &str,
-        archive: PathBuf,
+        cx: &OpContext,
+        req: TemplateImport,
     ) -> Result<Template, OpError> {
-        if !caller.admin {
-            return Err(OpError::Forbidden(
-                "importing templates needs an admin key".into(),
-            ));
-        }
+        let name = req.name.as_str();
+        cx.require_admin("importing templates")?;
         if name.is_empty()
             || name.len() > 64
             || !name
@@ -2020,10 +1983,10 @@ impl ControlPlane {
                 "template name must be 1-64 of [A-Za-z0-9._-], not starting with '.'".into(),
             ));
         }
-        let info = self.templates.import(name, archive).await?;
+        let info = self.templates.import(name, req.archive).await?;
         self.registry.upsert_template(&info).await?;
         self.record_event(
-            &caller.tenant,
+            &cx.caller.tenant,
             None,
             None,
             "template_imported",
@@ -2045,14 +2008,13 @@ impl ControlPlane {
 /// decide from: the caller's request and what planning and policy approved.
 #[derive(Clone)]
 pub(crate) struct CreateStage<'a> {
-    pub caller: &'a Caller,
+    pub cx: &'a OpContext,
     pub req: &'a CreateSandboxRequest,
     pub approved: &'a crate::planning::Approved,
     pub template: &'a TemplateRecord,
     pub scope: Scope,
     pub expires_at: OffsetDateTime,
     pub lease_req: Option<(String, Duration)>,
-    pub request_id: Option<&'a str>,
 }
 
 /// A started exec.

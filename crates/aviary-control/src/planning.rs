@@ -6,8 +6,10 @@
 //! `sandbox_allocation` and denials are events. "Where" (placement) is not
 //! decided here.
 
+use crate::context::{Caller, OpContext};
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane};
+use crate::ops::ControlPlane;
+use crate::requests::AllocationQuery;
 use aviary_config::Config;
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::{NetworkProfile, ResourceLimits};
@@ -188,11 +190,13 @@ impl ControlPlane {
     }
 
     /// `POST /v1/plan`: recommendation + what policy would do; recorded.
+    /// The request is the task context (DESIGN §7), a JSON object.
     pub async fn plan(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         context: serde_json::Value,
     ) -> Result<PlanResponse, OpError> {
+        let caller = &cx.caller;
         let ctx = parse_context(&context)?;
         let outcome = self.run_planner(caller, &ctx).await?;
         let usage = self.tenant_usage(&caller.tenant).await?;
@@ -247,10 +251,10 @@ impl ControlPlane {
     /// Plan (when the request carries a task context) and approve a class.
     pub(crate) async fn decide(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         req: &CreateSandboxRequest,
-        request_id: Option<&str>,
     ) -> Result<Approved, OpError> {
+        let caller = &cx.caller;
         let settings = &self.cfg.settings;
         let network_name = req.network.clone().unwrap_or_else(|| "none".into());
         let (intent_req, recommended, reason, confidence, source, input_hash, signature, task_id) =
@@ -331,7 +335,7 @@ impl ControlPlane {
             .approve_class(self.policy_tenant(caller), &intent_req)
         {
             Ok(a) => a,
-            Err(d) => return Err(self.denied(caller, &recommended, d, request_id).await),
+            Err(d) => return Err(self.denied(cx, &recommended, d).await),
         };
         if approval.network_kind != NetworkProfile::None {
             return Err(OpError::InvalidRequest(format!(
@@ -371,22 +375,16 @@ impl ControlPlane {
     }
 
     /// Records a policy denial (`policy.denied`) and answers it.
-    async fn denied(
-        &self,
-        caller: &Caller,
-        recommended: &str,
-        d: aviary_policy::Denial,
-        request_id: Option<&str>,
-    ) -> OpError {
+    async fn denied(&self, cx: &OpContext, recommended: &str, d: aviary_policy::Denial) -> OpError {
         let mut meta = d.to_event_metadata();
         meta["recommended_class"] = serde_json::Value::String(recommended.to_owned());
         if let Err(e) = self
             .record_event(
-                &caller.tenant,
+                &cx.caller.tenant,
                 None,
                 None,
                 aviary_policy::Denial::EVENT_TYPE,
-                request_id,
+                cx.request_id(),
                 meta,
             )
             .await
@@ -406,10 +404,10 @@ impl ControlPlane {
     /// it. Keep the hold until the new row exists.
     pub(crate) async fn quota_stage(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         approved: &Approved,
-        request_id: Option<&str>,
     ) -> Result<QuotaHold, OpError> {
+        let caller = &cx.caller;
         let held = self
             .hold_lock(
                 aviary_leases::LockName::new("quota", &caller.tenant),
@@ -425,12 +423,7 @@ impl ControlPlane {
                 .check_quota(self.policy_tenant(caller), req, approval, &usage)
         {
             return Err(self
-                .denied(
-                    caller,
-                    &approved.allocation.recommended_class,
-                    d,
-                    request_id,
-                )
+                .denied(cx, &approved.allocation.recommended_class, d)
                 .await);
         }
         Ok(QuotaHold { _held: held })
@@ -438,12 +431,15 @@ impl ControlPlane {
 
     pub async fn allocations(
         &self,
-        caller: &Caller,
-        limit: Option<u32>,
+        cx: &OpContext,
+        req: AllocationQuery,
     ) -> Result<AllocationList, OpError> {
         let recs = self
             .registry
-            .list_allocations(Some(&caller.tenant), limit.unwrap_or(100).clamp(1, 1000))
+            .list_allocations(
+                Some(&cx.caller.tenant),
+                req.limit.unwrap_or(100).clamp(1, 1000),
+            )
             .await?;
         Ok(AllocationList {
             allocations: recs

@@ -31,8 +31,10 @@
 //! claims of one sandbox exactly one wins and the other tries the next, and
 //! a hit never waits behind a refill that is provisioning.
 
+use crate::context::OpContext;
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane};
+use crate::ops::ControlPlane;
+use crate::requests::PoolUpdate;
 use aviary_config::PoolSettings;
 use aviary_core::{SandboxId, SandboxState};
 use aviary_leases::{LockName, LockRequest};
@@ -230,7 +232,14 @@ impl ControlPlane {
             .collect())
     }
 
-    pub async fn pools_view(&self) -> Result<PoolList, OpError> {
+    /// Every pool with its sizes and hit/miss counts (admin only: the
+    /// counts are server-wide).
+    pub async fn pools_view(&self, cx: &OpContext) -> Result<PoolList, OpError> {
+        cx.require_admin("listing pools")?;
+        self.pool_list().await
+    }
+
+    async fn pool_list(&self) -> Result<PoolList, OpError> {
         let rows = self
             .registry
             .list_sandboxes(Some(POOL_TENANT), false)
@@ -260,17 +269,10 @@ impl ControlPlane {
         Ok(PoolList { pools: out })
     }
 
-    pub async fn set_pool(
-        &self,
-        caller: &Caller,
-        class: &str,
-        req: SetPoolRequest,
-    ) -> Result<PoolList, OpError> {
-        if !caller.admin {
-            return Err(OpError::Forbidden(
-                "changing pools needs an admin key".into(),
-            ));
-        }
+    pub async fn set_pool(&self, cx: &OpContext, update: PoolUpdate) -> Result<PoolList, OpError> {
+        cx.require_admin("changing pools")?;
+        let PoolUpdate { class, bounds: req } = update;
+        let class = class.as_str();
         if req.min > req.max || req.max > 10_000 {
             return Err(OpError::InvalidRequest(
                 "pool bounds need min <= max <= 10000".into(),
@@ -291,7 +293,7 @@ impl ControlPlane {
             })
             .await?;
         self.pools.refill.notify_one();
-        self.pools_view().await
+        self.pool_list().await
     }
 
     /// Claims a warm sandbox of this pool for the caller, if one is there.

@@ -12,8 +12,10 @@
 //! a second caller waits until the first releases (or the lease expires).
 //! SESSION is safe by construction and needs no lease.
 
+use crate::context::{Caller, OpContext};
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane};
+use crate::ops::ControlPlane;
+use crate::requests::OnSandbox;
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Lease};
 use aviary_core::{SandboxState, Scope};
 use aviary_leases::{LockGuard, LockName};
@@ -103,13 +105,8 @@ impl ControlPlane {
         stage: &crate::ops::CreateStage<'_>,
         bucket: &str,
     ) -> Result<BucketOutcome, OpError> {
-        let crate::ops::CreateStage {
-            caller,
-            req,
-            scope,
-            request_id,
-            ..
-        } = *stage;
+        let crate::ops::CreateStage { cx, req, scope, .. } = *stage;
+        let (caller, request_id) = (&cx.caller, cx.request_id());
         let template_digest = stage.template.digest.as_str();
         let class = stage.approved.class.as_str();
         let network = stage.approved.network;
@@ -210,8 +207,7 @@ impl ControlPlane {
         let (rec, decision) = match best {
             Some((i, d)) if d.action == ReuseAction::Reuse => (candidates[i].0.clone(), d),
             Some((i, d)) => {
-                self.reuse_event(caller, Some(&candidates[i].0.id), &d, request_id)
-                    .await?;
+                self.reuse_event(cx, Some(&candidates[i].0.id), &d).await?;
                 let mut api = d.to_api("D");
                 api.action = "new_sandbox".into();
                 api.reason = format!(
@@ -231,8 +227,7 @@ impl ControlPlane {
                 }))
             }
         };
-        self.reuse_event(caller, Some(&rec.id), &decision, request_id)
-            .await?;
+        self.reuse_event(cx, Some(&rec.id), &decision).await?;
         // hand it out: shared scopes through the lease (waiting for it)
         let lease = match (scope, lease_req) {
             (Scope::Session, None) => None,
@@ -243,10 +238,7 @@ impl ControlPlane {
                         Duration::from_secs(self.cfg.default_lease_ttl_s),
                     )
                 });
-                Some(
-                    self.acquire_waiting(caller, &rec.id, &owner, ttl, request_id)
-                        .await?,
-                )
+                Some(self.acquire_waiting(cx, &rec.id, &owner, ttl).await?)
             }
         };
         let rec = self.registry.get_sandbox(&rec.id).await?;
@@ -297,23 +289,21 @@ impl ControlPlane {
 
     async fn reuse_event(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         id: Option<&aviary_core::SandboxId>,
         d: &aviary_reuse::ReuseDecision,
-        request_id: Option<&str>,
     ) -> Result<(), OpError> {
-        self.record_event(&caller.tenant, id, None, "reuse_decision", request_id, serde_json::json!({"action": d.action.as_str(), "score": d.score, "reasons": d.reasons})).await?;
+        self.record_event(&cx.caller.tenant, id, None, "reuse_decision", cx.request_id(), serde_json::json!({"action": d.action.as_str(), "score": d.score, "reasons": d.reasons})).await?;
         Ok(())
     }
 
     /// Acquires the sandbox's lease, waiting while another caller holds it.
     async fn acquire_waiting(
         &self,
-        caller: &Caller,
+        cx: &OpContext,
         id: &aviary_core::SandboxId,
         owner: &str,
         ttl: Duration,
-        request_id: Option<&str>,
     ) -> Result<Lease, OpError> {
         let start = Instant::now();
         loop {
@@ -322,7 +312,7 @@ impl ControlPlane {
                 ttl_s: Some(ttl.as_secs().max(1)),
             };
             match self
-                .lease_acquire(caller, id.as_str(), req, request_id)
+                .lease_acquire(cx, OnSandbox::new(id.as_str(), req))
                 .await
             {
                 Ok(l) => return Ok(l),

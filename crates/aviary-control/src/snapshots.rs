@@ -22,8 +22,10 @@
 //! business. A runtime without the capability (today: remote nodes) answers
 //! `invalid_request`.
 
+use crate::context::OpContext;
 use crate::error::OpError;
-use crate::ops::{Caller, ControlPlane};
+use crate::ops::ControlPlane;
+use crate::requests::{CheckpointRequest, OnSandbox, SandboxRef, SnapshotQuery};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
 use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};
@@ -114,9 +116,15 @@ pub struct ForkRequest {
     /// Checkpoint to fork from; a fresh snapshot of the sandbox when absent.
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// The lease token as the HTTP body may carry it (else the lease token
+    /// header); the HTTP surface moves it into the operation's context,
+    /// which is the only token the control plane checks.
     #[serde(default)]
     pub token: Option<LeaseToken>,
 }
+
+/// The label of a checkpoint taken without one.
+const DEFAULT_LABEL: &str = "checkpoint";
 
 fn valid_snapshot_id(s: &str) -> Result<(), OpError> {
     if s.is_empty()
@@ -150,10 +158,10 @@ impl ControlPlane {
     /// The caller's snapshots (of one sandbox, when given), oldest first.
     pub async fn list_snapshots(
         &self,
-        caller: &Caller,
-        sandbox: Option<&str>,
+        cx: &OpContext,
+        req: SnapshotQuery,
     ) -> Result<SnapshotList, OpError> {
-        let sandbox_id = match sandbox {
+        let sandbox_id = match req.sandbox.as_deref() {
             // no sandbox has a malformed id, so it has no snapshots either
             Some(s) => match s.parse::<SandboxId>() {
                 Ok(id) => Some(id),
@@ -164,7 +172,7 @@ impl ControlPlane {
         let rows = self
             .registry
             .list_snapshots(&SnapshotFilter {
-                tenant: Some(caller.tenant.clone()),
+                tenant: Some(cx.caller.tenant.clone()),
                 sandbox_id,
                 label: None,
             })
@@ -187,27 +195,14 @@ impl ControlPlane {
             .map(SandboxSnapshot::from))
     }
 
-    /// `POST /v1/sandboxes/{id}/snapshot` (fenced).
+    /// `POST /v1/sandboxes/{id}/snapshot` (fenced): a checkpoint with a
+    /// label (`clean` marks the one level-2 resets return to).
     pub async fn snapshot(
         &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
+        cx: &OpContext,
+        req: CheckpointRequest,
     ) -> Result<SandboxSnapshot, OpError> {
-        self.snapshot_labelled(caller, id, token, "checkpoint", request_id)
-            .await
-    }
-
-    /// A checkpoint with a label (`clean` marks the one level-2 resets return to).
-    pub async fn snapshot_labelled(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        label: &str,
-        request_id: Option<&str>,
-    ) -> Result<SandboxSnapshot, OpError> {
+        let label = req.label.as_deref().unwrap_or(DEFAULT_LABEL);
         if label.is_empty()
             || label.len() > 32
             || !label
@@ -218,9 +213,9 @@ impl ControlPlane {
                 "snapshot label must be 1-32 of [a-z0-9-]".into(),
             ));
         }
-        let (rec, _live) = self.writable(caller, id, token).await?;
+        let (rec, _live) = self.writable(cx, &req.id).await?;
         let snap = self.take_snapshot(&rec, label).await?;
-        self.record_event(&rec.tenant, Some(&rec.id), Some(rec.state), "snapshot_taken", request_id, serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes})).await?;
+        self.record_event(&rec.tenant, Some(&rec.id), Some(rec.state), "snapshot_taken", cx.request_id(), serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes})).await?;
         Ok(snap)
     }
 
@@ -346,32 +341,31 @@ impl ControlPlane {
 
     /// A new sandbox from a checkpoint (copy of its layers; changes in the
     /// fork never show in the parent).
+    /// A fresh checkpoint, when the request names none, is taken under the
+    /// context's token (fenced like any snapshot).
     pub async fn fork(
         &self,
-        caller: &Caller,
-        id: &str,
-        req: ForkRequest,
-        request_id: Option<&str>,
+        cx: &OpContext,
+        req: OnSandbox<ForkRequest>,
     ) -> Result<CreateSandboxResponse, OpError> {
-        let parent = self.sandbox_for(caller, id).await?;
+        let OnSandbox { id, request: req } = req;
+        let parent = self.sandbox_for(&cx.caller, &id).await?;
         let snap = match &req.snapshot {
             Some(s) => {
-                let snap = self.load_snapshot(&caller.tenant, s).await?;
+                let snap = self.load_snapshot(&cx.caller.tenant, s).await?;
                 if snap.sandbox_id != parent.id.as_str() {
                     return Err(OpError::NotFound(format!("snapshot {s} of sandbox {id}")));
                 }
                 snap
             }
-            None => self.snapshot(caller, id, req.token, request_id).await?,
+            None => self.snapshot(cx, CheckpointRequest::new(id)).await?,
         };
         let create = CreateSandboxRequest {
             template: Some(snap.template.clone()),
             class: Some(snap.resource_class.clone()),
             ..Default::default()
         };
-        let mut resp = self
-            .create_seeded(caller, create, request_id, Some(snap.clone()))
-            .await?;
+        let mut resp = self.create_seeded(cx, create, Some(snap.clone())).await?;
         resp.decision = Decision {
             action: "fork".into(),
             branch: "C".into(),
@@ -383,21 +377,16 @@ impl ControlPlane {
 
     /// Idle → Hibernating: snapshot, then stop compute (the registry row
     /// stays; `wake` restores it).
-    pub async fn hibernate(
-        &self,
-        caller: &Caller,
-        id: &str,
-        token: Option<LeaseToken>,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let (rec, _live) = self.writable(caller, id, token).await?;
+    pub async fn hibernate(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let (rec, _live) = self.writable(cx, &req.id).await?;
         if rec.state != SandboxState::Idle {
             return Err(OpError::InvalidState {
                 state: rec.state,
                 what: "only an idle sandbox can hibernate".into(),
             });
         }
-        self.hibernate_record(rec, request_id, "requested").await
+        self.hibernate_record(rec, cx.request_id(), "requested")
+            .await
     }
 
     pub(crate) async fn hibernate_record(
@@ -441,20 +430,15 @@ impl ControlPlane {
     }
 
     /// Hibernating → Provisioning → Idle: new compute with the last snapshot.
-    pub async fn wake(
-        &self,
-        caller: &Caller,
-        id: &str,
-        request_id: Option<&str>,
-    ) -> Result<Sandbox, OpError> {
-        let rec = self.sandbox_for(caller, id).await?;
+    pub async fn wake(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         if rec.state != SandboxState::Hibernating {
             return Err(OpError::InvalidState {
                 state: rec.state,
                 what: "only a hibernating sandbox can be woken".into(),
             });
         }
-        let rec = self.wake_record(rec, request_id).await?;
+        let rec = self.wake_record(rec, cx.request_id()).await?;
         self.view(&rec).await
     }
 
@@ -668,12 +652,8 @@ impl ControlPlane {
     /// chunks. Snapshots other snapshots name as parent stay readable: a
     /// manifest holds its full chunk list, so deleting a parent never breaks
     /// a child.
-    pub async fn gc_snapshots(&self, caller: &Caller, req: GcRequest) -> Result<GcResult, OpError> {
-        if !caller.admin {
-            return Err(OpError::Forbidden(
-                "snapshot garbage collection needs an admin key".into(),
-            ));
-        }
+    pub async fn gc_snapshots(&self, cx: &OpContext, req: GcRequest) -> Result<GcResult, OpError> {
+        cx.require_admin("snapshot garbage collection")?;
         if req.keep_last == 0 || req.keep_last > 10_000 {
             return Err(OpError::InvalidRequest(
                 "keep_last must be between 1 and 10000".into(),

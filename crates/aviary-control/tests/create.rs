@@ -10,6 +10,7 @@ mod support;
 mod tests {
     use super::support::*;
     use aviary_config::Allowed;
+    use aviary_control::requests::{AllocationQuery, SandboxQuery, SandboxRef};
     use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest};
     use aviary_core::{ErrorCode, SandboxState};
     use aviary_runtime::RuntimeError;
@@ -39,7 +40,7 @@ mod tests {
     }
 
     /// The `policy.denied` events of the caller's tenant.
-    async fn denials(p: &Plane, caller: &aviary_control::Caller) -> Vec<serde_json::Value> {
+    async fn denials(p: &Plane, caller: &aviary_control::OpContext) -> Vec<serde_json::Value> {
         tenant_events(p, caller)
             .await
             .into_iter()
@@ -55,7 +56,7 @@ mod tests {
     /// `policy.denied` event with `code`; returns that event's metadata.
     async fn the_one_denial(
         p: &Plane,
-        caller: &aviary_control::Caller,
+        caller: &aviary_control::OpContext,
         e: &aviary_control::OpError,
         code: &str,
     ) -> serde_json::Value {
@@ -73,7 +74,7 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let created =
-            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+            p.cp.create(&alice, CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert_eq!(created.sandbox.resource_class, "python-small");
@@ -82,7 +83,11 @@ mod tests {
             "{}",
             created.decision.reason
         );
-        let allocations = p.cp.allocations(&alice, None).await.unwrap().allocations;
+        let allocations =
+            p.cp.allocations(&alice, AllocationQuery::default())
+                .await
+                .unwrap()
+                .allocations;
         assert_eq!(allocations.len(), 1);
         let a = &allocations[0];
         assert_eq!(a.source, "default");
@@ -97,15 +102,17 @@ mod tests {
     async fn a_requested_class_is_used_and_its_limits_reach_the_runtime() {
         let p = plane().await;
         let alice = tenant("alice");
-        let created =
-            p.cp.create(&alice, with_class("python-ds"), None)
-                .await
-                .unwrap();
+        let created = p.cp.create(&alice, with_class("python-ds")).await.unwrap();
         assert_eq!(created.sandbox.resource_class, "python-ds");
         let class = p.cp.cfg.settings.class("python-ds").unwrap().limits();
         assert_eq!(created.sandbox.resources, class);
         assert_eq!(p.runtime.created_specs()[0].resources, class);
-        let a = &p.cp.allocations(&alice, None).await.unwrap().allocations[0];
+        let a = &p
+            .cp
+            .allocations(&alice, AllocationQuery::default())
+            .await
+            .unwrap()
+            .allocations[0];
         assert_eq!(a.source, "request");
         assert_eq!(a.actual_class, "python-ds");
     }
@@ -121,7 +128,6 @@ mod tests {
                     "task": "run playwright against the staging site",
                     "needs_browser": true,
                 })),
-                None,
             )
             .await
             .unwrap();
@@ -130,7 +136,12 @@ mod tests {
             p.runtime.created_specs()[0].resources,
             p.cp.cfg.settings.class("browser-medium").unwrap().limits()
         );
-        let a = &p.cp.allocations(&alice, None).await.unwrap().allocations[0];
+        let a = &p
+            .cp
+            .allocations(&alice, AllocationQuery::default())
+            .await
+            .unwrap()
+            .allocations[0];
         assert_eq!(a.recommended_class, "browser-medium");
         assert_eq!(a.actual_class, "browser-medium");
         assert_eq!(a.source, "heuristic");
@@ -145,9 +156,14 @@ mod tests {
             serde_json::json!({"task": "scrape with playwright", "needs_browser": true}),
         );
         req.class = Some("python-small".into());
-        let created = p.cp.create(&alice, req, None).await.unwrap();
+        let created = p.cp.create(&alice, req).await.unwrap();
         assert_eq!(created.sandbox.resource_class, "python-small");
-        let a = &p.cp.allocations(&alice, None).await.unwrap().allocations[0];
+        let a = &p
+            .cp
+            .allocations(&alice, AllocationQuery::default())
+            .await
+            .unwrap()
+            .allocations[0];
         assert_eq!(a.source, "request");
     }
 
@@ -164,7 +180,6 @@ mod tests {
                     "task": "pip install requests and fetch https://example.org",
                     "network": "open",
                 })),
-                None,
             )
             .await
             .unwrap();
@@ -186,13 +201,17 @@ mod tests {
             p.cp.create(
                 &alice,
                 with_intent(serde_json::json!({"languages": ["python"]})),
-                None,
             )
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         assert_eq!(p.runtime.create_calls(), 0);
-        assert!(p.cp.list(&alice, true).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::all())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     // ---- requests refused before any compute --------------------------------
@@ -202,13 +221,18 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let e =
-            p.cp.create(&alice, with_class("gpu-huge"), None)
+            p.cp.create(&alice, with_class("gpu-huge"))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         assert!(e.to_string().contains("gpu-huge"), "{e}");
         assert_eq!(p.runtime.create_calls(), 0);
-        assert!(p.cp.list(&alice, true).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::all())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,11 +243,16 @@ mod tests {
             template: Some("no-such-template".into()),
             ..Default::default()
         };
-        let e = p.cp.create(&alice, req, None).await.unwrap_err();
+        let e = p.cp.create(&alice, req).await.unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         assert!(e.to_string().contains("no-such-template"), "{e}");
         assert_eq!(p.runtime.create_calls(), 0);
-        assert!(p.cp.list(&alice, true).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::all())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,9 +260,12 @@ mod tests {
         let p = plane_with_tenant(|t| t.allowed_classes = Allowed::Only(vec![])).await;
         let acme = tenant("acme");
         let e =
-            p.cp.create(&acme, CreateSandboxRequest::default(), Some("req-deny"))
-                .await
-                .unwrap_err();
+            p.cp.create(
+                &acme.clone().with_request_id("req-deny"),
+                CreateSandboxRequest::default(),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code().http_status(), 403);
         assert!(e.to_string().contains("class_not_allowed"), "{e}");
         let denied = the_one_denial(&p, &acme, &e, "class_not_allowed").await;
@@ -242,7 +274,12 @@ mod tests {
         let ev = tenant_events(&p, &acme).await;
         assert_eq!(ev[0].request_id.as_deref(), Some("req-deny"));
         assert_eq!(p.runtime.create_calls(), 0);
-        assert!(p.cp.list(&acme, true).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&acme, SandboxQuery::all())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,7 +289,7 @@ mod tests {
                 .await;
         let acme = tenant("acme");
         let created =
-            p.cp.create(&acme, with_class("compute-large"), None)
+            p.cp.create(&acme, with_class("compute-large"))
                 .await
                 .unwrap();
         assert_eq!(created.sandbox.resource_class, "python-small");
@@ -265,7 +302,12 @@ mod tests {
             p.runtime.created_specs()[0].resources,
             p.cp.cfg.settings.class("python-small").unwrap().limits()
         );
-        let a = &p.cp.allocations(&acme, None).await.unwrap().allocations[0];
+        let a = &p
+            .cp
+            .allocations(&acme, AllocationQuery::default())
+            .await
+            .unwrap()
+            .allocations[0];
         assert_eq!(
             (a.recommended_class.as_str(), a.actual_class.as_str()),
             ("compute-large", "python-small")
@@ -282,7 +324,7 @@ mod tests {
             network: Some("pypi-readonly".into()),
             ..Default::default()
         };
-        let e = p.cp.create(&acme, req, None).await.unwrap_err();
+        let e = p.cp.create(&acme, req).await.unwrap_err();
         the_one_denial(&p, &acme, &e, "network_profile_not_allowed").await;
         assert_eq!(p.runtime.create_calls(), 0);
     }
@@ -295,7 +337,7 @@ mod tests {
             network: Some("darknet".into()),
             ..Default::default()
         };
-        let e = p.cp.create(&alice, req, None).await.unwrap_err();
+        let e = p.cp.create(&alice, req).await.unwrap_err();
         the_one_denial(&p, &alice, &e, "network_profile_not_allowed").await;
         assert_eq!(p.runtime.create_calls(), 0);
     }
@@ -308,7 +350,7 @@ mod tests {
             network: Some("open".into()),
             ..Default::default()
         };
-        let e = p.cp.create(&alice, req, None).await.unwrap_err();
+        let e = p.cp.create(&alice, req).await.unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         assert!(e.to_string().contains("not available on this node"), "{e}");
         // the policy allowed it: no denial is recorded
@@ -321,20 +363,20 @@ mod tests {
         let p = plane_with_tenant(|t| t.max_sandboxes = 1).await;
         let acme = tenant("acme");
         let first =
-            p.cp.create(&acme, CreateSandboxRequest::default(), None)
+            p.cp.create(&acme, CreateSandboxRequest::default())
                 .await
                 .unwrap();
         let e =
-            p.cp.create(&acme, CreateSandboxRequest::default(), None)
+            p.cp.create(&acme, CreateSandboxRequest::default())
                 .await
                 .unwrap_err();
         the_one_denial(&p, &acme, &e, "over_quota").await;
         assert_eq!(p.runtime.create_calls(), 1);
         // a deleted sandbox no longer counts
-        p.cp.delete(&acme, first.sandbox.id.as_str(), None, None)
+        p.cp.delete(&acme, SandboxRef::new(first.sandbox.id.as_str()))
             .await
             .unwrap();
-        p.cp.create(&acme, CreateSandboxRequest::default(), None)
+        p.cp.create(&acme, CreateSandboxRequest::default())
             .await
             .unwrap();
     }
@@ -344,14 +386,14 @@ mod tests {
         let p = plane_with_tenant(|t| t.max_cpu = 1.5).await;
         let acme = tenant("acme");
         let e =
-            p.cp.create(&acme, with_class("python-ds"), None)
+            p.cp.create(&acme, with_class("python-ds"))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
         assert_eq!(denials(&p, &acme).await[0]["code"], "over_quota");
         assert_eq!(p.runtime.create_calls(), 0);
         // the class that fits is granted
-        p.cp.create(&acme, with_class("python-small"), None)
+        p.cp.create(&acme, with_class("python-small"))
             .await
             .unwrap();
     }
@@ -366,9 +408,12 @@ mod tests {
             what: "uid ranges".into(),
         });
         let e =
-            p.cp.create(&alice, CreateSandboxRequest::default(), Some("req-fail"))
-                .await
-                .unwrap_err();
+            p.cp.create(
+                &alice.clone().with_request_id("req-fail"),
+                CreateSandboxRequest::default(),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::CapacityExhausted, "{e}");
         assert_eq!(e.code().http_status(), 503);
         assert_eq!(e.code().as_str(), "capacity_exhausted");
@@ -376,11 +421,16 @@ mod tests {
         assert!(p.runtime.live_ids().is_empty());
         assert_eq!(p.cp.live_count(), 0);
 
-        let all = p.cp.list(&alice, true).await.unwrap();
+        let all = p.cp.list(&alice, SandboxQuery::all()).await.unwrap();
         assert_eq!(all.len(), 1);
         let id = all[0].id.clone();
         assert_eq!(all[0].state, SandboxState::Terminated);
-        assert!(p.cp.list(&alice, false).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::default())
+            .await
+            .unwrap()
+            .is_empty());
         assert_eq!(
             state_path(&p, &id).await,
             [
@@ -408,7 +458,7 @@ mod tests {
             failed[0].metadata
         );
         // the failure is not held against the node or the tenant
-        p.cp.create(&alice, CreateSandboxRequest::default(), None)
+        p.cp.create(&alice, CreateSandboxRequest::default())
             .await
             .unwrap();
     }
@@ -434,7 +484,7 @@ mod tests {
         ] {
             p.runtime.fail_next_create(err);
             let e =
-                p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                p.cp.create(&alice, CreateSandboxRequest::default())
                     .await
                     .unwrap_err();
             assert_eq!(e.code(), code, "{e}");
@@ -442,7 +492,12 @@ mod tests {
             assert!(!e.public_message().contains("/secret/path"), "{e}");
         }
         assert!(p.runtime.live_ids().is_empty());
-        assert!(p.cp.list(&alice, false).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::default())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     // ---- the lease taken with the create --------------------------------------
@@ -458,7 +513,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        let created = p.cp.create(&alice, req, None).await.unwrap();
+        let created = p.cp.create(&alice, req).await.unwrap();
         let lease = created.lease.clone().unwrap();
         assert_eq!(lease.owner, "agent-1");
         assert_eq!(lease.sandbox_id, created.sandbox.id);
@@ -477,9 +532,12 @@ mod tests {
             Some(&SandboxState::Leased)
         );
         // and the token is the one that works
-        p.cp.delete(&alice, created.sandbox.id.as_str(), Some(lease.token), None)
-            .await
-            .unwrap();
+        p.cp.delete(
+            &holding(&alice, lease.token),
+            SandboxRef::new(created.sandbox.id.as_str()),
+        )
+        .await
+        .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -487,7 +545,7 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let created =
-            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+            p.cp.create(&alice, CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert!(created.lease.is_none());
@@ -515,7 +573,7 @@ mod tests {
                 lease: Some(lease),
                 ..Default::default()
             };
-            let e = p.cp.create(&alice, req, None).await.unwrap_err();
+            let e = p.cp.create(&alice, req).await.unwrap_err();
             assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         }
         assert_eq!(p.runtime.create_calls(), 0);
@@ -528,9 +586,12 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let created =
-            p.cp.create(&alice, CreateSandboxRequest::default(), Some("req-path"))
-                .await
-                .unwrap();
+            p.cp.create(
+                &alice.clone().with_request_id("req-path"),
+                CreateSandboxRequest::default(),
+            )
+            .await
+            .unwrap();
         let id = &created.sandbox.id;
         assert_eq!(
             state_path(&p, id).await,
@@ -585,31 +646,34 @@ mod tests {
         let mut ids = Vec::new();
         for _ in 0..2 {
             let c =
-                p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                p.cp.create(&alice, CreateSandboxRequest::default())
                     .await
                     .unwrap();
             ids.push(c.sandbox.id);
         }
         let e =
-            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+            p.cp.create(&alice, CreateSandboxRequest::default())
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::CapacityExhausted, "{e}");
         assert_eq!(e.retry_after_s(), Some(5));
         assert_eq!(p.runtime.create_calls(), 2);
         // refused before a row was written
-        assert_eq!(p.cp.list(&alice, true).await.unwrap().len(), 2);
+        assert_eq!(
+            p.cp.list(&alice, SandboxQuery::all()).await.unwrap().len(),
+            2
+        );
         // a bigger class does not fit either, even alone on a fuller node
         let e =
-            p.cp.create(&alice, with_class("python-ds"), None)
+            p.cp.create(&alice, with_class("python-ds"))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::CapacityExhausted, "{e}");
         // a deleted sandbox frees its room
-        p.cp.delete(&alice, ids[0].as_str(), None, None)
+        p.cp.delete(&alice, SandboxRef::new(ids[0].as_str()))
             .await
             .unwrap();
-        p.cp.create(&alice, CreateSandboxRequest::default(), None)
+        p.cp.create(&alice, CreateSandboxRequest::default())
             .await
             .unwrap();
         assert_eq!(p.runtime.create_calls(), 3);
@@ -623,12 +687,8 @@ mod tests {
             .map(|i| {
                 let cp = p.cp.clone();
                 tokio::spawn(async move {
-                    cp.create(
-                        &tenant(&format!("t{i}")),
-                        CreateSandboxRequest::default(),
-                        None,
-                    )
-                    .await
+                    cp.create(&tenant(&format!("t{i}")), CreateSandboxRequest::default())
+                        .await
                 })
             })
             .collect();
@@ -669,7 +729,7 @@ mod tests {
             .map(|_| {
                 let cp = p.cp.clone();
                 tokio::spawn(async move {
-                    cp.create(&tenant("acme"), CreateSandboxRequest::default(), None)
+                    cp.create(&tenant("acme"), CreateSandboxRequest::default())
                         .await
                 })
             })
@@ -712,6 +772,12 @@ mod tests {
             }
         }
         assert_eq!(ok, 1, "a tenant allowed one sandbox got {ok}");
-        assert_eq!(p.cp.list(&tenant("acme"), false).await.unwrap().len(), 1);
+        assert_eq!(
+            p.cp.list(&tenant("acme"), SandboxQuery::default())
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
     }
 }

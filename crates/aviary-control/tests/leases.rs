@@ -9,6 +9,9 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
+    use aviary_control::requests::{
+        FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxRef,
+    };
     use aviary_core::api::{
         AcquireLeaseRequest, CreateSandboxRequest, ExecRequest, Lease, ReleaseLeaseRequest,
         RenewLeaseRequest,
@@ -19,10 +22,10 @@ mod tests {
     use aviary_registry::Registry;
     use std::time::Duration;
 
-    fn echo(token: Option<LeaseToken>) -> ExecRequest {
+    /// `echo hi`; the lease token it runs under is the context's.
+    fn echo() -> ExecRequest {
         ExecRequest {
             cmd: Some(vec!["echo".into(), "hi".into()]),
-            token,
             ..Default::default()
         }
     }
@@ -37,7 +40,7 @@ mod tests {
     /// An idle, unleased sandbox of `alice` and its fake envd.
     async fn idle_sandbox(p: &Plane) -> (SandboxId, FakeEnvd) {
         let created =
-            p.cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+            p.cp.create(&tenant("alice"), CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert_eq!(created.sandbox.state, SandboxState::Idle);
@@ -47,17 +50,18 @@ mod tests {
     }
 
     async fn acquire(p: &Plane, id: &SandboxId, owner: &str) -> Lease {
-        p.cp.lease_acquire(&tenant("alice"), id.as_str(), acquire_req(owner), None)
-            .await
-            .unwrap()
+        p.cp.lease_acquire(
+            &tenant("alice"),
+            OnSandbox::new(id.as_str(), acquire_req(owner)),
+        )
+        .await
+        .unwrap()
     }
 
     async fn release(p: &Plane, id: &SandboxId, token: LeaseToken) {
         p.cp.lease_release(
             &tenant("alice"),
-            id.as_str(),
-            ReleaseLeaseRequest { token },
-            None,
+            OnSandbox::new(id.as_str(), ReleaseLeaseRequest { token }),
         )
         .await
         .unwrap();
@@ -97,7 +101,10 @@ mod tests {
         assert_eq!(pushes[0].fence, None, "the sandbox was unleased before");
         assert_eq!(pushes[0].result, Ok(()));
 
-        let sandbox = p.cp.get(&tenant("alice"), id.as_str()).await.unwrap();
+        let sandbox =
+            p.cp.get(&tenant("alice"), SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(sandbox.state, SandboxState::Leased);
         assert_eq!(sandbox.lease_owner.as_deref(), Some("agent-1"));
         let events = sandbox_events(&p, &tenant("alice"), &id).await;
@@ -121,9 +128,12 @@ mod tests {
         for owner in ["agent-2", "agent-1"] {
             // even the holder's own second acquire: a lease is held, not re-entrant
             let e =
-                p.cp.lease_acquire(&tenant("alice"), id.as_str(), acquire_req(owner), None)
-                    .await
-                    .unwrap_err();
+                p.cp.lease_acquire(
+                    &tenant("alice"),
+                    OnSandbox::new(id.as_str(), acquire_req(owner)),
+                )
+                .await
+                .unwrap_err();
             assert_eq!(e.code(), ErrorCode::LeaseHeld, "{e}");
             assert_eq!(e.code().http_status(), 409);
         }
@@ -136,9 +146,12 @@ mod tests {
             "the holder's processes were not touched"
         );
         // the holder keeps working
-        p.cp.exec(&tenant("alice"), id.as_str(), &echo(Some(lease.token)))
-            .await
-            .unwrap();
+        p.cp.exec(
+            &holding(&tenant("alice"), lease.token),
+            OnSandbox::new(id.as_str(), echo()),
+        )
+        .await
+        .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,27 +176,44 @@ mod tests {
         ];
         for (token, code) in cases {
             let e =
-                p.cp.exec(&alice, id.as_str(), &echo(token))
+                p.cp.exec(&holding(&alice, token), OnSandbox::new(id.as_str(), echo()))
                     .await
                     .unwrap_err();
             assert_eq!(e.code(), code, "exec with {token:?}: {e}");
             let e =
-                p.cp.write_file(&alice, id.as_str(), "/workspace/new", token, &b"data"[..])
-                    .await
-                    .unwrap_err();
+                p.cp.write_file(
+                    &holding(&alice, token),
+                    FileUpload {
+                        id: id.to_string(),
+                        path: "/workspace/new".into(),
+                        body: &b"data"[..],
+                    },
+                )
+                .await
+                .unwrap_err();
             assert_eq!(e.code(), code, "write_file with {token:?}: {e}");
             let e =
-                p.cp.mkdir(&alice, id.as_str(), "/workspace/dir", token)
-                    .await
-                    .unwrap_err();
+                p.cp.mkdir(
+                    &holding(&alice, token),
+                    FileRequest::new(id.as_str(), "/workspace/dir"),
+                )
+                .await
+                .unwrap_err();
             assert_eq!(e.code(), code, "mkdir with {token:?}: {e}");
             let e =
-                p.cp.remove(&alice, id.as_str(), "/workspace/keep", false, token)
-                    .await
-                    .unwrap_err();
+                p.cp.remove(
+                    &holding(&alice, token),
+                    RemoveFileRequest {
+                        id: id.to_string(),
+                        path: "/workspace/keep".into(),
+                        recursive: false,
+                    },
+                )
+                .await
+                .unwrap_err();
             assert_eq!(e.code(), code, "remove with {token:?}: {e}");
             let e =
-                p.cp.delete(&alice, id.as_str(), token, None)
+                p.cp.delete(&holding(&alice, token), SandboxRef::new(id.as_str()))
                     .await
                     .unwrap_err();
             assert_eq!(e.code(), code, "delete with {token:?}: {e}");
@@ -208,9 +238,12 @@ mod tests {
 
         // the current token works, and envd saw it
         let out =
-            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await
+            .unwrap();
         assert_eq!(out.stdout, "hi\n");
         let execs = envd.execs();
         assert_eq!(execs.len(), 1);
@@ -228,11 +261,13 @@ mod tests {
         let renewed =
             p.cp.lease_renew(
                 &alice,
-                id.as_str(),
-                RenewLeaseRequest {
-                    token: lease.token,
-                    ttl_s: Some(600),
-                },
+                OnSandbox::new(
+                    id.as_str(),
+                    RenewLeaseRequest {
+                        token: lease.token,
+                        ttl_s: Some(600),
+                    },
+                ),
             )
             .await
             .unwrap();
@@ -244,19 +279,24 @@ mod tests {
             sweeps,
             "a renewal does not sweep the sandbox"
         );
-        p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-            .await
-            .unwrap();
+        p.cp.exec(
+            &holding(&alice, lease.token),
+            OnSandbox::new(id.as_str(), echo()),
+        )
+        .await
+        .unwrap();
 
         // only the current token renews
         let e =
             p.cp.lease_renew(
                 &alice,
-                id.as_str(),
-                RenewLeaseRequest {
-                    token: LeaseToken::generate(lease.token.fence()),
-                    ttl_s: None,
-                },
+                OnSandbox::new(
+                    id.as_str(),
+                    RenewLeaseRequest {
+                        token: LeaseToken::generate(lease.token.fence()),
+                        ttl_s: None,
+                    },
+                ),
             )
             .await
             .unwrap_err();
@@ -274,7 +314,10 @@ mod tests {
         release(&p, &id, first.token).await;
         assert_eq!(envd.fence(), None, "envd was told before release returned");
         assert_eq!(envd.sweeps(), sweeps + 1, "the old holder's processes end");
-        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let sandbox =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(sandbox.state, SandboxState::Idle);
         assert_eq!(sandbox.lease_owner, None);
         let events = sandbox_events(&p, &alice, &id).await;
@@ -284,21 +327,24 @@ mod tests {
 
         // the released token is dead everywhere; an unleased call needs none
         let e =
-            p.cp.exec(&alice, id.as_str(), &echo(Some(first.token)))
-                .await
-                .unwrap_err();
-        assert_eq!(e.code(), ErrorCode::StaleToken, "{e}");
-        let e =
-            p.cp.lease_release(
-                &alice,
-                id.as_str(),
-                ReleaseLeaseRequest { token: first.token },
-                None,
+            p.cp.exec(
+                &holding(&alice, first.token),
+                OnSandbox::new(id.as_str(), echo()),
             )
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::StaleToken, "{e}");
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        let e =
+            p.cp.lease_release(
+                &alice,
+                OnSandbox::new(id.as_str(), ReleaseLeaseRequest { token: first.token }),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::StaleToken, "{e}");
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
 
         let second = acquire(&p, &id, "agent-2").await;
         assert!(
@@ -329,12 +375,18 @@ mod tests {
             .unwrap();
         assert!(rewound.expires_at < aviary_core::now());
         let sweeps = envd.sweeps();
-        let before = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let before =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(before.state, SandboxState::Leased);
 
         p.cp.sweep().await.unwrap();
 
-        let after = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let after =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(after.state, SandboxState::Idle);
         assert_eq!(after.lease_owner, None);
         let events = sandbox_events(&p, &alice, &id).await;
@@ -354,9 +406,12 @@ mod tests {
         assert_eq!(envd.sweeps(), sweeps + 1);
 
         let e =
-            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap_err();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::StaleToken, "{e}");
         let next = acquire(&p, &id, "agent-2").await;
         assert!(next.token.fence() > lease.token.fence());
@@ -364,7 +419,10 @@ mod tests {
         // a second sweep finds nothing to expire
         p.cp.sweep().await.unwrap();
         assert_eq!(
-            p.cp.get(&alice, id.as_str()).await.unwrap().state,
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap()
+                .state,
             SandboxState::Leased
         );
     }
@@ -383,7 +441,7 @@ mod tests {
                 0 | 1 => release(&p, &id, lease.token).await,
                 2 => {
                     // revoked by a level-1 reset
-                    p.cp.reset(&alice, id.as_str(), Some(lease.token), None)
+                    p.cp.reset(&holding(&alice, lease.token), SandboxRef::new(id.as_str()))
                         .await
                         .unwrap();
                 }

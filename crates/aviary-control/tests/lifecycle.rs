@@ -9,6 +9,9 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
+    use aviary_control::requests::{
+        CheckpointRequest, FileRequest, FileUpload, OnSandbox, ResetRequest, SandboxRef,
+    };
     use aviary_control::snapshots::ForkRequest;
     use aviary_control::OpError;
     use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest, ExecRequest, Lease};
@@ -18,17 +21,17 @@ mod tests {
     use aviary_registry::Registry;
     use aviary_runtime::{Runtime, RuntimeStatus};
 
-    fn echo(token: Option<LeaseToken>) -> ExecRequest {
+    /// `echo hi`; the lease token it runs under is the context's.
+    fn echo() -> ExecRequest {
         ExecRequest {
             cmd: Some(vec!["echo".into(), "hi".into()]),
-            token,
             ..Default::default()
         }
     }
 
     async fn idle_sandbox(p: &Plane) -> (SandboxId, FakeEnvd) {
         let created =
-            p.cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+            p.cp.create(&tenant("alice"), CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert_eq!(created.sandbox.state, SandboxState::Idle);
@@ -40,12 +43,13 @@ mod tests {
     async fn acquire(p: &Plane, id: &SandboxId) -> Lease {
         p.cp.lease_acquire(
             &tenant("alice"),
-            id.as_str(),
-            AcquireLeaseRequest {
-                owner: "agent-1".into(),
-                ttl_s: None,
-            },
-            None,
+            OnSandbox::new(
+                id.as_str(),
+                AcquireLeaseRequest {
+                    owner: "agent-1".into(),
+                    ttl_s: None,
+                },
+            ),
         )
         .await
         .unwrap()
@@ -70,39 +74,56 @@ mod tests {
         let alice = tenant("alice");
         let (id, envd) = idle_sandbox(&p).await;
 
-        let paused = p.cp.pause(&alice, id.as_str(), None, None).await.unwrap();
+        let paused =
+            p.cp.pause(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(paused.state, SandboxState::Idle, "pause is not a state");
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
         let before = row(&p, &id).await;
 
         assert_code(
-            p.cp.exec(&alice, id.as_str(), &echo(None)).await,
+            p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo())).await,
             ErrorCode::InvalidState,
             "exec while paused",
         );
         assert_code(
-            p.cp.write_file(&alice, id.as_str(), "/workspace/f", None, &b"x"[..])
-                .await,
+            p.cp.write_file(
+                &alice,
+                FileUpload {
+                    id: id.to_string(),
+                    path: "/workspace/f".into(),
+                    body: &b"x"[..],
+                },
+            )
+            .await,
             ErrorCode::InvalidState,
             "write while paused",
         );
         assert_code(
-            p.cp.list_files(&alice, id.as_str(), "/workspace").await,
+            p.cp.list_files(&alice, FileRequest::new(id.as_str(), "/workspace"))
+                .await,
             ErrorCode::InvalidState,
             "list while paused",
         );
         assert_code(
-            p.cp.pause(&alice, id.as_str(), None, None).await,
+            p.cp.pause(&alice, SandboxRef::new(id.as_str())).await,
             ErrorCode::InvalidState,
             "pause while paused",
         );
         assert!(envd.execs().is_empty(), "{:?}", envd.execs());
         assert_eq!(row(&p, &id).await, before);
 
-        let resumed = p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();
+        let resumed =
+            p.cp.resume(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(resumed.state, SandboxState::Idle);
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
-        let out = p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        let out =
+            p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+                .await
+                .unwrap();
         assert_eq!(out.stdout, "hi\n");
         let kinds: Vec<String> = sandbox_events(&p, &alice, &id)
             .await
@@ -121,26 +142,29 @@ mod tests {
         let lease = acquire(&p, &id).await;
 
         assert_code(
-            p.cp.pause(&alice, id.as_str(), None, None).await,
+            p.cp.pause(&alice, SandboxRef::new(id.as_str())).await,
             ErrorCode::LeaseRequired,
             "pause without token",
         );
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
-        p.cp.pause(&alice, id.as_str(), Some(lease.token), None)
+        p.cp.pause(&holding(&alice, lease.token), SandboxRef::new(id.as_str()))
             .await
             .unwrap();
         assert_code(
-            p.cp.resume(&alice, id.as_str(), None, None).await,
+            p.cp.resume(&alice, SandboxRef::new(id.as_str())).await,
             ErrorCode::LeaseRequired,
             "resume without token",
         );
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
-        p.cp.resume(&alice, id.as_str(), Some(lease.token), None)
+        p.cp.resume(&holding(&alice, lease.token), SandboxRef::new(id.as_str()))
             .await
             .unwrap();
-        p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-            .await
-            .unwrap();
+        p.cp.exec(
+            &holding(&alice, lease.token),
+            OnSandbox::new(id.as_str(), echo()),
+        )
+        .await
+        .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,9 +176,15 @@ mod tests {
         envd.clear_calls();
 
         let reset =
-            p.cp.reset_level(&alice, id.as_str(), Some(lease.token), 1, None)
-                .await
-                .unwrap();
+            p.cp.reset_level(
+                &holding(&alice, lease.token),
+                ResetRequest {
+                    id: id.to_string(),
+                    level: 1,
+                },
+            )
+            .await
+            .unwrap();
         assert_eq!(reset.state, SandboxState::Idle);
         assert_eq!(reset.lease_owner, None);
 
@@ -187,15 +217,27 @@ mod tests {
 
         // the old holder is out; the sandbox serves unleased calls again
         assert_code(
-            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-                .await,
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await,
             ErrorCode::StaleToken,
             "exec with the revoked token",
         );
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
         // and a reset level outside 1-3 is a clear refusal
         assert_code(
-            p.cp.reset_level(&alice, id.as_str(), None, 4, None).await,
+            p.cp.reset_level(
+                &alice,
+                ResetRequest {
+                    id: id.to_string(),
+                    level: 4,
+                },
+            )
+            .await,
             ErrorCode::InvalidRequest,
             "reset level 4",
         );
@@ -208,7 +250,7 @@ mod tests {
         let (id, envd) = idle_sandbox(&p).await;
         let before = row(&p, &id).await;
         let e =
-            p.cp.resume(&alice, id.as_str(), None, None)
+            p.cp.resume(&alice, SandboxRef::new(id.as_str()))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidState, "{e}");
@@ -216,7 +258,9 @@ mod tests {
         assert_eq!(row(&p, &id).await, before);
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Running);
         assert_eq!(envd.fence(), None);
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,7 +268,10 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let (id, envd) = idle_sandbox(&p).await;
-        let gone = p.cp.delete(&alice, id.as_str(), None, None).await.unwrap();
+        let gone =
+            p.cp.delete(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
         assert!(envd.is_dead());
         assert!(p.runtime.live_ids().is_empty());
@@ -233,55 +280,96 @@ mod tests {
         let sid = id.as_str();
         let code = ErrorCode::InvalidState;
 
-        assert_code(p.cp.exec(&alice, sid, &echo(None)).await, code, "exec");
         assert_code(
-            p.cp.write_file(&alice, sid, "/workspace/f", None, &b"x"[..])
-                .await,
+            p.cp.exec(&alice, OnSandbox::new(sid, echo())).await,
+            code,
+            "exec",
+        );
+        assert_code(
+            p.cp.write_file(
+                &alice,
+                FileUpload {
+                    id: sid.into(),
+                    path: "/workspace/f".into(),
+                    body: &b"x"[..],
+                },
+            )
+            .await,
             code,
             "write_file",
         );
         assert_code(
-            p.cp.read_file(&alice, sid, "/workspace/f").await,
+            p.cp.read_file(&alice, FileRequest::new(sid, "/workspace/f"))
+                .await,
             code,
             "read_file",
         );
-        assert_code(p.cp.pause(&alice, sid, None, None).await, code, "pause");
-        assert_code(p.cp.resume(&alice, sid, None, None).await, code, "resume");
-        assert_code(p.cp.reset(&alice, sid, None, None).await, code, "reset");
         assert_code(
-            p.cp.reset_level(&alice, sid, None, 2, None).await,
+            p.cp.pause(&alice, SandboxRef::new(sid)).await,
+            code,
+            "pause",
+        );
+        assert_code(
+            p.cp.resume(&alice, SandboxRef::new(sid)).await,
+            code,
+            "resume",
+        );
+        assert_code(
+            p.cp.reset(&alice, SandboxRef::new(sid)).await,
+            code,
+            "reset",
+        );
+        assert_code(
+            p.cp.reset_level(
+                &alice,
+                ResetRequest {
+                    id: sid.into(),
+                    level: 2,
+                },
+            )
+            .await,
             code,
             "reset level 2",
         );
-        assert_code(p.cp.delete(&alice, sid, None, None).await, code, "delete");
-        assert_code(p.cp.release(&alice, sid, None, None).await, code, "release");
+        assert_code(
+            p.cp.delete(&alice, SandboxRef::new(sid)).await,
+            code,
+            "delete",
+        );
+        assert_code(
+            p.cp.release(&alice, SandboxRef::new(sid)).await,
+            code,
+            "release",
+        );
         assert_code(
             p.cp.lease_acquire(
                 &alice,
-                sid,
-                AcquireLeaseRequest {
-                    owner: "agent-1".into(),
-                    ttl_s: None,
-                },
-                None,
+                OnSandbox::new(
+                    sid,
+                    AcquireLeaseRequest {
+                        owner: "agent-1".into(),
+                        ttl_s: None,
+                    },
+                ),
             )
             .await,
             code,
             "lease_acquire",
         );
         assert_code(
-            p.cp.snapshot(&alice, sid, None, None).await,
+            p.cp.snapshot(&alice, CheckpointRequest::new(sid)).await,
             code,
             "snapshot",
         );
         assert_code(
-            p.cp.hibernate(&alice, sid, None, None).await,
+            p.cp.hibernate(&alice, SandboxRef::new(sid)).await,
             code,
             "hibernate",
         );
-        assert_code(p.cp.wake(&alice, sid, None).await, code, "wake");
+        assert_code(p.cp.wake(&alice, SandboxRef::new(sid)).await, code, "wake");
         assert_code(
-            p.cp.fork(&alice, sid, ForkRequest::default(), None).await,
+            p.cp.fork(&alice, OnSandbox::new(sid, ForkRequest::default()))
+                .await,
             code,
             "fork",
         );
@@ -300,16 +388,14 @@ mod tests {
         let before = row(&p, &id).await;
 
         assert_code(
-            p.cp.delete(&alice, id.as_str(), None, None).await,
+            p.cp.delete(&alice, SandboxRef::new(id.as_str())).await,
             ErrorCode::LeaseRequired,
             "delete without token",
         );
         assert_code(
             p.cp.delete(
-                &alice,
-                id.as_str(),
-                Some(LeaseToken::generate(lease.token.fence())),
-                None,
+                &holding(&alice, Some(LeaseToken::generate(lease.token.fence()))),
+                SandboxRef::new(id.as_str()),
             )
             .await,
             ErrorCode::StaleToken,
@@ -320,7 +406,7 @@ mod tests {
         assert!(!envd.is_dead());
 
         let gone =
-            p.cp.delete(&alice, id.as_str(), Some(lease.token), None)
+            p.cp.delete(&holding(&alice, lease.token), SandboxRef::new(id.as_str()))
                 .await
                 .unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
@@ -348,36 +434,60 @@ mod tests {
         let sid = id.as_str();
         let lost = ErrorCode::SandboxLost;
         for (what, r) in [
-            ("exec", p.cp.exec(&alice, sid, &echo(token)).await.map(drop)),
             (
-                "exec unfenced",
-                p.cp.exec(&alice, sid, &echo(None)).await.map(drop),
-            ),
-            (
-                "write_file",
-                p.cp.write_file(&alice, sid, "/workspace/f", token, &b"x"[..])
+                "exec",
+                p.cp.exec(&holding(&alice, token), OnSandbox::new(sid, echo()))
                     .await
                     .map(drop),
             ),
             (
+                "exec unfenced",
+                p.cp.exec(&alice, OnSandbox::new(sid, echo()))
+                    .await
+                    .map(drop),
+            ),
+            (
+                "write_file",
+                p.cp.write_file(
+                    &holding(&alice, token),
+                    FileUpload {
+                        id: sid.into(),
+                        path: "/workspace/f".into(),
+                        body: &b"x"[..],
+                    },
+                )
+                .await
+                .map(drop),
+            ),
+            (
                 "read_file",
-                p.cp.read_file(&alice, sid, "/workspace").await.map(drop),
+                p.cp.read_file(&alice, FileRequest::new(sid, "/workspace"))
+                    .await
+                    .map(drop),
             ),
             (
                 "list_files",
-                p.cp.list_files(&alice, sid, "/workspace").await.map(drop),
+                p.cp.list_files(&alice, FileRequest::new(sid, "/workspace"))
+                    .await
+                    .map(drop),
             ),
             (
                 "pause",
-                p.cp.pause(&alice, sid, token, None).await.map(drop),
+                p.cp.pause(&holding(&alice, token), SandboxRef::new(sid))
+                    .await
+                    .map(drop),
             ),
             (
                 "reset",
-                p.cp.reset(&alice, sid, token, None).await.map(drop),
+                p.cp.reset(&holding(&alice, token), SandboxRef::new(sid))
+                    .await
+                    .map(drop),
             ),
             (
                 "snapshot",
-                p.cp.snapshot(&alice, sid, token, None).await.map(drop),
+                p.cp.snapshot(&holding(&alice, token), CheckpointRequest::new(sid))
+                    .await
+                    .map(drop),
             ),
         ] {
             let e = r.unwrap_err();
@@ -388,7 +498,7 @@ mod tests {
             p.registry.get_sandbox(id).await.unwrap().state,
             SandboxState::Lost
         );
-        let gone = p.cp.delete(&alice, sid, None, None).await.unwrap();
+        let gone = p.cp.delete(&alice, SandboxRef::new(sid)).await.unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
         assert!(!p.runtime.live_ids().contains(id));
     }
@@ -402,13 +512,19 @@ mod tests {
         envd.die().await;
 
         let e =
-            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap_err();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::SandboxLost, "{e}");
         assert_eq!(e.code().http_status(), 409);
 
-        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let sandbox =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(sandbox.state, SandboxState::Lost);
         assert!(sandbox.tainted);
         assert_eq!(sandbox.lease_owner, None, "its lease is revoked");
@@ -437,7 +553,10 @@ mod tests {
 
         p.cp.probe_envds().await;
 
-        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let sandbox =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(sandbox.state, SandboxState::Lost);
         assert!(sandbox.tainted);
         let events = sandbox_events(&p, &alice, &id).await;
@@ -447,10 +566,13 @@ mod tests {
         assert_eq!(lost.new_state, Some(SandboxState::Lost));
         assert_eq!(lost.metadata["frozen"], false, "nothing left to freeze");
 
-        let other = p.cp.get(&alice, healthy.as_str()).await.unwrap();
+        let other =
+            p.cp.get(&alice, SandboxRef::new(healthy.as_str()))
+                .await
+                .unwrap();
         assert_eq!(other.state, SandboxState::Idle);
         assert!(!other.tainted);
-        p.cp.exec(&alice, healthy.as_str(), &echo(None))
+        p.cp.exec(&alice, OnSandbox::new(healthy.as_str(), echo()))
             .await
             .unwrap();
 
@@ -470,23 +592,27 @@ mod tests {
         envd.die().await;
         p.cp.probe_envds().await;
         assert_eq!(
-            p.cp.get(&alice, id.as_str()).await.unwrap().state,
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap()
+                .state,
             SandboxState::Lost
         );
         assert_code(
-            p.cp.resume(&alice, id.as_str(), None, None).await,
+            p.cp.resume(&alice, SandboxRef::new(id.as_str())).await,
             ErrorCode::SandboxLost,
             "resume",
         );
         assert_code(
             p.cp.lease_acquire(
                 &alice,
-                id.as_str(),
-                AcquireLeaseRequest {
-                    owner: "agent-1".into(),
-                    ttl_s: None,
-                },
-                None,
+                OnSandbox::new(
+                    id.as_str(),
+                    AcquireLeaseRequest {
+                        owner: "agent-1".into(),
+                        ttl_s: None,
+                    },
+                ),
             )
             .await,
             ErrorCode::SandboxLost,
@@ -506,21 +632,31 @@ mod tests {
         for (what, r) in [
             (
                 "snapshot",
-                p.cp.snapshot(&alice, sid, None, None).await.map(drop),
+                p.cp.snapshot(&alice, CheckpointRequest::new(sid))
+                    .await
+                    .map(drop),
             ),
             (
                 "fork",
-                p.cp.fork(&alice, sid, ForkRequest::default(), None)
+                p.cp.fork(&alice, OnSandbox::new(sid, ForkRequest::default()))
                     .await
                     .map(drop),
             ),
             (
                 "hibernate",
-                p.cp.hibernate(&alice, sid, None, None).await.map(drop),
+                p.cp.hibernate(&alice, SandboxRef::new(sid)).await.map(drop),
             ),
             (
                 "reset level 2",
-                p.cp.reset_level(&alice, sid, None, 2, None).await.map(drop),
+                p.cp.reset_level(
+                    &alice,
+                    ResetRequest {
+                        id: sid.into(),
+                        level: 2,
+                    },
+                )
+                .await
+                .map(drop),
             ),
         ] {
             let e = r.unwrap_err();
@@ -542,7 +678,9 @@ mod tests {
             "not left frozen"
         );
         assert_eq!(envd.sweeps(), 0);
-        p.cp.exec(&alice, sid, &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(sid, echo()))
+            .await
+            .unwrap();
     }
 
     /// Pause is not a state and keeps the lease; ending the lease while the
@@ -556,28 +694,36 @@ mod tests {
         let alice = tenant("alice");
         let (id, envd) = idle_sandbox(&p).await;
         let lease = acquire(&p, &id).await;
-        p.cp.pause(&alice, id.as_str(), Some(lease.token), None)
+        p.cp.pause(&holding(&alice, lease.token), SandboxRef::new(id.as_str()))
             .await
             .unwrap();
 
         p.cp.lease_release(
             &alice,
-            id.as_str(),
-            aviary_core::api::ReleaseLeaseRequest { token: lease.token },
-            None,
+            OnSandbox::new(
+                id.as_str(),
+                aviary_core::api::ReleaseLeaseRequest { token: lease.token },
+            ),
         )
         .await
         .unwrap();
 
-        let sandbox = p.cp.get(&alice, id.as_str()).await.unwrap();
+        let sandbox =
+            p.cp.get(&alice, SandboxRef::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(sandbox.state, SandboxState::Idle);
         assert!(!sandbox.tainted);
         // the holder's processes were ended while frozen, before the thaw
         assert_eq!(p.runtime.frozen_kill_calls(), 1);
         // frozen again after the fence move, as the caller left it
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
-        p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();
+        p.cp.resume(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
         assert_eq!(envd.fence(), None, "the release reached envd");
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
     }
 }

@@ -9,6 +9,9 @@ mod support;
 mod tests {
     use super::support::*;
     use aviary_control::pools::{PoolView, SetPoolRequest};
+    use aviary_control::requests::{
+        AllocationQuery, OnSandbox, PoolUpdate, SandboxQuery, SandboxRef,
+    };
     use aviary_core::api::{CreateSandboxRequest, ExecRequest};
     use aviary_core::{ErrorCode, SandboxState};
     use aviary_registry::{Registry, POOL_TENANT};
@@ -21,7 +24,7 @@ mod tests {
     }
 
     async fn view(p: &Plane) -> PoolView {
-        let mut pools = p.cp.pools_view().await.unwrap().pools;
+        let mut pools = p.cp.pools_view(&admin()).await.unwrap().pools;
         assert_eq!(pools.len(), 1);
         pools.remove(0)
     }
@@ -65,7 +68,12 @@ mod tests {
         assert_eq!(p.cp.refill_pools().await.unwrap(), 0);
         assert_eq!(p.runtime.create_calls(), 3);
         // pooled sandboxes belong to no tenant
-        assert!(p.cp.list(&tenant("alice"), true).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&tenant("alice"), SandboxQuery::all())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,9 +85,12 @@ mod tests {
 
         let alice = tenant("alice");
         let c =
-            p.cp.create(&alice, CreateSandboxRequest::default(), Some("req-hit"))
-                .await
-                .unwrap();
+            p.cp.create(
+                &alice.clone().with_request_id("req-hit"),
+                CreateSandboxRequest::default(),
+            )
+            .await
+            .unwrap();
         assert!(is_hit(&c), "{:?}", c.decision);
         assert_eq!(c.sandbox.id, warm);
         assert_eq!(c.sandbox.tenant, "alice");
@@ -101,7 +112,12 @@ mod tests {
         assert_eq!(claimed.len(), 1);
         assert_eq!(claimed[0].request_id.as_deref(), Some("req-hit"));
         // the claim's allocation row names the sandbox
-        let a = &p.cp.allocations(&alice, None).await.unwrap().allocations[0];
+        let a = &p
+            .cp
+            .allocations(&alice, AllocationQuery::default())
+            .await
+            .unwrap()
+            .allocations[0];
         assert_eq!(a.sandbox_id.as_deref(), Some(warm.as_str()));
 
         let v = view(&p).await;
@@ -110,17 +126,19 @@ mod tests {
         let out =
             p.cp.exec(
                 &alice,
-                warm.as_str(),
-                &ExecRequest {
-                    cmd: Some(vec!["echo".into(), "warm".into()]),
-                    ..Default::default()
-                },
+                OnSandbox::new(
+                    warm.as_str(),
+                    ExecRequest {
+                        cmd: Some(vec!["echo".into(), "warm".into()]),
+                        ..Default::default()
+                    },
+                ),
             )
             .await
             .unwrap();
         assert_eq!(out.stdout, "warm\n");
 
-        p.cp.delete(&alice, warm.as_str(), None, None)
+        p.cp.delete(&alice, SandboxRef::new(warm.as_str()))
             .await
             .unwrap();
         let v = view(&p).await;
@@ -135,7 +153,7 @@ mod tests {
         let p = pooled_plane(1, 2).await;
         let alice = tenant("alice");
         let c =
-            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+            p.cp.create(&alice, CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert!(!is_hit(&c), "{:?}", c.decision);
@@ -161,7 +179,6 @@ mod tests {
                     class: Some("python-ds".into()),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap();
@@ -181,10 +198,10 @@ mod tests {
             scope: Some(aviary_core::Scope::Session),
             ..Default::default()
         };
-        let first = p.cp.create(&alice, req(), None).await.unwrap();
+        let first = p.cp.create(&alice, req()).await.unwrap();
         assert!(is_hit(&first), "{:?}", first.decision);
         assert_eq!(first.sandbox.session_id.as_deref(), Some("s1"));
-        let again = p.cp.create(&alice, req(), None).await.unwrap();
+        let again = p.cp.create(&alice, req()).await.unwrap();
         assert_eq!(again.decision.action, "reuse");
         assert_eq!(again.sandbox.id, first.sandbox.id);
         assert_eq!(view(&p).await.hits, 1);
@@ -200,7 +217,7 @@ mod tests {
         for i in 0..50 {
             let before = p.runtime.create_calls();
             let c =
-                p.cp.create(&alice, CreateSandboxRequest::default(), None)
+                p.cp.create(&alice, CreateSandboxRequest::default())
                     .await
                     .unwrap();
             assert!(is_hit(&c), "cycle {i}: {:?}", c.decision);
@@ -212,16 +229,18 @@ mod tests {
             let out =
                 p.cp.exec(
                     &alice,
-                    c.sandbox.id.as_str(),
-                    &ExecRequest {
-                        cmd: Some(vec!["echo".into(), format!("{i}")]),
-                        ..Default::default()
-                    },
+                    OnSandbox::new(
+                        c.sandbox.id.as_str(),
+                        ExecRequest {
+                            cmd: Some(vec!["echo".into(), format!("{i}")]),
+                            ..Default::default()
+                        },
+                    ),
                 )
                 .await
                 .unwrap();
             assert_eq!(out.stdout, format!("{i}\n"));
-            p.cp.delete(&alice, c.sandbox.id.as_str(), None, None)
+            p.cp.delete(&alice, SandboxRef::new(c.sandbox.id.as_str()))
                 .await
                 .unwrap();
             assert_eq!(view(&p).await.handed_out, 0, "cycle {i}");
@@ -235,7 +254,12 @@ mod tests {
         );
         assert_eq!(p.runtime.create_calls(), 52);
         assert_eq!(p.runtime.live_ids().len(), 2);
-        assert!(p.cp.list(&alice, false).await.unwrap().is_empty());
+        assert!(p
+            .cp
+            .list(&alice, SandboxQuery::default())
+            .await
+            .unwrap()
+            .is_empty());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -252,7 +276,7 @@ mod tests {
                     let start = start.clone();
                     tokio::spawn(async move {
                         start.wait().await;
-                        cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+                        cp.create(&tenant("alice"), CreateSandboxRequest::default())
                             .await
                     })
                 })
@@ -266,7 +290,7 @@ mod tests {
             assert_eq!(hits[0].sandbox.id, warm);
             assert_ne!(got[0].sandbox.id, got[1].sandbox.id, "round {round}");
             for c in &got {
-                p.cp.delete(&alice, c.sandbox.id.as_str(), None, None)
+                p.cp.delete(&alice, SandboxRef::new(c.sandbox.id.as_str()))
                     .await
                     .unwrap();
             }
@@ -283,34 +307,60 @@ mod tests {
         let e =
             p.cp.set_pool(
                 &tenant("alice"),
-                "python-small",
-                SetPoolRequest { min: 3, max: 4 },
+                PoolUpdate {
+                    class: "python-small".into(),
+                    bounds: SetPoolRequest { min: 3, max: 4 },
+                },
             )
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Forbidden, "{e}");
         let e =
-            p.cp.set_pool(&admin(), "compute-large", SetPoolRequest { min: 1, max: 1 })
-                .await
-                .unwrap_err();
+            p.cp.set_pool(
+                &admin(),
+                PoolUpdate {
+                    class: "compute-large".into(),
+                    bounds: SetPoolRequest { min: 1, max: 1 },
+                },
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::NotFound, "{e}");
         let e =
-            p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 3, max: 2 })
-                .await
-                .unwrap_err();
+            p.cp.set_pool(
+                &admin(),
+                PoolUpdate {
+                    class: "python-small".into(),
+                    bounds: SetPoolRequest { min: 3, max: 2 },
+                },
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
 
         let list =
-            p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 3, max: 4 })
-                .await
-                .unwrap();
+            p.cp.set_pool(
+                &admin(),
+                PoolUpdate {
+                    class: "python-small".into(),
+                    bounds: SetPoolRequest { min: 3, max: 4 },
+                },
+            )
+            .await
+            .unwrap();
         assert_eq!((list.pools[0].pool_min, list.pools[0].pool_max), (3, 4));
         assert_eq!(p.cp.refill_pools().await.unwrap(), 3);
         assert_eq!(view(&p).await.idle, 3);
         // lowering the bounds trims idle sandboxes above them
-        p.cp.set_pool(&admin(), "python-small", SetPoolRequest { min: 1, max: 1 })
-            .await
-            .unwrap();
+        p.cp.set_pool(
+            &admin(),
+            PoolUpdate {
+                class: "python-small".into(),
+                bounds: SetPoolRequest { min: 1, max: 1 },
+            },
+        )
+        .await
+        .unwrap();
         assert_eq!(p.cp.refill_pools().await.unwrap(), 0);
         assert_eq!(view(&p).await.idle, 1);
         assert_eq!(p.runtime.live_ids().len(), 1);
@@ -335,7 +385,6 @@ mod tests {
                     class: Some("python-ds".into()),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap_err();
@@ -374,7 +423,6 @@ mod tests {
                     }),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap();
@@ -401,7 +449,6 @@ mod tests {
                     ttl_s: Some(600),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap();
@@ -428,7 +475,6 @@ mod tests {
                     user_managed: true,
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap();
@@ -446,17 +492,19 @@ mod tests {
         assert!(p.runtime.vanish(&warm).await);
         let alice = tenant("alice");
         let c =
-            p.cp.create(&alice, CreateSandboxRequest::default(), None)
+            p.cp.create(&alice, CreateSandboxRequest::default())
                 .await
                 .unwrap();
         assert_ne!(c.sandbox.id, warm, "{:?}", c.decision);
         p.cp.exec(
             &alice,
-            c.sandbox.id.as_str(),
-            &ExecRequest {
-                cmd: Some(vec!["true".into()]),
-                ..Default::default()
-            },
+            OnSandbox::new(
+                c.sandbox.id.as_str(),
+                ExecRequest {
+                    cmd: Some(vec!["true".into()]),
+                    ..Default::default()
+                },
+            ),
         )
         .await
         .unwrap();

@@ -11,22 +11,23 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
+    use aviary_control::requests::{OnSandbox, SandboxRef};
     use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest, ExecRequest, Lease};
-    use aviary_core::{ErrorCode, LeaseToken, SandboxId, SandboxState};
+    use aviary_core::{ErrorCode, SandboxId, SandboxState};
     use aviary_leases::LeaseStore;
     use aviary_registry::{NewSandbox, Registry, TransitionCtx};
     use aviary_runtime::{Pausable, Runtime, RuntimeStatus, SandboxSpec};
 
-    fn echo(token: Option<LeaseToken>) -> ExecRequest {
+    /// `echo hi`; the lease token it runs under is the context's.
+    fn echo() -> ExecRequest {
         ExecRequest {
             cmd: Some(vec!["echo".into(), "hi".into()]),
-            token,
             ..Default::default()
         }
     }
 
     async fn create(p: &Plane) -> SandboxId {
-        p.cp.create(&tenant("alice"), CreateSandboxRequest::default(), None)
+        p.cp.create(&tenant("alice"), CreateSandboxRequest::default())
             .await
             .unwrap()
             .sandbox
@@ -36,12 +37,13 @@ mod tests {
     async fn acquire(p: &Plane, id: &SandboxId) -> Lease {
         p.cp.lease_acquire(
             &tenant("alice"),
-            id.as_str(),
-            AcquireLeaseRequest {
-                owner: "agent-1".into(),
-                ttl_s: Some(3600),
-            },
-            None,
+            OnSandbox::new(
+                id.as_str(),
+                AcquireLeaseRequest {
+                    owner: "agent-1".into(),
+                    ttl_s: Some(3600),
+                },
+            ),
         )
         .await
         .unwrap()
@@ -175,22 +177,27 @@ mod tests {
 
         // the old token still works; the work survived; the lease is intact
         let out =
-            p.cp.exec(&alice, leased.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(leased.as_str(), echo()),
+            )
+            .await
+            .unwrap();
         assert_eq!(out.stdout, "hi\n");
         assert_eq!(
             leased_envd.file("/workspace/work"),
             Some(b"in progress".to_vec())
         );
         let e =
-            p.cp.exec(&alice, leased.as_str(), &echo(None))
+            p.cp.exec(&alice, OnSandbox::new(leased.as_str(), echo()))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::LeaseRequired, "{e}");
-        p.cp.exec(&alice, idle.as_str(), &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(idle.as_str(), echo()))
+            .await
+            .unwrap();
         assert_eq!(
-            p.cp.get(&alice, leased.as_str())
+            p.cp.get(&alice, SandboxRef::new(leased.as_str()))
                 .await
                 .unwrap()
                 .lease_owner
@@ -230,9 +237,12 @@ mod tests {
             "its lease is revoked"
         );
         let e =
-            p.cp.exec(&alice, id.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap_err();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidState, "{e}");
     }
 
@@ -261,7 +271,7 @@ mod tests {
             aviary_registry::RegistryError::NotFound
         ));
         assert_eq!(state(&p, &known).await, SandboxState::Idle);
-        p.cp.exec(&tenant("alice"), known.as_str(), &echo(None))
+        p.cp.exec(&tenant("alice"), OnSandbox::new(known.as_str(), echo()))
             .await
             .unwrap();
     }
@@ -303,19 +313,25 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let id = create(&p).await;
-        p.cp.pause(&alice, id.as_str(), None, None).await.unwrap();
+        p.cp.pause(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
 
         let p = restart(p).await;
 
         assert_eq!(p.cp.live_count(), 1);
         assert_eq!(p.runtime.status(&id).await.unwrap(), RuntimeStatus::Paused);
         let e =
-            p.cp.exec(&alice, id.as_str(), &echo(None))
+            p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
                 .await
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidState, "{e}");
-        p.cp.resume(&alice, id.as_str(), None, None).await.unwrap();
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        p.cp.resume(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
     }
 
     /// A frozen cgroup without a `paused` event is a snapshot the crash
@@ -336,7 +352,9 @@ mod tests {
             [step("thawed", SandboxState::Idle, SandboxState::Idle)]
         );
         assert_eq!(state(&p, &id).await, SandboxState::Idle);
-        p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
     }
 
     /// Rows of work a crash interrupted: a create still `Provisioning` ends
@@ -442,14 +460,19 @@ mod tests {
             RuntimeStatus::Paused
         );
         let e =
-            p.cp.exec(&alice, refuses_fence.as_str(), &echo(Some(lease.token)))
-                .await
-                .unwrap_err();
+            p.cp.exec(
+                &holding(&alice, lease.token),
+                OnSandbox::new(refuses_fence.as_str(), echo()),
+            )
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::SandboxLost, "{e}");
         // …and everything after them was reconciled all the same
         for id in [&first, &good] {
             assert_eq!(state(&p, id).await, SandboxState::Idle);
-            p.cp.exec(&alice, id.as_str(), &echo(None)).await.unwrap();
+            p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+                .await
+                .unwrap();
         }
         assert_eq!(state(&p, &vanished).await, SandboxState::Terminated);
         assert!(!p.runtime.live_ids().contains(&stray));

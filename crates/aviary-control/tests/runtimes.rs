@@ -7,6 +7,7 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
+    use aviary_control::requests::{OnSandbox, SandboxRef};
     use aviary_control::RuntimeSet;
     use aviary_core::api::{CreateSandboxRequest, ExecRequest};
     use aviary_core::{ErrorCode, RuntimeName};
@@ -52,7 +53,7 @@ mod tests {
         let alice = tenant("alice");
 
         let on_default = cp
-            .create(&alice, CreateSandboxRequest::default(), None)
+            .create(&alice, CreateSandboxRequest::default())
             .await
             .unwrap();
         assert_eq!(on_default.sandbox.runtime, "crun");
@@ -63,7 +64,6 @@ mod tests {
                     class: Some("runc-only".into()),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap();
@@ -73,12 +73,12 @@ mod tests {
 
         // later calls reach the sandbox's own runtime and envd
         let out = cp
-            .exec(&alice, on_runc.sandbox.id.as_str(), &echo())
+            .exec(&alice, OnSandbox::new(on_runc.sandbox.id.as_str(), echo()))
             .await
             .unwrap();
         assert_eq!(out.stdout, "ok\n");
         assert_eq!(runc.envd(&on_runc.sandbox.id).unwrap().execs().len(), 1);
-        cp.pause(&alice, on_runc.sandbox.id.as_str(), None, None)
+        cp.pause(&alice, SandboxRef::new(on_runc.sandbox.id.as_str()))
             .await
             .unwrap();
         assert_eq!(
@@ -87,10 +87,10 @@ mod tests {
                 .unwrap(),
             aviary_runtime::RuntimeStatus::Paused
         );
-        cp.resume(&alice, on_runc.sandbox.id.as_str(), None, None)
+        cp.resume(&alice, SandboxRef::new(on_runc.sandbox.id.as_str()))
             .await
             .unwrap();
-        cp.delete(&alice, on_runc.sandbox.id.as_str(), None, None)
+        cp.delete(&alice, SandboxRef::new(on_runc.sandbox.id.as_str()))
             .await
             .unwrap();
         assert!(runc.live_ids().is_empty());
@@ -110,7 +110,6 @@ mod tests {
                     class: Some("runc-only".into()),
                     ..Default::default()
                 },
-                None,
             )
             .await
             .unwrap_err();

@@ -8,7 +8,8 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
-    use aviary_control::Caller;
+    use aviary_control::requests::{OnSandbox, SandboxRef};
+    use aviary_control::OpContext;
     use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, ReleaseLeaseRequest};
     use aviary_core::{SandboxState, Scope};
     use aviary_registry::Registry;
@@ -32,20 +33,18 @@ mod tests {
 
     async fn create(
         p: &Plane,
-        caller: &Caller,
+        caller: &OpContext,
         req: CreateSandboxRequest,
     ) -> CreateSandboxResponse {
-        p.cp.create(caller, req, None).await.unwrap()
+        p.cp.create(caller, req).await.unwrap()
     }
 
     /// Gives a shared-scope sandbox back (its create took the scope's lease).
-    async fn release(p: &Plane, caller: &Caller, created: &CreateSandboxResponse) {
+    async fn release(p: &Plane, caller: &OpContext, created: &CreateSandboxResponse) {
         let token = created.lease.as_ref().unwrap().token;
         p.cp.lease_release(
             caller,
-            created.sandbox.id.as_str(),
-            ReleaseLeaseRequest { token },
-            None,
+            OnSandbox::new(created.sandbox.id.as_str(), ReleaseLeaseRequest { token }),
         )
         .await
         .unwrap();
@@ -71,7 +70,7 @@ mod tests {
     }
 
     /// The `reuse_decision` events of the caller's tenant, as (action, reasons).
-    async fn reuse_decisions(p: &Plane, caller: &Caller) -> Vec<(String, Vec<String>)> {
+    async fn reuse_decisions(p: &Plane, caller: &OpContext) -> Vec<(String, Vec<String>)> {
         tenant_events(p, caller)
             .await
             .into_iter()
@@ -239,7 +238,7 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let first = create(&p, &alice, session("s1")).await;
-        p.cp.delete(&alice, first.sandbox.id.as_str(), None, None)
+        p.cp.delete(&alice, SandboxRef::new(first.sandbox.id.as_str()))
             .await
             .unwrap();
         let next = create(&p, &alice, session("s1")).await;
@@ -271,7 +270,7 @@ mod tests {
         let tasks: Vec<_> = (0..4)
             .map(|_| {
                 let cp = p.cp.clone();
-                tokio::spawn(async move { cp.create(&tenant("alice"), session("s1"), None).await })
+                tokio::spawn(async move { cp.create(&tenant("alice"), session("s1")).await })
             })
             .collect();
         let mut ids = Vec::new();
@@ -293,11 +292,11 @@ mod tests {
         let acme = tenant("acme");
         let first = create(&p, &acme, session("s1")).await;
         // the tenant's one sandbox is handed back: no new sandbox is made
-        let again = p.cp.create(&acme, session("s1"), None).await.unwrap();
+        let again = p.cp.create(&acme, session("s1")).await.unwrap();
         assert_reused(&again);
         assert_eq!(again.sandbox.id, first.sandbox.id);
         // a second session would be a second sandbox: over the quota
-        let e = p.cp.create(&acme, session("s2"), None).await.unwrap_err();
+        let e = p.cp.create(&acme, session("s2")).await.unwrap_err();
         assert_eq!(e.code(), aviary_core::ErrorCode::Forbidden, "{e}");
     }
 }

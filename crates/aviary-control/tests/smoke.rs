@@ -6,6 +6,7 @@ mod support;
 #[cfg(test)]
 mod tests {
     use super::support::*;
+    use aviary_control::requests::{OnSandbox, SandboxRef};
     use aviary_core::api::{CreateSandboxRequest, ExecRequest};
     use aviary_core::SandboxState;
 
@@ -14,9 +15,12 @@ mod tests {
         let p = plane().await;
         let alice = tenant("alice");
         let created =
-            p.cp.create(&alice, CreateSandboxRequest::default(), Some("req-1"))
-                .await
-                .unwrap();
+            p.cp.create(
+                &alice.clone().with_request_id("req-1"),
+                CreateSandboxRequest::default(),
+            )
+            .await
+            .unwrap();
         let id = created.sandbox.id.clone();
         assert_eq!(p.runtime.live_ids(), vec![id.clone()]);
         let spec = &p.runtime.created_specs()[0];
@@ -24,11 +28,13 @@ mod tests {
         let out =
             p.cp.exec(
                 &alice,
-                id.as_str(),
-                &ExecRequest {
-                    cmd: Some(vec!["echo".into(), "hi".into()]),
-                    ..Default::default()
-                },
+                OnSandbox::new(
+                    id.clone(),
+                    ExecRequest {
+                        cmd: Some(vec!["echo".into(), "hi".into()]),
+                        ..Default::default()
+                    },
+                ),
             )
             .await
             .unwrap();
@@ -36,9 +42,12 @@ mod tests {
         assert_eq!(out.stdout, "hi\n");
         // another tenant cannot see it
         let bob = tenant("bob");
-        let e = p.cp.get(&bob, id.as_str()).await.unwrap_err();
+        let e =
+            p.cp.get(&bob, SandboxRef::new(id.clone()))
+                .await
+                .unwrap_err();
         assert_eq!(e.code(), aviary_core::ErrorCode::NotFound);
-        let gone = p.cp.delete(&alice, id.as_str(), None, None).await.unwrap();
+        let gone = p.cp.delete(&alice, SandboxRef::new(id)).await.unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
         assert!(p.runtime.live_ids().is_empty());
     }

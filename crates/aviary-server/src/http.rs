@@ -1,7 +1,9 @@
 //! The HTTP API v1 (axum). Handlers are thin: extract, check the input at
-//! the edge ([`aviary_control::validate`]), call one [`ControlPlane`] operation, map
-//! the error (in `error.rs`). The OpenAPI document is generated from the
-//! handler annotations.
+//! the edge ([`aviary_control::validate`]), build the operation's context
+//! ([`op_context`]: caller, request id, lease token) and its one request
+//! value, call one [`ControlPlane`] operation, map the error (in
+//! `error.rs`). The OpenAPI document is generated from the handler
+//! annotations.
 //!
 //! Every `/v1` route authenticates with a bearer API key ([`Auth`]), which
 //! also takes one request from the key's rate-limit bucket
@@ -13,7 +15,12 @@
 use crate::edge::RateLimiter;
 use crate::error::ApiError;
 use aviary_control::ops::{Caller, ControlPlane, Readiness};
-use aviary_control::OpError;
+use aviary_control::requests::{
+    AllocationQuery, CheckpointRequest, EventQuery, FileRequest, FileUpload, KeyRef,
+    ManifestRequest, OnSandbox, PoolUpdate, RemoveFileRequest, ResetRequest, SandboxQuery,
+    SandboxRef, SnapshotQuery, TemplateImport,
+};
+use aviary_control::{OpContext, OpError};
 use aviary_core::api::*;
 use aviary_core::{ErrorBody, LeaseToken};
 use axum::body::Body;
@@ -213,6 +220,35 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| aviary_core::new_id("req"))
 }
 
+/// Where a route's operation takes its lease token from.
+enum TokenFrom {
+    /// Nowhere: the operation is not fenced, the header is not read.
+    Unfenced,
+    /// The lease token header.
+    Header,
+    /// The request body's token when it has one, else the header's (which
+    /// is then the only one read).
+    Body(Option<LeaseToken>),
+}
+
+/// The context of the request's operation: the authenticated caller, the
+/// request id (the client's `x-request-id`, else a new one) and the lease
+/// token (from where `token` says; a malformed header is `invalid_request`).
+fn op_context(
+    Auth(caller): Auth,
+    headers: &HeaderMap,
+    token: TokenFrom,
+) -> Result<OpContext, ApiError> {
+    let token = match token {
+        TokenFrom::Unfenced => None,
+        TokenFrom::Body(Some(t)) => Some(t),
+        TokenFrom::Header | TokenFrom::Body(None) => header_token(headers)?,
+    };
+    Ok(OpContext::new(caller)
+        .with_request_id(request_id(headers))
+        .with_token(token))
+}
+
 fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, ApiError> {
     match headers.get(LEASE_TOKEN_HEADER) {
         None => Ok(None),
@@ -321,73 +357,66 @@ async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     security(("api_key" = [])))]
 async fn create_sandbox(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSandboxRequest>,
 ) -> Result<(StatusCode, Json<CreateSandboxResponse>), ApiError> {
     aviary_control::validate::create_request(&req)?;
-    let rid = request_id(&headers);
-    Ok((
-        StatusCode::CREATED,
-        Json(cp.create(&c, req, Some(&rid)).await?),
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok((StatusCode::CREATED, Json(cp.create(&cx, req).await?)))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList)), security(("api_key" = [])))]
 async fn list_sandboxes(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Json<SandboxList>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = SandboxQuery {
+        include_terminated: q.all,
+    };
     Ok(Json(SandboxList {
-        sandboxes: cp.list(&c, q.all).await?,
+        sandboxes: cp.list(&cx, req).await?,
     }))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn get_sandbox(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    Ok(Json(cp.get(&c, &id).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.get(&cx, SandboxRef::new(id)).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<u64>, Header, description = "lease token, required while leased")),
     responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn delete_sandbox(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.delete(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
-    ))
-}
-
-fn body_token(req: &ExecRequest, headers: &HeaderMap) -> Result<ExecRequest, ApiError> {
-    let mut req = req.clone();
-    if req.token.is_none() {
-        req.token = header_token(headers)?;
-    }
-    Ok(req)
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    Ok(Json(cp.delete(&cx, SandboxRef::new(id)).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", request_body = ExecRequest,
     responses((status = 200, body = ExecResult), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Json<ExecResult>, ApiError> {
     aviary_control::validate::exec_request(&req)?;
-    let req = body_token(&req, &headers)?;
-    Ok(Json(cp.exec(&c, &id, &req).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
+    Ok(Json(cp.exec(&cx, OnSandbox::new(id, req)).await?))
 }
 
 /// Streaming exec: `text/event-stream`; each event's data is an `ExecEvent`
@@ -396,14 +425,14 @@ async fn exec(
     responses((status = 200, description = "server-sent events, data = ExecEvent", body = ExecEvent), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec_stream(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ExecRequest>,
 ) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
     aviary_control::validate::exec_request(&req)?;
-    let req = body_token(&req, &headers)?;
-    let run = cp.exec_start(&c, &id, &req).await?;
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
+    let run = cp.exec_start(&cx, OnSandbox::new(id, req)).await?;
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (cp, mut run) = st?;
@@ -421,10 +450,7 @@ async fn exec_stream(
                 false,
             ),
             Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => {
-                let oom = cp
-                    .exec_finish(&run.id, run.oom_before, run.runtime.as_ref(), &exit)
-                    .await;
-                cp.touch_lazily(&run.id);
+                let oom = cp.exec_finish(&run, &exit).await;
                 (
                     ExecEvent::Exit {
                         result: ExecResult {
@@ -469,11 +495,13 @@ async fn exec_stream(
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file content (streamed)", content_type = "application/octet-stream"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn read_file(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> Result<Response, ApiError> {
-    let reader = cp.read_file(&c, &id, &q.path).await?;
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let reader = cp.read_file(&cx, FileRequest::new(id, q.path)).await?;
     let body = Body::from_stream(tokio_util::io::ReaderStream::new(reader));
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
@@ -483,7 +511,7 @@ async fn read_file(
     responses((status = 200, description = "{\"bytes\": N}"), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
 async fn write_file(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
@@ -492,9 +520,13 @@ async fn write_file(
     let max = cp.server.max_upload_bytes;
     check_content_length(&headers, max)?;
     let (reader, exceeded) = limited_reader(body, max);
-    let res = cp
-        .write_file(&c, &id, &q.path, header_token(&headers)?, reader)
-        .await;
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let upload = FileUpload {
+        id,
+        path: q.path,
+        body: reader,
+    };
+    let res = cp.write_file(&cx, upload).await;
     if exceeded.load(std::sync::atomic::Ordering::SeqCst) {
         return Err(OpError::PayloadTooLarge(format!("upload larger than {max} bytes")).into());
     }
@@ -504,122 +536,146 @@ async fn write_file(
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn remove_file(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> Result<StatusCode, ApiError> {
-    cp.remove(&c, &id, &q.path, q.recursive, header_token(&headers)?)
-        .await?;
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let req = RemoveFileRequest {
+        id,
+        path: q.path,
+        recursive: q.recursive,
+    };
+    cp.remove(&cx, req).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(PathQuery), responses((status = 200, body = FileList), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn list_files(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> Result<Json<FileList>, ApiError> {
-    Ok(Json(cp.list_files(&c, &id, &q.path).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(
+        cp.list_files(&cx, FileRequest::new(id, q.path)).await?,
+    ))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(PathQuery), responses((status = 200, body = FileInfo), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn stat_file(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> Result<Json<FileInfo>, ApiError> {
-    Ok(Json(cp.stat(&c, &id, &q.path).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.stat(&cx, FileRequest::new(id, q.path)).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", request_body = MkdirRequest, responses((status = 204), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn mkdir(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<MkdirRequest>,
 ) -> Result<StatusCode, ApiError> {
-    let token = match req.token {
-        Some(t) => Some(t),
-        None => header_token(&headers)?,
-    };
-    cp.mkdir(&c, &id, &req.path, token).await?;
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
+    cp.mkdir(&cx, FileRequest::new(id, req.path)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/lease", request_body = AcquireLeaseRequest, responses((status = 201, body = Lease), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn lease_acquire(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<AcquireLeaseRequest>,
 ) -> Result<(StatusCode, Json<Lease>), ApiError> {
-    let rid = request_id(&headers);
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
     Ok((
         StatusCode::CREATED,
-        Json(cp.lease_acquire(&c, &id, req, Some(&rid)).await?),
+        Json(cp.lease_acquire(&cx, OnSandbox::new(id, req)).await?),
     ))
 }
 
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/lease", request_body = RenewLeaseRequest, responses((status = 200, body = Lease), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn lease_renew(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<RenewLeaseRequest>,
 ) -> Result<Json<Lease>, ApiError> {
-    Ok(Json(cp.lease_renew(&c, &id, req).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.lease_renew(&cx, OnSandbox::new(id, req)).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/lease", request_body = ReleaseLeaseRequest, responses((status = 204), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn lease_release(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ReleaseLeaseRequest>,
 ) -> Result<StatusCode, ApiError> {
-    let rid = request_id(&headers);
-    cp.lease_release(&c, &id, req, Some(&rid)).await?;
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    cp.lease_release(&cx, OnSandbox::new(id, req)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 #[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList)), security(("api_key" = [])))]
 async fn events(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiQuery(q): ApiQuery<EventsQuery>,
 ) -> Result<Json<EventList>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = EventQuery {
+        sandbox: q.sandbox,
+        after: q.after,
+        limit: q.limit,
+    };
     Ok(Json(EventList {
-        events: cp
-            .events(&c, q.sandbox.as_deref(), q.after, q.limit)
-            .await?,
+        events: cp.events(&cx, req).await?,
     }))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/events", params(SandboxEventsQuery), responses((status = 200, body = EventList), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn sandbox_events(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<SandboxEventsQuery>,
 ) -> Result<Json<EventList>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = EventQuery {
+        sandbox: Some(id),
+        after: q.after,
+        limit: q.limit,
+    };
     Ok(Json(EventList {
-        events: cp.events(&c, Some(&id), q.after, q.limit).await?,
+        events: cp.events(&cx, req).await?,
     }))
 }
 
 #[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = TemplateList)), security(("api_key" = [])))]
 async fn templates(
     State(cp): State<AppState>,
-    Auth(_c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
 ) -> Result<Json<TemplateList>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
     Ok(Json(TemplateList {
-        templates: cp.templates().await?,
+        templates: cp.templates(&cx).await?,
     }))
 }
 
@@ -628,12 +684,14 @@ async fn templates(
     responses((status = 201, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
 async fn import_template(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(name): Path<String>,
     body: Body,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
-    if !c.admin {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    // refused before the upload is spooled (the operation checks it again)
+    if !cx.caller.admin {
         return Err(OpError::Forbidden("importing templates needs an admin key".into()).into());
     }
     let max = cp.server.max_archive_bytes;
@@ -659,7 +717,11 @@ async fn import_template(
         return Err(OpError::InvalidRequest(format!("upload interrupted: {e}")).into());
     }
     // the spooled archive is the server's: removed whatever the import did
-    let imported = cp.import_template(&c, &name, path.clone()).await;
+    let import = TemplateImport {
+        name,
+        archive: path.clone(),
+    };
+    let imported = cp.import_template(&cx, import).await;
     let _ = tokio::fs::remove_file(&path).await;
     Ok((StatusCode::CREATED, Json(imported?)))
 }
@@ -670,10 +732,12 @@ async fn import_template(
     responses((status = 200, body = aviary_control::planning::PlanResponse), (status = 400, body = ErrorBody)), security(("api_key" = [])))]
 async fn plan(
     State(cp): State<AppState>,
-    Auth(c): Auth,
-    ApiJson(ctx): ApiJson<serde_json::Value>,
+    auth: Auth,
+    headers: HeaderMap,
+    ApiJson(task): ApiJson<serde_json::Value>,
 ) -> Result<Json<aviary_control::planning::PlanResponse>, ApiError> {
-    Ok(Json(cp.plan(&c, ctx).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.plan(&cx, task).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -687,10 +751,13 @@ pub struct LimitQuery {
 #[utoipa::path(get, path = "/v1/allocations", params(LimitQuery), responses((status = 200, body = aviary_control::planning::AllocationList)), security(("api_key" = [])))]
 async fn allocations(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiQuery(q): ApiQuery<LimitQuery>,
 ) -> Result<Json<aviary_control::planning::AllocationList>, ApiError> {
-    Ok(Json(cp.allocations(&c, q.limit).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = AllocationQuery { limit: q.limit };
+    Ok(Json(cp.allocations(&cx, req).await?))
 }
 
 /// Warm pools with their sizes and hit/miss counts (admin only: the counts
@@ -698,10 +765,11 @@ async fn allocations(
 #[utoipa::path(get, path = "/v1/pools", responses((status = 200, body = aviary_control::pools::PoolList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn pools(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
 ) -> Result<Json<aviary_control::pools::PoolList>, ApiError> {
-    require_admin(&c, "listing pools")?;
-    Ok(Json(cp.pools_view().await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.pools_view(&cx).await?))
 }
 
 /// Sets `pool_min`/`pool_max` of the pools of a class (admin only; kept across restarts).
@@ -709,40 +777,36 @@ async fn pools(
     responses((status = 200, body = aviary_control::pools::PoolList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn set_pool(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(class): Path<String>,
-    ApiJson(req): ApiJson<aviary_control::pools::SetPoolRequest>,
+    ApiJson(bounds): ApiJson<aviary_control::pools::SetPoolRequest>,
 ) -> Result<Json<aviary_control::pools::PoolList>, ApiError> {
-    Ok(Json(cp.set_pool(&c, &class, req).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.set_pool(&cx, PoolUpdate { class, bounds }).await?))
 }
 
 /// Freezes the sandbox's processes (cgroup freezer); fenced.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn pause(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.pause(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    Ok(Json(cp.pause(&cx, SandboxRef::new(id)).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn resume(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.resume(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    Ok(Json(cp.resume(&cx, SandboxRef::new(id)).await?))
 }
 
 /// Recycling: level 1 kills leftover processes, clears /tmp, revokes the lease (/workspace stays);
@@ -750,22 +814,17 @@ async fn resume(
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(ResetQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn reset(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ResetQuery>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.reset_level(
-            &c,
-            &id,
-            header_token(&headers)?,
-            q.level.unwrap_or(1),
-            Some(&rid),
-        )
-        .await?,
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let req = ResetRequest {
+        id,
+        level: q.level.unwrap_or(1),
+    };
+    Ok(Json(cp.reset_level(&cx, req).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -779,15 +838,12 @@ pub struct ResetQuery {
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/release", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn release(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.release(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    Ok(Json(cp.release(&cx, SandboxRef::new(id)).await?))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -802,31 +858,31 @@ pub struct ManifestQuery {
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/manifest", params(ManifestQuery), responses((status = 200, body = aviary_reuse::EnvironmentManifest), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn manifest(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<ManifestQuery>,
 ) -> Result<Json<aviary_reuse::EnvironmentManifest>, ApiError> {
-    Ok(Json(cp.manifest(&c, &id, q.refresh).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = ManifestRequest {
+        id,
+        refresh: q.refresh,
+    };
+    Ok(Json(cp.manifest(&cx, req).await?))
 }
 
 /// Checkpoint: workspace + writable layer as content-defined chunks (fenced).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn snapshot(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<LabelQuery>,
 ) -> Result<(StatusCode, Json<aviary_control::snapshots::SandboxSnapshot>), ApiError> {
-    let rid = request_id(&headers);
-    let label = q.label.as_deref().unwrap_or("checkpoint");
-    Ok((
-        StatusCode::CREATED,
-        Json(
-            cp.snapshot_labelled(&c, &id, header_token(&headers)?, label, Some(&rid))
-                .await?,
-        ),
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let req = CheckpointRequest { id, label: q.label };
+    Ok((StatusCode::CREATED, Json(cp.snapshot(&cx, req).await?)))
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -845,28 +901,28 @@ pub struct SnapshotsQuery {
 #[utoipa::path(get, path = "/v1/snapshots", params(SnapshotsQuery), responses((status = 200, body = aviary_control::snapshots::SnapshotList)), security(("api_key" = [])))]
 async fn snapshots(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiQuery(q): ApiQuery<SnapshotsQuery>,
 ) -> Result<Json<aviary_control::snapshots::SnapshotList>, ApiError> {
-    Ok(Json(cp.list_snapshots(&c, q.sandbox.as_deref()).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let req = SnapshotQuery { sandbox: q.sandbox };
+    Ok(Json(cp.list_snapshots(&cx, req).await?))
 }
 
 /// A new sandbox from a checkpoint of this one (a fresh one when none is named).
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", request_body = aviary_control::snapshots::ForkRequest, responses((status = 201, body = CreateSandboxResponse), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn fork(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
-    ApiJson(mut req): ApiJson<aviary_control::snapshots::ForkRequest>,
+    ApiJson(req): ApiJson<aviary_control::snapshots::ForkRequest>,
 ) -> Result<(StatusCode, Json<CreateSandboxResponse>), ApiError> {
-    let rid = request_id(&headers);
-    if req.token.is_none() {
-        req.token = header_token(&headers)?;
-    }
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
     Ok((
         StatusCode::CREATED,
-        Json(cp.fork(&c, &id, req, Some(&rid)).await?),
+        Json(cp.fork(&cx, OnSandbox::new(id, req)).await?),
     ))
 }
 
@@ -874,26 +930,23 @@ async fn fork(
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/hibernate", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn hibernate(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(
-        cp.hibernate(&c, &id, header_token(&headers)?, Some(&rid))
-            .await?,
-    ))
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    Ok(Json(cp.hibernate(&cx, SandboxRef::new(id)).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/wake", responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn wake(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Sandbox>, ApiError> {
-    let rid = request_id(&headers);
-    Ok(Json(cp.wake(&c, &id, Some(&rid)).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.wake(&cx, SandboxRef::new(id)).await?))
 }
 
 /// Every node (the local one and registered agents) as the scheduler sees it
@@ -901,40 +954,47 @@ async fn wake(
 #[utoipa::path(get, path = "/v1/nodes", responses((status = 200, body = aviary_control::nodes::NodeList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn nodes(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
 ) -> Result<Json<aviary_control::nodes::NodeList>, ApiError> {
-    require_admin(&c, "listing nodes")?;
-    Ok(Json(cp.list_nodes().await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.list_nodes(&cx).await?))
 }
 
 /// Registers an `aviary node` agent (admin only); it is asked for its info first.
 #[utoipa::path(post, path = "/v1/nodes", request_body = aviary_control::nodes::AddNodeRequest, responses((status = 201, body = aviary_control::nodes::NodeList), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn add_node(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<aviary_control::nodes::AddNodeRequest>,
 ) -> Result<(StatusCode, Json<aviary_control::nodes::NodeList>), ApiError> {
-    Ok((StatusCode::CREATED, Json(cp.add_node(&c, req).await?)))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok((StatusCode::CREATED, Json(cp.add_node(&cx, req).await?)))
 }
 
 /// Snapshot retention and chunk garbage collection (admin only).
 #[utoipa::path(post, path = "/v1/snapshots/gc", request_body = aviary_control::snapshots::GcRequest, responses((status = 200, body = aviary_control::snapshots::GcResult), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn gc_snapshots(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<aviary_control::snapshots::GcRequest>,
 ) -> Result<Json<aviary_control::snapshots::GcResult>, ApiError> {
-    Ok(Json(cp.gc_snapshots(&c, req).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.gc_snapshots(&cx, req).await?))
 }
 
 /// Creates a key for a tenant (admin only); the secret is in this answer only.
 #[utoipa::path(post, path = "/v1/keys", request_body = CreateKeyRequest, responses((status = 201, body = aviary_control::keys::IssuedKey), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn create_key(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<CreateKeyRequest>,
 ) -> Result<(StatusCode, Json<aviary_control::keys::IssuedKey>), ApiError> {
-    Ok((StatusCode::CREATED, Json(cp.issue_key(&c, req).await?)))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok((StatusCode::CREATED, Json(cp.issue_key(&cx, req).await?)))
 }
 
 /// Every API key with its id, tenant and revocation time; never a secret
@@ -942,19 +1002,23 @@ async fn create_key(
 #[utoipa::path(get, path = "/v1/keys", responses((status = 200, body = aviary_control::keys::KeyList), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn list_keys(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
 ) -> Result<Json<aviary_control::keys::KeyList>, ApiError> {
-    Ok(Json(cp.list_keys(&c).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.list_keys(&cx).await?))
 }
 
 /// Revokes a key (admin only): from the next request on it is 401.
 #[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = aviary_control::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn revoke_key(
     State(cp): State<AppState>,
-    Auth(c): Auth,
+    auth: Auth,
+    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<aviary_control::keys::ApiKeyInfo>, ApiError> {
-    Ok(Json(cp.revoke_key(&c, &id).await?))
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.revoke_key(&cx, KeyRef { id }).await?))
 }
 
 fn check_content_length(headers: &HeaderMap, max: u64) -> Result<(), ApiError> {

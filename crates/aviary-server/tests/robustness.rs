@@ -6,6 +6,7 @@
 
 mod common;
 
+use aviary_control::requests::{CheckpointRequest, OnSandbox};
 use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest};
 use aviary_core::{ErrorCode, SandboxId, SandboxState};
 use aviary_envd_proto::EnvdClient;
@@ -13,11 +14,13 @@ use common::{shell, TestServer};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-fn admin() -> aviary_server::ops::Caller {
-    aviary_server::ops::Caller {
+/// The context of a call by the bootstrap admin key, made on the control
+/// plane directly.
+fn admin() -> aviary_control::OpContext {
+    aviary_control::OpContext::new(aviary_server::ops::Caller {
         tenant: "default".into(),
         admin: true,
-    }
+    })
 }
 
 fn data_dir() -> (tempfile::TempDir, PathBuf) {
@@ -412,7 +415,11 @@ async fn orphan_chunks_are_collected_without_an_admin() {
         .exec(&id, &shell("echo keep me > /workspace/kept"))
         .await
         .unwrap();
-    let snap = ts.cp().snapshot(&admin(), &id, None, None).await.unwrap();
+    let snap = ts
+        .cp()
+        .snapshot(&admin(), CheckpointRequest::new(id.as_str()))
+        .await
+        .unwrap();
     ts.stop().await;
     // a chunk whose manifest never got written (the crash came first)
     let store = aviary_snapshots::LocalStore::open(data.join("snapshots")).unwrap();
@@ -440,12 +447,13 @@ async fn orphan_chunks_are_collected_without_an_admin() {
         .cp()
         .fork(
             &admin(),
-            &id,
-            aviary_server::snapshots::ForkRequest {
-                snapshot: Some(snap.id.clone()),
-                token: None,
-            },
-            None,
+            OnSandbox::new(
+                id.as_str(),
+                aviary_server::snapshots::ForkRequest {
+                    snapshot: Some(snap.id.clone()),
+                    token: None,
+                },
+            ),
         )
         .await
         .unwrap();

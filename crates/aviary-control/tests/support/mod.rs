@@ -7,9 +7,10 @@
 
 use async_trait::async_trait;
 use aviary_control::backends::Progress;
+use aviary_control::requests::EventQuery;
 use aviary_control::{
-    Backends, Caller, ControlConfig, ControlPlane, DefaultTemplateSource, NoNodes, OpError,
-    Readiness, RuntimeSet, TemplateCatalog, TreeArchive,
+    Backends, Caller, ControlConfig, ControlPlane, DefaultTemplateSource, NoNodes, OpContext,
+    OpError, Readiness, RuntimeSet, TemplateCatalog, TreeArchive,
 };
 use aviary_fakes::FakeRuntime;
 use aviary_registry::{MemoryRegistry, TemplateRecord};
@@ -170,18 +171,26 @@ pub async fn plane() -> Plane {
     plane_with(config()).await
 }
 
-pub fn tenant(name: &str) -> Caller {
-    Caller {
+/// The context of a call by a (non-admin) key of tenant `name`, with no
+/// request id and no lease token.
+pub fn tenant(name: &str) -> OpContext {
+    OpContext::new(Caller {
         tenant: name.to_owned(),
         admin: false,
-    }
+    })
 }
 
-pub fn admin() -> Caller {
-    Caller {
+/// The context of a call by the bootstrap admin key.
+pub fn admin() -> OpContext {
+    OpContext::new(Caller {
         tenant: "default".into(),
         admin: true,
-    }
+    })
+}
+
+/// `cx` presenting the lease token `token` (or none).
+pub fn holding(cx: &OpContext, token: impl Into<Option<aviary_core::LeaseToken>>) -> OpContext {
+    cx.clone().with_token(token)
 }
 
 // ---- helpers for the create, scope and pool tests ---------------------------
@@ -215,19 +224,26 @@ pub fn pool_settings(class: &str, pool_min: u32, pool_max: u32) -> aviary_config
 
 /// Every event of the caller's tenant (sandbox events and the others, such
 /// as policy denials), oldest first.
-pub async fn tenant_events(p: &Plane, caller: &Caller) -> Vec<aviary_core::api::Event> {
-    p.cp.events(caller, None, None, Some(1000)).await.unwrap()
+pub async fn tenant_events(p: &Plane, cx: &OpContext) -> Vec<aviary_core::api::Event> {
+    let all = EventQuery {
+        limit: Some(1000),
+        ..Default::default()
+    };
+    p.cp.events(cx, all).await.unwrap()
 }
 
 /// The events of one sandbox, oldest first.
 pub async fn sandbox_events(
     p: &Plane,
-    caller: &Caller,
+    cx: &OpContext,
     id: &aviary_core::SandboxId,
 ) -> Vec<aviary_core::api::Event> {
-    p.cp.events(caller, Some(id.as_str()), None, Some(1000))
-        .await
-        .unwrap()
+    let of_sandbox = EventQuery {
+        sandbox: Some(id.to_string()),
+        after: None,
+        limit: Some(1000),
+    };
+    p.cp.events(cx, of_sandbox).await.unwrap()
 }
 
 /// The states a sandbox walked through, from its events (events that leave

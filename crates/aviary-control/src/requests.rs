@@ -1,0 +1,172 @@
+//! The request values of the client operations that have no API request
+//! type of their own in `aviary_core::api` (or need the target's id beside
+//! one): each operation takes an [`OpContext`](crate::OpContext) and one
+//! of these, or one API request type.
+//!
+//! Ids are the strings the client sent: an id that does not parse is
+//! `not_found` like one of another tenant, answered by the operation.
+
+use crate::pools::SetPoolRequest;
+use std::path::PathBuf;
+
+/// One sandbox, by id (get, delete, pause, resume, reset, release,
+/// hibernate, wake).
+#[derive(Clone, Debug)]
+pub struct SandboxRef {
+    pub id: String,
+}
+
+impl SandboxRef {
+    pub fn new(id: impl Into<String>) -> Self {
+        SandboxRef { id: id.into() }
+    }
+}
+
+/// An API request aimed at one sandbox (exec, fork, leases).
+#[derive(Clone, Debug)]
+pub struct OnSandbox<R> {
+    pub id: String,
+    pub request: R,
+}
+
+impl<R> OnSandbox<R> {
+    pub fn new(id: impl Into<String>, request: R) -> Self {
+        OnSandbox {
+            id: id.into(),
+            request,
+        }
+    }
+}
+
+/// Recycling at a level: 1 soft reset, 2 back to the clean checkpoint,
+/// 3 hard destroy.
+#[derive(Clone, Debug)]
+pub struct ResetRequest {
+    pub id: String,
+    pub level: u8,
+}
+
+/// A checkpoint of a sandbox (`label`: `clean` marks the one level-2
+/// resets return to; `checkpoint` when absent).
+#[derive(Clone, Debug)]
+pub struct CheckpointRequest {
+    pub id: String,
+    pub label: Option<String>,
+}
+
+impl CheckpointRequest {
+    /// A checkpoint with the default label.
+    pub fn new(id: impl Into<String>) -> Self {
+        CheckpointRequest {
+            id: id.into(),
+            label: None,
+        }
+    }
+}
+
+/// A sandbox's environment manifest (`refresh`: probe it now).
+#[derive(Clone, Debug)]
+pub struct ManifestRequest {
+    pub id: String,
+    pub refresh: bool,
+}
+
+/// A path inside a sandbox (read, list, stat, mkdir).
+#[derive(Clone, Debug)]
+pub struct FileRequest {
+    pub id: String,
+    pub path: String,
+}
+
+impl FileRequest {
+    pub fn new(id: impl Into<String>, path: impl Into<String>) -> Self {
+        FileRequest {
+            id: id.into(),
+            path: path.into(),
+        }
+    }
+}
+
+/// A file or directory to remove inside a sandbox.
+#[derive(Clone, Debug)]
+pub struct RemoveFileRequest {
+    pub id: String,
+    pub path: String,
+    pub recursive: bool,
+}
+
+/// A file to write inside a sandbox, with the stream of its content.
+pub struct FileUpload<R> {
+    pub id: String,
+    pub path: String,
+    pub body: R,
+}
+
+impl<R> std::fmt::Debug for FileUpload<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileUpload")
+            .field("id", &self.id)
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The caller's sandboxes (`include_terminated`: the ended ones too; the
+/// default lists the others only).
+#[derive(Clone, Debug, Default)]
+pub struct SandboxQuery {
+    pub include_terminated: bool,
+}
+
+impl SandboxQuery {
+    /// Every sandbox of the caller, the terminated ones included.
+    pub fn all() -> Self {
+        SandboxQuery {
+            include_terminated: true,
+        }
+    }
+}
+
+/// The caller's events, oldest first: of one sandbox when given, only
+/// those after an event id (for following), at most `limit` (100 when
+/// absent, 1000 at most).
+#[derive(Clone, Debug, Default)]
+pub struct EventQuery {
+    pub sandbox: Option<String>,
+    pub after: Option<i64>,
+    pub limit: Option<u32>,
+}
+
+/// The caller's snapshots, of one sandbox when given.
+#[derive(Clone, Debug, Default)]
+pub struct SnapshotQuery {
+    pub sandbox: Option<String>,
+}
+
+/// The caller's planner and policy decisions, newest first (100 when
+/// `limit` is absent, 1000 at most).
+#[derive(Clone, Debug, Default)]
+pub struct AllocationQuery {
+    pub limit: Option<u32>,
+}
+
+/// One API key, by id.
+#[derive(Clone, Debug)]
+pub struct KeyRef {
+    pub id: String,
+}
+
+/// New bounds for the pools of a resource class.
+#[derive(Clone, Debug)]
+pub struct PoolUpdate {
+    pub class: String,
+    pub bounds: SetPoolRequest,
+}
+
+/// A template archive to import under `name` (spooled to `archive` by the
+/// caller, who removes it afterwards).
+#[derive(Clone, Debug)]
+pub struct TemplateImport {
+    pub name: String,
+    pub archive: PathBuf,
+}
