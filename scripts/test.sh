@@ -17,6 +17,8 @@ trap 'scripts/services.sh stop >/dev/null 2>&1 || true; rm -f "$services_env"' E
 scripts/services.sh start >"$services_env"
 # shellcheck disable=SC1090
 . "$services_env"
+# the services are up: a test that finds them missing fails instead of skipping
+export AVIARY_REQUIRE_SERVICES=1
 
 echo "== fmt"
 cargo fmt --all -- --check

@@ -103,6 +103,10 @@ struct ServeArgs {
     /// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Overrides [snapshots].
     #[arg(long, env = "AVIARY_SNAPSHOTS", value_name = "URL")]
     snapshots: Option<String>,
+    /// Distributed mode: this replica's node name (its own sandboxes run on
+    /// it), unique per replica and stable across restarts [default: host name].
+    #[arg(long, env = "AVIARY_NODE_NAME")]
+    node_name: Option<String>,
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -633,6 +637,14 @@ fn apply_backend_flags(settings: &mut aviary_config::Config, a: &ServeArgs) -> R
         settings.distributed.coordination = Some(ServiceUrl::parse(ServiceKind::Coordination, u)?);
     }
     settings.distributed.check_complete()?;
+    if let Some(n) = &a.node_name {
+        if !settings.distributed.is_distributed() {
+            return Err(
+                "--node-name is for distributed mode (with --registry and --coordination)".into(),
+            );
+        }
+        settings.distributed.node_name = Some(n.clone());
+    }
     if let Some(u) = &a.snapshots {
         settings.snapshots.store = aviary_config::distributed::snapshot_store_from_url(u)?;
     }

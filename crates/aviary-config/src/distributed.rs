@@ -10,12 +10,32 @@ use crate::SnapshotStore;
 
 /// Which backends a replica runs on. Both `None`: the embedded default
 /// (SQLite registry with its lease table, in-process locks).
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DistributedSettings {
     /// The PostgreSQL source of record.
     pub registry: Option<ServiceUrl>,
     /// The Redis coordination store (leases, locks, heartbeats, routes).
     pub coordination: Option<ServiceUrl>,
+    /// The PostgreSQL schema of the registry's tables (`None`: the
+    /// server's `search_path`, usually `public`). One schema per deployment.
+    pub schema: Option<String>,
+    /// The prefix of every Redis key (default `aviary`). One per deployment.
+    pub key_prefix: String,
+    /// The node name of this replica's own runtimes (default: the host
+    /// name). Unique per replica and stable across its restarts.
+    pub node_name: Option<String>,
+}
+
+impl Default for DistributedSettings {
+    fn default() -> Self {
+        DistributedSettings {
+            registry: None,
+            coordination: None,
+            schema: None,
+            key_prefix: "aviary".into(),
+            node_name: None,
+        }
+    }
 }
 
 impl DistributedSettings {
@@ -293,7 +313,7 @@ mod tests {
         assert!(e.contains("postgres://") && !e.contains("pw"), "{e}");
         let e = ServiceUrl::parse(ServiceKind::Coordination, "rediss://h:6380").unwrap_err();
         assert!(e.contains("TLS"), "{e}");
-        assert!(ServiceUrl::parse(ServiceKind::Registry, "  ").is_err());
+        ServiceUrl::parse(ServiceKind::Registry, "  ").unwrap_err();
         let u =
             ServiceUrl::parse(ServiceKind::Registry, "postgresql://u:pw@h:5432/db?x=1").unwrap();
         assert_eq!(u.to_string(), "postgresql://u:***@h:5432/db?x=1");
@@ -306,11 +326,13 @@ mod tests {
         let r = ServiceUrl::parse(ServiceKind::Registry, "postgres://h/db").unwrap();
         let c = ServiceUrl::parse(ServiceKind::Coordination, "redis://h").unwrap();
         let mut d = DistributedSettings::default();
-        assert!(d.check_complete().is_ok() && !d.is_distributed());
+        d.check_complete().unwrap();
+        assert!(!d.is_distributed());
         d.registry = Some(r);
         assert!(d.check_complete().unwrap_err().contains("Redis"));
         d.coordination = Some(c);
-        assert!(d.check_complete().is_ok() && d.is_distributed());
+        d.check_complete().unwrap();
+        assert!(d.is_distributed());
     }
 
     #[test]
@@ -333,7 +355,7 @@ mod tests {
         assert!(snapshot_store_from_url("s3://snaps")
             .unwrap_err()
             .contains("endpoint"));
-        assert!(snapshot_store_from_url("gs://x?endpoint=y").is_err());
+        snapshot_store_from_url("gs://x?endpoint=y").unwrap_err();
         assert!(snapshot_store_from_url("s3://b?endpoint=e&colour=red")
             .unwrap_err()
             .contains("colour"));

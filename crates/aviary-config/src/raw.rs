@@ -144,6 +144,9 @@ struct RawSnapshots {
 struct RawDistributed {
     registry: Option<Spanned<String>>,
     coordination: Option<Spanned<String>>,
+    schema: Option<Spanned<String>>,
+    key_prefix: Option<Spanned<String>>,
+    node_name: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -355,9 +358,29 @@ fn check_distributed(
             .map(Some)
             .map_err(|e| ck.fail(&v.span(), format!("distributed.{}", kind.name()), e))
     };
+    let ident = |field: &str, v: &Option<Spanned<String>>| -> Result<Option<String>, ConfigError> {
+        let Some(v) = v else { return Ok(None) };
+        let ok = valid_env_name(v.get_ref()) && v.get_ref().len() <= 63;
+        ck.check(
+            ok,
+            &v.span(),
+            || format!("distributed.{field}"),
+            || format!("distributed: {field} must be 1-63 letters, digits or _, not starting with a digit"),
+        )?;
+        Ok(Some(v.get_ref().clone()))
+    };
     let d = crate::DistributedSettings {
         registry: url(ServiceKind::Registry, &raw.registry)?,
         coordination: url(ServiceKind::Coordination, &raw.coordination)?,
+        schema: ident("schema", &raw.schema)?,
+        key_prefix: ident("key_prefix", &raw.key_prefix)?.unwrap_or_else(|| "aviary".into()),
+        node_name: match &raw.node_name {
+            Some(n) => {
+                ck.check_name("node", "distributed.node_name".into(), n)?;
+                Some(n.get_ref().clone())
+            }
+            None => None,
+        },
     };
     if let Err(e) = d.check_complete() {
         let span = raw

@@ -1035,3 +1035,22 @@ fn distributed_section_parses_and_bad_urls_name_their_line() {
     let e = Config::from_str(text, "t.toml").unwrap_err();
     assert!(e.to_string().contains("replicas"), "{e}");
 }
+
+#[test]
+fn distributed_schema_and_prefix() {
+    let base = "[distributed]\nregistry = \"postgres://h/db\"\ncoordination = \"redis://h\"\n";
+    let c = Config::from_str(base, "t.toml").unwrap();
+    assert_eq!(c.distributed.schema, None);
+    assert_eq!(c.distributed.key_prefix, "aviary");
+    let text = format!("{base}schema = \"team_a\"\nkey_prefix = \"aviary_a\"\n");
+    let c = Config::from_str(&text, "t.toml").unwrap();
+    assert_eq!(c.distributed.schema.as_deref(), Some("team_a"));
+    assert_eq!(c.distributed.key_prefix, "aviary_a");
+    let text = format!("{base}schema = \"1-bad\"\n");
+    expect_error(
+        &text,
+        line_of(&text, "schema ="),
+        "distributed.schema",
+        "letters, digits or _",
+    );
+}

@@ -43,6 +43,11 @@ pub struct ControlConfig {
     /// server reads it off the host.
     pub local_cpu: f64,
     pub local_memory_mb: u64,
+    /// The name this control plane's own runtimes go by as a node
+    /// ([`crate::nodes::LOCAL_NODE`] by default). Replicas sharing one
+    /// registry each need their own, stable across restarts: a replica
+    /// re-attaches and reconciles only the sandboxes on its own node.
+    pub local_node: String,
 }
 
 impl ControlConfig {
@@ -55,6 +60,7 @@ impl ControlConfig {
             default_class: settings.server.default_class.clone(),
             settings,
             envd_binary,
+            local_node: crate::nodes::LOCAL_NODE.to_owned(),
             exec_output_cap: 1 << 20,
             default_lease_ttl_s: 60,
             max_lease_ttl_s: 24 * 3600,

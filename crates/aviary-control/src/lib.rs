@@ -29,7 +29,7 @@
 //! (a scope bucket's find-or-create, `scopes`), `lifecycle/<id>`
 //! (hibernate/wake, `lifecycle`), `quota/<tenant>` (a create's quota check
 //! until its new row exists, `planning`), `placement/nodes` (a placement until its
-//! row exists, `nodes`), `pool/<class>/<template>/<runtime>` (one refill
+//! row exists, `nodes`), `pool/<node>/<class>/<template>/<runtime>` (one refill
 //! pass of a pool, `pools`; claims are version-checked in the registry
 //! instead) and `fence/<id>` (fence pushes to one envd, `ops`).
 //!

@@ -119,7 +119,7 @@ impl ControlPlane {
         let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         Self::running(&rec)?;
         self.check_fence(&rec.id, cx.token).await?;
-        let live = self.live(&rec.id)?;
+        let live = self.live_rec(&rec)?;
         if !live.paused.load(Ordering::SeqCst) {
             return Err(OpError::InvalidState {
                 state: rec.state,
@@ -367,7 +367,7 @@ impl ControlPlane {
                 what: "it is not running, and no manifest was stored".into(),
             });
         }
-        let live = self.live(&rec.id)?;
+        let live = self.live_rec(&rec)?;
         self.refresh_manifest(&rec, &live).await
     }
 
@@ -515,7 +515,7 @@ impl ControlPlane {
         };
         match rt.status(&rec.id).await {
             Ok(RuntimeStatus::Stopped | RuntimeStatus::NotFound) => true,
-            Ok(RuntimeStatus::Running) if rec.node == crate::nodes::LOCAL_NODE => {
+            Ok(RuntimeStatus::Running) if rec.node == self.cfg.local_node => {
                 let Some(live) = live else {
                     return false;
                 };

@@ -184,6 +184,7 @@ impl ControlPlane {
         if req.id.is_empty()
             || req.id.len() > 64
             || req.id == LOCAL_NODE
+            || req.id == self.cfg.local_node
             || !req
                 .id
                 .bytes()
@@ -264,7 +265,7 @@ impl ControlPlane {
         let (cpu, mem) = (self.cfg.local_cpu, self.cfg.local_memory_mb);
         let mut committed = (0.0, 0u64);
         for r in self.registry.list_sandboxes(None, false).await? {
-            if r.node == LOCAL_NODE && holds_compute(r.state) {
+            if r.node == self.cfg.local_node && holds_compute(r.state) {
                 committed.0 += r.resources.cpu;
                 committed.1 += r.resources.memory_mb;
             }
@@ -280,8 +281,8 @@ impl ControlPlane {
                 .collect(),
         };
         let mut views = vec![NodeView {
-            id: LOCAL_NODE.into(),
-            address: LOCAL_NODE.into(),
+            id: self.cfg.local_node.clone(),
+            address: self.cfg.local_node.clone(),
             runtimes: self.runtimes.names(),
             templates,
             cpu_capacity: cpu,
@@ -373,7 +374,7 @@ impl ControlPlane {
         node: &str,
         runtime: &str,
     ) -> Result<Arc<dyn aviary_runtime::Pausable>, OpError> {
-        if node == LOCAL_NODE {
+        if node == self.cfg.local_node {
             return self
                 .local_runtime(runtime)?
                 .pausable
@@ -387,7 +388,13 @@ impl ControlPlane {
         self.nodes
             .get(node)
             .map(|n| n.runtime.runtime())
-            .ok_or_else(|| OpError::Unavailable(format!("node {node} is not connected")))
+            .ok_or_else(|| {
+                OpError::Unavailable(format!(
+                    "the sandbox runs on node {node}, which is not connected here \
+                     (an agent that is down, or another replica's own runtimes: \
+                     send the request to that replica)"
+                ))
+            })
     }
 
     /// The local runtime called `name` (a record names the runtime it runs
@@ -406,10 +413,11 @@ impl ControlPlane {
 
     /// Refuses work that needs the sandbox's layers on this host.
     pub(crate) fn require_local(
+        &self,
         rec: &aviary_registry::SandboxRecord,
         what: &str,
     ) -> Result<(), OpError> {
-        if rec.node != LOCAL_NODE {
+        if rec.node != self.cfg.local_node {
             return Err(OpError::InvalidRequest(format!(
                 "{what} is not supported yet for sandboxes on remote node {}",
                 rec.node

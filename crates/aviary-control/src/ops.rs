@@ -472,8 +472,8 @@ impl ControlPlane {
     ) -> Result<(), OpError> {
         // envd calls here are bounded: a hung envd must not hold up start-up
         const ANSWER: Duration = Duration::from_secs(3);
-        if rec.node != crate::nodes::LOCAL_NODE {
-            // on a remote node: re-attach through its agent when it answers
+        if rec.node != self.cfg.local_node {
+            // on another node (an agent's, or another replica's own): re-attach through its agent when it answers
             if let (Some(n), true) = (self.nodes.get(&rec.node), rec.state.is_live()) {
                 let envd = n.runtime.envd(&rec.id);
                 if let Ok(Ok(())) =
@@ -612,6 +612,20 @@ impl ControlPlane {
             .get(id)
             .cloned()
             .ok_or_else(|| OpError::Unavailable("sandbox runtime is not reachable".into()))
+    }
+
+    /// [`Self::live`] for a record: a sandbox on a node this control plane
+    /// does not drive (another replica's own runtimes) is named as such.
+    pub(crate) fn live_rec(&self, rec: &SandboxRecord) -> Result<Arc<LiveSandbox>, OpError> {
+        if !self.drives_node(&rec.node) {
+            return Err(OpError::Unavailable(format!(
+                "the sandbox runs on node {}, which this replica does not drive \
+                 (another replica's own runtimes, or an agent not connected here): \
+                 send the request to that replica",
+                rec.node
+            )));
+        }
+        self.live(&rec.id)
     }
 
     pub(crate) fn live_opt(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
@@ -1234,7 +1248,7 @@ impl ControlPlane {
         let (node, runtime) = rec
             .as_ref()
             .map(|r| (r.node.as_str(), r.runtime.as_str()))
-            .unwrap_or((crate::nodes::LOCAL_NODE, self.runtime().name()));
+            .unwrap_or((self.cfg.local_node.as_str(), self.runtime().name()));
         let destroy = self.destroy_compute(node, runtime, id).await;
         let _ = self.leases.revoke(id).await;
         if let Ok(rec) = rec {
@@ -1412,7 +1426,7 @@ impl ControlPlane {
         let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
         self.check_fence(&rec.id, cx.token).await?;
-        let live = self.live(&rec.id)?;
+        let live = self.live_rec(&rec)?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
@@ -1449,7 +1463,7 @@ impl ControlPlane {
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
-        let live = self.live(&rec.id)?;
+        let live = self.live_rec(&rec)?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
@@ -1758,7 +1772,7 @@ impl ControlPlane {
                 what: "only an idle sandbox can be leased".into(),
             });
         }
-        let live = self.live(&rec.id)?;
+        let live = self.live_rec(&rec)?;
         let lease = self
             .leases
             .acquire(&rec.id, &req.owner, ttl, aviary_core::now())
@@ -1870,7 +1884,22 @@ impl ControlPlane {
     // ---- background sweeps --------------------------------------------------
 
     /// Expires leases and sandboxes whose time is up. Runs periodically.
+    /// Whether this control plane drives the compute of `node`: its own
+    /// runtimes, or an `aviary node` agent it is connected to (not another
+    /// replica's own runtimes).
+    pub(crate) fn drives_node(&self, node: &str) -> bool {
+        node == self.cfg.local_node || self.nodes.get(node).is_some()
+    }
+
+    /// Both sweeps, as the single server runs them.
     pub async fn sweep(&self) -> Result<(), OpError> {
+        self.sweep_leases().await?;
+        self.sweep_node().await
+    }
+
+    /// Expired leases end (registry-wide: the replica that leads runs it;
+    /// the fence is pushed to envd where the sandbox is attached here).
+    pub async fn sweep_leases(&self) -> Result<(), OpError> {
         let now = aviary_core::now();
         for lease in self.leases.expire_due(now).await? {
             if let Some(live) = self.live_opt(&lease.sandbox_id) {
@@ -1903,7 +1932,18 @@ impl ControlPlane {
             )
             .await?;
         }
+        Ok(())
+    }
+
+    /// TTL expiry and idle hibernation of this node's sandboxes (every
+    /// replica runs it for its own node: the compute is reachable only
+    /// from there).
+    pub async fn sweep_node(&self) -> Result<(), OpError> {
+        let now = aviary_core::now();
         for rec in self.registry.list_sandboxes(None, false).await? {
+            if !self.drives_node(&rec.node) {
+                continue;
+            }
             if rec.user_managed {
                 // the platform only stops a user-managed sandbox (on TTL
                 // expiry: snapshot and hibernate), it never destroys it

@@ -20,10 +20,16 @@
 //! pools stop refilling after `pool_min` hand-outs.) Hits and misses are
 //! process-local counters, like every metric.
 //!
+//! Pools are per node: a replica (or the single server) keeps warm
+//! sandboxes on its own node (`ControlConfig::local_node`) and hands out only
+//! those, since a sandbox on another replica's node is not reachable from
+//! here. Bounds are shared (one `pool set` row per class, read by every
+//! replica).
+//!
 //! Concurrency: a pool's bounds are read from the registry on every refill
 //! pass and view (`pool set` on any replica takes effect on the next pass;
 //! there is no in-process copy to keep in step). A refill pass of one pool
-//! holds the lock `pool/<class>/<template>/<runtime>` of the control plane's
+//! holds the lock `pool/<node>/<class>/<template>/<runtime>` of the control plane's
 //! [`aviary_leases::Locks`] (tried, never waited for: a pool another pass is
 //! refilling is skipped), so two passes — of this replica or of another one
 //! sharing the lock backend — never both start the same missing sandboxes.
@@ -76,10 +82,10 @@ impl Pool {
         s
     }
 
-    /// The lock a refill pass of this pool holds.
-    fn refill_lock(&self) -> LockName {
+    /// The lock a refill pass of this pool on `node` holds.
+    fn refill_lock(&self, node: &str) -> LockName {
         let (class, template, runtime) = self.key();
-        LockName::new("pool", format!("{class}/{template}/{runtime}"))
+        LockName::new("pool", format!("{node}/{class}/{template}/{runtime}"))
     }
 }
 
@@ -193,8 +199,9 @@ fn apply_bounds(p: &mut PoolSettings, min: u32, max: u32) {
     p.buffer_min = p.buffer_min.min(p.buffer_max);
 }
 
-fn is_pooled(r: &SandboxRecord, class: &str, template: &str) -> bool {
+fn is_pooled(r: &SandboxRecord, node: &str, class: &str, template: &str) -> bool {
     r.tenant == POOL_TENANT
+        && r.node == node
         && r.state == SandboxState::Ready
         && r.resource_class == class
         && r.template == template
@@ -204,9 +211,10 @@ fn is_pooled(r: &SandboxRecord, class: &str, template: &str) -> bool {
 /// counts for the pool of `s`: it came out of this pool and still holds
 /// compute. A hibernated one holds none (waking it is a new placement), so
 /// it no longer keeps the pool from refilling.
-fn counts_as_handed_out(r: &SandboxRecord, s: &PoolSettings) -> bool {
+fn counts_as_handed_out(r: &SandboxRecord, node: &str, s: &PoolSettings) -> bool {
     use SandboxState::*;
-    r.resource_class == s.class
+    r.node == node
+        && r.resource_class == s.class
         && r.template == s.template
         && r.runtime == s.runtime.as_str()
         && !matches!(r.state, Hibernating | Terminated | Failed | Lost)
@@ -224,7 +232,7 @@ impl ControlPlane {
             .map(|p| {
                 let n = handouts
                     .iter()
-                    .filter(|r| counts_as_handed_out(r, &p.settings))
+                    .filter(|r| counts_as_handed_out(r, &self.cfg.local_node, &p.settings))
                     .count();
                 p.handed_out.store(n as u64, Ordering::Relaxed);
                 u32::try_from(n).unwrap_or(u32::MAX)
@@ -252,7 +260,7 @@ impl ControlPlane {
             out.push(PoolView {
                 idle: rows
                     .iter()
-                    .filter(|r| is_pooled(r, &s.class, &s.template))
+                    .filter(|r| is_pooled(r, &self.cfg.local_node, &s.class, &s.template))
                     .count() as u32,
                 handed_out,
                 class: s.class,
@@ -308,7 +316,10 @@ impl ControlPlane {
             .registry
             .list_sandboxes(Some(POOL_TENANT), false)
             .await?;
-        for r in rows.iter().filter(|r| is_pooled(r, &class, &template)) {
+        for r in rows
+            .iter()
+            .filter(|r| is_pooled(r, &self.cfg.local_node, &class, &template))
+        {
             let Some(live) = self.live_opt(&r.id) else {
                 continue;
             };
@@ -359,7 +370,11 @@ impl ControlPlane {
                 continue;
             }
             let owner = format!("aviary-server[{}] pool refill", std::process::id());
-            let req = LockRequest::new(pool.refill_lock(), owner, crate::lifecycle::LOCK_TTL);
+            let req = LockRequest::new(
+                pool.refill_lock(&self.cfg.local_node),
+                owner,
+                crate::lifecycle::LOCK_TTL,
+            );
             let Some(guard) = self.locks.try_acquire(&req).await? else {
                 continue;
             };
@@ -379,7 +394,7 @@ impl ControlPlane {
                 .await?;
             let idle: Vec<_> = rows
                 .iter()
-                .filter(|r| is_pooled(r, &s.class, &s.template))
+                .filter(|r| is_pooled(r, &self.cfg.local_node, &s.class, &s.template))
                 .cloned()
                 .collect();
             // pool_min is a floor on the total (idle + handed out), buffer_min
@@ -448,7 +463,7 @@ impl ControlPlane {
             template_digest: template.digest.clone(),
             runtime: runtime.to_owned(),
             runtime_instance_id: None,
-            node: "local".into(),
+            node: self.cfg.local_node.clone(),
             network_profile: aviary_core::NetworkProfile::None,
             expires_at: None,
             tainted: false,

@@ -226,7 +226,7 @@ impl ControlPlane {
         rec: &SandboxRecord,
         what: &str,
     ) -> Result<Arc<dyn Snapshottable>, OpError> {
-        Self::require_local(rec, what)?;
+        self.require_local(rec, what)?;
         self.local_runtime(&rec.runtime)?
             .snapshottable
             .clone()
@@ -549,7 +549,10 @@ impl ControlPlane {
         };
         let now = aviary_core::now();
         for rec in self.registry.list_sandboxes(None, false).await? {
-            if rec.state != SandboxState::Idle || rec.tenant.is_empty() {
+            if rec.state != SandboxState::Idle
+                || rec.tenant.is_empty()
+                || !self.drives_node(&rec.node)
+            {
                 continue;
             }
             let live = self.live_opt(&rec.id);

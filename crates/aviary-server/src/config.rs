@@ -41,6 +41,15 @@ impl ServerConfig {
         let mut control = ControlConfig::from_settings(settings.clone(), envd_binary);
         control.local_cpu = cpu;
         control.local_memory_mb = memory_mb;
+        if settings.distributed.is_distributed() {
+            // replicas share the registry: each one's own runtimes need a
+            // node name of their own
+            control.local_node = settings
+                .distributed
+                .node_name
+                .clone()
+                .unwrap_or_else(host_name);
+        }
         ServerConfig {
             data_dir: settings.server.data_dir.clone(),
             listen: settings.server.listen,
@@ -75,6 +84,16 @@ impl ServerConfig {
     pub fn spool_dir(&self) -> PathBuf {
         self.data_dir.join("spool")
     }
+}
+
+/// This host's name (the default node name of a replica), `local` if it
+/// cannot be read.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| aviary_control::nodes::LOCAL_NODE.to_owned())
 }
 
 /// CPUs and memory (MiB) of this host, for the local node's placement view.

@@ -1,7 +1,9 @@
-//! Which replica runs the background loops: the TTL sweep, pool refill and
+//! Which replica runs the registry-wide background loops: lease expiry and
 //! chunk collection. With several replicas on one registry and coordination
-//! store, exactly one may run them at a time, or two replicas would both
-//! refill a pool or both expire a lease. The leader is whoever holds the
+//! store, exactly one may run them at a time, or two replicas would both end
+//! one lease or both delete one chunk. (TTL expiry, idle hibernation, pool
+//! refill and the envd health probe are per node: every replica runs them for
+//! the compute it drives.) The leader is whoever holds the
 //! lock `leader/background` (TTL [`LEADER_TTL`], kept alive in the
 //! background); when it dies its lock runs out and another replica takes it
 //! within one TTL plus one poll. In the embedded default the lock is the

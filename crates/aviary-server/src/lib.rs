@@ -40,11 +40,7 @@ use std::time::Duration;
 pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     create_private_dir(&cfg.data_dir)?;
     check_static_binary(&cfg.control.envd_binary)?;
-    let registry = Arc::new(
-        aviary_registry_sqlite::SqliteRegistry::open(&cfg.registry_path())
-            .await
-            .with_context(|| format!("opening registry {}", cfg.registry_path().display()))?,
-    );
+    let stores = open_stores(&cfg).await?;
     let runtime = aviary_runtime_oci::OciRuntime::new(
         aviary_runtime_oci::OciConfig::new(
             aviary_runtime_oci::OciBinary::from(cfg.runtime),
@@ -69,15 +65,10 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     // Backends are chosen here, and only here: a new registry, coordination
     // store, runtime or chunk store is one more arm where its kind is read
     // from the configuration.
+    let registry = stores.registry.clone();
     let backends = aviary_control::Backends {
-        // the embedded default: leases in the registry's database, locks in
-        // this process
-        coordination: aviary_leases::Coordination {
-            leases: registry.clone(),
-            locks: Arc::new(aviary_leases::InProcessLocks::new()),
-            fences: registry.clone(),
-        },
-        registry: registry.clone(),
+        coordination: stores.coordination,
+        registry: stores.registry,
         runtimes: aviary_control::RuntimeSet::single(
             aviary_runtime::CapableRuntime::snapshottable(runtime),
         ),
@@ -89,6 +80,79 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     let cp = ControlPlane::new(cfg.control, backends)?;
     side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
+}
+
+/// The registry and the coordination store a control plane runs on.
+struct Stores {
+    registry: Arc<dyn aviary_registry::Registry>,
+    coordination: aviary_leases::Coordination,
+}
+
+/// The embedded default (SQLite in the data dir: the registry, its lease
+/// table and fencing counter; locks in this process), or `[distributed]`:
+/// the PostgreSQL registry (source of record and fencing counter) and Redis
+/// (leases, locks) every replica shares. An unreachable service stops the
+/// start with an error naming it (host:port, never a password).
+async fn open_stores(cfg: &ServerConfig) -> anyhow::Result<Stores> {
+    let d = &cfg.control.settings.distributed;
+    d.check_complete().map_err(anyhow::Error::msg)?;
+    let (Some(reg_url), Some(coord_url)) = (&d.registry, &d.coordination) else {
+        create_registry_file(&cfg.registry_path())?;
+        let registry = Arc::new(
+            aviary_registry_sqlite::SqliteRegistry::open(&cfg.registry_path())
+                .await
+                .with_context(|| format!("opening registry {}", cfg.registry_path().display()))?,
+        );
+        return Ok(Stores {
+            registry: registry.clone(),
+            coordination: aviary_leases::Coordination {
+                leases: registry.clone(),
+                locks: Arc::new(aviary_leases::InProcessLocks::new()),
+                fences: registry,
+            },
+        });
+    };
+    let url = reg_url.resolve_from_env().map_err(anyhow::Error::msg)?;
+    let opts = aviary_registry_postgres::PostgresOptions {
+        schema: d.schema.clone(),
+        ..Default::default()
+    };
+    let pg = Arc::new(
+        aviary_registry_postgres::PostgresRegistry::connect(&url, opts)
+            .await
+            .map_err(|e| anyhow::anyhow!("registry {reg_url}: {e}"))?,
+    );
+    let url = coord_url.resolve_from_env().map_err(anyhow::Error::msg)?;
+    let conn = aviary_coord_redis::connect(&url)
+        .await
+        .map_err(|e| anyhow::anyhow!("coordination {coord_url}: {}", error_chain(&e)))?;
+    Ok(Stores {
+        registry: pg.clone(),
+        coordination: aviary_leases::Coordination {
+            leases: Arc::new(aviary_coord_redis::RedisLeaseStore::new(
+                conn.clone(),
+                pg.clone(),
+                d.key_prefix.clone(),
+            )),
+            locks: Arc::new(aviary_coord_redis::RedisLocks::new(
+                conn,
+                d.key_prefix.clone(),
+            )),
+            fences: pg,
+        },
+    })
+}
+
+/// An error and its sources, `: `-joined.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 /// Registers the bootstrap admin key kept in `<data dir>/admin.key` (made
@@ -242,26 +306,28 @@ pub async fn start(
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if sweeper.readiness() != aviary_control::Readiness::Ready || !sweep_leader.is_leader()
-            {
+            if sweeper.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
-            if let Err(e) = sweeper.sweep().await {
-                tracing::warn!(error = %e, "sweep failed");
+            if sweep_leader.is_leader() {
+                if let Err(e) = sweeper.sweep_leases().await {
+                    tracing::warn!(error = %e, "lease sweep failed");
+                }
+            }
+            if let Err(e) = sweeper.sweep_node().await {
+                tracing::warn!(error = %e, "ttl/idle sweep failed");
             }
         }
     });
     let refiller = cp.clone();
-    let refill_leader = leader.clone();
     let refill_task = tokio::spawn(async move {
         loop {
             tokio::select! {
                 _ = refiller.pools.refill.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            if refiller.readiness() != aviary_control::Readiness::Ready
-                || !refill_leader.is_leader()
-            {
+            // pools are per node: every replica keeps its own node's pool
+            if refiller.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
             if let Err(e) = refiller.refill_pools().await {
@@ -344,19 +410,24 @@ async fn collect_chunks(cp: Arc<ControlPlane>, leader: leader::Leadership) {
 /// The data dir is 0711: the OCI runtimes look a sandbox's rootfs up from
 /// inside its user namespace (an unprivileged host uid), so every parent of
 /// the runtime state dir must be traversable; nothing in it may be listed or
-/// read by other users. The registry file is pre-created 0600 (SQLite gives
-/// its -wal/-shm files the same mode).
+/// read by other users.
 fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
         .with_context(|| format!("restricting data dir {}", dir.display()))?;
-    let db = dir.join("registry.db");
+    Ok(())
+}
+
+/// The embedded registry file, pre-created 0600 (SQLite gives its -wal/-shm
+/// files the same mode).
+fn create_registry_file(db: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .mode(0o600)
-        .open(&db)
+        .open(db)
         .with_context(|| format!("creating registry file {}", db.display()))?;
     Ok(())
 }

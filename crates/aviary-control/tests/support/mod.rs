@@ -300,6 +300,11 @@ pub async fn plane_over(
 /// Simulates a server restart: the old control plane (and its in-process
 /// state) goes, a new one starts over the same registry and runtime.
 pub async fn restart(p: Plane) -> Plane {
+    restart_with(p, config()).await
+}
+
+/// [`restart`] with `cfg`.
+pub async fn restart_with(p: Plane, cfg: ControlConfig) -> Plane {
     let Plane {
         cp,
         registry,
@@ -307,7 +312,7 @@ pub async fn restart(p: Plane) -> Plane {
         ..
     } = p;
     drop(cp);
-    plane_over(config(), registry, runtime).await
+    plane_over(cfg, registry, runtime).await
 }
 
 /// Waits until the fake envd's call log satisfies `done` and returns it.

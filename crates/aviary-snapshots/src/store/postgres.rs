@@ -234,7 +234,12 @@ mod tests {
     #[tokio::test]
     async fn postgres_store_passes_conformance() {
         let Ok(url) = std::env::var("AVIARY_TEST_POSTGRES_URL") else {
-            eprintln!("SKIPPED: AVIARY_TEST_POSTGRES_URL not set (run scripts/services.sh start)");
+            let why = "SKIPPED: AVIARY_TEST_POSTGRES_URL not set (run scripts/services.sh start)";
+            assert!(
+                std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "{why}"
+            );
+            eprintln!("{why}");
             return;
         };
         let store = PgStore::connect(&url, &aviary_core::new_id("test"))

@@ -220,7 +220,12 @@ mod tests {
     #[tokio::test]
     async fn redis_store_passes_conformance() {
         let Ok(url) = std::env::var("AVIARY_TEST_REDIS_URL") else {
-            eprintln!("SKIPPED: AVIARY_TEST_REDIS_URL not set (run scripts/services.sh start)");
+            let why = "SKIPPED: AVIARY_TEST_REDIS_URL not set (run scripts/services.sh start)";
+            assert!(
+                std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "{why}"
+            );
+            eprintln!("{why}");
             return;
         };
         let prefix = aviary_core::new_id("test");

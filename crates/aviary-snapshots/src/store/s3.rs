@@ -369,7 +369,12 @@ mod tests {
     /// The store configured by `scripts/services.sh start`, under a fresh prefix.
     pub(crate) async fn test_store() -> Option<S3Store> {
         let Ok(endpoint) = std::env::var("AVIARY_TEST_S3_ENDPOINT") else {
-            eprintln!("SKIPPED: AVIARY_TEST_S3_ENDPOINT not set (run scripts/services.sh start)");
+            let why = "SKIPPED: AVIARY_TEST_S3_ENDPOINT not set (run scripts/services.sh start)";
+            assert!(
+                std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "{why}"
+            );
+            eprintln!("{why}");
             return None;
         };
         let var = |k: &str| {

@@ -1,0 +1,379 @@
+//! Distributed mode against real services: the registry on PostgreSQL, the
+//! leases and locks on Redis (both started by scripts/services.sh), the
+//! sandboxes on real crun. Each test uses its own PostgreSQL schema and Redis
+//! key prefix, so they share the two servers with every other test.
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use aviary_config::{DistributedSettings, ServiceKind, ServiceUrl};
+use aviary_core::ErrorCode;
+use aviary_server::config::ServerConfig;
+use std::time::Duration;
+
+/// The services' URLs, or `None` (and a loud line) when they are not there.
+fn services() -> Option<(String, String)> {
+    let pg = std::env::var("AVIARY_TEST_POSTGRES_URL").ok();
+    let redis = std::env::var("AVIARY_TEST_REDIS_URL").ok();
+    match (pg, redis) {
+        (Some(pg), Some(redis)) => Some((pg, redis)),
+        _ => {
+            let why = "SKIPPED: AVIARY_TEST_POSTGRES_URL / AVIARY_TEST_REDIS_URL not set (run scripts/services.sh start)";
+            if std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() == Ok("1") {
+                panic!("{why}");
+            }
+            eprintln!("{why}");
+            None
+        }
+    }
+}
+
+fn unique(tag: &str) -> String {
+    format!(
+        "t_{tag}_{}",
+        aviary_core::SandboxId::generate()
+            .as_str()
+            .replace('-', "_")
+            .to_lowercase()
+    )
+}
+
+/// `cfg` on PostgreSQL + Redis, in schema and key prefix `space`, its own
+/// sandboxes on node `node`.
+fn distributed(cfg: &mut ServerConfig, pg: &str, redis: &str, space: &str) {
+    on_node(cfg, pg, redis, space, "replica-1");
+}
+
+fn on_node(cfg: &mut ServerConfig, pg: &str, redis: &str, space: &str, node: &str) {
+    cfg.control.settings.distributed = DistributedSettings {
+        registry: Some(ServiceUrl::parse(ServiceKind::Registry, pg).unwrap()),
+        coordination: Some(ServiceUrl::parse(ServiceKind::Coordination, redis).unwrap()),
+        schema: Some(space.to_owned()),
+        key_prefix: space.to_owned(),
+        node_name: Some(node.to_owned()),
+    };
+    cfg.control.local_node = node.to_owned();
+}
+
+fn code(e: aviary_client::ClientError) -> Option<ErrorCode> {
+    e.code()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_on_postgres_and_redis_runs_the_whole_loop_and_survives_a_restart() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let space = unique("loop");
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = common::config(&dir.path().join("d"), "busybox");
+    distributed(&mut cfg, &pg, &redis, &space);
+    let mut ts = common::start_cfg(cfg.clone()).await;
+    assert!(
+        !ts.data.join("registry.db").exists(),
+        "distributed mode keeps no SQLite registry"
+    );
+    let c = ts.client.clone();
+    let id = common::new_sandbox(&c).await;
+    let out = c.exec(&id, &common::shell("echo hello")).await.unwrap();
+    assert_eq!(out.stdout, "hello\n");
+
+    // leases live in Redis, fences come from PostgreSQL
+    let first = c.acquire_lease(&id, "agent-1", Some(60)).await.unwrap();
+    let e = c.acquire_lease(&id, "agent-2", Some(60)).await.unwrap_err();
+    assert_eq!(code(e), Some(ErrorCode::LeaseHeld));
+    c.write_file(&id, "/workspace/a.txt", b"one".to_vec(), Some(first.token))
+        .await
+        .unwrap();
+    let e = c
+        .write_file(&id, "/workspace/a.txt", b"x".to_vec(), None)
+        .await
+        .unwrap_err();
+    assert_eq!(code(e), Some(ErrorCode::LeaseRequired));
+    c.release_lease(&id, first.token).await.unwrap();
+    let second = c.acquire_lease(&id, "agent-2", Some(60)).await.unwrap();
+    assert!(second.token.fence() > first.token.fence());
+    let e = c
+        .write_file(
+            &id,
+            "/workspace/a.txt",
+            b"stale".to_vec(),
+            Some(first.token),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::StaleToken),
+        "the old holder is fenced out"
+    );
+    let e = c.delete_sandbox(&id, Some(first.token)).await.unwrap_err();
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::StaleToken),
+        "and cannot delete either"
+    );
+
+    // a restart on the same schema and prefix keeps the sandbox and its lease
+    ts.stop().await;
+    let ts = common::start_cfg(cfg).await;
+    let c = ts.client.clone();
+    let rec = c.get_sandbox(&id).await.unwrap();
+    assert_eq!(rec.id.as_str(), id);
+    let e = c.acquire_lease(&id, "agent-3", Some(60)).await.unwrap_err();
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::LeaseHeld),
+        "the lease survived the restart"
+    );
+    let got = c.read_file(&id, "/workspace/a.txt").await.unwrap();
+    assert_eq!(got, b"one", "the stale write changed nothing");
+    let out = c
+        .exec(
+            &id,
+            &aviary_core::api::ExecRequest {
+                token: Some(second.token),
+                ..common::shell("cat /workspace/a.txt")
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "one");
+    c.delete_sandbox(&id, Some(second.token)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_services_stop_the_start_naming_them() {
+    let Some((pg, _redis)) = services() else {
+        return;
+    };
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+
+    let mut cfg = common::config(&dir.path().join("a"), "busybox");
+    let bad_pg = format!("postgres://aviary:hunter2@127.0.0.1:{closed}/aviary");
+    distributed(&mut cfg, &bad_pg, "redis://127.0.0.1:1/0", &unique("down"));
+    let started = std::time::Instant::now();
+    let e = format!(
+        "{:#}",
+        aviary_server::start(cfg, |_| {})
+            .await
+            .err()
+            .expect("start fails")
+    );
+    assert!(
+        e.contains("registry") && e.contains(&format!("127.0.0.1:{closed}")),
+        "{e}"
+    );
+    assert!(!e.contains("hunter2"), "no password in the error: {e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "it gives up: {e}"
+    );
+
+    let mut cfg = common::config(&dir.path().join("b"), "busybox");
+    distributed(
+        &mut cfg,
+        &pg,
+        &format!("redis://:hunter2@127.0.0.1:{closed}/0"),
+        &unique("down"),
+    );
+    let e = format!(
+        "{:#}",
+        aviary_server::start(cfg, |_| {})
+            .await
+            .err()
+            .expect("start fails")
+    );
+    assert!(
+        e.contains("coordination") && e.contains(&format!("127.0.0.1:{closed}")),
+        "{e}"
+    );
+    assert!(!e.contains("hunter2"), "no password in the error: {e}");
+
+    // an unset ${VAR} names the variable
+    let mut cfg = common::config(&dir.path().join("c"), "busybox");
+    distributed(
+        &mut cfg,
+        "postgres://aviary:${AVIARY_TEST_SURELY_UNSET_PW}@127.0.0.1/aviary",
+        "redis://127.0.0.1/0",
+        &unique("down"),
+    );
+    let e = format!(
+        "{:#}",
+        aviary_server::start(cfg, |_| {})
+            .await
+            .err()
+            .expect("start fails")
+    );
+    assert!(
+        e.contains("AVIARY_TEST_SURELY_UNSET_PW") && e.contains("not set"),
+        "{e}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_the_registry_and_leases_and_one_leads() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let space = unique("pair");
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg_a = common::config(&dir.path().join("a"), "busybox");
+    on_node(&mut cfg_a, &pg, &redis, &space, "node-a");
+    let mut cfg_b = common::config(&dir.path().join("b"), "busybox");
+    on_node(&mut cfg_b, &pg, &redis, &space, "node-b");
+    let mut a = common::start_cfg(cfg_a).await;
+    let mut b = common::start_cfg(cfg_b.clone()).await;
+
+    // a sandbox made through A runs on A's node; B sees it in the registry
+    let id = common::new_sandbox(&a.client).await;
+    let rec = b.client.get_sandbox(&id).await.unwrap();
+    assert_eq!(rec.node, "node-a");
+    assert!(b
+        .client
+        .list_sandboxes(false)
+        .await
+        .unwrap()
+        .sandboxes
+        .iter()
+        .any(|s| s.id.as_str() == id));
+
+    // one lease for both: held through A, refused through B
+    let lease = a
+        .client
+        .acquire_lease(&id, "agent-a", Some(60))
+        .await
+        .unwrap();
+    let e = b
+        .client
+        .acquire_lease(&id, "agent-b", Some(60))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("node-a"),
+        "B names where it runs: {e}"
+    );
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::Unavailable),
+        "B cannot push a fence to A's node, so it grants nothing"
+    );
+    let e = a
+        .client
+        .acquire_lease(&id, "agent-b", Some(60))
+        .await
+        .unwrap_err();
+    assert_eq!(code(e), Some(ErrorCode::LeaseHeld));
+    let e = b.client.delete_sandbox(&id, None).await.unwrap_err();
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::LeaseRequired),
+        "B enforces A's lease"
+    );
+    let e = b
+        .client
+        .delete_sandbox(
+            &id,
+            Some(aviary_core::LeaseToken::generate(lease.token.fence())),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        code(e),
+        Some(ErrorCode::StaleToken),
+        "a guessed secret is no token"
+    );
+
+    // B restarting does not touch A's sandbox (it reconciles its own node)
+    b.stop().await;
+    let b = common::start_cfg(cfg_b).await;
+    let rec = b.client.get_sandbox(&id).await.unwrap();
+    assert_eq!(
+        rec.state,
+        aviary_core::SandboxState::Leased,
+        "not lost by B's restart"
+    );
+    let out = a
+        .client
+        .exec(
+            &id,
+            &aviary_core::api::ExecRequest {
+                token: Some(lease.token),
+                ..common::shell("echo alive")
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "alive\n");
+
+    // exactly one leader; when it stops, the other takes over
+    let locks = aviary_coord_redis::RedisLocks::new(
+        aviary_coord_redis::connect(&redis).await.unwrap(),
+        space.clone(),
+    );
+    let name = aviary_leases::LockName::new("leader", "background");
+    async fn holder(
+        l: &aviary_coord_redis::RedisLocks,
+        name: &aviary_leases::LockName,
+    ) -> Option<String> {
+        aviary_leases::Locks::holder(l, name)
+            .await
+            .unwrap()
+            .map(|h| h.owner)
+    }
+    let mut first = None;
+    for _ in 0..100 {
+        first = holder(&locks, &name).await;
+        if first.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let first = first.expect("a replica leads");
+    let (a_addr, b_addr) = (
+        a.url().replace("http://", ""),
+        b.url().replace("http://", ""),
+    );
+    assert!(
+        first.contains(&a_addr) || first.contains(&b_addr),
+        "{first}"
+    );
+    let mut b = b;
+    let survivor = if first.contains(&a_addr) {
+        a.client.release_lease(&id, lease.token).await.unwrap();
+        a.stop().await;
+        b_addr
+    } else {
+        b.stop().await;
+        a_addr
+    };
+    let mut took_over = false;
+    for _ in 0..200 {
+        if holder(&locks, &name)
+            .await
+            .is_some_and(|h| h.contains(&survivor))
+        {
+            took_over = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        took_over,
+        "the surviving replica took the background loops over"
+    );
+}
