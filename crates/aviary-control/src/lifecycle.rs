@@ -119,7 +119,7 @@ impl ControlPlane {
         let rec = self.sandbox_for(&cx.caller, &req.id).await?;
         Self::running(&rec)?;
         self.check_fence(&rec.id, cx.token).await?;
-        let live = self.live_rec(&rec)?;
+        let live = self.live_rec(&rec).await?;
         if !live.paused.load(Ordering::SeqCst) {
             return Err(OpError::InvalidState {
                 state: rec.state,
@@ -367,7 +367,7 @@ impl ControlPlane {
                 what: "it is not running, and no manifest was stored".into(),
             });
         }
-        let live = self.live_rec(&rec)?;
+        let live = self.live_rec(&rec).await?;
         self.refresh_manifest(&rec, &live).await
     }
 

@@ -151,7 +151,10 @@ fn holds_compute(s: aviary_core::SandboxState) -> bool {
 }
 
 impl ControlPlane {
-    /// Reconnects the nodes registered before a restart.
+    /// Connects the node agents of the registry's registrations that are not
+    /// connected yet: all of them at start-up, then (called periodically)
+    /// the ones another replica registered since, and ones that did not
+    /// answer before.
     pub async fn load_nodes(&self) {
         let saved = match self.registry.list_node_registrations().await {
             Ok(saved) => saved,
@@ -161,6 +164,15 @@ impl ControlPlane {
             }
         };
         for s in saved {
+            if self
+                .nodes
+                .get(&s.id)
+                .is_some_and(|n| n.address == s.address)
+            {
+                // connected already (re-registered elsewhere with the same
+                // address: same agent)
+                continue;
+            }
             match self.connector.connect(&s.address, &s.token).await {
                 Ok((rt, _)) => {
                     self.nodes.map.write().expect("nodes poisoned").insert(

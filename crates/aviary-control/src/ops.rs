@@ -614,9 +614,12 @@ impl ControlPlane {
             .ok_or_else(|| OpError::Unavailable("sandbox runtime is not reachable".into()))
     }
 
-    /// [`Self::live`] for a record: a sandbox on a node this control plane
-    /// does not drive (another replica's own runtimes) is named as such.
-    pub(crate) fn live_rec(&self, rec: &SandboxRecord) -> Result<Arc<LiveSandbox>, OpError> {
+    /// [`Self::live`] for a record. A sandbox on a connected `aviary node`
+    /// agent that another replica created is attached here on first use (its
+    /// envd already has the current fence; the attach pushes it again, which
+    /// changes nothing). A sandbox on a node this control plane does not
+    /// drive (another replica's own runtimes) is named as such.
+    pub(crate) async fn live_rec(&self, rec: &SandboxRecord) -> Result<Arc<LiveSandbox>, OpError> {
         if !self.drives_node(&rec.node) {
             return Err(OpError::Unavailable(format!(
                 "the sandbox runs on node {}, which this replica does not drive \
@@ -625,7 +628,24 @@ impl ControlPlane {
                 rec.node
             )));
         }
-        self.live(&rec.id)
+        if let Some(live) = self.live_opt(&rec.id) {
+            return Ok(live);
+        }
+        match self.nodes.get(&rec.node) {
+            Some(node) if rec.state.is_live() => {
+                let envd = node.runtime.envd(&rec.id);
+                envd.wait_ready(Duration::from_secs(2)).await.map_err(|e| {
+                    OpError::Unavailable(format!(
+                        "the sandbox's envd on node {} does not answer: {e}",
+                        rec.node
+                    ))
+                })?;
+                let live = self.attach(&rec.id, envd, None);
+                self.push_fence_or_lose(&rec.id, &live, None).await?;
+                Ok(live)
+            }
+            _ => self.live(&rec.id),
+        }
     }
 
     pub(crate) fn live_opt(&self, id: &SandboxId) -> Option<Arc<LiveSandbox>> {
@@ -1426,7 +1446,7 @@ impl ControlPlane {
         let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
         self.check_fence(&rec.id, cx.token).await?;
-        let live = self.live_rec(&rec)?;
+        let live = self.live_rec(&rec).await?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
@@ -1463,7 +1483,7 @@ impl ControlPlane {
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
         let rec = self.sandbox_for(&cx.caller, id).await?;
         Self::running(&rec)?;
-        let live = self.live_rec(&rec)?;
+        let live = self.live_rec(&rec).await?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
@@ -1772,7 +1792,7 @@ impl ControlPlane {
                 what: "only an idle sandbox can be leased".into(),
             });
         }
-        let live = self.live_rec(&rec)?;
+        let live = self.live_rec(&rec).await?;
         let lease = self
             .leases
             .acquire(&rec.id, &req.owner, ttl, aviary_core::now())

@@ -265,6 +265,9 @@ impl RunningServer {
     }
 }
 
+/// How often the registry's node registrations are re-read.
+const NODE_REFRESH: Duration = Duration::from_secs(3);
+
 /// Starts the server: binds, begins preparing templates in the background
 /// (`/readyz` says when done), and runs the lease/TTL sweep.
 pub async fn start(
@@ -337,6 +340,15 @@ pub async fn start(
         }
     });
     let probe_task = tokio::spawn(probe_envds(cp.clone()));
+    // node agents another replica registered (or that were down) are
+    // connected on the next pass
+    let nodes_cp = cp.clone();
+    let nodes_task = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(NODE_REFRESH).await;
+            nodes_cp.load_nodes().await;
+        }
+    });
     let gc_task = tokio::spawn(collect_chunks(cp.clone(), leader));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let app = http::router(cp.clone(), server);
@@ -349,6 +361,7 @@ pub async fn start(
         sweep_task.abort();
         refill_task.abort();
         probe_task.abort();
+        nodes_task.abort();
         gc_task.abort();
         leader_task.abort();
         res.context("http server failed")

@@ -377,3 +377,131 @@ async fn two_replicas_share_the_registry_and_leases_and_one_leads() {
         "the surviving replica took the background loops over"
     );
 }
+
+/// An `aviary node` agent on loopback (real crun, own state dir).
+async fn agent(dir: &std::path::Path, id: &str) -> (aviary_node::RunningNode, String) {
+    let state = dir.join(id);
+    let rt = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            state.join("sandboxes"),
+        )
+        .with_template_store(common::template_cache()),
+    )
+    .unwrap();
+    let token = format!("token-{id}");
+    let node = aviary_node::start_node(aviary_node::NodeConfig {
+        id: id.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: token.clone(),
+        runtime: std::sync::Arc::new(rt),
+        templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
+        state_dir: state.join("agent"),
+        capacity: aviary_node::Capacity {
+            cpu: 16.0,
+            memory_mb: 65_536,
+        },
+        provided_binds: vec![aviary_node::ProvidedBind::envd(common::envd_binary())],
+    })
+    .await
+    .unwrap();
+    (node, token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_replica_serves_a_sandbox_on_a_node_agent() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let space = unique("agent");
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let replica = |name: &str| {
+        let mut cfg = common::config(&dir.path().join(name), "busybox");
+        on_node(&mut cfg, &pg, &redis, &space, name);
+        // the replicas run no sandboxes themselves: compute is on the agent
+        cfg.control.local_cpu = 0.0;
+        cfg.control.local_memory_mb = 0;
+        cfg
+    };
+    let a = common::start_cfg(replica("replica-a")).await;
+    let b = common::start_cfg(replica("replica-b")).await;
+    let (node, token) = agent(dir.path(), "agent-1").await;
+
+    // registered through A; B connects it from the registry
+    a.client
+        .add_node("agent-1", &node.addr().to_string(), &token)
+        .await
+        .unwrap();
+    let mut seen = false;
+    for _ in 0..100 {
+        let nodes = b.client.nodes().await.unwrap();
+        if nodes["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == "agent-1")
+        {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(seen, "B connected the agent A registered");
+
+    let id = common::new_sandbox(&a.client).await;
+    assert_eq!(a.client.get_sandbox(&id).await.unwrap().node, "agent-1");
+    // any replica serves any request for it
+    let lease = a
+        .client
+        .acquire_lease(&id, "agent", Some(60))
+        .await
+        .unwrap();
+    let with = |t: Option<aviary_core::LeaseToken>, cmd: &str| aviary_core::api::ExecRequest {
+        token: t,
+        ..common::shell(cmd)
+    };
+    let out = b
+        .client
+        .exec(
+            &id,
+            &with(
+                Some(lease.token),
+                "echo via-b > /workspace/f; cat /workspace/f",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "via-b\n");
+    let e = b
+        .client
+        .exec(&id, &with(None, "echo sneaky > /workspace/f"))
+        .await
+        .unwrap_err();
+    assert_eq!(code(e), Some(ErrorCode::LeaseRequired));
+    // a new lease through B fences A's old token out on both replicas
+    b.client.release_lease(&id, lease.token).await.unwrap();
+    let newer = b
+        .client
+        .acquire_lease(&id, "agent-2", Some(60))
+        .await
+        .unwrap();
+    assert!(newer.token.fence() > lease.token.fence());
+    for r in [&a, &b] {
+        let e = r
+            .client
+            .write_file(&id, "/workspace/f", b"stale".to_vec(), Some(lease.token))
+            .await
+            .unwrap_err();
+        assert_eq!(code(e), Some(ErrorCode::StaleToken));
+    }
+    let got = a.client.read_file(&id, "/workspace/f").await.unwrap();
+    assert_eq!(got, b"via-b\n", "no stale write landed");
+    a.client
+        .delete_sandbox(&id, Some(newer.token))
+        .await
+        .unwrap();
+    drop(node);
+}
