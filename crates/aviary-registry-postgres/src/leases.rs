@@ -120,7 +120,7 @@ impl LeaseStore for PostgresRegistry {
         // Racing grants (and fenced transitions) of this sandbox queue here;
         // the loser then reads the winner's lease below.
         let locked: Option<i64> = sqlx::query_scalar(
-            "SELECT fence_token FROM sandbox_instance WHERE sandbox_id = $1 FOR UPDATE",
+            "SELECT fence_token FROM sandbox_instance WHERE sandbox_id = $1 FOR NO KEY UPDATE",
         )
         .bind(sandbox.as_str())
         .fetch_optional(&mut *tx)

@@ -5,8 +5,8 @@
 //! This crate owns the PostgreSQL schema (`migrations/`, embedded in the
 //! binary, applied on connect in one transaction under a per-schema advisory
 //! lock and recorded in `registry_migrations`; a database at a newer version
-//! than this build is refused) and the mapping of driver errors to the semantic [`RegistryError`] /
-//! [`LeaseError`] variants. One database can hold several registries, one per
+//! than this build is refused) and the mapping of driver errors to the
+//! semantic [`RegistryError`] / [`LeaseError`] variants. One database can hold several registries, one per
 //! schema ([`PostgresOptions::schema`]). The tables hold secrets (node agent
 //! tokens), so the database's roles are part of the access control.
 //!
@@ -19,9 +19,10 @@
 //! Concurrency: any number of control planes may share one schema, each with
 //! its own pool. Transactions run at READ COMMITTED and every
 //! read-modify-write of a sandbox (transition, claim, lease grant) starts by
-//! locking its `sandbox_instance` row (`SELECT … FOR UPDATE`), so racing
-//! writers of one sandbox queue on that lock and the loser sees the
-//! winner's commit. The statements after the lock read a fresh snapshot:
+//! locking its `sandbox_instance` row (`SELECT … FOR NO KEY UPDATE`: the
+//! row lock an `UPDATE` takes, which still lets foreign-key checks of other
+//! tables through), so racing writers of one sandbox queue on that lock and
+//! the loser sees the winner's commit. The statements after the lock read a fresh snapshot:
 //! the lease a fenced transition checks is the committed one, and no grant
 //! can slip between its check and its write (a grant bumps the counter in
 //! the locked row). Single-row writes (renew, release, field updates) are one
@@ -344,7 +345,6 @@ fn lease_from_registry(e: RegistryError) -> LeaseError {
 /// order (see the crate doc). Taken right before the insert, so it is held
 /// only for the insert and the commit.
 async fn lock_event_order(tx: &mut Transaction<'static, Postgres>) -> Result<(), RegistryError> {
-    if std::env::var("NO_EVENT_LOCK").is_ok() { return Ok(()); }
     sqlx::query(
         "SELECT pg_advisory_xact_lock(hashtext('aviary.sandbox_event'), \
          hashtext(coalesce(current_schema(), '')))",

@@ -342,7 +342,7 @@ impl Registry for PostgresRegistry {
         // grants, which bump `fence_token`) behind this transaction.
         let row = sqlx::query(&format!(
             "SELECT {SANDBOX_COLUMNS}, fence_token FROM sandbox_instance \
-             WHERE sandbox_id = $1 FOR UPDATE"
+             WHERE sandbox_id = $1 FOR NO KEY UPDATE"
         ))
         .bind(id.as_str())
         .fetch_optional(&mut *tx)
@@ -445,7 +445,7 @@ impl Registry for PostgresRegistry {
         let mut tx = self.begin().await.map_err(storage)?;
         let row = sqlx::query(
             "SELECT state, version, tenant_id FROM sandbox_instance \
-             WHERE sandbox_id = $1 FOR UPDATE",
+             WHERE sandbox_id = $1 FOR NO KEY UPDATE",
         )
         .bind(id.as_str())
         .fetch_optional(&mut *tx)

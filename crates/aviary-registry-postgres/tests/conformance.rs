@@ -269,6 +269,24 @@ async fn bad_schema_names_are_refused_before_connecting() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_url_is_refused_without_echoing_it() {
+    for url in [
+        "postgres://aviary:hunter2-secret@127.0.0.1:notaport/db",
+        "postgres://aviary:hunter2-secret@[::1/db",
+        "hunter2-secret",
+    ] {
+        let e = PostgresRegistry::connect(url, PostgresOptions::default())
+            .await
+            .unwrap_err();
+        let RegistryError::Storage(msg) = &e else {
+            panic!("{url}: {e:?}")
+        };
+        assert!(msg.contains("bad postgres url"), "{url}: {msg}");
+        assert!(!msg.contains("hunter2"), "the password leaked: {msg}");
+    }
+}
+
 /// A loopback port nothing listens on.
 fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -452,9 +470,11 @@ async fn two_control_planes_race_fairly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_grant_racing_a_fenced_transition_never_both_win_unfenced() {
-    // An unleased writer (FenceCheck::Counter at the counter it saw) races
-    // grants: a write that commits after a grant must be refused.
+async fn a_fence_racing_an_unleased_write_is_ordered_cleanly() {
+    // An unleased writer (FenceCheck::Counter at the counter it saw) races a
+    // fence handed to a networked lease store. Both queue on the sandbox
+    // row: the write either commits first or is refused as LeaseRequired,
+    // never fails otherwise (no deadlock, no serialization error).
     let Some(db) = TestSchema::new() else { return };
     let reg = Arc::new(db.registry().await);
     for _ in 0..10 {
@@ -490,14 +510,28 @@ async fn a_grant_racing_a_fenced_transition_never_both_win_unfenced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_event_follower_never_skips_a_row() {
-    // Writers on two pools append concurrently while a follower pages with
-    // `after_id`: ids must become visible in increasing order, so the
+    // Writers on two pools append concurrently while followers page with
+    // `after_id`: ids must become visible in increasing order, so each
     // follower sees every event exactly once.
-    const WRITERS: usize = 16;
-    const EACH: usize = 25;
+    const WRITERS: usize = 8;
+    const EACH: usize = 20;
+    const FOLLOWERS: usize = 4;
     let Some(db) = TestSchema::new() else { return };
     let tenant = aviary_core::new_id("tenant");
     let (a, b) = (Arc::new(db.registry().await), Arc::new(db.registry().await));
+    // Widen the race: every event insert now waits a little before its
+    // transaction can commit, so without commit-ordered ids a later id
+    // would routinely become visible before an earlier one.
+    let mut raw = db.raw().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION slow_event_commit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN PERFORM pg_sleep(random() * 0.01); RETURN NULL; END $$; \
+         CREATE TRIGGER slow_event_commit AFTER INSERT ON sandbox_event \
+         FOR EACH ROW EXECUTE FUNCTION slow_event_commit();",
+    )
+    .execute(&mut raw)
+    .await
+    .unwrap();
     let writers: Vec<_> = (0..WRITERS)
         .map(|w| {
             let reg = if w.is_multiple_of(2) {
@@ -532,36 +566,40 @@ async fn an_event_follower_never_skips_a_row() {
         })
         .collect();
     let writing_done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let follower = {
-        let (reg, tenant, writing_done) = (a.clone(), tenant.clone(), writing_done.clone());
-        tokio::spawn(async move {
-            let mut seen = Vec::new();
-            loop {
-                // read before the page: when set, every event is committed
-                // before the page's snapshot, so an empty page is the end
-                let finished = writing_done.load(std::sync::atomic::Ordering::SeqCst);
-                let page = reg
-                    .list_events(&EventFilter {
-                        tenant: Some(tenant.clone()),
-                        after_id: seen.last().copied(),
-                        limit: 3,
-                        ..EventFilter::default()
-                    })
-                    .await
-                    .unwrap();
-                if page.is_empty() && finished {
-                    return seen;
+    // several followers: each catches a skip only if it reads in the short
+    // window between two commits
+    let followers: Vec<_> = (0..FOLLOWERS)
+        .map(|f| {
+            let reg = if f % 2 == 0 { a.clone() } else { b.clone() };
+            let (tenant, writing_done) = (tenant.clone(), writing_done.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                loop {
+                    // read before the page: once set, every event committed
+                    // before the page's snapshot, so an empty page is the end
+                    let finished = writing_done.load(std::sync::atomic::Ordering::SeqCst);
+                    let page = reg
+                        .list_events(&EventFilter {
+                            tenant: Some(tenant.clone()),
+                            after_id: seen.last().copied(),
+                            limit: 3,
+                            ..EventFilter::default()
+                        })
+                        .await
+                        .unwrap();
+                    if page.is_empty() && finished {
+                        return seen;
+                    }
+                    seen.extend(page.iter().map(|e| e.id));
+                    tokio::task::yield_now().await;
                 }
-                seen.extend(page.iter().map(|e| e.id));
-                tokio::task::yield_now().await;
-            }
+            })
         })
-    };
+        .collect();
     for w in writers {
         w.await.unwrap();
     }
     writing_done.store(true, std::sync::atomic::Ordering::SeqCst);
-    let followed = follower.await.unwrap();
     let all: Vec<i64> = a
         .list_events(&EventFilter {
             tenant: Some(tenant),
@@ -574,7 +612,10 @@ async fn an_event_follower_never_skips_a_row() {
         .map(|e| e.id)
         .collect();
     assert_eq!(all.len(), WRITERS * EACH);
-    assert_eq!(followed, all, "the follower saw every event, in order");
+    for (f, follower) in followers.into_iter().enumerate() {
+        let followed = follower.await.unwrap();
+        assert_eq!(followed, all, "follower {f} saw every event, in order");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
