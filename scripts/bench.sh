@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots quota planner pool.
+# PARTs (default: all, in this order): core snapshots quota planner pool leases.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots quota planner pool "
+all_parts=" core snapshots quota planner pool leases "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -76,5 +76,19 @@ fi
 if want pool; then
   "$CARGO_TARGET_DIR/release/aviary-bench" pool-churn "${AVIARY_BENCH_POOL_CYCLES:-50}" | tee "$out"
   write_section pool "$measured" "$out"
+fi
+# lease stores: embedded vs PostgreSQL vs Redis, beside redis-benchmark (the floor)
+if want leases; then
+  services_env=$(mktemp)
+  # services that were already up (a test run, a developer's) are left running
+  were_up=no
+  if (exec 3<>/dev/tcp/127.0.0.1/"${AVIARY_PG_PORT:-15432}") 2>/dev/null; then were_up=yes; fi
+  scripts/services.sh start >"$services_env"
+  # shellcheck disable=SC1090
+  . "$services_env"
+  "$CARGO_TARGET_DIR/release/aviary-bench" leases "${AVIARY_BENCH_LEASE_CYCLES:-2000}" | tee "$out"
+  [[ $were_up == yes ]] || scripts/services.sh stop >/dev/null 2>&1 || true
+  rm -f "$services_env"
+  write_section leases "$measured" "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

@@ -9,9 +9,12 @@
 //!
 //! `aviary-bench planner` runs only the planner scoring ([`planner`]);
 //! `aviary-bench pool-churn [CYCLES]` a warm pool under create → exec → rm
-//! churn, hits and hit/miss latency ([`pool_churn`]).
+//! churn, hits and hit/miss latency ([`pool_churn`]); `aviary-bench leases
+//! [CYCLES]` lease operations per second on each lease store beside
+//! `redis-benchmark` ([`leases`]).
 #![forbid(unsafe_code)]
 
+mod leases;
 mod planner;
 mod pool_churn;
 
@@ -128,6 +131,10 @@ async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("planner") {
         return planner::run();
+    }
+    if args.get(1).map(String::as_str) == Some("leases") {
+        let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(2000);
+        return leases::run(cycles).await;
     }
     if args.get(1).map(String::as_str) == Some("pool-churn") {
         let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
