@@ -202,6 +202,9 @@ enum Claim {
 }
 
 fn storage(op: &str, e: redis::RedisError) -> LeaseError {
+    if crate::unreachable(&e) {
+        return LeaseError::Unavailable(format!("redis {op}: {e}"));
+    }
     LeaseError::Storage(format!("redis {op}: {e}"))
 }
 

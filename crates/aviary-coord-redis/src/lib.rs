@@ -69,6 +69,20 @@ pub use routes::{RedisRoutes, RouteError};
 
 use std::time::Duration;
 
+/// Whether Redis could not be reached (connection refused or dropped, a
+/// timeout, a server still loading its data): the call changed nothing and
+/// is answered 503.
+pub(crate) fn unreachable(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::BusyLoadingError | redis::ErrorKind::TryAgain
+        )
+}
+
 /// How long [`connect`] tries before giving up.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long one command may take before it fails (a partitioned Redis

@@ -147,6 +147,9 @@ impl Releasing {
 }
 
 fn storage(op: &str, e: redis::RedisError) -> LockError {
+    if crate::unreachable(&e) {
+        return LockError::Unavailable(format!("redis {op}: {e}"));
+    }
     LockError::Storage(format!("redis {op}: {e}"))
 }
 

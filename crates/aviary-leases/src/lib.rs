@@ -93,6 +93,10 @@ pub enum LeaseError {
     /// The backing store failed; the message is for the server log.
     #[error("lease storage: {0}")]
     Storage(String),
+    /// The backing service cannot be reached (down, restarting, partitioned):
+    /// nothing was changed and the call may be retried.
+    #[error("lease store unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl LeaseError {
@@ -106,6 +110,7 @@ impl LeaseError {
             LeaseError::StaleToken => ErrorCode::StaleToken,
             LeaseError::InvalidTtl => ErrorCode::InvalidRequest,
             LeaseError::Storage(_) => ErrorCode::Internal,
+            LeaseError::Unavailable(_) => ErrorCode::Unavailable,
         }
     }
 }

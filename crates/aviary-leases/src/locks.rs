@@ -106,6 +106,9 @@ pub enum LockError {
     /// The backing store failed; the message is for the server log.
     #[error("lock storage: {0}")]
     Storage(String),
+    /// The backing service cannot be reached; nothing is held.
+    #[error("lock store unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl LockError {
@@ -117,6 +120,7 @@ impl LockError {
             LockError::Timeout { .. } => ErrorCode::Conflict,
             // the ttl is chosen by the control plane, never by a client
             LockError::InvalidTtl | LockError::Storage(_) => ErrorCode::Internal,
+            LockError::Unavailable(_) => ErrorCode::Unavailable,
         }
     }
 }

@@ -325,17 +325,40 @@ fn storage(e: sqlx::Error) -> RegistryError {
             _ => {}
         }
     }
+    if unreachable(&e) {
+        return RegistryError::Unavailable(format!("postgres: {e}"));
+    }
     RegistryError::Storage(e.to_string())
 }
 
 fn lease_storage(e: sqlx::Error) -> LeaseError {
+    if unreachable(&e) {
+        return LeaseError::Unavailable(format!("postgres: {e}"));
+    }
     LeaseError::Storage(e.to_string())
+}
+
+/// Whether the database could not be reached at all (down, restarting,
+/// the pool could not open a connection in time), as opposed to a query
+/// that reached it and failed: the caller answers 503, not 500.
+fn unreachable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
+        sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed => true,
+        // the server is shutting down or restarting (admin_shutdown,
+        // crash_shutdown, cannot_connect_now)
+        sqlx::Error::Database(db) => {
+            matches!(db.code().as_deref(), Some("57P01" | "57P02" | "57P03"))
+        }
+        _ => false,
+    }
 }
 
 /// Registry-side decode errors inside lease code.
 fn lease_from_registry(e: RegistryError) -> LeaseError {
     match e {
         RegistryError::NotFound => LeaseError::NotFound,
+        RegistryError::Unavailable(m) => LeaseError::Unavailable(m),
         other => LeaseError::Storage(other.to_string()),
     }
 }

@@ -111,6 +111,10 @@ pub enum RegistryError {
     /// The backing store failed; the message is for the server log.
     #[error("registry storage: {0}")]
     Storage(String),
+    /// The backing service cannot be reached (down, restarting,
+    /// partitioned): nothing was changed and the call may be retried.
+    #[error("registry unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl RegistryError {
@@ -123,6 +127,7 @@ impl RegistryError {
             RegistryError::LeaseRequired => ErrorCode::LeaseRequired,
             RegistryError::StaleToken => ErrorCode::StaleToken,
             RegistryError::Storage(_) => ErrorCode::Internal,
+            RegistryError::Unavailable(_) => ErrorCode::Unavailable,
         }
     }
 }
@@ -138,6 +143,7 @@ impl From<LeaseError> for RegistryError {
                 RegistryError::Storage(e.to_string())
             }
             LeaseError::Storage(m) => RegistryError::Storage(m),
+            LeaseError::Unavailable(m) => RegistryError::Unavailable(m),
         }
     }
 }
