@@ -48,6 +48,21 @@ pub struct ControlConfig {
     /// registry each need their own, stable across restarts: a replica
     /// re-attaches and reconciles only the sandboxes on its own node.
     pub local_node: String,
+    /// Whether this control plane runs sandboxes on its own runtimes (the
+    /// default). A distributed replica started without a node name runs
+    /// none: its compute is on `aviary node` agents, so it is stateless.
+    pub runs_sandboxes: bool,
+    /// How often the reconciler compares the registry with the runtimes
+    /// and node agents this control plane drives
+    /// ([`crate::reconciler`]).
+    pub reconcile_interval_ms: u64,
+    /// A runtime sandbox the registry does not know (or knows as
+    /// terminated) is destroyed only once it has been seen unknown for
+    /// this long.
+    pub orphan_grace_s: u64,
+    /// A node agent whose runtime has not answered for this long is
+    /// unhealthy: its sandboxes become `Lost`.
+    pub node_unhealthy_after_s: u64,
 }
 
 impl ControlConfig {
@@ -61,6 +76,7 @@ impl ControlConfig {
             settings,
             envd_binary,
             local_node: crate::nodes::LOCAL_NODE.to_owned(),
+            runs_sandboxes: true,
             exec_output_cap: 1 << 20,
             default_lease_ttl_s: 60,
             max_lease_ttl_s: 24 * 3600,
@@ -72,6 +88,9 @@ impl ControlConfig {
             chunk_gc_grace_s: 3_600,
             local_cpu: 1.0,
             local_memory_mb: 1024,
+            reconcile_interval_ms: 5_000,
+            orphan_grace_s: 60,
+            node_unhealthy_after_s: 15,
         }
     }
 }

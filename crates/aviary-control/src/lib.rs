@@ -20,7 +20,9 @@
 //!   [`nodes`]: placement; [`lifecycle`]: pause, resume, recycling (reset
 //!   levels), the sweep and the reconciler's loss handling; [`snapshots`]:
 //!   snapshots, fork, hibernate/wake, restore branches; [`projection`]:
-//!   workspace projection; [`keys`]: API keys.
+//!   workspace projection; [`keys`]: API keys; [`reconciler`]: the periodic
+//!   observe → compare → reconcile pass (lost compute recovered from its
+//!   snapshot, orphans destroyed after a grace, silent node agents).
 //!
 //! Concurrency: per-sandbox ordering comes from the registry's optimistic
 //! versions and the lease store's fencing tokens. Work that must not overlap
@@ -45,7 +47,11 @@
 //!   write), the last projection index per sandbox (`projection`; a missing
 //!   one costs a full upload, not correctness).
 //! - metrics and counters: request metrics, pool hits/misses and the last
-//!   read hand-out count (`metrics`, `pools`), per process like every metric.
+//!   read hand-out count (`metrics`, `pools`), reconciler actions, per
+//!   process like every metric.
+//! - the reconciler's observations: since when each unclaimed runtime
+//!   sandbox has been seen, and when each agent last answered
+//!   (`reconciler`); a restart starts them over, which only waits longer.
 //! - readiness, and the planner and policy built from the configuration.
 #![forbid(unsafe_code)]
 
@@ -61,6 +67,7 @@ pub mod ops;
 pub mod planning;
 pub mod pools;
 pub mod projection;
+pub mod reconciler;
 pub mod requests;
 pub mod scopes;
 pub mod snapshots;
@@ -74,3 +81,4 @@ pub use config::ControlConfig;
 pub use context::{Caller, OpContext};
 pub use error::OpError;
 pub use ops::{ControlPlane, Readiness};
+pub use reconciler::ReconcileReport;

@@ -43,6 +43,7 @@ use std::time::Duration;
 /// Why a sandbox was lost (what the client and the event say).
 pub(crate) const LOST_ENVD_GONE: &str = "its envd is not running";
 pub(crate) const LOST_FENCE_REFUSED: &str = "its envd did not take the lease fence";
+pub(crate) const LOST_COMPUTE_GONE: &str = "its compute is gone from the runtime";
 
 /// How long a lock taken by the control plane lives without a renewal (its
 /// guard renews it every third of that while held).
@@ -98,6 +99,23 @@ impl ControlPlane {
             LIFECYCLE_WAIT,
         )
         .await
+    }
+
+    /// The lifecycle guard of one sandbox if nobody holds it now (the
+    /// reconciler never waits: a hibernate, wake or another replica's pass
+    /// working on the sandbox has it, and the next pass looks again).
+    pub(crate) async fn try_lifecycle_guard(
+        &self,
+        id: &SandboxId,
+        purpose: &str,
+    ) -> Result<Option<LockGuard>, OpError> {
+        let owner = format!("aviary-server[{}] {purpose}", std::process::id());
+        let req = LockRequest::new(LockName::new("lifecycle", id.as_str()), owner, LOCK_TTL);
+        Ok(self
+            .locks
+            .try_acquire(&req)
+            .await?
+            .map(LockGuard::keep_alive))
     }
 
     /// Freezes every process of the sandbox (fenced like any write).
@@ -441,25 +459,43 @@ impl ControlPlane {
         reason: &str,
         request_id: Option<&str>,
     ) -> OpError {
-        let lost = OpError::SandboxLost(format!(
-            "sandbox {id} is lost ({reason}); delete it and create a new one"
-        ));
+        match self
+            .lose(id, reason, request_id, serde_json::Map::new())
+            .await
+        {
+            Ok(_) => OpError::SandboxLost(format!(
+                "sandbox {id} is lost ({reason}); delete it and create a new one"
+            )),
+            Err(e) => e,
+        }
+    }
+
+    /// [`Self::mark_lost`]'s work: `Ok(true)` when this call moved the
+    /// sandbox (to `Lost`, or `Failed` from `ReuseChecking`), `Ok(false)`
+    /// when it already was lost or failed. The `sandbox_lost` event carries
+    /// `reason`, whether what still runs was frozen, whether the sandbox was
+    /// tainted before (a recovery puts that back), and `extra` (the
+    /// reconciler's cause and node).
+    pub(crate) async fn lose(
+        &self,
+        id: &SandboxId,
+        reason: &str,
+        request_id: Option<&str>,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<bool, OpError> {
         for _ in 0..8 {
-            let rec = match self.registry.get_sandbox(id).await {
-                Ok(r) => r,
-                Err(e) => return e.into(),
-            };
+            let rec = self.registry.get_sandbox(id).await?;
             let to = if rec.state.can_transition_to(SandboxState::Lost) {
                 SandboxState::Lost
             } else if rec.state == SandboxState::ReuseChecking {
                 SandboxState::Failed
             } else if matches!(rec.state, SandboxState::Lost | SandboxState::Failed) {
-                return lost;
+                return Ok(false);
             } else {
-                return OpError::Unavailable(format!(
+                return Err(OpError::Unavailable(format!(
                     "sandbox {id} is {}: its envd does not answer",
                     rec.state
-                ));
+                )));
             };
             self.forget_live(id);
             // its token is void: envd may never have been told about a newer one
@@ -474,6 +510,14 @@ impl ControlPlane {
                 Err(_) => false,
             };
             tracing::warn!(sandbox.id = %id, reason, frozen, "sandbox lost");
+            let mut meta = serde_json::json!({
+                "reason": reason,
+                "frozen": frozen,
+                "was_tainted": rec.tainted,
+            });
+            if let Some(m) = meta.as_object_mut() {
+                m.extend(extra.clone());
+            }
             match self
                 .registry
                 .transition(
@@ -481,11 +525,7 @@ impl ControlPlane {
                     rec.version,
                     &[to],
                     FenceCheck::Skip,
-                    ctx(
-                        request_id,
-                        "sandbox_lost",
-                        serde_json::json!({"reason": reason, "frozen": frozen}),
-                    ),
+                    ctx(request_id, "sandbox_lost", meta),
                 )
                 .await
             {
@@ -493,13 +533,13 @@ impl ControlPlane {
                     if let Err(e) = self.registry.set_tainted(id, rec.version, true).await {
                         tracing::warn!(sandbox.id = %id, error = %e, "could not taint the lost sandbox");
                     }
-                    return lost;
+                    return Ok(true);
                 }
                 Err(aviary_registry::RegistryError::Conflict) => continue,
-                Err(e) => return e.into(),
+                Err(e) => return Err(e.into()),
             }
         }
-        OpError::Conflict
+        Err(OpError::Conflict)
     }
 
     /// True when the sandbox's envd is gone for good: its runtime says the

@@ -307,6 +307,10 @@ impl ControlPlane {
             healthy: true,
             last_seen: now,
         }];
+        if !self.cfg.runs_sandboxes {
+            // a stateless replica: placement only among the agents
+            views.clear();
+        }
         for n in self.nodes.all() {
             if local_only {
                 break;

@@ -162,6 +162,9 @@ pub struct ControlPlane {
     pub pools: crate::pools::Pools,
     pub snapshots: aviary_snapshots::SnapshotService,
     pub nodes: crate::nodes::Nodes,
+    /// What the reconciler saw on earlier passes (unclaimed compute, silent
+    /// agents): observations, not records.
+    pub(crate) reconciler: crate::reconciler::Observations,
     /// The last synced projection index per sandbox (a cache: a missing one
     /// costs a full upload, not correctness).
     pub(crate) projection_indexes:
@@ -266,6 +269,7 @@ impl ControlPlane {
             pools,
             snapshots,
             nodes,
+            reconciler: Default::default(),
             projection_indexes: StdMutex::new(HashMap::new()),
             bootstrap_key_hash: std::sync::RwLock::new(None),
         }))
@@ -546,6 +550,30 @@ impl ControlPlane {
         if rec.state.is_terminal() {
             return Ok(());
         }
+        if rec.state.is_live()
+            && !matches!(
+                status,
+                Some(
+                    aviary_runtime::RuntimeStatus::Running | aviary_runtime::RuntimeStatus::Paused
+                )
+            )
+            && rec.tenant != aviary_registry::POOL_TENANT
+            && self.last_snapshot(&rec.tenant, &rec.id).await?.is_some()
+        {
+            // its compute went while the server was down, but its last
+            // snapshot can bring it back: lost now, restored by the
+            // reconciler's first pass like compute that goes while it runs
+            let extra = [
+                ("cause", crate::reconciler::CAUSE_COMPUTE_GONE),
+                ("found", "at start-up"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), serde_json::Value::String(v.to_owned())))
+            .collect();
+            self.lose(&rec.id, crate::lifecycle::LOST_COMPUTE_GONE, None, extra)
+                .await?;
+            return Ok(());
+        }
         // Lost: the runtime no longer has it (or it never finished starting).
         let _ = runtime.destroy(&rec.id).await;
         let _ = self.leases.revoke(&rec.id).await;
@@ -584,7 +612,7 @@ impl ControlPlane {
         Ok(envd_client(&ep))
     }
 
-    fn attach(
+    pub(crate) fn attach(
         &self,
         id: &SandboxId,
         envd: EnvdClient,
@@ -1052,8 +1080,16 @@ impl ControlPlane {
     }
 
     pub(crate) async fn destroy_pooled(&self, rec: SandboxRecord) -> Result<Sandbox, OpError> {
-        self.destroy(rec, FenceCheck::Skip, None, "pool trimmed")
-            .await
+        self.destroy_unattended(rec, "pool trimmed").await
+    }
+
+    /// Destroys a sandbox for the platform's own reason (no lease check).
+    pub(crate) async fn destroy_unattended(
+        &self,
+        rec: SandboxRecord,
+        why: &str,
+    ) -> Result<Sandbox, OpError> {
+        self.destroy(rec, FenceCheck::Skip, None, why).await
     }
 
     /// Hands out a warm pooled sandbox when a pool matches the approved
@@ -1908,7 +1944,7 @@ impl ControlPlane {
     /// runtimes, or an `aviary node` agent it is connected to (not another
     /// replica's own runtimes).
     pub(crate) fn drives_node(&self, node: &str) -> bool {
-        node == self.cfg.local_node || self.nodes.get(node).is_some()
+        (self.cfg.runs_sandboxes && node == self.cfg.local_node) || self.nodes.get(node).is_some()
     }
 
     /// Both sweeps, as the single server runs them.
@@ -2130,7 +2166,7 @@ fn new_api_key() -> String {
     format!("avk_{}", hex::encode(b))
 }
 
-fn anyhow_of(e: &OpError) -> anyhow::Error {
+pub(crate) fn anyhow_of(e: &OpError) -> anyhow::Error {
     match e {
         OpError::Internal(inner) => anyhow::anyhow!("{inner:#}"),
         other => anyhow::anyhow!("{other}"),

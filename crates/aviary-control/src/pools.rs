@@ -362,6 +362,10 @@ impl ControlPlane {
     /// idle sandboxes above `buffer_max`. Returns how many were started. A
     /// pool whose refill lock is held (another pass is at it) is skipped.
     pub async fn refill_pools(&self) -> Result<usize, OpError> {
+        if !self.cfg.runs_sandboxes {
+            // pools are per node, and this replica is none
+            return Ok(0);
+        }
         let mut started = 0;
         let bounds = self.registry.list_pool_bounds().await?;
         for (i, pool) in self.pools.pools.iter().enumerate() {

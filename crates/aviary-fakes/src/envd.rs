@@ -244,6 +244,12 @@ impl FakeEnvd {
         self.state().tree.put(path, data.into()).map(drop)
     }
 
+    /// Every regular file of the fake's tree with its content, by absolute
+    /// path (what a snapshot of the fake runtime's layers reads).
+    pub fn files(&self) -> Vec<(String, Vec<u8>)> {
+        self.state().tree.files()
+    }
+
     /// Metadata of a path in the fake's tree.
     pub fn stat(&self, path: &str) -> Result<FileStat, ErrorBody> {
         self.state().tree.stat(path)

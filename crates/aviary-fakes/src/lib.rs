@@ -22,15 +22,20 @@
 //!   [`FakeEnvd::put_file`]); symlinks, owners, special files, disk quota;
 //!   the in-sandbox peer check of `set_fence` (every peer is trusted);
 //!   connection limits (use [`FakeEnvd::set_busy`]); read timeouts.
-//! - [`FakeRuntime`] implements [`aviary_runtime::Runtime`] and
-//!   [`aviary_runtime::Pausable`], not `Snapshottable`. A sandbox is a map
+//! - [`FakeRuntime`] implements [`aviary_runtime::Runtime`],
+//!   [`aviary_runtime::Pausable`] and [`aviary_runtime::Snapshottable`]
+//!   (offered only through [`FakeRuntime::snapshottable`]: its layers are
+//!   the fake envd's files written out to disk, and a create adopts staged
+//!   ones back into its envd's files). A sandbox is a map
 //!   entry, two empty directories under the fake's own temporary directory
 //!   and a [`FakeEnvd`] on its control dir's `envd.sock`; `init_pid` is this
 //!   process. *Models:* spec validation (`validate_spec`), `AlreadyExists`,
 //!   idempotent destroy, Running / Paused (envd frozen) / Stopped (after
 //!   [`FakeRuntime::crash`]) / NotFound, settable usage counters, injected
 //!   create failures and held creates, a host that loses a sandbox
-//!   ([`FakeRuntime::vanish`]), call counters and the specs it was given.
+//!   ([`FakeRuntime::vanish`]), a host that stops answering
+//!   ([`FakeRuntime::set_unreachable`]: every runtime call fails, `list`
+//!   included), call counters and the specs it was given.
 //!   *Does not model:* templates (every well-formed digest exists), the init
 //!   argv (never run), resource limits, networking, layers.
 //!

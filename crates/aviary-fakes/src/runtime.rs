@@ -10,14 +10,15 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use aviary_core::SandboxId;
 use aviary_runtime::{
-    validate_spec, CapableRuntime, EnvdEndpoint, Pausable, ResourceUsage, Runtime, RuntimeError,
-    RuntimeStatus, SandboxHandle, SandboxSpec, ENVD_SOCKET_NAME,
+    validate_spec, CapableRuntime, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage,
+    Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable,
+    ENVD_SOCKET_NAME, WORKSPACE_MOUNT,
 };
 use tokio::sync::Notify;
 
@@ -45,6 +46,8 @@ struct State {
     created_specs: Vec<SandboxSpec>,
     create_failures: VecDeque<RuntimeError>,
     create_holds: VecDeque<Arc<HoldInner>>,
+    /// Ids whose create adopted staged layers, in order.
+    seeded: Vec<SandboxId>,
 }
 
 /// A runtime for unit tests: no root, no crun, no processes.
@@ -55,6 +58,8 @@ pub struct FakeRuntime {
     creates: AtomicU64,
     destroys: AtomicU64,
     frozen_kills: AtomicU64,
+    /// Every call fails as if the host (a node agent) did not answer.
+    unreachable: AtomicBool,
 }
 
 impl std::fmt::Debug for FakeRuntime {
@@ -111,6 +116,7 @@ impl FakeRuntime {
             creates: AtomicU64::new(0),
             destroys: AtomicU64::new(0),
             frozen_kills: AtomicU64::new(0),
+            unreachable: AtomicBool::new(false),
         })
     }
 
@@ -129,6 +135,50 @@ impl FakeRuntime {
             pausable: Some(self.clone()),
             snapshottable: None,
         }
+    }
+
+    /// The fake seen through every capability, snapshots included: a
+    /// snapshot reads the fake envd's files as layers on disk
+    /// (`<root>/<id>/{workspace,upper}`), a create adopts staged layers
+    /// (`<root>/<id>.seed/`) into its new envd's files, a workspace merge
+    /// adds the staged files the workspace lacks.
+    pub fn snapshottable(self: &Arc<Self>) -> CapableRuntime {
+        CapableRuntime {
+            runtime: self.clone(),
+            pausable: Some(self.clone()),
+            snapshottable: Some(self.clone()),
+        }
+    }
+
+    /// While `true`, every runtime call fails as an unreachable host's
+    /// would (`list` included: a node agent that stopped answering); the
+    /// sandboxes and their envds are left as they are.
+    pub fn set_unreachable(&self, unreachable: bool) {
+        self.unreachable.store(unreachable, Ordering::SeqCst);
+    }
+
+    /// Whether [`FakeRuntime::set_unreachable`] is on.
+    pub fn is_unreachable(&self) -> bool {
+        self.unreachable.load(Ordering::SeqCst)
+    }
+
+    fn reachable(&self) -> Result<(), RuntimeError> {
+        if !self.is_unreachable() {
+            return Ok(());
+        }
+        Err(RuntimeError::Spawn {
+            program: format!("fake runtime {}", self.name),
+            source: io::Error::new(io::ErrorKind::ConnectionRefused, "host unreachable"),
+        })
+    }
+
+    /// Ids whose create adopted staged layers (a restore), in order.
+    pub fn seeded_creates(&self) -> Vec<SandboxId> {
+        self.state().seeded.clone()
+    }
+
+    fn seed_dir(&self, id: &SandboxId) -> PathBuf {
+        self.root.path().join(format!("{id}.seed"))
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -362,21 +412,37 @@ impl Runtime for FakeRuntime {
             hold.entered.notify_one();
             hold.released.notified().await;
         }
+        self.reachable()?;
         validate_spec(spec)?;
-        let mut s = self.state();
-        self.create_locked(&mut s, spec)
+        let handle = {
+            let mut s = self.state();
+            self.create_locked(&mut s, spec)?
+        };
+        let seed = self.seed_dir(&spec.id);
+        if seed.is_dir() {
+            let adopted = self.adopt(&spec.id, &seed);
+            if let Err(e) = adopted {
+                let cleanup = self.destroy(&spec.id).await;
+                return Err(e.with_cleanup(cleanup));
+            }
+            self.state().seeded.push(spec.id.clone());
+        }
+        Ok(handle)
     }
 
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         self.destroys.fetch_add(1, Ordering::SeqCst);
+        self.reachable()?;
         let sbx = self.state().sandboxes.remove(id);
         if let Some(sbx) = sbx {
             sbx.envd.die().await;
         }
+        remove_dir(&self.seed_dir(id))?;
         remove_dir(&self.sandbox_dir(id))
     }
 
     async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError> {
+        self.reachable()?;
         Ok(self
             .state()
             .sandboxes
@@ -385,6 +451,7 @@ impl Runtime for FakeRuntime {
     }
 
     async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
+        self.reachable()?;
         self.state()
             .sandboxes
             .get(id)
@@ -393,10 +460,12 @@ impl Runtime for FakeRuntime {
     }
 
     async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError> {
+        self.reachable()?;
         Ok(self.live_ids())
     }
 
     async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        self.reachable()?;
         self.state()
             .sandboxes
             .get(id)
@@ -408,19 +477,151 @@ impl Runtime for FakeRuntime {
 #[async_trait]
 impl Pausable for FakeRuntime {
     async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.reachable()?;
         self.set_paused(id, true)
     }
 
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.reachable()?;
         self.set_paused(id, false)
     }
 
     /// No processes to end: counts the call (for a sandbox that exists).
     async fn end_frozen_processes(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.reachable()?;
         if !self.state().sandboxes.contains_key(id) {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
         self.frozen_kills.fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+}
+
+impl FakeRuntime {
+    /// The fake envd of an existing sandbox, or `NotFound`.
+    fn envd_of(&self, id: &SandboxId) -> Result<FakeEnvd, RuntimeError> {
+        self.envd(id)
+            .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })
+    }
+
+    /// Loads a stage's layers into the new sandbox's envd files (the
+    /// workspace at [`WORKSPACE_MOUNT`], the writable layer at `/`), then
+    /// removes the stage.
+    fn adopt(&self, id: &SandboxId, seed: &Path) -> Result<(), RuntimeError> {
+        let envd = self.envd_of(id)?;
+        load_files(&envd, &seed.join("workspace"), WORKSPACE_MOUNT, false)?;
+        load_files(&envd, &seed.join("upper"), "/", false)?;
+        remove_dir(seed)
+    }
+}
+
+/// Writes every file of the envd's tree into the layer directories, fresh:
+/// below [`WORKSPACE_MOUNT`] into `workspace`, the rest into `writable`.
+fn dump_files(envd: &FakeEnvd, layers: &LayerExport) -> Result<(), RuntimeError> {
+    for d in [&layers.workspace, &layers.writable] {
+        remove_dir(d)?;
+        make_dirs(&[d])?;
+    }
+    let below = format!("{WORKSPACE_MOUNT}/");
+    for (path, data) in envd.files() {
+        let file = match path.strip_prefix(&below) {
+            Some(rel) => layers.workspace.join(rel),
+            None => layers.writable.join(path.trim_start_matches('/')),
+        };
+        if let Some(parent) = file.parent() {
+            make_dirs(&[parent])?;
+        }
+        std::fs::write(&file, data)
+            .map_err(|source| RuntimeError::WriteFile { path: file, source })?;
+    }
+    Ok(())
+}
+
+/// Puts every regular file below `root` into the envd's tree under
+/// `prefix`; with `keep`, a path the tree has already is left alone.
+fn load_files(envd: &FakeEnvd, root: &Path, prefix: &str, keep: bool) -> Result<(), RuntimeError> {
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(source) => return Err(RuntimeError::ReadFile { path: dir, source }),
+        };
+        for entry in entries {
+            let path = entry
+                .map_err(|source| RuntimeError::ReadFile {
+                    path: dir.clone(),
+                    source,
+                })?
+                .path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let Ok(rel) = path.strip_prefix(root) else {
+                continue;
+            };
+            let target = format!("{}/{}", prefix.trim_end_matches('/'), rel.display());
+            if keep && envd.file(&target).is_some() {
+                continue;
+            }
+            let data = std::fs::read(&path).map_err(|source| RuntimeError::ReadFile {
+                path: path.clone(),
+                source,
+            })?;
+            envd.put_file(&target, data)
+                .map_err(|e| RuntimeError::InvokeRuntime {
+                    action: "adopt layers".into(),
+                    detail: e.message,
+                })?;
+        }
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Snapshottable for FakeRuntime {
+    async fn export_layers(&self, id: &SandboxId) -> Result<LayerExport, RuntimeError> {
+        self.reachable()?;
+        let envd = self.envd_of(id)?;
+        let dir = self.sandbox_dir(id);
+        let layers = LayerExport {
+            writable: dir.join("upper"),
+            workspace: dir.join("workspace"),
+        };
+        dump_files(&envd, &layers)?;
+        Ok(layers)
+    }
+
+    async fn stage_layers(&self, id: &SandboxId) -> Result<LayerStage, RuntimeError> {
+        self.reachable()?;
+        if self.state().sandboxes.contains_key(id) {
+            return Err(RuntimeError::AlreadyExists { id: id.clone() });
+        }
+        let seed = self.seed_dir(id);
+        remove_dir(&seed)?;
+        let stage = LayerStage {
+            writable: seed.join("upper"),
+            workspace: seed.join("workspace"),
+        };
+        make_dirs(&[&stage.writable, &stage.workspace])?;
+        Ok(stage)
+    }
+
+    async fn stage_workspace(&self, id: &SandboxId) -> Result<PathBuf, RuntimeError> {
+        self.reachable()?;
+        self.envd_of(id)?;
+        let staging = self.sandbox_dir(id).join(".restore");
+        remove_dir(&staging)?;
+        make_dirs(&[&staging])?;
+        Ok(staging)
+    }
+
+    async fn merge_workspace(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.reachable()?;
+        let envd = self.envd_of(id)?;
+        let staging = self.sandbox_dir(id).join(".restore");
+        load_files(&envd, &staging, WORKSPACE_MOUNT, true)?;
+        remove_dir(&staging)
     }
 }

@@ -312,7 +312,95 @@ async fn runtime_conformance() {
     // - check_limits_visible: needs an Inspector that runs commands inside
     //   (hostname, cgroup limits, /workspace shared with the host); nothing
     //   runs in a fake sandbox.
-    // - check_layers: needs Snapshottable, which the fake does not implement.
+    // - check_layers: needs an Inspector that runs commands inside (owners,
+    //   `cat`); the fake's layers are checked below
+    //   (`snapshottable_layers_are_the_envd_files`).
+}
+
+#[tokio::test]
+async fn snapshottable_layers_are_the_envd_files() {
+    use aviary_runtime::Snapshottable;
+    let rt = FakeRuntime::new().unwrap();
+    let s = spec();
+    rt.create(&s).await.unwrap();
+    let envd = rt.envd(&s.id).unwrap();
+    envd.put_file("/workspace/src/a.txt", "ws").unwrap();
+    envd.put_file("/tmp/up.txt", "up").unwrap();
+    let export = rt.export_layers(&s.id).await.unwrap();
+    assert_eq!(
+        std::fs::read(export.workspace.join("src/a.txt")).unwrap(),
+        b"ws"
+    );
+    assert_eq!(
+        std::fs::read(export.writable.join("tmp/up.txt")).unwrap(),
+        b"up"
+    );
+    let e = rt.stage_layers(&s.id).await.unwrap_err();
+    assert!(matches!(e, RuntimeError::AlreadyExists { .. }), "{e:?}");
+    // a merge adds what the workspace lacks and keeps what it has
+    let staged = rt.stage_workspace(&s.id).await.unwrap();
+    std::fs::create_dir_all(staged.join("src")).unwrap();
+    std::fs::write(staged.join("src/a.txt"), "replaced").unwrap();
+    std::fs::write(staged.join("merged.txt"), "merged").unwrap();
+    rt.merge_workspace(&s.id).await.unwrap();
+    assert!(!staged.exists());
+    assert_eq!(envd.file("/workspace/src/a.txt").unwrap(), b"ws");
+    assert_eq!(envd.file("/workspace/merged.txt").unwrap(), b"merged");
+
+    // an export staged for a new id seeds its create, and is consumed
+    let t = spec();
+    let stage = rt.stage_layers(&t.id).await.unwrap();
+    std::fs::create_dir_all(stage.workspace.join("src")).unwrap();
+    std::fs::copy(
+        export.workspace.join("src/a.txt"),
+        stage.workspace.join("src/a.txt"),
+    )
+    .unwrap();
+    std::fs::create_dir_all(stage.writable.join("etc")).unwrap();
+    std::fs::write(stage.writable.join("etc/seeded"), "seeded").unwrap();
+    rt.create(&t).await.unwrap();
+    assert!(!stage.workspace.exists() && !stage.writable.exists());
+    let seeded = rt.envd(&t.id).unwrap();
+    assert_eq!(seeded.file("/workspace/src/a.txt").unwrap(), b"ws");
+    assert_eq!(seeded.file("/etc/seeded").unwrap(), b"seeded");
+    assert_eq!(rt.seeded_creates(), vec![t.id.clone()]);
+    // a stage no create adopted goes with destroy
+    let u = spec();
+    let stage = rt.stage_layers(&u.id).await.unwrap();
+    rt.destroy(&u.id).await.unwrap();
+    assert!(!stage.workspace.exists());
+    for id in [&s.id, &t.id] {
+        rt.destroy(id).await.unwrap();
+    }
+    assert_eq!(std::fs::read_dir(rt.root()).unwrap().count(), 0);
+}
+
+#[tokio::test]
+async fn an_unreachable_host_fails_every_call_and_keeps_its_sandboxes() {
+    let rt = FakeRuntime::new().unwrap();
+    let s = spec();
+    rt.create(&s).await.unwrap();
+    rt.set_unreachable(true);
+    assert!(rt.is_unreachable());
+    let errors = [
+        rt.list().await.unwrap_err(),
+        rt.status(&s.id).await.unwrap_err(),
+        rt.destroy(&s.id).await.unwrap_err(),
+        rt.pause(&s.id).await.unwrap_err(),
+        rt.create(&spec()).await.unwrap_err(),
+    ];
+    for e in errors {
+        assert_eq!(e.code(), aviary_core::ErrorCode::Unavailable, "{e:?}");
+    }
+    assert_eq!(
+        rt.live_ids(),
+        vec![s.id.clone()],
+        "nothing changed behind it"
+    );
+    rt.set_unreachable(false);
+    assert_eq!(rt.list().await.unwrap(), vec![s.id.clone()]);
+    assert_eq!(rt.status(&s.id).await.unwrap(), RuntimeStatus::Running);
+    rt.destroy(&s.id).await.unwrap();
 }
 
 #[tokio::test]

@@ -213,6 +213,17 @@ impl FileTree {
         Ok(())
     }
 
+    /// Every regular file, by absolute path, in path order.
+    pub(crate) fn files(&self) -> Vec<(String, Vec<u8>)> {
+        self.nodes
+            .iter()
+            .filter_map(|(k, n)| match n {
+                Node::File { data, .. } => Some((join_components(k), data.clone())),
+                Node::Dir { .. } => None,
+            })
+            .collect()
+    }
+
     /// Every entry strictly below `comps` (keys sharing a prefix are
     /// contiguous in the map's lexicographic order).
     fn descendants<'a>(

@@ -44,11 +44,15 @@ impl ServerConfig {
         if settings.distributed.is_distributed() {
             // replicas share the registry: each one's own runtimes need a
             // node name of their own
-            control.local_node = settings
-                .distributed
-                .node_name
-                .clone()
-                .unwrap_or_else(host_name);
+            // a replica runs sandboxes itself only when started as a node
+            // too (with a node name); otherwise its compute is on agents
+            match settings.distributed.node_name.clone() {
+                Some(name) => control.local_node = name,
+                None => {
+                    control.runs_sandboxes = false;
+                    control.local_node = format!("replica-{}", host_name());
+                }
+            }
         }
         ServerConfig {
             data_dir: settings.server.data_dir.clone(),

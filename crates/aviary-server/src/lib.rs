@@ -8,8 +8,8 @@
 //! turns requests into one control-plane operation each (handlers parse,
 //! call, map the error through [`error::ApiError`]); [`edge`] is the accept
 //! loop with its timeouts, connection caps and rate limits; [`start`] runs
-//! the background tasks (lease/TTL sweep, envd health probe, pool refill,
-//! chunk collection).
+//! the background tasks (lease/TTL sweep, envd health probe, the periodic
+//! reconciler, pool refill, chunk collection).
 //!
 //! In-process state here: the edge's per-key rate-limit buckets and per-IP
 //! connection counts (limits of this process's listener). The control
@@ -340,6 +340,9 @@ pub async fn start(
         }
     });
     let probe_task = tokio::spawn(probe_envds(cp.clone()));
+    // every replica reconciles the compute it drives (its own runtimes,
+    // the agents connected here)
+    let reconcile_task = tokio::spawn(reconcile(cp.clone()));
     // node agents another replica registered (or that were down) are
     // connected on the next pass
     let nodes_cp = cp.clone();
@@ -361,6 +364,7 @@ pub async fn start(
         sweep_task.abort();
         refill_task.abort();
         probe_task.abort();
+        reconcile_task.abort();
         nodes_task.abort();
         gc_task.abort();
         leader_task.abort();
@@ -388,6 +392,26 @@ async fn probe_envds(cp: Arc<ControlPlane>) {
     loop {
         tick.tick().await;
         cp.probe_envds().await;
+    }
+}
+
+/// Background task: the periodic reconciler (`ControlPlane::reconcile`).
+/// Start-up reconciled already, so the first pass comes one interval after
+/// the server is ready.
+async fn reconcile(cp: Arc<ControlPlane>) {
+    if cp.wait_ready().await != aviary_control::Readiness::Ready {
+        return;
+    }
+    let every = Duration::from_millis(cp.cfg.reconcile_interval_ms.max(50));
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match cp.reconcile().await {
+            Ok(r) if !r.is_quiet() => tracing::info!(report = ?r, "reconciler pass"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "reconciler pass failed"),
+        }
     }
 }
 

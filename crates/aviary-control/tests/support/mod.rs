@@ -9,17 +9,41 @@ use async_trait::async_trait;
 use aviary_control::backends::Progress;
 use aviary_control::requests::EventQuery;
 use aviary_control::{
-    Backends, Caller, ControlConfig, ControlPlane, DefaultTemplateSource, NoNodes, OpContext,
-    OpError, Readiness, RuntimeSet, TemplateCatalog, TreeArchive,
+    Backends, Caller, ControlConfig, ControlPlane, DefaultTemplateSource, NoNodes, NodeAgent,
+    NodeConnector, NodeSummary, OpContext, OpError, Readiness, RuntimeSet, TemplateCatalog,
+    TreeArchive,
 };
+use aviary_core::SandboxId;
+use aviary_envd_proto::EnvdClient;
 use aviary_fakes::FakeRuntime;
 use aviary_registry::{MemoryRegistry, TemplateRecord};
+use aviary_runtime::{CapableRuntime, Pausable, RuntimeError};
 use aviary_snapshots::{
     ChunkStore, RestoreStats, SnapshotError, SnapshotManifest, SnapshotRequest,
 };
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+impl Plane {
+    /// Restarts over the same registry, runtime and `chunks` (the store the
+    /// snapshots were written to), with a snapshottable runtime.
+    pub async fn restart_keeping(
+        self,
+        cfg: ControlConfig,
+        nodes: Arc<dyn NodeConnector>,
+        chunks: Arc<dyn ChunkStore>,
+    ) -> Plane {
+        let Plane {
+            cp,
+            registry,
+            runtime,
+            ..
+        } = self;
+        drop(cp);
+        plane_full(cfg, registry, runtime, nodes, chunks).await
+    }
+}
 
 /// The digest every fake template has (the fake runtime resolves any).
 pub const TEMPLATE_DIGEST: &str =
@@ -101,6 +125,156 @@ impl TreeArchive for NoTrees {
     }
 }
 
+/// The host's directories, as the server's tree archive reads and writes
+/// them (`aviary_snapshots::snapshot_dir` / `restore_dir`): what the fake
+/// runtime's snapshottable layers need.
+pub struct DiskTrees;
+
+/// Runs a chunk-store future on a blocking thread (its futures are not
+/// `Send` for every lifetime; the server's tree archive does the same).
+async fn off_thread<F, Fut, T>(f: F) -> Result<T, SnapshotError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<T, SnapshotError>>,
+    T: Send + 'static,
+{
+    let h = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || h.block_on(f()))
+        .await
+        .expect("tree walk panicked")
+}
+
+#[async_trait]
+impl TreeArchive for DiskTrees {
+    async fn snapshot(
+        &self,
+        store: Arc<dyn ChunkStore>,
+        root: PathBuf,
+        request: SnapshotRequest,
+    ) -> Result<SnapshotManifest, SnapshotError> {
+        off_thread(move || async move {
+            aviary_snapshots::snapshot_dir(store.as_ref(), &root, request).await
+        })
+        .await
+    }
+    async fn restore(
+        &self,
+        store: Arc<dyn ChunkStore>,
+        manifest: SnapshotManifest,
+        target: PathBuf,
+    ) -> Result<RestoreStats, SnapshotError> {
+        off_thread(move || async move {
+            aviary_snapshots::restore_dir(
+                store.as_ref(),
+                &manifest,
+                &target,
+                &aviary_snapshots::RestoreOptions::default(),
+            )
+            .await
+        })
+        .await
+    }
+    /// Taken as intact (like [`NoTrees`]): no test here loses a live
+    /// workspace, and the control plane's crate has no file system.
+    async fn is_empty(&self, _dir: PathBuf) -> bool {
+        false
+    }
+}
+
+/// `aviary node` agents over fake runtimes: `connect` hands out the agent
+/// added at that address (refused while its runtime is unreachable).
+#[derive(Default)]
+pub struct FakeNodes {
+    agents: Mutex<BTreeMap<String, (String, Arc<FakeRuntime>)>>,
+}
+
+impl FakeNodes {
+    /// An agent `id` at `address` running `runtime`.
+    pub fn add(&self, id: &str, address: &str, runtime: Arc<FakeRuntime>) {
+        self.agents
+            .lock()
+            .unwrap()
+            .insert(address.to_owned(), (id.to_owned(), runtime));
+    }
+}
+
+#[async_trait]
+impl NodeConnector for FakeNodes {
+    async fn connect(
+        &self,
+        address: &str,
+        _token: &str,
+    ) -> Result<(Arc<dyn NodeAgent>, NodeSummary), RuntimeError> {
+        let (id, runtime) = self
+            .agents
+            .lock()
+            .unwrap()
+            .get(address)
+            .cloned()
+            .ok_or_else(|| RuntimeError::ProbeRuntime {
+                reason: format!("no fake agent at {address}"),
+            })?;
+        if runtime.is_unreachable() {
+            return Err(RuntimeError::ProbeRuntime {
+                reason: format!("fake agent at {address} is unreachable"),
+            });
+        }
+        let summary = NodeSummary {
+            runtimes: vec![aviary_runtime::Runtime::name(runtime.as_ref()).to_owned()],
+            cpu: 16.0,
+            memory_mb: 65_536,
+        };
+        Ok((Arc::new(FakeAgent { id, runtime }), summary))
+    }
+}
+
+/// One fake agent: its runtime is the fake runtime; its sandboxes' envd
+/// is reached on the fake envd's socket (on a socket nobody listens on
+/// while the runtime is unreachable).
+pub struct FakeAgent {
+    id: String,
+    runtime: Arc<FakeRuntime>,
+}
+
+#[async_trait]
+impl NodeAgent for FakeAgent {
+    fn runtime(&self) -> Arc<dyn Pausable> {
+        self.runtime.clone()
+    }
+    fn envd(&self, id: &SandboxId) -> EnvdClient {
+        match self.runtime.envd(id) {
+            Some(e) if !self.runtime.is_unreachable() => EnvdClient::new(e.socket().to_path_buf()),
+            _ => EnvdClient::new(self.runtime.root().join("nobody-listens.sock")),
+        }
+    }
+    async fn view(
+        &self,
+        address: &str,
+        now: time::OffsetDateTime,
+    ) -> Result<aviary_scheduler::NodeView, RuntimeError> {
+        if self.runtime.is_unreachable() {
+            return Err(RuntimeError::ProbeRuntime {
+                reason: "fake agent is unreachable".into(),
+            });
+        }
+        Ok(aviary_scheduler::NodeView {
+            id: self.id.clone(),
+            address: address.to_owned(),
+            runtimes: vec![aviary_runtime::Runtime::name(self.runtime.as_ref()).to_owned()],
+            templates: vec![TEMPLATE_DIGEST.to_owned()],
+            cpu_capacity: 16.0,
+            memory_capacity_mb: 65_536,
+            cpu_committed: 0.0,
+            memory_committed_mb: 0,
+            cpu_used: 0.0,
+            memory_used_mb: 0,
+            warm: Default::default(),
+            healthy: true,
+            last_seen: now,
+        })
+    }
+}
+
 /// One control plane over fakes, and handles to look behind its back.
 pub struct Plane {
     pub cp: Arc<ControlPlane>,
@@ -142,6 +316,24 @@ pub fn backends(
     runtimes: &[Arc<FakeRuntime>],
     templates: Arc<MemoryTemplates>,
 ) -> Backends {
+    backends_with(
+        registry,
+        runtimes.iter().map(|r| r.capable()).collect(),
+        templates,
+        Arc::new(NoTrees),
+        Arc::new(NoNodes),
+    )
+}
+
+/// [`backends`] with the runtimes seen through the capabilities given, a
+/// tree archive and a node connector of the caller's.
+pub fn backends_with(
+    registry: &MemoryRegistry,
+    runtimes: Vec<CapableRuntime>,
+    templates: Arc<MemoryTemplates>,
+    trees: Arc<dyn TreeArchive>,
+    nodes: Arc<dyn NodeConnector>,
+) -> Backends {
     Backends {
         registry: Arc::new(registry.clone()),
         coordination: aviary_leases::Coordination {
@@ -149,12 +341,11 @@ pub fn backends(
             locks: Arc::new(aviary_leases::InProcessLocks::new()),
             fences: Arc::new(registry.clone()),
         },
-        runtimes: RuntimeSet::new(runtimes.iter().map(|r| r.capable()).collect())
-            .expect("runtime set"),
+        runtimes: RuntimeSet::new(runtimes).expect("runtime set"),
         chunks: Arc::new(aviary_snapshots::MemoryStore::new()),
-        trees: Arc::new(NoTrees),
+        trees,
         templates,
-        nodes: Arc::new(NoNodes),
+        nodes,
     }
 }
 
@@ -360,4 +551,47 @@ pub async fn logged_calls(
         "the fake envd never logged a {method} call: {:?}",
         envd.calls()
     )
+}
+
+// ---- helpers for the reconciler tests ---------------------------------------
+
+/// A ready control plane over `registry` whose local runtime `runtime` can
+/// snapshot (its layers on disk, [`DiskTrees`]), with node agents from
+/// `nodes`. Note: the chunk store is new, so a restart over it loses the
+/// snapshots' chunks; use [`Plane::restart_keeping`] for that.
+pub async fn plane_full(
+    cfg: ControlConfig,
+    registry: MemoryRegistry,
+    runtime: Arc<FakeRuntime>,
+    nodes: Arc<dyn NodeConnector>,
+    chunks: Arc<dyn ChunkStore>,
+) -> Plane {
+    let templates = Arc::new(MemoryTemplates::default());
+    let mut b = backends_with(
+        &registry,
+        vec![runtime.snapshottable()],
+        templates.clone(),
+        Arc::new(DiskTrees),
+        nodes,
+    );
+    b.chunks = chunks;
+    let cp = ready(cfg, b).await;
+    Plane {
+        cp,
+        registry,
+        runtime,
+        templates,
+    }
+}
+
+/// A ready control plane with `cfg` whose runtime can snapshot, no agents.
+pub async fn snapshot_plane(cfg: ControlConfig) -> Plane {
+    plane_full(
+        cfg,
+        MemoryRegistry::new(),
+        Arc::new(FakeRuntime::new().expect("fake runtime")),
+        Arc::new(NoNodes),
+        Arc::new(aviary_snapshots::MemoryStore::new()),
+    )
+    .await
 }
