@@ -19,7 +19,7 @@
 //! Section rules: every top-level section may be left out, and then takes its
 //! built-in default as a whole. A section that is present replaces the default
 //! entirely (a file with one `[[class]]` has one class). Within `[server]`,
-//! `[planner]` and `[overcommit]` each key defaults on its own.
+//! `[planner]`, `[overcommit]` and `[reconciler]` each key defaults on its own.
 //!
 //! I/O: [`Config::load`] reads the file, and validation looks at each
 //! `[[projection]]` host path (it must exist when the configuration is
@@ -55,6 +55,9 @@ pub struct Config {
     pub pools: Vec<PoolSettings>,
     pub planner: PlannerSettings,
     pub overcommit: Overcommit,
+    /// `[reconciler]`: how often the registry is compared with the runtimes,
+    /// and how long before unclaimed compute or a silent node is acted on.
+    pub reconciler: ReconcilerSettings,
     /// `[snapshots]`: where snapshot chunks and manifests are kept.
     pub snapshots: SnapshotSettings,
     /// `[distributed]`: a shared PostgreSQL registry and Redis coordination
@@ -317,6 +320,29 @@ pub enum SnapshotStore {
     },
 }
 
+/// `[reconciler]`: the periodic observe → compare → reconcile pass. Every
+/// value is positive; each key defaults on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReconcilerSettings {
+    /// Milliseconds between two passes.
+    pub interval_ms: u64,
+    /// Compute the registry does not claim is destroyed only once it has
+    /// been seen unclaimed this many seconds.
+    pub orphan_grace_s: u64,
+    /// A node agent that has not answered for this many seconds is
+    /// unhealthy: its live sandboxes become `Lost` (re-attached when it
+    /// answers again with their compute intact).
+    pub node_unhealthy_after_s: u64,
+}
+
+pub(crate) fn default_reconciler() -> ReconcilerSettings {
+    ReconcilerSettings {
+        interval_ms: 5_000,
+        orphan_grace_s: 60,
+        node_unhealthy_after_s: 15,
+    }
+}
+
 /// `[overcommit]`: how far the sum of the limits committed on one node may
 /// exceed its real capacity.
 ///
@@ -495,6 +521,7 @@ impl Default for Config {
                 llm: None,
             },
             overcommit: default_overcommit(),
+            reconciler: default_reconciler(),
             snapshots: SnapshotSettings::default(),
             distributed: DistributedSettings::default(),
             projections: Vec::new(),

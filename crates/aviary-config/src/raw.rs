@@ -30,6 +30,7 @@ struct RawConfig {
     pools: Option<Vec<RawPool>>,
     planner: Option<RawPlanner>,
     overcommit: Option<RawOvercommit>,
+    reconciler: Option<RawReconciler>,
     snapshots: Option<RawSnapshots>,
     distributed: Option<RawDistributed>,
     #[serde(rename = "projection")]
@@ -122,6 +123,14 @@ struct RawLlm {
 struct RawOvercommit {
     cpu_ratio: Option<Spanned<f64>>,
     memory_ratio: Option<Spanned<f64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReconciler {
+    interval_ms: Option<Spanned<u64>>,
+    orphan_grace_s: Option<Spanned<u64>>,
+    node_unhealthy_after_s: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -321,6 +330,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
 
     let planner = check_planner(&ck, raw.planner)?;
     let overcommit = check_overcommit(&ck, raw.overcommit)?;
+    let reconciler = check_reconciler(&ck, raw.reconciler)?;
     let snapshots = check_snapshots(&ck, raw.snapshots)?;
     let distributed = check_distributed(&ck, raw.distributed)?;
     let projections = match raw.projections {
@@ -336,6 +346,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         pools,
         planner,
         overcommit,
+        reconciler,
         snapshots,
         distributed,
         projections,
@@ -1045,6 +1056,52 @@ fn check_overcommit(
         }
     }
     Ok(o)
+}
+
+fn check_reconciler(
+    ck: &Checker<'_>,
+    raw: Option<RawReconciler>,
+) -> Result<crate::ReconcilerSettings, ConfigError> {
+    let mut r = crate::default_reconciler();
+    let Some(raw) = raw else {
+        return Ok(r);
+    };
+    // bounds: a pass at least every day, at most 20 a second; graces up to a day
+    for (field, value, slot, lo, hi) in [
+        (
+            "interval_ms",
+            raw.interval_ms,
+            &mut r.interval_ms,
+            50,
+            86_400_000,
+        ),
+        (
+            "orphan_grace_s",
+            raw.orphan_grace_s,
+            &mut r.orphan_grace_s,
+            1,
+            86_400,
+        ),
+        (
+            "node_unhealthy_after_s",
+            raw.node_unhealthy_after_s,
+            &mut r.node_unhealthy_after_s,
+            1,
+            86_400,
+        ),
+    ] {
+        if let Some(v) = value {
+            let n = *v.get_ref();
+            ck.check(
+                (lo..=hi).contains(&n),
+                &v.span(),
+                || format!("reconciler.{field}"),
+                || format!("reconciler: {field} must be between {lo} and {hi}, got {n}"),
+            )?;
+            *slot = n;
+        }
+    }
+    Ok(r)
 }
 
 /// Sandbox paths the platform owns (envd and its socket); never projected into.

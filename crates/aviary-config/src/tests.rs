@@ -1054,3 +1054,35 @@ fn distributed_schema_and_prefix() {
         "letters, digits or _",
     );
 }
+
+#[test]
+fn reconciler_keys_default_one_by_one_and_are_bounded() {
+    let c = Config::from_str("[reconciler]\ninterval_ms = 250\n", ORIGIN).unwrap();
+    assert_eq!(c.reconciler.interval_ms, 250);
+    let d = crate::default_reconciler();
+    assert_eq!(c.reconciler.orphan_grace_s, d.orphan_grace_s);
+    assert_eq!(
+        c.reconciler.node_unhealthy_after_s,
+        d.node_unhealthy_after_s
+    );
+    assert_eq!(Config::default().reconciler, d);
+    for (text, key) in [
+        ("[reconciler]\ninterval_ms = 10\n", "reconciler.interval_ms"),
+        (
+            "[reconciler]\norphan_grace_s = 0\n",
+            "reconciler.orphan_grace_s",
+        ),
+        (
+            "[reconciler]\nnode_unhealthy_after_s = 100000\n",
+            "reconciler.node_unhealthy_after_s",
+        ),
+    ] {
+        let err = Config::from_str(text, ORIGIN).unwrap_err();
+        assert_eq!(err.key(), Some(key), "{text}: {err}");
+        assert!(err.to_string().contains(":2:"), "names the line: {err}");
+    }
+    let e = Config::from_str("[reconciler]\nintervall_ms = 100\n", ORIGIN)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("intervall_ms"), "{e}");
+}

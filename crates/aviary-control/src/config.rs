@@ -69,6 +69,7 @@ impl ControlConfig {
     /// Settings from a configuration file with the built-in limits; callers
     /// override fields afterwards.
     pub fn from_settings(settings: aviary_config::Config, envd_binary: PathBuf) -> Self {
+        let reconciler = settings.reconciler;
         ControlConfig {
             default_template: settings.server.default_template.clone(),
             default_template_source: DefaultTemplateSource::Debootstrap,
@@ -88,9 +89,9 @@ impl ControlConfig {
             chunk_gc_grace_s: 3_600,
             local_cpu: 1.0,
             local_memory_mb: 1024,
-            reconcile_interval_ms: 5_000,
-            orphan_grace_s: 60,
-            node_unhealthy_after_s: 15,
+            reconcile_interval_ms: reconciler.interval_ms,
+            orphan_grace_s: reconciler.orphan_grace_s,
+            node_unhealthy_after_s: reconciler.node_unhealthy_after_s,
         }
     }
 }

@@ -81,4 +81,4 @@ pub use config::ControlConfig;
 pub use context::{Caller, OpContext};
 pub use error::OpError;
 pub use ops::{ControlPlane, Readiness};
-pub use reconciler::ReconcileReport;
+pub use reconciler::{ReconcileReport, Reconciling};

@@ -1944,7 +1944,20 @@ impl ControlPlane {
     /// runtimes, or an `aviary node` agent it is connected to (not another
     /// replica's own runtimes).
     pub(crate) fn drives_node(&self, node: &str) -> bool {
-        (self.cfg.runs_sandboxes && node == self.cfg.local_node) || self.nodes.get(node).is_some()
+        self.drives_own_node(node) || self.nodes.get(node).is_some()
+    }
+
+    /// Whether `node` is this control plane's own node (it runs sandboxes).
+    pub(crate) fn drives_own_node(&self, node: &str) -> bool {
+        self.cfg.runs_sandboxes && node == self.cfg.local_node
+    }
+
+    /// Whether a background pass over `scope` looks after `node`.
+    pub(crate) fn looks_after(&self, scope: crate::Reconciling, node: &str) -> bool {
+        match scope {
+            crate::Reconciling::OwnNode => self.drives_own_node(node),
+            crate::Reconciling::OwnNodeAndAgents => self.drives_node(node),
+        }
     }
 
     /// Both sweeps, as the single server runs them.
@@ -1991,13 +2004,20 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// TTL expiry and idle hibernation of this node's sandboxes (every
-    /// replica runs it for its own node: the compute is reachable only
-    /// from there).
+    /// TTL expiry and idle hibernation of the sandboxes this control plane
+    /// drives: its own node and the agents connected here.
     pub async fn sweep_node(&self) -> Result<(), OpError> {
+        self.sweep_node_as(crate::Reconciling::OwnNodeAndAgents)
+            .await
+    }
+
+    /// TTL expiry and idle hibernation over `scope`: every replica runs it
+    /// for its own node (the compute is reachable only from there), the
+    /// leader also for the shared node agents.
+    pub async fn sweep_node_as(&self, scope: crate::Reconciling) -> Result<(), OpError> {
         let now = aviary_core::now();
         for rec in self.registry.list_sandboxes(None, false).await? {
-            if !self.drives_node(&rec.node) {
+            if !self.looks_after(scope, &rec.node) {
                 continue;
             }
             if rec.user_managed {
@@ -2026,7 +2046,7 @@ impl ControlPlane {
                 }
             }
         }
-        self.hibernate_idle().await?;
+        self.hibernate_idle(scope).await?;
         Ok(())
     }
 

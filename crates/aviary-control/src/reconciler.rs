@@ -69,6 +69,17 @@ const AGENT_LIST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest a re-attach waits for the envd of a sandbox on an agent.
 const REATTACH_ANSWER: Duration = Duration::from_secs(3);
 
+/// Which compute a pass looks at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reconciling {
+    /// This control plane's own runtimes only (a replica that does not
+    /// hold the leader lock).
+    OwnNode,
+    /// Its own runtimes and every node agent connected here (the leader,
+    /// and the single embedded server).
+    OwnNodeAndAgents,
+}
+
 /// What one pass did, by action (the same counts `/metrics` adds up).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReconcileReport {
@@ -217,9 +228,16 @@ impl ControlPlane {
     /// or one runtime are logged and looked at again next pass; only a
     /// registry that cannot be read fails the pass.
     pub async fn reconcile(&self) -> Result<ReconcileReport, OpError> {
+        self.reconcile_as(Reconciling::OwnNodeAndAgents).await
+    }
+
+    /// One pass over what `scope` names. Replicas share the node agents,
+    /// so only the one holding the leader lock reconciles them; each
+    /// replica reconciles its own node, which no other replica drives.
+    pub async fn reconcile_as(&self, scope: Reconciling) -> Result<ReconcileReport, OpError> {
         let mut report = ReconcileReport::default();
         // runtimes first, then the registry: see the module doc
-        let sources = self.observe().await;
+        let sources = self.observe(scope).await;
         let silent = self.watch_nodes(&sources, &mut report).await;
         let rows = self.registry.list_sandboxes(None, false).await?;
         for rec in rows.iter().filter(|r| self.drives_node(&r.node)) {
@@ -251,8 +269,9 @@ impl ControlPlane {
         self.metrics.inc_reconcile(action);
     }
 
-    /// Lists every driven runtime: the local ones, then the agents.
-    async fn observe(&self) -> Vec<Source> {
+    /// Lists every driven runtime: the local ones, then (if `scope` says
+    /// so) the agents.
+    async fn observe(&self, scope: Reconciling) -> Vec<Source> {
         let mut out = Vec::new();
         for rt in self.runtimes.all() {
             out.push(Source {
@@ -262,7 +281,11 @@ impl ControlPlane {
                 listed: None,
             });
         }
-        for n in self.nodes.all() {
+        let agents = match scope {
+            Reconciling::OwnNodeAndAgents => self.nodes.all(),
+            Reconciling::OwnNode => Vec::new(),
+        };
+        for n in agents {
             out.push(Source {
                 node: n.id.clone(),
                 runtime: None,

@@ -543,7 +543,7 @@ impl ControlPlane {
     }
 
     /// Hibernates idle sandboxes past the idle timeout (called by the sweep).
-    pub(crate) async fn hibernate_idle(&self) -> Result<(), OpError> {
+    pub(crate) async fn hibernate_idle(&self, scope: crate::Reconciling) -> Result<(), OpError> {
         let Some(limit) = self.cfg.idle_hibernate_s else {
             return Ok(());
         };
@@ -551,7 +551,7 @@ impl ControlPlane {
         for rec in self.registry.list_sandboxes(None, false).await? {
             if rec.state != SandboxState::Idle
                 || rec.tenant.is_empty()
-                || !self.drives_node(&rec.node)
+                || !self.looks_after(scope, &rec.node)
             {
                 continue;
             }

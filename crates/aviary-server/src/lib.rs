@@ -312,12 +312,17 @@ pub async fn start(
             if sweeper.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
-            if sweep_leader.is_leader() {
+            // the leader: leases registry-wide and the shared agents'
+            // sandboxes; every replica: its own node's
+            let scope = if sweep_leader.is_leader() {
                 if let Err(e) = sweeper.sweep_leases().await {
                     tracing::warn!(error = %e, "lease sweep failed");
                 }
-            }
-            if let Err(e) = sweeper.sweep_node().await {
+                aviary_control::Reconciling::OwnNodeAndAgents
+            } else {
+                aviary_control::Reconciling::OwnNode
+            };
+            if let Err(e) = sweeper.sweep_node_as(scope).await {
                 tracing::warn!(error = %e, "ttl/idle sweep failed");
             }
         }
@@ -340,9 +345,8 @@ pub async fn start(
         }
     });
     let probe_task = tokio::spawn(probe_envds(cp.clone()));
-    // every replica reconciles the compute it drives (its own runtimes,
-    // the agents connected here)
-    let reconcile_task = tokio::spawn(reconcile(cp.clone()));
+    // every replica reconciles its own node; the leader also the agents
+    let reconcile_task = tokio::spawn(reconcile(cp.clone(), leader.clone()));
     // node agents another replica registered (or that were down) are
     // connected on the next pass
     let nodes_cp = cp.clone();
@@ -395,10 +399,11 @@ async fn probe_envds(cp: Arc<ControlPlane>) {
     }
 }
 
-/// Background task: the periodic reconciler (`ControlPlane::reconcile`).
-/// Start-up reconciled already, so the first pass comes one interval after
-/// the server is ready.
-async fn reconcile(cp: Arc<ControlPlane>) {
+/// Background task: the periodic reconciler (`ControlPlane::reconcile_as`):
+/// its own node on every replica, the shared node agents only on the one
+/// holding the leader lock. Start-up reconciled already, so the first pass
+/// comes one interval after the server is ready.
+async fn reconcile(cp: Arc<ControlPlane>, leader: leader::Leadership) {
     if cp.wait_ready().await != aviary_control::Readiness::Ready {
         return;
     }
@@ -407,7 +412,12 @@ async fn reconcile(cp: Arc<ControlPlane>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        match cp.reconcile().await {
+        let scope = if leader.is_leader() {
+            aviary_control::Reconciling::OwnNodeAndAgents
+        } else {
+            aviary_control::Reconciling::OwnNode
+        };
+        match cp.reconcile_as(scope).await {
             Ok(r) if !r.is_quiet() => tracing::info!(report = ?r, "reconciler pass"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "reconciler pass failed"),

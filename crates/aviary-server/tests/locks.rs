@@ -90,7 +90,8 @@ async fn a_pool_refilled_elsewhere_is_skipped() {
     let name = LockName::new(
         "pool",
         format!(
-            "python-small/busybox/{}",
+            "{}/python-small/busybox/{}",
+            aviary_control::nodes::LOCAL_NODE,
             aviary_config::Runtime::Crun.as_str()
         ),
     );
