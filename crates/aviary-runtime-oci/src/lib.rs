@@ -875,10 +875,16 @@ impl Runtime for OciRuntime {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(source) => return Err(RuntimeError::ReadFile { path: dir, source }),
             };
-            ids.extend(
-                rd.flatten()
-                    .filter_map(|e| e.file_name().to_str()?.parse::<SandboxId>().ok()),
-            );
+            // a sandbox's dir, its container, or a stage no create adopted
+            // (`<id>.seed`): each is the sandbox's to `destroy`
+            ids.extend(rd.flatten().filter_map(|e| {
+                let name = e.file_name();
+                let name = name.to_str()?;
+                name.strip_suffix(".seed")
+                    .unwrap_or(name)
+                    .parse::<SandboxId>()
+                    .ok()
+            }));
         }
         ids.sort();
         ids.dedup();

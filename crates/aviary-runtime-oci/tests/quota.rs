@@ -285,6 +285,24 @@ mod quota {
         assert_eq!(mounts_under(&f.state), Vec::<String>::new());
     }
 
+    /// A stage no create adopted (a restore cut off) is listed as the
+    /// sandbox's, so the reconciler can destroy it as an orphan.
+    #[tokio::test]
+    async fn an_unadopted_stage_is_listed_and_destroyed() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = runtime(&f);
+        std::fs::create_dir_all(&f.state).unwrap();
+        let spec = spec_for(&f, DISK_MB);
+        let seed = rt.stage_layers(&spec.id).await.unwrap();
+        std::fs::write(seed.workspace.join("left"), "x").unwrap();
+        assert_eq!(rt.list().await.unwrap(), vec![spec.id.clone()]);
+        rt.destroy(&spec.id).await.unwrap();
+        assert!(rt.list().await.unwrap().is_empty());
+        assert!(!seed.workspace.exists(), "stage removed");
+        assert_eq!(mounts_under(&f.state), Vec::<String>::new());
+    }
+
     #[tokio::test]
     async fn staged_seed_layers_are_adopted_onto_the_disk() {
         let _g = LOCK.lock().await;
