@@ -103,8 +103,9 @@ struct ServeArgs {
     /// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Overrides [snapshots].
     #[arg(long, env = "AVIARY_SNAPSHOTS", value_name = "URL")]
     snapshots: Option<String>,
-    /// Distributed mode: this replica's node name (its own sandboxes run on
-    /// it), unique per replica and stable across restarts [default: host name].
+    /// Distributed mode: run sandboxes on this replica too, as node NAME
+    /// (unique per replica, stable across restarts). Without it the replica
+    /// is stateless and places sandboxes only on `aviary node` agents.
     #[arg(long, env = "AVIARY_NODE_NAME")]
     node_name: Option<String>,
 }
