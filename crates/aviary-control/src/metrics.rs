@@ -12,6 +12,9 @@ pub enum ReconcileAction {
     Lost,
     /// A lost sandbox was recreated from its last snapshot.
     Recovered,
+    /// A lost user-managed sandbox without a snapshot got new compute from
+    /// its template (its data is gone).
+    Recreated,
     /// A lost sandbox whose node answers again, compute intact, was
     /// attached again.
     Reattached,
@@ -30,9 +33,10 @@ pub enum ReconcileAction {
 }
 
 impl ReconcileAction {
-    pub const ALL: [ReconcileAction; 9] = [
+    pub const ALL: [ReconcileAction; 10] = [
         ReconcileAction::Lost,
         ReconcileAction::Recovered,
+        ReconcileAction::Recreated,
         ReconcileAction::Reattached,
         ReconcileAction::Unrecoverable,
         ReconcileAction::RecoveryFailed,
@@ -47,6 +51,7 @@ impl ReconcileAction {
         match self {
             ReconcileAction::Lost => "lost",
             ReconcileAction::Recovered => "recovered",
+            ReconcileAction::Recreated => "recreated",
             ReconcileAction::Reattached => "reattached",
             ReconcileAction::Unrecoverable => "unrecoverable",
             ReconcileAction::RecoveryFailed => "recovery_failed",

@@ -15,9 +15,13 @@
 //!    on the request path — is then recovered: with a snapshot, new compute
 //!    of the same id with the snapshot's layers staged, as `wake` does
 //!    (`Lost → Provisioning → Locking → Idle`, events `recovering` and
-//!    `recovered` naming the snapshot); without one it stays `Lost`, with
-//!    one `unrecoverable` event (its owner deletes it or creates anew). A
-//!    pooled (tenant-less) one is destroyed: its pool refills.
+//!    `recovered` naming the snapshot); without one, a user-managed sandbox
+//!    (its owner manages its life and expects it there) gets new compute
+//!    from its template with an empty workspace (event `recreated`,
+//!    `data_lost: true`), any other stays `Lost` with one `unrecoverable`
+//!    event (its owner deletes it or creates anew; scope reuse never hands
+//!    a lost sandbox out). A pooled (tenant-less) one is destroyed: its
+//!    pool refills.
 //! 3. **Orphans.** Compute whose id the registry does not know, or knows
 //!    as terminated, is destroyed once it has been seen so for
 //!    `orphan_grace_s` (tenant-less event `orphan_destroyed`).
@@ -85,6 +89,7 @@ pub enum Reconciling {
 pub struct ReconcileReport {
     pub lost: u64,
     pub recovered: u64,
+    pub recreated: u64,
     pub reattached: u64,
     pub unrecoverable: u64,
     pub recovery_failed: u64,
@@ -99,6 +104,7 @@ impl ReconcileReport {
         match action {
             ReconcileAction::Lost => &mut self.lost,
             ReconcileAction::Recovered => &mut self.recovered,
+            ReconcileAction::Recreated => &mut self.recreated,
             ReconcileAction::Reattached => &mut self.reattached,
             ReconcileAction::Unrecoverable => &mut self.unrecoverable,
             ReconcileAction::RecoveryFailed => &mut self.recovery_failed,
@@ -520,7 +526,12 @@ impl ControlPlane {
             }
             RuntimeStatus::NotFound | RuntimeStatus::Stopped => {
                 match self.last_snapshot(&rec.tenant, &rec.id).await? {
-                    Some(snap) => self.recover(rec, snap, &loss, source, report).await,
+                    Some(snap) => self.recover(rec, Some(snap), &loss, source, report).await,
+                    // its owner manages its life and expects it to be there:
+                    // new compute from its template, the data loss said
+                    None if rec.user_managed => {
+                        self.recover(rec, None, &loss, source, report).await
+                    }
                     None => {
                         self.judge_unrecoverable(
                             &rec,
@@ -561,29 +572,38 @@ impl ControlPlane {
     }
 
     /// Rule 2's recovery: new compute of the same id with the snapshot's
-    /// layers staged, the path `wake` takes from `Hibernating`. A refusal
+    /// layers staged, the path `wake` takes from `Hibernating`; without a
+    /// snapshot (a user-managed sandbox), new compute from its template
+    /// with an empty workspace (event `recreated`, `data_lost: true`). A refusal
     /// found before anything moves is the `unrecoverable` verdict; a full
     /// node waits for the next pass; a failure once the row moved leaves it
     /// `Failed` (event `recovery_failed`) with its new compute removed.
     async fn recover(
         &self,
         rec: SandboxRecord,
-        snap: SandboxSnapshot,
+        snap: Option<SandboxSnapshot>,
         loss: &LastLoss,
         source: &Source,
         report: &mut ReconcileReport,
     ) -> Result<(), OpError> {
-        if let Err(e) = self.snapshottable_for(&rec, "restoring a lost sandbox") {
-            return self
-                .judge_unrecoverable(&rec, loss, &e.public_message(), report)
-                .await;
+        if snap.is_some() {
+            if let Err(e) = self.snapshottable_for(&rec, "restoring a lost sandbox") {
+                return self
+                    .judge_unrecoverable(&rec, loss, &e.public_message(), report)
+                    .await;
+            }
         }
+        // the template the layers (or, recreated, the sandbox) were built on
+        let (needed, what) = match &snap {
+            Some(snap) => (&snap.template_digest, format!("its snapshot {}", snap.id)),
+            None => (&rec.template_digest, "the sandbox".to_owned()),
+        };
         let template = match self.template_info(&rec.template).await {
-            Ok(t) if t.digest == snap.template_digest => t,
+            Ok(t) if t.digest == *needed => t,
             Ok(t) => {
                 let why = format!(
-                    "its snapshot {} needs template {:?} at {}, which now has {}",
-                    snap.id, rec.template, snap.template_digest, t.digest
+                    "{what} needs template {:?} at {needed}, which now has {}",
+                    rec.template, t.digest
                 );
                 return self.judge_unrecoverable(&rec, loss, &why, report).await;
             }
@@ -593,27 +613,37 @@ impl ControlPlane {
                     .await
             }
         };
-        // new compute: it must fit under the node's over-commit like a create
-        let placement = match self
-            .place(crate::nodes::PlaceRequest {
-                tenant: &rec.tenant,
-                class: &rec.resource_class,
-                limits: rec.resources,
-                template_digest: &rec.template_digest,
-                runtime: &rec.runtime,
-                local_only: true,
-                request_id: None,
-            })
-            .await
-        {
-            Ok(p) => p,
-            Err(OpError::CapacityExhausted(why)) => {
-                tracing::info!(sandbox.id = %rec.id, %why, "recovery waits for capacity");
-                return Ok(());
+        // new compute: it must fit under its node's over-commit like a
+        // create (an agent checks its own capacity at its create)
+        let placement = if !self.drives_own_node(&rec.node) {
+            None
+        } else {
+            match self
+                .place(crate::nodes::PlaceRequest {
+                    tenant: &rec.tenant,
+                    class: &rec.resource_class,
+                    limits: rec.resources,
+                    template_digest: &rec.template_digest,
+                    runtime: &rec.runtime,
+                    local_only: true,
+                    request_id: None,
+                })
+                .await
+            {
+                Ok(p) => Some(p),
+                Err(OpError::CapacityExhausted(why)) => {
+                    tracing::info!(sandbox.id = %rec.id, %why, "recovery waits for capacity");
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         };
-        let meta = serde_json::json!({"snapshot": snap.id, "lost_reason": loss.reason});
+        let snap_id = snap.as_ref().map(|s| s.id.to_string());
+        let meta = serde_json::json!({
+            "snapshot": snap_id,
+            "from": if snap.is_some() { "snapshot" } else { "template" },
+            "lost_reason": loss.reason,
+        });
         let rec = match self
             .registry
             .transition(
@@ -640,7 +670,9 @@ impl ControlPlane {
                 .destroy(&rec.id)
                 .await
                 .map_err(OpError::runtime("remove the lost sandbox's compute"))?;
-            self.stage_seed(&snap, &rec).await?;
+            if let Some(snap) = &snap {
+                self.stage_seed(snap, &rec).await?;
+            }
             let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
             let (rec, live) = self.provision(&spec, rec, None).await?;
             self.finish_lock(rec, &live, &[SandboxState::Locking], None, None)
@@ -650,19 +682,29 @@ impl ControlPlane {
         match restored {
             Ok((rec, _)) => {
                 let rec = self.untaint(rec, loss).await;
-                tracing::info!(sandbox.id = %rec.id, snapshot = %snap.id, "lost sandbox recovered from its snapshot");
-                self.event(
-                    &rec,
-                    "recovered",
-                    None,
-                    serde_json::json!({
-                        "snapshot": snap.id,
-                        "snapshot_taken_at": rfc3339(snap.created_at),
-                        "lost_reason": loss.reason,
-                    }),
-                )
-                .await?;
-                self.note(report, ReconcileAction::Recovered);
+                match &snap {
+                    Some(snap) => {
+                        tracing::info!(sandbox.id = %rec.id, snapshot = %snap.id, "lost sandbox recovered from its snapshot");
+                        let meta = serde_json::json!({
+                            "snapshot": snap.id,
+                            "snapshot_taken_at": rfc3339(snap.created_at),
+                            "lost_reason": loss.reason,
+                        });
+                        self.event(&rec, "recovered", None, meta).await?;
+                        self.note(report, ReconcileAction::Recovered);
+                    }
+                    None => {
+                        tracing::warn!(sandbox.id = %rec.id, "lost user-managed sandbox recreated from its template; its data is gone");
+                        let meta = serde_json::json!({
+                            "template": rec.template,
+                            "data_lost": true,
+                            "why": "no snapshot: the workspace and writable layer start empty",
+                            "lost_reason": loss.reason,
+                        });
+                        self.event(&rec, "recreated", None, meta).await?;
+                        self.note(report, ReconcileAction::Recreated);
+                    }
+                }
                 Ok(())
             }
             Err(e) => {
@@ -671,7 +713,7 @@ impl ControlPlane {
                 let cleanup = source.compute.destroy(&id).await;
                 let _ = self.leases.revoke(&id).await;
                 let mut meta =
-                    serde_json::json!({"snapshot": snap.id, "error": e.public_message()});
+                    serde_json::json!({"snapshot": snap_id, "error": e.public_message()});
                 if let Err(c) = cleanup {
                     // reported with the original failure, never instead of it
                     meta["cleanup_error"] = serde_json::Value::String(c.to_string());

@@ -799,6 +799,78 @@ mod periodic {
         assert_eq!(read(&p, &id, "/workspace/kept").await.unwrap(), b"kept");
     }
 
+    /// A user-managed sandbox's owner expects it to be there: without a
+    /// snapshot it gets new compute from its template, and the event says
+    /// its data is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_user_managed_sandbox_without_a_snapshot_is_recreated_empty() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let id =
+            p.cp.create(
+                &alice,
+                CreateSandboxRequest {
+                    user_managed: true,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .sandbox
+            .id;
+        write(&p, &id, "/workspace/gone", b"x").await;
+        let old =
+            p.cp.lease_acquire(
+                &alice,
+                OnSandbox::new(
+                    id.as_str(),
+                    AcquireLeaseRequest {
+                        owner: "agent-1".into(),
+                        ttl_s: Some(3600),
+                    },
+                ),
+            )
+            .await
+            .unwrap();
+        assert!(p.runtime.vanish(&id).await);
+
+        let done = p.cp.reconcile().await.unwrap();
+
+        assert_eq!(
+            done,
+            report(|r| {
+                r.lost = 1;
+                r.recreated = 1;
+            })
+        );
+        let rec = p.registry.get_sandbox(&id).await.unwrap();
+        assert_eq!(rec.state, SandboxState::Idle);
+        assert!(!rec.tainted, "new compute, clean again");
+        assert!(rec.user_managed);
+        let events = state_events(&p, &id).await;
+        let last = events.last().unwrap();
+        assert_eq!(last.event_type, "recreated");
+        assert_eq!(last.metadata["data_lost"], true);
+        assert!(p.runtime.live_ids().contains(&id), "new compute runs");
+        assert!(
+            read(&p, &id, "/workspace/gone").await.is_err(),
+            "the workspace starts empty"
+        );
+        // the holder before the loss is refused; the sandbox works for a new one
+        let e =
+            p.cp.exec(
+                &alice.clone().with_token(old.token.clone()),
+                OnSandbox::new(id.as_str(), echo()),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::StaleToken, "{e}");
+        p.cp.exec(&alice, OnSandbox::new(id.as_str(), echo()))
+            .await
+            .unwrap();
+        assert!(p.cp.reconcile().await.unwrap().is_quiet());
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn lost_compute_without_a_snapshot_stays_lost_with_one_verdict() {
         let p = plane().await;
