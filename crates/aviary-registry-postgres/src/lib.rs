@@ -339,8 +339,9 @@ fn lease_storage(e: sqlx::Error) -> LeaseError {
 }
 
 /// Whether the database could not be reached at all (down, restarting,
-/// the pool could not open a connection in time), as opposed to a query
-/// that reached it and failed: the caller answers 503, not 500.
+/// the pool could not open a connection in time, or this replica closed its
+/// pool on the way out), as opposed to a query that reached it and failed:
+/// the caller answers 503 (retry, elsewhere if need be), not 500.
 fn unreachable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => true,
