@@ -1136,11 +1136,13 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
     let templates = aviary_templates::TemplateStore::open(templates_dir)
         .map_err(|e| fail(format!("templates: {e}")))?;
     let envd = find_envd(a.envd);
+    let runtime = std::sync::Arc::new(runtime);
     let running = aviary_node::start_node(aviary_node::NodeConfig {
         id: a.id.clone(),
         listen: a.listen,
         token,
-        runtime: std::sync::Arc::new(runtime),
+        runtime: runtime.clone(),
+        layers: Some(runtime),
         templates,
         state_dir: a.data_dir.join("agent"),
         capacity: aviary_node::Capacity::detect(),

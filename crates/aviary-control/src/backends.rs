@@ -8,12 +8,18 @@
 //! | `coordination` | [`LeaseStore`](aviary_leases::LeaseStore) + [`Locks`](aviary_leases::Locks) | the registry's lease table + in-process locks | Redis |
 //! | `runtimes` | [`RuntimeSet`] of [`CapableRuntime`]s | crun and runc (`aviary-runtime-oci`) | `FakeRuntime` in tests |
 //! | `chunks` | [`ChunkStore`] | local chunk dir | S3, Redis, PostgreSQL, memory |
-//! | `trees` | [`TreeArchive`] | the host's directories (`aviary-snapshots`) | a node's agent |
+//! | `trees` | [`TreeArchive`] | the host's directories (`aviary-snapshots`) | |
 //! | `templates` | [`TemplateCatalog`] | the local template store (`aviary-templates`) | |
 //! | `nodes` | [`NodeConnector`] | `aviary node` agents over HTTP (`aviary-node`) | none |
 //!
 //! Paths that cross these traits ([`TreeArchive`] directories, a template
 //! archive) are opaque values to the control plane: it never opens them.
+//!
+//! Snapshots reach a sandbox's layers through a [`LayerArchive`] per node:
+//! for the control plane's own runtimes, the runtime's [`Snapshottable`]
+//! directories walked by the [`TreeArchive`] ([`RuntimeLayers`]); for a node
+//! agent, [`NodeAgent::layers`] (the agent walks its own directories and
+//! streams chunks, `aviary_node::layers`).
 
 use crate::error::OpError;
 use async_trait::async_trait;
@@ -21,7 +27,7 @@ use aviary_core::SandboxId;
 use aviary_envd_proto::EnvdClient;
 use aviary_leases::Coordination;
 use aviary_registry::{Registry, TemplateRecord};
-use aviary_runtime::{CapableRuntime, Pausable, RuntimeError};
+use aviary_runtime::{CapableRuntime, Layer, Pausable, RuntimeError, Snapshottable};
 use aviary_scheduler::NodeView;
 use aviary_snapshots::{
     ChunkStore, RestoreStats, SnapshotError, SnapshotManifest, SnapshotRequest,
@@ -158,6 +164,114 @@ pub trait TemplateCatalog: Send + Sync {
     ) -> Result<TemplateRecord, OpError>;
 }
 
+/// The layers of the sandboxes of one node, snapshotted into and restored
+/// from the chunk store, wherever the node is. Errors carry their codes.
+#[async_trait]
+pub trait LayerArchive: Send + Sync {
+    /// Snapshots `layer` of sandbox `id` into `store` (`request.parent`, if
+    /// any, is in `store`).
+    async fn snapshot_layer(
+        &self,
+        id: &SandboxId,
+        layer: Layer,
+        store: Arc<dyn ChunkStore>,
+        request: SnapshotRequest,
+    ) -> Result<SnapshotManifest, OpError>;
+    /// Stages both layers of sandbox `id`, which does not exist yet, from
+    /// the two manifests; its next create adopts them.
+    async fn stage_layers(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        workspace: SnapshotManifest,
+        writable: SnapshotManifest,
+    ) -> Result<(), OpError>;
+    /// Restores `manifest` into the running sandbox's workspace (entries
+    /// it already has are kept).
+    async fn restore_workspace(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        manifest: SnapshotManifest,
+    ) -> Result<(), OpError>;
+    /// Whether the sandbox's workspace has no entries (true when its layers
+    /// are gone with its compute).
+    async fn workspace_is_empty(&self, id: &SandboxId) -> Result<bool, OpError>;
+}
+
+/// A local runtime's layers: its [`Snapshottable`] directories, read and
+/// written by the [`TreeArchive`].
+pub struct RuntimeLayers {
+    pub runtime: Arc<dyn Snapshottable>,
+    pub trees: Arc<dyn TreeArchive>,
+}
+
+#[async_trait]
+impl LayerArchive for RuntimeLayers {
+    async fn snapshot_layer(
+        &self,
+        id: &SandboxId,
+        layer: Layer,
+        store: Arc<dyn ChunkStore>,
+        request: SnapshotRequest,
+    ) -> Result<SnapshotManifest, OpError> {
+        let layers = self
+            .runtime
+            .export_layers(id)
+            .await
+            .map_err(OpError::runtime("read the sandbox's layers"))?;
+        let root = layers.layer(layer).to_owned();
+        Ok(self.trees.snapshot(store, root, request).await?)
+    }
+
+    async fn stage_layers(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        workspace: SnapshotManifest,
+        writable: SnapshotManifest,
+    ) -> Result<(), OpError> {
+        let stage = self
+            .runtime
+            .stage_layers(id)
+            .await
+            .map_err(OpError::runtime("stage the sandbox's layers"))?;
+        self.trees
+            .restore(store.clone(), workspace, stage.workspace)
+            .await?;
+        self.trees.restore(store, writable, stage.writable).await?;
+        Ok(())
+    }
+
+    async fn restore_workspace(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        manifest: SnapshotManifest,
+    ) -> Result<(), OpError> {
+        // restored beside the workspace, then merged in by the runtime (the
+        // workspace is mounted and must stay the same directory)
+        let staging = self
+            .runtime
+            .stage_workspace(id)
+            .await
+            .map_err(OpError::runtime("stage the workspace"))?;
+        self.trees.restore(store, manifest, staging).await?;
+        self.runtime
+            .merge_workspace(id)
+            .await
+            .map_err(OpError::runtime("merge the restored workspace"))
+    }
+
+    async fn workspace_is_empty(&self, id: &SandboxId) -> Result<bool, OpError> {
+        match self.runtime.export_layers(id).await {
+            Ok(layers) => Ok(self.trees.is_empty(layers.workspace).await),
+            Err(RuntimeError::NotFound { .. }) => Ok(true),
+            Err(e) => Err(OpError::runtime("read the workspace")(e)),
+        }
+    }
+}
+
 /// What a node agent reports about itself at registration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeSummary {
@@ -176,6 +290,10 @@ pub trait NodeAgent: Send + Sync {
     fn envd(&self, id: &SandboxId) -> EnvdClient;
     /// The node as the scheduler sees it now.
     async fn view(&self, address: &str, now: OffsetDateTime) -> Result<NodeView, RuntimeError>;
+    /// Its sandboxes' layers, when the agent can snapshot them.
+    fn layers(&self) -> Option<Arc<dyn LayerArchive>> {
+        None
+    }
 }
 
 /// Connects node agents (`aviary node`) by address and token.

@@ -74,8 +74,8 @@ pub mod snapshots;
 pub mod validate;
 
 pub use backends::{
-    Backends, DefaultTemplateSource, NoNodes, NodeAgent, NodeConnector, NodeSummary, RuntimeSet,
-    TemplateCatalog, TreeArchive,
+    Backends, DefaultTemplateSource, LayerArchive, NoNodes, NodeAgent, NodeConnector, NodeSummary,
+    RuntimeLayers, RuntimeSet, TemplateCatalog, TreeArchive,
 };
 pub use config::ControlConfig;
 pub use context::{Caller, OpContext};

@@ -188,7 +188,7 @@ impl ControlPlane {
             });
         }
         // refused before the compute is stopped
-        self.snapshottable_for(&rec, "a level-2 reset")?;
+        self.layers_for(&rec, "a level-2 reset")?;
         let snaps = self
             .list_snapshots(
                 cx,
@@ -419,9 +419,15 @@ impl ControlPlane {
             aviary_core::now(),
         );
         // what the sandbox changed outside /workspace, when the runtime shows it
-        let layers = match self.snapshottable_for(rec, "reading the writable layer") {
-            Ok(runtime) => runtime.export_layers(&rec.id).await.ok(),
-            Err(_) => None,
+        // (the host's own runtimes only: an agent's layers are on its host)
+        let local = self
+            .drives_own_node(&rec.node)
+            .then(|| self.local_runtime(&rec.runtime).ok())
+            .flatten()
+            .and_then(|r| r.snapshottable.clone());
+        let layers = match local {
+            Some(runtime) => runtime.export_layers(&rec.id).await.ok(),
+            None => None,
         };
         if let Some(layers) = layers {
             let upper = layers.writable;

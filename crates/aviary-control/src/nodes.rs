@@ -63,6 +63,22 @@ pub struct Nodes {
     scheduler: Scheduler,
 }
 
+/// Which nodes a placement may choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PlaceOn<'a> {
+    /// Any node (a cold create).
+    Any,
+    /// Only this control plane's own node (its warm pools).
+    Own,
+    /// Only node `n`: new compute for a sandbox that stays where it is
+    /// (wake, recovery).
+    Node(&'a str),
+    /// Nodes whose layers can be staged from a snapshot (a fork, a create
+    /// from a snapshot): this control plane's own node, and the agents
+    /// that snapshot.
+    Stageable,
+}
+
 /// What a placement decides from.
 pub(crate) struct PlaceRequest<'a> {
     pub tenant: &'a str,
@@ -71,8 +87,8 @@ pub(crate) struct PlaceRequest<'a> {
     pub template_digest: &'a str,
     /// The approved runtime: only nodes offering it are candidates.
     pub runtime: &'a str,
-    /// Only this host (a fork's layers are restored here).
-    pub local_only: bool,
+    /// Which nodes may take it.
+    pub on: PlaceOn<'a>,
     pub request_id: Option<&'a str>,
 }
 
@@ -260,19 +276,25 @@ impl ControlPlane {
 
     async fn node_list(&self) -> Result<NodeList, OpError> {
         Ok(NodeList {
-            nodes: self.node_views(false, None).await?,
+            nodes: self.node_views(PlaceOn::Any, None).await?,
         })
     }
 
-    /// The scheduler's view of the local node and (unless `local_only`) of
-    /// every agent that answers. `placing` is the template digest of a
-    /// placement: it is known to be in the local store, which then need not
-    /// be listed when only the local node is considered.
+    /// The scheduler's view of the nodes `on` allows: the local node (when
+    /// this control plane runs sandboxes) and every such agent that answers.
+    /// `placing` is the template digest of a placement: it is known to be
+    /// in the local store, which then need not be listed when only the
+    /// local node is considered.
     async fn node_views(
         &self,
-        local_only: bool,
+        on: PlaceOn<'_>,
         placing: Option<&str>,
     ) -> Result<Vec<NodeView>, OpError> {
+        let local_only = match on {
+            PlaceOn::Own => true,
+            PlaceOn::Node(n) => n == self.cfg.local_node,
+            PlaceOn::Any | PlaceOn::Stageable => false,
+        };
         let now = aviary_core::now();
         let (cpu, mem) = (self.cfg.local_cpu, self.cfg.local_memory_mb);
         let mut committed = (0.0, 0u64);
@@ -307,13 +329,23 @@ impl ControlPlane {
             healthy: true,
             last_seen: now,
         }];
-        if !self.cfg.runs_sandboxes {
+        let local_allowed = match on {
+            PlaceOn::Node(n) => n == self.cfg.local_node,
+            PlaceOn::Any | PlaceOn::Own | PlaceOn::Stageable => true,
+        };
+        if !self.cfg.runs_sandboxes || !local_allowed {
             // a stateless replica: placement only among the agents
             views.clear();
         }
         for n in self.nodes.all() {
-            if local_only {
-                break;
+            let allowed = match on {
+                PlaceOn::Any => true,
+                PlaceOn::Own => false,
+                PlaceOn::Node(id) => id == n.id,
+                PlaceOn::Stageable => n.runtime.layers().is_some(),
+            };
+            if !allowed {
+                continue;
             }
             match n.runtime.view(&n.address, now).await {
                 Ok(view) => views.push(view),
@@ -326,8 +358,7 @@ impl ControlPlane {
     }
 
     /// Where a new sandbox runs: the scheduler's choice among the nodes
-    /// (only the local one when `local_only`, e.g. for a fork, whose layers
-    /// are restored here). A node past its over-commit limit is never
+    /// [`PlaceOn`] allows. A node past its over-commit limit is never
     /// chosen; when none has room the answer is `capacity_exhausted`. The
     /// decision is an event when agents are registered.
     pub(crate) async fn place(&self, place: PlaceRequest<'_>) -> Result<Placement, OpError> {
@@ -337,14 +368,13 @@ impl ControlPlane {
             limits,
             template_digest,
             runtime,
-            local_only,
+            on,
             request_id,
         } = place;
         let placing = self
             .hold_lock(placement_lock(), "placement", PLACEMENT_WAIT)
             .await?;
-        let local_only = local_only || self.nodes.is_empty();
-        let views = self.node_views(local_only, Some(template_digest)).await?;
+        let views = self.node_views(on, Some(template_digest)).await?;
         let req = PlacementRequest {
             class: class.to_owned(),
             limits,
@@ -425,21 +455,6 @@ impl ControlPlane {
                 self.runtimes.names().join(", ")
             ))
         })
-    }
-
-    /// Refuses work that needs the sandbox's layers on this host.
-    pub(crate) fn require_local(
-        &self,
-        rec: &aviary_registry::SandboxRecord,
-        what: &str,
-    ) -> Result<(), OpError> {
-        if rec.node != self.cfg.local_node {
-            return Err(OpError::InvalidRequest(format!(
-                "{what} is not supported yet for sandboxes on remote node {}",
-                rec.node
-            )));
-        }
-        Ok(())
     }
 }
 

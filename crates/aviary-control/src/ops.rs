@@ -932,7 +932,11 @@ impl ControlPlane {
                 limits: resources,
                 template_digest: &template.digest,
                 runtime: &approved.runtime,
-                local_only: seed.is_some(),
+                on: if seed.is_some() {
+                    crate::nodes::PlaceOn::Stageable
+                } else {
+                    crate::nodes::PlaceOn::Any
+                },
                 request_id,
             })
             .await?;

@@ -449,7 +449,7 @@ impl ControlPlane {
                 limits: class.limits(),
                 template_digest: &template.digest,
                 runtime,
-                local_only: true,
+                on: crate::nodes::PlaceOn::Own,
                 request_id: None,
             })
             .await?;

@@ -587,7 +587,7 @@ impl ControlPlane {
         report: &mut ReconcileReport,
     ) -> Result<(), OpError> {
         if snap.is_some() {
-            if let Err(e) = self.snapshottable_for(&rec, "restoring a lost sandbox") {
+            if let Err(e) = self.layers_for(&rec, "restoring a lost sandbox") {
                 return self
                     .judge_unrecoverable(&rec, loss, &e.public_message(), report)
                     .await;
@@ -625,7 +625,7 @@ impl ControlPlane {
                     limits: rec.resources,
                     template_digest: &rec.template_digest,
                     runtime: &rec.runtime,
-                    local_only: true,
+                    on: crate::nodes::PlaceOn::Node(&rec.node),
                     request_id: None,
                 })
                 .await

@@ -13,15 +13,19 @@
 //! a snapshot is consistent. Unchanged chunks are never written twice, and
 //! files unchanged since the parent snapshot are not even read again.
 //!
-//! The layers are read and written only through the runtime's
-//! [`Snapshottable`] capability: a snapshot walks the directories of
-//! `export_layers`; a restore writes into `stage_layers` (adopted by the
-//! runtime's next create, never into a running writable layer) or, for the
-//! workspace of a live sandbox, into `stage_workspace` + `merge_workspace`.
-//! Where the runtime keeps them and whose ids own them is the runtime's
-//! business. A runtime without the capability (today: remote nodes) answers
+//! The layers are read and written only through the [`LayerArchive`] of
+//! the sandbox's node ([`ControlPlane::layers_for`]): for this control
+//! plane's own runtimes, their [`Snapshottable`](aviary_runtime::Snapshottable)
+//! capability (a snapshot walks the directories of `export_layers`; a
+//! restore writes into `stage_layers`, adopted by the runtime's next create,
+//! never into a running writable layer, or for the workspace of a live
+//! sandbox into `stage_workspace` + `merge_workspace`); for a node agent,
+//! the agent does the same on its host and streams the chunks. Where the
+//! runtime keeps the layers and whose ids own them is the runtime's
+//! business. A runtime or agent without the capability answers
 //! `invalid_request`.
 
+use crate::backends::{LayerArchive, RuntimeLayers};
 use crate::context::OpContext;
 use crate::error::OpError;
 use crate::ops::ControlPlane;
@@ -29,10 +33,9 @@ use crate::requests::{CheckpointRequest, OnSandbox, SandboxRef, SnapshotQuery};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
 use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};
-use aviary_runtime::Snapshottable;
+use aviary_runtime::Layer;
 use aviary_snapshots::{SnapshotId, SnapshotRequest};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -219,15 +222,31 @@ impl ControlPlane {
         Ok(snap)
     }
 
-    /// The runtime of the sandbox's node as `Snapshottable`, or a clear
-    /// refusal of `what` when it has no such capability.
-    pub(crate) fn snapshottable_for(
+    /// The layers of the sandbox's node (its own runtimes' or a node
+    /// agent's), or a clear refusal of `what` when they cannot be
+    /// snapshotted there.
+    pub(crate) fn layers_for(
         &self,
         rec: &SandboxRecord,
         what: &str,
-    ) -> Result<Arc<dyn Snapshottable>, OpError> {
-        self.require_local(rec, what)?;
-        self.local_runtime(&rec.runtime)?
+    ) -> Result<Arc<dyn LayerArchive>, OpError> {
+        if let Some(node) = self.nodes.get(&rec.node) {
+            return node.runtime.layers().ok_or_else(|| {
+                OpError::InvalidRequest(format!(
+                    "{what} is not supported on node {}: its agent cannot snapshot sandbox layers",
+                    rec.node
+                ))
+            });
+        }
+        if !self.drives_own_node(&rec.node) {
+            return Err(OpError::Unavailable(format!(
+                "the sandbox runs on node {}, which this replica does not drive: \
+                 send the request to that replica",
+                rec.node
+            )));
+        }
+        let runtime = self
+            .local_runtime(&rec.runtime)?
             .snapshottable
             .clone()
             .ok_or_else(|| {
@@ -235,7 +254,11 @@ impl ControlPlane {
                     "{what} is not supported by runtime {}",
                     rec.runtime
                 ))
-            })
+            })?;
+        Ok(Arc::new(RuntimeLayers {
+            runtime,
+            trees: self.trees.clone(),
+        }))
     }
 
     /// Snapshots the sandbox's workspace and writable layer, frozen.
@@ -244,7 +267,8 @@ impl ControlPlane {
         rec: &SandboxRecord,
         label: &str,
     ) -> Result<SandboxSnapshot, OpError> {
-        let runtime = self.snapshottable_for(rec, "snapshotting")?;
+        let layers = self.layers_for(rec, "snapshotting")?;
+        let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let parent = self.last_snapshot(&rec.tenant, &rec.id).await?;
         let live = self.live_opt(&rec.id);
         let freeze = match &live {
@@ -276,12 +300,13 @@ impl ControlPlane {
                         .map_err(OpError::internal)?,
                 );
             }
-            let layers = runtime
-                .export_layers(&rec.id)
-                .await
-                .map_err(OpError::runtime("read the sandbox's layers"))?;
-            let w = self.snapshot_tree(layers.workspace, ws).await?;
-            let u = self.snapshot_tree(layers.writable, up).await?;
+            let store = self.snapshots.store().clone();
+            let w = layers
+                .snapshot_layer(&rec.id, Layer::Workspace, store.clone(), ws)
+                .await?;
+            let u = layers
+                .snapshot_layer(&rec.id, Layer::Writable, store, up)
+                .await?;
             Ok::<_, OpError>((w, u))
         }
         .await;
@@ -324,19 +349,14 @@ impl ControlPlane {
         snap: &SandboxSnapshot,
         rec: &SandboxRecord,
     ) -> Result<(), OpError> {
-        let stage = self
-            .snapshottable_for(rec, "restoring a snapshot")?
-            .stage_layers(&rec.id)
+        let layers = self.layers_for(rec, "restoring a snapshot")?;
+        let workspace = self
+            .manifest_of(&snap.tenant, &snap.workspace_manifest)
+            .await?;
+        let writable = self.manifest_of(&snap.tenant, &snap.upper_manifest).await?;
+        layers
+            .stage_layers(&rec.id, self.snapshots.store().clone(), workspace, writable)
             .await
-            .map_err(OpError::runtime("stage the sandbox's layers"))?;
-        for (manifest, dir) in [
-            (&snap.workspace_manifest, stage.workspace),
-            (&snap.upper_manifest, stage.writable),
-        ] {
-            let mid: SnapshotId = manifest.parse().map_err(OpError::internal)?;
-            self.restore_tree(snap.tenant.clone(), mid, dir).await?;
-        }
-        Ok(())
     }
 
     /// A new sandbox from a checkpoint (copy of its layers; changes in the
@@ -470,7 +490,7 @@ impl ControlPlane {
                 limits: rec.resources,
                 template_digest: &rec.template_digest,
                 runtime: &rec.runtime,
-                local_only: true,
+                on: crate::nodes::PlaceOn::Node(&rec.node),
                 request_id,
             })
             .await?;
@@ -506,19 +526,13 @@ impl ControlPlane {
         rec: &SandboxRecord,
         snap: &SandboxSnapshot,
     ) -> Result<(), OpError> {
-        let runtime = self.snapshottable_for(rec, "restoring a workspace")?;
-        let mid: SnapshotId = snap.workspace_manifest.parse().map_err(OpError::internal)?;
-        // restored beside the workspace, then merged in by the runtime (the
-        // workspace is mounted and must stay the same directory)
-        let staging = runtime
-            .stage_workspace(&rec.id)
+        let layers = self.layers_for(rec, "restoring a workspace")?;
+        let manifest = self
+            .manifest_of(&snap.tenant, &snap.workspace_manifest)
+            .await?;
+        layers
+            .restore_workspace(&rec.id, self.snapshots.store().clone(), manifest)
             .await
-            .map_err(OpError::runtime("stage the workspace"))?;
-        self.restore_tree(snap.tenant.clone(), mid, staging).await?;
-        runtime
-            .merge_workspace(&rec.id)
-            .await
-            .map_err(OpError::runtime("merge the restored workspace"))
     }
 
     /// True when the live workspace lost what the snapshot had. A sandbox
@@ -527,19 +541,17 @@ impl ControlPlane {
         if snap.total_bytes == 0 {
             return false;
         }
-        let Ok(runtime) = self.snapshottable_for(rec, "reading the workspace") else {
+        let Ok(layers) = self.layers_for(rec, "reading the workspace") else {
             return false;
         };
-        let ws = match runtime.export_layers(&rec.id).await {
-            Ok(layers) => layers.workspace,
-            // gone with its compute: nothing of it is left
-            Err(aviary_runtime::RuntimeError::NotFound { .. }) => return true,
+        // gone with its compute: nothing of it is left (the archive says empty)
+        match layers.workspace_is_empty(&rec.id).await {
+            Ok(empty) => empty,
             Err(e) => {
                 tracing::warn!(sandbox.id = %rec.id, error = %e, "cannot read the workspace");
-                return false;
+                false
             }
-        };
-        self.trees.is_empty(ws).await
+        }
     }
 
     /// Hibernates idle sandboxes past the idle timeout (called by the sweep).
@@ -603,34 +615,15 @@ where
 }
 
 impl ControlPlane {
-    /// Snapshots a directory a runtime exported, through the tree archive.
-    async fn snapshot_tree(
+    /// `tenant`'s manifest named by a snapshot row.
+    async fn manifest_of(
         &self,
-        root: PathBuf,
-        req: SnapshotRequest,
+        tenant: &str,
+        id: &str,
     ) -> Result<aviary_snapshots::SnapshotManifest, OpError> {
-        let store = self.snapshots.store().clone();
-        // chunks land before their manifest: the caller holds off GC
-        self.trees
-            .snapshot(store, root, req)
-            .await
-            .map_err(OpError::from)
-    }
-
-    /// Restores `tenant`'s snapshot `id` into a directory a runtime staged.
-    async fn restore_tree(
-        &self,
-        tenant: String,
-        id: SnapshotId,
-        target: PathBuf,
-    ) -> Result<aviary_snapshots::RestoreStats, OpError> {
-        let store = self.snapshots.store().clone();
-        // the restore's errors carry their codes (not found, corrupt, store down)
-        let m = store.get_manifest(&tenant, &id).await?;
-        self.trees
-            .restore(store, m, target)
-            .await
-            .map_err(OpError::from)
+        let mid: SnapshotId = id.parse().map_err(OpError::internal)?;
+        // its errors carry their codes (not found, corrupt, store down)
+        Ok(self.snapshots.store().get_manifest(tenant, &mid).await?)
     }
 }
 

@@ -859,7 +859,7 @@ mod periodic {
         // the holder before the loss is refused; the sandbox works for a new one
         let e =
             p.cp.exec(
-                &alice.clone().with_token(old.token.clone()),
+                &alice.clone().with_token(old.token),
                 OnSandbox::new(id.as_str(), echo()),
             )
             .await

@@ -10,8 +10,11 @@
 
 use crate::api::*;
 use crate::error::NodeError;
+use crate::layers::{
+    Frame, FrameReader, LayerSnapshotRequest, SinkStore, StreamStore, WorkspaceEmpty,
+};
 use aviary_core::SandboxId;
-use aviary_runtime::{Pausable, RuntimeStatus};
+use aviary_runtime::{Layer, Pausable, RuntimeStatus, Snapshottable};
 use aviary_templates::TemplateStore;
 use axum::body::Body;
 use axum::extract::rejection::JsonRejection;
@@ -41,6 +44,10 @@ pub struct NodeConfig {
     /// Shared secret the control plane presents as `Bearer`. Not empty.
     pub token: String,
     pub runtime: Arc<dyn Pausable>,
+    /// The same runtime as [`Snapshottable`], when it is: the node then
+    /// snapshots and restores its sandboxes' layers for the control plane
+    /// ([`crate::layers`]).
+    pub layers: Option<Arc<dyn Snapshottable>>,
     /// The node's own template store.
     pub templates: TemplateStore,
     /// Where the agent keeps its sandbox table (created if missing).
@@ -103,6 +110,7 @@ struct Node {
     id: String,
     token_hash: [u8; 32],
     runtime: Arc<dyn Pausable>,
+    layers: Option<Arc<dyn Snapshottable>>,
     templates: TemplateStore,
     state_dir: PathBuf,
     capacity: Capacity,
@@ -140,6 +148,7 @@ pub async fn start_node(cfg: NodeConfig) -> Result<RunningNode, NodeError> {
         id: cfg.id,
         token_hash: Sha256::digest(cfg.token.as_bytes()).into(),
         runtime: cfg.runtime,
+        layers: cfg.layers,
         templates: cfg.templates,
         state_dir: cfg.state_dir,
         capacity: cfg.capacity,
@@ -186,6 +195,19 @@ fn router(node: Shared) -> Router {
         .route("/node/v1/sandboxes/{id}/pause", post(pause))
         .route("/node/v1/sandboxes/{id}/resume", post(resume))
         .route("/node/v1/sandboxes/{id}/envd", get(envd))
+        .route(
+            "/node/v1/sandboxes/{id}/layers/{layer}/snapshot",
+            post(snapshot_layer),
+        )
+        .route("/node/v1/sandboxes/{id}/layers/stage", post(stage_layers))
+        .route(
+            "/node/v1/sandboxes/{id}/workspace/restore",
+            post(restore_workspace),
+        )
+        .route(
+            "/node/v1/sandboxes/{id}/workspace/empty",
+            get(workspace_empty),
+        )
         .route(
             "/node/v1/templates/{name}",
             axum::routing::put(put_template),
@@ -290,6 +312,7 @@ async fn info(State(node): State<Shared>) -> Result<Json<NodeInfo>, NodeError> {
         committed,
         used,
         sandboxes: placed.len(),
+        snapshots: node.layers.is_some(),
     }))
 }
 
@@ -517,6 +540,161 @@ where
             }
         }
     }
+}
+
+/// The node's runtime as `Snapshottable`, or `invalid_request` saying it
+/// is not.
+fn layers_of(node: &Node) -> Result<Arc<dyn Snapshottable>, NodeError> {
+    node.layers
+        .clone()
+        .ok_or_else(|| NodeError::InvalidRequest {
+            reason: format!(
+                "runtime {} on node {} cannot snapshot sandbox layers",
+                node.runtime.name(),
+                node.id
+            ),
+        })
+}
+
+/// How restores write on a node: as the snapshot recorded owners (the
+/// runtime shifts them into the sandbox's ids when it adopts the tree),
+/// one chunk at a time in manifest order (the request body's order).
+fn restore_options() -> aviary_snapshots::RestoreOptions {
+    aviary_snapshots::RestoreOptions {
+        fetch_concurrency: 1,
+        ..Default::default()
+    }
+}
+
+/// Runs a tree walk or restore (it borrows across awaits, and blocks on
+/// the file system) on a blocking thread.
+async fn off_thread<F, Fut>(f: F) -> Result<(), aviary_snapshots::SnapshotError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), aviary_snapshots::SnapshotError>>,
+{
+    let h = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || h.block_on(f()))
+        .await
+        .map_err(|e| crate::layers::wire_error("run the restore", e.to_string()))?
+}
+
+/// Snapshots one layer; the answer streams its new chunks, then its
+/// manifest (or an error frame), see [`crate::layers`].
+async fn snapshot_layer(
+    State(node): State<Shared>,
+    UrlPath((id, layer)): UrlPath<(String, String)>,
+    body: Result<Json<LayerSnapshotRequest>, JsonRejection>,
+) -> Result<Response, NodeError> {
+    let id = parse_id(&id)?;
+    let layer: Layer = layer
+        .parse()
+        .map_err(|reason| NodeError::InvalidRequest { reason })?;
+    let Json(req) = body.map_err(|e| NodeError::InvalidRequest {
+        reason: e.body_text(),
+    })?;
+    let layers = layers_of(&node)?;
+    let root = layers.export_layers(&id).await?.layer(layer).to_owned();
+    let parent_id = req.parent.as_ref().map(|p| p.id.clone());
+    let mut snap = aviary_snapshots::SnapshotRequest::new(req.tenant, req.label);
+    snap.sandbox_id = req.sandbox_id;
+    snap.parent = parent_id;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(16);
+    let h = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        h.block_on(async move {
+        let sink = SinkStore::new(tx.clone(), req.parent);
+        let last = match aviary_snapshots::snapshot_dir(&sink, &root, snap).await {
+            Ok(_) => match sink.take_manifest() {
+                Some(m) => Frame::Manifest(Box::new(m)),
+                None => Frame::Error("the snapshot stored no manifest".into()),
+            },
+            Err(e) => {
+                tracing::warn!(sandbox.id = %id, layer = layer.as_str(), error = %e, "layer snapshot failed");
+                Frame::Error(format!("snapshot of {} failed: {e}", layer.as_str()))
+            }
+        };
+        let _ = tx.send(last.encode()).await;
+    })
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|frame| (Ok::<_, std::convert::Infallible>(frame), rx))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .body(Body::from_stream(stream))
+        .map_err(|e| NodeError::InvalidRequest {
+            reason: e.to_string(),
+        })
+}
+
+/// Stages both layers of a sandbox that does not exist yet from the body's
+/// stream (workspace, then writable); the next create adopts them.
+async fn stage_layers(
+    State(node): State<Shared>,
+    UrlPath(id): UrlPath<String>,
+    body: Body,
+) -> Result<StatusCode, NodeError> {
+    let id = parse_id(&id)?;
+    let layers = layers_of(&node)?;
+    let stage = layers.stage_layers(&id).await?;
+    let stream = body.into_data_stream();
+    let restored = off_thread(move || async move {
+        let src = StreamStore::new(FrameReader::new(stream));
+        for dir in [stage.workspace, stage.writable] {
+            let m = src.next_manifest().await?;
+            aviary_snapshots::restore_dir(&src, &m, &dir, &restore_options()).await?;
+        }
+        Ok(())
+    })
+    .await;
+    if let Err(e) = restored {
+        // a half-written stage is never adopted
+        let _ = layers.destroy(&id).await;
+        return Err(NodeError::Layers(e));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Restores a workspace into a running sandbox: beside it, then merged in
+/// (entries it already has are kept).
+async fn restore_workspace(
+    State(node): State<Shared>,
+    UrlPath(id): UrlPath<String>,
+    body: Body,
+) -> Result<StatusCode, NodeError> {
+    let id = parse_id(&id)?;
+    let layers = layers_of(&node)?;
+    let staging = layers.stage_workspace(&id).await?;
+    let stream = body.into_data_stream();
+    off_thread(move || async move {
+        let src = StreamStore::new(FrameReader::new(stream));
+        let m = src.next_manifest().await?;
+        aviary_snapshots::restore_dir(&src, &m, &staging, &restore_options())
+            .await
+            .map(drop)
+    })
+    .await
+    .map_err(NodeError::Layers)?;
+    layers.merge_workspace(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Whether a sandbox's workspace has no entries.
+async fn workspace_empty(
+    State(node): State<Shared>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<Json<WorkspaceEmpty>, NodeError> {
+    let id = parse_id(&id)?;
+    let ws = layers_of(&node)?.export_layers(&id).await?.workspace;
+    let empty = blocking(move || match std::fs::read_dir(&ws) {
+        Ok(mut rd) => rd.next().is_none(),
+        Err(_) => true,
+    })
+    .await?;
+    Ok(Json(WorkspaceEmpty { empty }))
 }
 
 /// Streams a template archive to a file under the state dir, then imports

@@ -124,6 +124,10 @@ pub struct NodeInfo {
     /// rate (cores) since the previous info request (0 on the first).
     pub used: Capacity,
     pub sandboxes: usize,
+    /// Whether the node snapshots and restores its sandboxes' layers
+    /// (`…/layers/…`, `…/workspace/…`); absent from older agents.
+    #[serde(default)]
+    pub snapshots: bool,
 }
 
 impl NodeInfo {
@@ -228,6 +232,7 @@ mod tests {
                 memory_mb: 300,
             },
             sandboxes: 2,
+            snapshots: false,
         };
         let now = aviary_core::now();
         let mut warm = HashMap::new();

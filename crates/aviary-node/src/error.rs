@@ -64,6 +64,8 @@ pub enum NodeError {
     },
     #[error("blocking task")]
     JoinTask(#[source] tokio::task::JoinError),
+    #[error("snapshot layers")]
+    Layers(#[source] aviary_snapshots::SnapshotError),
 }
 
 impl NodeError {
@@ -81,6 +83,7 @@ impl NodeError {
             NodeError::ListTemplates(e) | NodeError::ImportTemplate(e) => e.code(),
             NodeError::UploadTooLarge { .. } => ErrorCode::PayloadTooLarge,
             NodeError::ConnectEnvd { .. } => ErrorCode::Unavailable,
+            NodeError::Layers(e) => e.code(),
             NodeError::WriteState { .. }
             | NodeError::ReadState { .. }
             | NodeError::BindListener { .. }

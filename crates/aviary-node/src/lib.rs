@@ -30,9 +30,10 @@
 mod agent;
 pub mod api;
 mod error;
+pub mod layers;
 mod remote;
 
 pub use agent::{start_node, NodeConfig, RunningNode};
 pub use api::{Capacity, NodeInfo, ProvidedBind};
 pub use error::NodeError;
-pub use remote::RemoteRuntime;
+pub use remote::{LayerCallError, RemoteRuntime};

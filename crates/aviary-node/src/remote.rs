@@ -2,13 +2,18 @@
 //! usable wherever a local [`Runtime`] is.
 
 use crate::api::*;
+use crate::layers::{
+    receive_snapshot, send_restore, wire_error, FrameReader, LayerSnapshotRequest, WorkspaceEmpty,
+};
 use async_trait::async_trait;
 use aviary_core::SandboxId;
 use aviary_envd_proto::EnvdClient;
-use aviary_runtime::{Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use aviary_runtime::{Layer, Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxSpec};
+use aviary_snapshots::{ChunkStore, SnapshotError, SnapshotManifest, SnapshotRequest};
 use reqwest::{Method, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A node agent's runtime, driven over its HTTP API. Cheap to clone.
@@ -37,6 +42,18 @@ impl std::fmt::Debug for RemoteRuntime {
 /// Longest any node API call may take (sandbox creation included).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a layer snapshot or restore may take (a large workspace).
+const LAYER_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// A layer call's failure: the node's answer (its runtime's code), or the
+/// stream and the chunk store's.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerCallError {
+    #[error(transparent)]
+    Node(#[from] RuntimeError),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+}
 
 impl RemoteRuntime {
     /// Connects to the node agent at `addr` (`host:port`): checks the token
@@ -196,6 +213,124 @@ impl RemoteRuntime {
             return Err(self.error_from(resp, &action, Some(id)).await);
         }
         Ok(())
+    }
+
+    /// Snapshots one layer of sandbox `id` on the node into `store`: the
+    /// node streams the chunks `req.parent` lacks and the manifest, which
+    /// is stored once every chunk it names is there (see [`crate::layers`]).
+    pub async fn snapshot_layer(
+        &self,
+        id: &SandboxId,
+        layer: Layer,
+        store: &dyn ChunkStore,
+        req: SnapshotRequest,
+    ) -> Result<SnapshotManifest, LayerCallError> {
+        let parent = match &req.parent {
+            Some(p) => Some(store.get_manifest(&req.tenant, p).await?),
+            None => None,
+        };
+        let body = LayerSnapshotRequest {
+            tenant: req.tenant.clone(),
+            label: req.label,
+            sandbox_id: req.sandbox_id,
+            parent: parent.clone(),
+        };
+        let path = format!("/node/v1/sandboxes/{id}/layers/{}/snapshot", layer.as_str());
+        let resp = self
+            .http
+            .post(format!("http://{}{path}", self.addr))
+            .bearer_auth(&self.token)
+            .timeout(LAYER_TIMEOUT)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        if !resp.status().is_success() {
+            return Err(self
+                .error_from(resp, &format!("node POST {path}"), Some(id))
+                .await
+                .into());
+        }
+        let reader = FrameReader::new(Box::pin(resp.bytes_stream()));
+        Ok(receive_snapshot(store, reader, &req.tenant, parent.as_ref()).await?)
+    }
+
+    /// Stages both layers of sandbox `id` (not created yet) on the node from
+    /// `workspace` and `writable`, read from `store`; its next create adopts
+    /// them.
+    pub async fn stage_layers(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        workspace: SnapshotManifest,
+        writable: SnapshotManifest,
+    ) -> Result<(), LayerCallError> {
+        let path = format!("/node/v1/sandboxes/{id}/layers/stage");
+        self.stream_restore(id, &path, store, vec![workspace, writable])
+            .await
+    }
+
+    /// Restores `manifest` into the running sandbox `id`'s workspace on the
+    /// node (entries the workspace already has are kept).
+    pub async fn restore_workspace(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        manifest: SnapshotManifest,
+    ) -> Result<(), LayerCallError> {
+        let path = format!("/node/v1/sandboxes/{id}/workspace/restore");
+        self.stream_restore(id, &path, store, vec![manifest]).await
+    }
+
+    /// Whether sandbox `id`'s workspace on the node has no entries.
+    pub async fn workspace_is_empty(&self, id: &SandboxId) -> Result<bool, RuntimeError> {
+        let path = format!("/node/v1/sandboxes/{id}/workspace/empty");
+        let answer: WorkspaceEmpty = self.call(Method::GET, &path, None::<&()>, Some(id)).await?;
+        Ok(answer.empty)
+    }
+
+    /// Posts `manifests` and their chunks from `store` as one streamed body.
+    async fn stream_restore(
+        &self,
+        id: &SandboxId,
+        path: &str,
+        store: Arc<dyn ChunkStore>,
+        manifests: Vec<SnapshotManifest>,
+    ) -> Result<(), LayerCallError> {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(8);
+        let sender =
+            tokio::spawn(async move { send_restore(store.as_ref(), &manifests, &tx).await });
+        let body =
+            reqwest::Body::wrap_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|frame| (frame, rx))
+            }));
+        let sent = self
+            .http
+            .post(format!("http://{}{path}", self.addr))
+            .bearer_auth(&self.token)
+            .timeout(LAYER_TIMEOUT)
+            .body(body)
+            .send()
+            .await;
+        // a store failure is the cause; the node's answer to the cut stream is not
+        let read = sender
+            .await
+            .map_err(|e| wire_error("stream the restore", e.to_string()))?;
+        read?;
+        let resp = sent.map_err(|e| self.unreachable(&e))?;
+        if !resp.status().is_success() {
+            return Err(self
+                .error_from(resp, &format!("node POST {path}"), Some(id))
+                .await
+                .into());
+        }
+        Ok(())
+    }
+
+    fn unreachable(&self, e: &reqwest::Error) -> RuntimeError {
+        RuntimeError::ProbeRuntime {
+            reason: format!("node {} unreachable: {}", self.addr, error_chain(e)),
+        }
     }
 
     /// Rebuilds the runtime's error from the node's error answer: one with

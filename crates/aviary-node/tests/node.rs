@@ -115,6 +115,7 @@ mod node {
             listen,
             token: TOKEN.into(),
             runtime: runtime.clone(),
+            layers: Some(runtime.clone()),
             templates: templates.clone(),
             state_dir: state.join("node"),
             capacity,

@@ -208,6 +208,47 @@ pub trait Pausable: Runtime {
     }
 }
 
+/// One of the two layers a snapshot keeps of a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layer {
+    /// What is mounted at [`WORKSPACE_MOUNT`].
+    Workspace,
+    /// Everything the sandbox changed outside the workspace.
+    Writable,
+}
+
+impl Layer {
+    /// Its name on the wire (`workspace`, `writable`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layer::Workspace => "workspace",
+            Layer::Writable => "writable",
+        }
+    }
+}
+
+impl std::str::FromStr for Layer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "workspace" => Ok(Layer::Workspace),
+            "writable" => Ok(Layer::Writable),
+            other => Err(format!("unknown layer {other:?} (workspace or writable)")),
+        }
+    }
+}
+
+impl LayerExport {
+    /// The directory of `layer`.
+    pub fn layer(&self, layer: Layer) -> &std::path::Path {
+        match layer {
+            Layer::Workspace => &self.workspace,
+            Layer::Writable => &self.writable,
+        }
+    }
+}
+
 /// A running sandbox's layers as host directories, for reading: what a
 /// snapshot copies. Valid until the sandbox is destroyed; the runtime keeps
 /// ownership (the caller only reads).

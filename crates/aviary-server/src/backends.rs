@@ -5,12 +5,14 @@
 //! `crate::build`.
 
 use async_trait::async_trait;
-use aviary_control::{DefaultTemplateSource, NodeAgent, NodeConnector, NodeSummary, OpError};
+use aviary_control::{
+    DefaultTemplateSource, LayerArchive, NodeAgent, NodeConnector, NodeSummary, OpError,
+};
 use aviary_core::SandboxId;
 use aviary_envd_proto::EnvdClient;
-use aviary_node::RemoteRuntime;
+use aviary_node::{LayerCallError, RemoteRuntime};
 use aviary_registry::TemplateRecord;
-use aviary_runtime::{Pausable, RuntimeError};
+use aviary_runtime::{Layer, Pausable, RuntimeError};
 use aviary_scheduler::NodeView;
 use aviary_snapshots::{
     ChunkStore, RestoreOptions, RestoreStats, SnapshotError, SnapshotManifest, SnapshotRequest,
@@ -181,8 +183,8 @@ impl aviary_control::TreeArchive for HostTrees {
 /// `aviary node` agents reached over HTTP with their bearer token.
 pub struct AgentConnector;
 
-/// One connected agent.
-struct AgentNode(Arc<RemoteRuntime>);
+/// One connected agent, and whether it snapshots its sandboxes' layers.
+struct AgentNode(Arc<RemoteRuntime>, bool);
 
 #[async_trait]
 impl NodeAgent for AgentNode {
@@ -192,6 +194,11 @@ impl NodeAgent for AgentNode {
 
     fn envd(&self, id: &SandboxId) -> EnvdClient {
         self.0.envd(id)
+    }
+
+    fn layers(&self) -> Option<Arc<dyn LayerArchive>> {
+        self.1
+            .then(|| Arc::new(AgentLayers(self.0.clone())) as Arc<dyn LayerArchive>)
     }
 
     async fn view(&self, address: &str, now: OffsetDateTime) -> Result<NodeView, RuntimeError> {
@@ -216,7 +223,67 @@ impl NodeConnector for AgentConnector {
             cpu: info.capacity.cpu,
             memory_mb: info.capacity.memory_mb,
         };
-        Ok((Arc::new(AgentNode(Arc::new(rt))), summary))
+        Ok((Arc::new(AgentNode(Arc::new(rt), info.snapshots)), summary))
+    }
+}
+
+/// An agent's sandboxes' layers: the agent walks and writes its own
+/// directories; chunks stream between it and the control plane's store.
+struct AgentLayers(Arc<RemoteRuntime>);
+
+fn layer_error(what: &'static str) -> impl FnOnce(LayerCallError) -> OpError {
+    move |e| match e {
+        LayerCallError::Node(e) => OpError::runtime(what)(e),
+        LayerCallError::Snapshot(e) => e.into(),
+    }
+}
+
+#[async_trait]
+impl LayerArchive for AgentLayers {
+    async fn snapshot_layer(
+        &self,
+        id: &SandboxId,
+        layer: Layer,
+        store: Arc<dyn ChunkStore>,
+        request: SnapshotRequest,
+    ) -> Result<SnapshotManifest, OpError> {
+        self.0
+            .snapshot_layer(id, layer, store.as_ref(), request)
+            .await
+            .map_err(layer_error("snapshot the layer on the node"))
+    }
+
+    async fn stage_layers(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        workspace: SnapshotManifest,
+        writable: SnapshotManifest,
+    ) -> Result<(), OpError> {
+        self.0
+            .stage_layers(id, store, workspace, writable)
+            .await
+            .map_err(layer_error("stage the layers on the node"))
+    }
+
+    async fn restore_workspace(
+        &self,
+        id: &SandboxId,
+        store: Arc<dyn ChunkStore>,
+        manifest: SnapshotManifest,
+    ) -> Result<(), OpError> {
+        self.0
+            .restore_workspace(id, store, manifest)
+            .await
+            .map_err(layer_error("restore the workspace on the node"))
+    }
+
+    async fn workspace_is_empty(&self, id: &SandboxId) -> Result<bool, OpError> {
+        match self.0.workspace_is_empty(id).await {
+            Ok(empty) => Ok(empty),
+            Err(RuntimeError::NotFound { .. }) => Ok(true),
+            Err(e) => Err(OpError::runtime("read the workspace on the node")(e)),
+        }
     }
 }
 

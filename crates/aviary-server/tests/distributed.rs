@@ -389,12 +389,14 @@ async fn agent(dir: &std::path::Path, id: &str) -> (aviary_node::RunningNode, St
         .with_template_store(common::template_cache()),
     )
     .unwrap();
+    let rt = std::sync::Arc::new(rt);
     let token = format!("token-{id}");
     let node = aviary_node::start_node(aviary_node::NodeConfig {
         id: id.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
         token: token.clone(),
-        runtime: std::sync::Arc::new(rt),
+        runtime: rt.clone(),
+        layers: Some(rt),
         templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
         state_dir: state.join("agent"),
         capacity: aviary_node::Capacity {
@@ -504,4 +506,115 @@ async fn any_replica_serves_a_sandbox_on_a_node_agent() {
         .await
         .unwrap();
     drop(node);
+}
+
+/// Snapshots, hibernate/wake, fork and a level-2 reset of a sandbox on a
+/// node agent, through a replica that runs no sandboxes itself: the agent
+/// walks and writes its own layers, the chunks stream to and from the
+/// replica's chunk store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_fork_and_hibernate_work_on_a_node_agent() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let space = unique("agent_snap");
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = common::config(&dir.path().join("replica"), "busybox");
+    distributed(&mut cfg, &pg, &redis, &space);
+    cfg.control.settings.distributed.node_name = None;
+    cfg.control.runs_sandboxes = false;
+    cfg.control.local_node = "replica-stateless".into();
+    let r = common::start_cfg(cfg).await;
+    let c = &r.client;
+    let (node, token) = agent(dir.path(), "agent-1").await;
+    c.add_node("agent-1", &node.addr().to_string(), &token)
+        .await
+        .unwrap();
+
+    let id = common::new_sandbox(c).await;
+    assert_eq!(c.get_sandbox(&id).await.unwrap().node, "agent-1");
+    // the workspace and the writable layer (outside /workspace) both count
+    let out = c
+        .exec(
+            &id,
+            &common::shell(
+                "mkdir -p /workspace/src && echo code > /workspace/src/a.py && \
+                 head -c 300000 /dev/urandom > /workspace/blob && md5sum /workspace/blob && \
+                 echo tool > /etc/installed-tool",
+            ),
+        )
+        .await
+        .unwrap();
+    let blob_sum = out.stdout.clone();
+    let clean = c.snapshot_labelled(&id, "clean", None).await.unwrap();
+    assert!(clean["total_bytes"].as_u64().unwrap() >= 300_000, "{clean}");
+    // an incremental snapshot: only what changed travels
+    c.exec(&id, &common::shell("echo more > /workspace/src/b.py"))
+        .await
+        .unwrap();
+    let second = c.snapshot(&id, None).await.unwrap();
+    assert_eq!(second["parent"], clean["id"], "{second}");
+    assert!(
+        second["new_bytes"].as_u64().unwrap() < 100_000,
+        "the unchanged blob is not sent again: {second}"
+    );
+
+    // hibernate: compute gone from the agent; wake: the layers come back
+    c.sandbox_action(&id, "hibernate", None).await.unwrap();
+    assert_eq!(
+        c.get_sandbox(&id).await.unwrap().state,
+        aviary_core::SandboxState::Hibernating
+    );
+    c.sandbox_action(&id, "wake", None).await.unwrap();
+    let woke = c.get_sandbox(&id).await.unwrap();
+    assert_eq!(woke.node, "agent-1");
+    let check =
+        "cat /workspace/src/a.py /workspace/src/b.py /etc/installed-tool; md5sum /workspace/blob";
+    let out = c.exec(&id, &common::shell(check)).await.unwrap();
+    assert_eq!(out.stdout, format!("code\nmore\ntool\n{blob_sum}"));
+
+    // fork: a child on the agent (the only node that can stage layers)
+    let child = c.fork(&id, None, None).await.unwrap().sandbox;
+    assert_eq!(child.node, "agent-1");
+    let out = c
+        .exec(child.id.as_str(), &common::shell(check))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, format!("code\nmore\ntool\n{blob_sum}"));
+    c.exec(
+        child.id.as_str(),
+        &common::shell("echo child > /workspace/src/a.py"),
+    )
+    .await
+    .unwrap();
+    let parent_a = c.read_file(&id, "/workspace/src/a.py").await.unwrap();
+    assert_eq!(
+        parent_a, b"code\n",
+        "the fork's change does not show in the parent"
+    );
+
+    // level 2: back to the clean checkpoint, on the agent
+    c.exec(
+        &id,
+        &common::shell("rm -rf /workspace/src; echo junk > /etc/junk"),
+    )
+    .await
+    .unwrap();
+    c.reset(&id, 2, None).await.unwrap();
+    let out = c
+        .exec(
+            &id,
+            &common::shell("cat /workspace/src/a.py; test -e /workspace/src/b.py || echo no-b; test -e /etc/junk || echo no-junk"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "code\nno-b\nno-junk\n");
+
+    for s in [id.as_str(), child.id.as_str()] {
+        c.delete_sandbox(s, None).await.unwrap();
+    }
+    node.stop().await;
 }

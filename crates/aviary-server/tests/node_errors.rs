@@ -74,6 +74,7 @@ async fn a_full_remote_host_is_503_capacity_exhausted() {
         listen: "127.0.0.1:0".parse().unwrap(),
         token: token.clone(),
         runtime: Arc::new(FullHost(rt)),
+        layers: None,
         templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
         state_dir: state.join("agent"),
         capacity: aviary_node::Capacity {
@@ -129,5 +130,71 @@ async fn a_full_remote_host_is_503_capacity_exhausted() {
         .unwrap()
         .clone();
     assert_eq!(full["cpu_committed"].as_f64().unwrap(), 0.0, "{full}");
+    agent.stop().await;
+}
+
+/// An agent whose runtime cannot snapshot (started without layers) is
+/// refused with a clear 400 naming the node, and nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_cannot_snapshot_says_so() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let dir = tempfile::Builder::new()
+        .prefix("avne")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let state = dir.path().join("node-plain");
+    let rt = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            state.join("sandboxes"),
+        )
+        .with_template_store(common::template_cache()),
+    )
+    .unwrap();
+    let token = "token-node-plain".to_string();
+    // far bigger than this host, so the scheduler places there
+    let agent = aviary_node::start_node(aviary_node::NodeConfig {
+        id: "node-plain".into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: token.clone(),
+        runtime: Arc::new(rt),
+        layers: None,
+        templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
+        state_dir: state.join("agent"),
+        capacity: aviary_node::Capacity {
+            cpu: 64.0,
+            memory_mb: 262_144,
+        },
+        provided_binds: vec![aviary_node::ProvidedBind::envd(common::envd_binary())],
+    })
+    .await
+    .unwrap();
+    c.add_node("node-plain", &agent.addr().to_string(), &token)
+        .await
+        .unwrap();
+    let id = common::new_sandbox(c).await;
+    assert_eq!(c.get_sandbox(&id).await.unwrap().node, "node-plain");
+    let err = c.snapshot(&id, None).await.unwrap_err();
+    match &err {
+        aviary_client::ClientError::Api {
+            status,
+            code,
+            message,
+        } => {
+            assert_eq!((*status, *code), (400, ErrorCode::InvalidRequest), "{err}");
+            assert!(message.contains("node-plain"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        c.snapshots(Some(&id)).await.unwrap()["snapshots"]
+            .as_array()
+            .unwrap()
+            .len(),
+        0
+    );
+    c.exec(&id, &common::shell("true")).await.unwrap();
+    c.delete_sandbox(&id, None).await.unwrap();
     agent.stop().await;
 }

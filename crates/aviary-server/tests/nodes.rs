@@ -8,7 +8,6 @@ mod common;
 
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::ErrorCode;
-use std::sync::Arc;
 
 async fn agent(
     dir: &std::path::Path,
@@ -25,12 +24,14 @@ async fn agent(
         .with_template_store(common::template_cache()),
     )
     .unwrap();
+    let rt = std::sync::Arc::new(rt);
     let token = format!("token-{id}");
     let node = aviary_node::start_node(aviary_node::NodeConfig {
         id: id.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
         token: token.clone(),
-        runtime: Arc::new(rt),
+        runtime: rt.clone(),
+        layers: Some(rt),
         templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
         state_dir: state.join("agent"),
         capacity: aviary_node::Capacity { cpu, memory_mb },
@@ -125,11 +126,11 @@ async fn sandboxes_are_placed_on_node_agents_and_work_there() {
     );
     c.sandbox_action(&id, "pause", None).await.unwrap();
     c.sandbox_action(&id, "resume", None).await.unwrap();
-    // work that needs the layers on this host says so
-    assert_eq!(
-        c.snapshot(&id, None).await.unwrap_err().code(),
-        Some(ErrorCode::InvalidRequest)
-    );
+    // the agent snapshots its own layers; the chunks land in this store
+    let snap = c.snapshot(&id, None).await.unwrap();
+    assert!(snap["total_bytes"].as_u64().unwrap() >= 16, "{snap}");
+    let listed = c.snapshots(Some(&id)).await.unwrap();
+    assert_eq!(listed["snapshots"][0]["id"], snap["id"], "{listed}");
     let nodes = c.nodes().await.unwrap();
     let on = nodes["nodes"]
         .as_array()

@@ -12,7 +12,6 @@ use aviary_core::api::CreateSandboxRequest;
 use aviary_registry::SnapshotFilter;
 use common::shell;
 use std::os::unix::fs::PermissionsExt;
-use std::sync::Arc;
 
 fn pool_config(data: &std::path::Path) -> aviary_server::config::ServerConfig {
     let mut cfg = common::config(data, "busybox");
@@ -38,12 +37,14 @@ async fn agent(dir: &std::path::Path, id: &str) -> (aviary_node::RunningNode, St
         .with_template_store(common::template_cache()),
     )
     .unwrap();
+    let rt = std::sync::Arc::new(rt);
     let token = format!("token-{id}-{}", aviary_core::new_id("s"));
     let node = aviary_node::start_node(aviary_node::NodeConfig {
         id: id.into(),
         listen: "127.0.0.1:0".parse().unwrap(),
         token: token.clone(),
-        runtime: Arc::new(rt),
+        runtime: rt.clone(),
+        layers: Some(rt),
         templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
         state_dir: state.join("agent"),
         capacity: aviary_node::Capacity {
