@@ -681,8 +681,18 @@ fn compute_killed_behind_the_planes_back_is_restored_from_its_snapshot() {
     let b = replica_with(dir.path(), "replica-b", &pg, &redis, &space, &b_opts);
     let key = admin_key(&a);
     let on_a = |args: &[&str]| cli(&a.url, &key, args);
+    let on_b = |args: &[&str]| cli(&b.url, &key, args);
+    // on A's own node (the only node before the agent is registered)
     let (id, node) = create(&on_a);
     assert_eq!(node, "node-a");
+    let (_agent, addr) = agent(dir.path(), "agent-1", "tok-1");
+    ok(on_b(&[
+        "nodes", "add", "agent-1", &addr, "--token", "tok-1",
+    ]));
+    wait_nodes(&on_a, &["agent-1"]);
+    // the stateless replica places on the agent
+    let (remote, node) = create(&on_b);
+    assert_eq!(node, "agent-1");
     ok(sh(
         &on_a,
         &id,
@@ -690,48 +700,65 @@ fn compute_killed_behind_the_planes_back_is_restored_from_its_snapshot() {
         "echo committed > /workspace/kept && mkdir -p /workspace/d && echo 2 > /workspace/d/two",
     ));
     ok(on_a(&["sandbox", "snapshot", &id]));
+    ok(sh(
+        &on_b,
+        &remote,
+        None,
+        "echo remote > /workspace/kept && echo tool > /etc/tool",
+    ));
+    ok(on_b(&["sandbox", "snapshot", &remote]));
 
-    // every process of the sandbox killed from the host, not through Aviary
-    let pids = sandbox_pids(&id);
-    assert!(!pids.is_empty(), "found the sandbox's processes");
-    let killed_at = Instant::now();
-    for pid in &pids {
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-    }
-    // the reconciler (or the envd probe) finds it lost, then restores it
-    let start = Instant::now();
-    loop {
-        let events = event_types(&b.url, &key, &id);
-        if events.iter().any(|e| e == "recovered") {
-            break;
+    for (sbx, where_) in [(&id, "the replica's own node"), (&remote, "a node agent")] {
+        // every process of the sandbox killed from the host, not through Aviary
+        let pids = sandbox_pids(sbx);
+        assert!(!pids.is_empty(), "found the sandbox's processes");
+        let killed_at = Instant::now();
+        for pid in &pids {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         }
-        assert!(
-            !events
-                .iter()
-                .any(|e| e == "recovery_failed" || e == "unrecoverable"),
-            "{events:?}"
+        // the reconciler (or the envd probe) finds it lost, then restores it
+        let start = Instant::now();
+        loop {
+            let events = event_types(&b.url, &key, sbx);
+            if events.iter().any(|e| e == "recovered") {
+                break;
+            }
+            assert!(
+                !events
+                    .iter()
+                    .any(|e| e == "recovery_failed" || e == "unrecoverable"),
+                "{events:?}"
+            );
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "never recovered: {events:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        wait_state(&b.url, &key, sbx, "idle", Duration::from_secs(30));
+        eprintln!(
+            "converged in: processes killed on {where_} -> restored and Idle {:.2} s (300 ms passes)",
+            killed_at.elapsed().as_secs_f64()
         );
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "never recovered: {events:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+        let events = event_types(&a.url, &key, sbx);
+        let lost = events
+            .iter()
+            .position(|e| e == "sandbox_lost")
+            .expect("a sandbox_lost event");
+        let recovered = events.iter().position(|e| e == "recovered").unwrap();
+        assert!(lost < recovered, "{events:?}");
+        assert!(!sandbox_pids(sbx).is_empty(), "new compute runs");
     }
-    wait_state(&b.url, &key, &id, "idle", Duration::from_secs(30));
-    eprintln!(
-        "converged in: processes killed -> restored and Idle {:.2} s (300 ms passes)",
-        killed_at.elapsed().as_secs_f64()
-    );
-    let events = event_types(&a.url, &key, &id);
-    let lost = events
-        .iter()
-        .position(|e| e == "sandbox_lost")
-        .expect("a sandbox_lost event");
-    let recovered = events.iter().position(|e| e == "recovered").unwrap();
-    assert!(lost < recovered, "{events:?}");
-    assert!(!sandbox_pids(&id).is_empty(), "new compute runs");
     let kept = ok(sh(&on_a, &id, None, "cat /workspace/kept /workspace/d/two"));
     assert_eq!(kept, "committed\n2", "committed files lost = 0");
+    let kept = ok(sh(&on_a, &remote, None, "cat /workspace/kept /etc/tool"));
+    assert_eq!(
+        kept, "remote\ntool",
+        "committed files lost = 0 on the agent"
+    );
     ok(on_a(&["sandbox", "rm", &id]));
+    ok(on_b(&["sandbox", "rm", &remote]));
     assert_eq!(sandbox_pids(&id), Vec::<u32>::new(), "orphans left = 0");
+    assert_eq!(sandbox_pids(&remote), Vec::<u32>::new(), "orphans left = 0");
+    assert_eq!(agent_sandboxes(&addr, "tok-1"), Vec::<String>::new());
 }
