@@ -78,7 +78,8 @@ struct ServeArgs {
     /// Address to listen on [default: 127.0.0.1:7400].
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// OCI runtime: crun (default) or runc.
+    /// Default OCI runtime: crun (default) or runc. Serve both side by side
+    /// with `runtimes = ["crun", "runc"]` in [server].
     #[arg(long)]
     runtime: Option<String>,
     /// Static envd binary (default: aviary-envd next to this binary).
@@ -142,6 +143,10 @@ struct CreateArgs {
     /// You manage this sandbox's life: the platform only stops (hibernates) it, never destroys it.
     #[arg(long)]
     user_managed: bool,
+    /// Runtime to run on (crun, runc): one the class offers and the server serves
+    /// (`aviary nodes ls` lists them); default: the server's default runtime.
+    #[arg(long)]
+    runtime: Option<String>,
 }
 
 impl CreateArgs {
@@ -163,6 +168,7 @@ impl CreateArgs {
             lease: None,
             from_snapshot: self.from_snapshot.clone(),
             user_managed: self.user_managed,
+            runtime: self.runtime.clone(),
         })
     }
 }
@@ -582,6 +588,11 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
         cfg.runtime = r
             .parse()
             .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?;
+        // the default among the configured runtimes, or the only one
+        let served = &mut cfg.control.settings.server.runtimes;
+        if !served.contains(&cfg.runtime) {
+            *served = vec![cfg.runtime];
+        }
     }
     let data_dir = cfg.data_dir.clone();
     cfg.templates_dir = a.templates_dir;

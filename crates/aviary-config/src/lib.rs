@@ -84,8 +84,11 @@ pub struct ServerSettings {
     /// Registry, templates, sandboxes and `admin.key` live here.
     pub data_dir: PathBuf,
     pub listen: SocketAddr,
-    /// OCI runtime of the local node.
+    /// The local node's default OCI runtime.
     pub runtime: Runtime,
+    /// Every runtime the local node serves side by side (`runtime` among
+    /// them); a class or a create that names one of them gets it.
+    pub runtimes: Vec<Runtime>,
     /// Template used when a create names none.
     pub default_template: String,
     /// Class used when a create names neither a class nor an intent.
@@ -419,6 +422,7 @@ pub(crate) fn default_server() -> ServerSettings {
         data_dir: PathBuf::from("/var/lib/aviary"),
         listen: SocketAddr::from(([127, 0, 0, 1], 7400)),
         runtime: Runtime::Crun,
+        runtimes: vec![Runtime::Crun],
         default_template: "default".into(),
         default_class: "python-small".into(),
         edge: default_edge(),

@@ -43,6 +43,7 @@ struct RawServer {
     data_dir: Option<Spanned<String>>,
     listen: Option<Spanned<String>>,
     runtime: Option<Runtime>,
+    runtimes: Option<Spanned<Vec<Runtime>>>,
     default_template: Option<Spanned<String>>,
     default_class: Option<Spanned<String>>,
     header_read_timeout_ms: Option<Spanned<u64>>,
@@ -436,6 +437,35 @@ fn check_server(
         }
         if let Some(rt) = raw.runtime {
             s.runtime = rt;
+        }
+        match raw.runtimes {
+            Some(list) => {
+                let span = list.span();
+                let list = list.into_inner();
+                ck.check(
+                    !list.is_empty(),
+                    &span,
+                    || "server.runtimes".into(),
+                    || "server: runtimes must not be empty".into(),
+                )?;
+                for (i, r) in list.iter().enumerate() {
+                    ck.check(
+                        !list[..i].contains(r),
+                        &span,
+                        || "server.runtimes".into(),
+                        || format!("server: runtime {r} is listed twice in runtimes"),
+                    )?;
+                }
+                let runtime = s.runtime;
+                ck.check(
+                    list.contains(&runtime),
+                    &span,
+                    || "server.runtimes".into(),
+                    || format!("server: runtimes must include the default runtime {runtime}"),
+                )?;
+                s.runtimes = list;
+            }
+            None => s.runtimes = vec![s.runtime],
         }
         if let Some(t) = raw.default_template {
             ck.check_name("template", "server.default_template".into(), &t)?;

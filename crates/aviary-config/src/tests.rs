@@ -1086,3 +1086,25 @@ fn reconciler_keys_default_one_by_one_and_are_bounded() {
         .to_string();
     assert!(e.contains("intervall_ms"), "{e}");
 }
+
+#[test]
+fn server_runtimes_default_to_the_runtime_and_must_include_it() {
+    let c = Config::from_str("[server]\nruntime = \"runc\"\n", ORIGIN).unwrap();
+    assert_eq!(c.server.runtimes, vec![crate::Runtime::Runc]);
+    let c = Config::from_str("[server]\nruntimes = [\"crun\", \"runc\"]\n", ORIGIN).unwrap();
+    assert_eq!(c.server.runtime, crate::Runtime::Crun);
+    assert_eq!(
+        c.server.runtimes,
+        vec![crate::Runtime::Crun, crate::Runtime::Runc]
+    );
+    for text in [
+        "[server]\nruntime = \"runc\"\nruntimes = [\"crun\"]\n",
+        "[server]\nruntimes = []\n",
+        "[server]\nruntimes = [\"crun\", \"crun\"]\n",
+    ] {
+        let err = Config::from_str(text, ORIGIN).unwrap_err();
+        assert_eq!(err.key(), Some("server.runtimes"), "{text}: {err}");
+    }
+    let err = Config::from_str("[server]\nruntimes = [\"docker\"]\n", ORIGIN).unwrap_err();
+    assert!(err.to_string().contains("docker"), "{err}");
+}

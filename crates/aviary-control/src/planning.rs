@@ -257,6 +257,8 @@ impl ControlPlane {
         let caller = &cx.caller;
         let settings = &self.cfg.settings;
         let network_name = req.network.clone().unwrap_or_else(|| "none".into());
+        // asked for, or the default (then only when the class offers it)
+        let wanted_runtime = WantedRuntime::from_request(req, self.runtime().name());
         let (intent_req, recommended, reason, confidence, source, input_hash, signature, task_id) =
             match (&req.class, &req.intent) {
                 (Some(class), _) => {
@@ -272,7 +274,7 @@ impl ControlPlane {
                         ))
                     })?;
                     (
-                        class_request(c, &network_name, self.runtime().name()),
+                        class_request(c, &network_name, &wanted_runtime),
                         class.clone(),
                         "class requested by the caller".to_owned(),
                         1.0,
@@ -286,6 +288,9 @@ impl ControlPlane {
                     let ctx = parse_context(context)?;
                     let out = self.run_planner(caller, &ctx).await?;
                     let mut r = intent_request(&out.intent);
+                    if let WantedRuntime::Asked(rt) = &wanted_runtime {
+                        r.runtime = Some(rt.clone());
+                    }
                     let mut reason = out.intent.reason.clone();
                     if req.network.is_some() {
                         r.network_profile = Some(network_name.clone());
@@ -317,7 +322,7 @@ impl ControlPlane {
                         ))
                     })?;
                     (
-                        class_request(c, &network_name, self.runtime().name()),
+                        class_request(c, &network_name, &wanted_runtime),
                         class.clone(),
                         "default class".to_owned(),
                         1.0,
@@ -465,7 +470,26 @@ impl ControlPlane {
     }
 }
 
-fn class_request(c: &aviary_config::ResourceClass, network: &str, runtime: &str) -> IntentRequest {
+/// The runtime a create asks for, or the control plane's default.
+enum WantedRuntime {
+    Asked(String),
+    Default(String),
+}
+
+impl WantedRuntime {
+    fn from_request(req: &CreateSandboxRequest, default: &str) -> Self {
+        match req.runtime.as_deref().filter(|r| !r.is_empty()) {
+            Some(r) => WantedRuntime::Asked(r.to_owned()),
+            None => WantedRuntime::Default(default.to_owned()),
+        }
+    }
+}
+
+fn class_request(
+    c: &aviary_config::ResourceClass,
+    network: &str,
+    runtime: &WantedRuntime,
+) -> IntentRequest {
     IntentRequest {
         class: c.name.clone(),
         cpu: c.cpu,
@@ -473,13 +497,17 @@ fn class_request(c: &aviary_config::ResourceClass, network: &str, runtime: &str)
         disk_mb: c.disk_mb,
         needs_gpu: false,
         network_profile: Some(network.to_owned()),
-        // the control plane's default runtime when the class offers it;
-        // otherwise the guard picks one of the class's runtimes
-        runtime: c
-            .runtimes
-            .iter()
-            .any(|r| r.as_str() == runtime)
-            .then(|| runtime.to_owned()),
+        runtime: match runtime {
+            // the guard checks the class offers it and the tenant may use it
+            WantedRuntime::Asked(r) => Some(r.clone()),
+            // the default when the class offers it; otherwise the guard
+            // picks one of the class's runtimes
+            WantedRuntime::Default(r) => c
+                .runtimes
+                .iter()
+                .any(|x| x.as_str() == r)
+                .then(|| r.clone()),
+        },
         template: None,
     }
 }

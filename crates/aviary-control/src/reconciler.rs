@@ -435,6 +435,11 @@ impl ControlPlane {
             // the listing is a moment old: decide on the row and the
             // runtime's answer now
             let rec = self.registry.get_sandbox(&rec.id).await?;
+            if rec.state == SandboxState::Lost {
+                // lost meanwhile (the envd probe, a request): settle it in
+                // this pass rather than the next
+                return self.settle_lost(rec, source, report).await;
+            }
             if !rec.state.is_live() {
                 return Ok(());
             }

@@ -45,6 +45,11 @@ pub struct CreateSandboxRequest {
     /// timeout) only stops it — snapshot and hibernate — and never destroys it.
     #[serde(default)]
     pub user_managed: bool,
+    /// The runtime to run on (`crun`, `runc`): it must be one the class
+    /// offers, the tenant may use and a node serves. Absent: the default
+    /// runtime when the class offers it, else one of the class's.
+    #[serde(default)]
+    pub runtime: Option<String>,
 }
 
 /// A sandbox as the API shows it.

@@ -34,12 +34,16 @@
 //! each layer, so that mount is detached right after the
 //! overlay is up ([`detach_lower`]): no idmapped mount outlives a create.
 //!
-//! Slots are claimed under an `flock` of the state dir: a marker file
-//! `<state_dir>/userns/<sandbox-id>` holds the range's first host id. A slot
-//! is released by `destroy` only once the sandbox's directory **and** its
-//! cgroups are gone (its processes are dead), and a claim reclaims markers of
-//! sandboxes for which both are gone (a crash between removal and release).
-//! Ranges are reused lowest-first.
+//! Slots are claimed under an `flock` of the id dir (the runtime's state dir,
+//! or one several runtimes of a host share, `OciConfig::id_dir`): a marker
+//! file `<id dir>/userns/<sandbox-id>` holds the range's first host id and,
+//! on a second line, the state dir of the runtime that claimed it (a marker
+//! without one is the id dir's own runtime's). A slot is released by
+//! `destroy` only once the sandbox's directory **and** its cgroups are gone
+//! (its processes are dead), and a claim reclaims markers of sandboxes for
+//! which both are gone (a crash between removal and release), looking in
+//! the state dir the marker names, so runtimes sharing an id dir never hand
+//! out one range twice. Ranges are reused lowest-first.
 //!
 //! Snapshots record host ids. Seeded layers and in-place restores are shifted
 //! into the sandbox's range by taking every id modulo 65,536 (slots are
@@ -143,29 +147,42 @@ fn lock_state_dir(state_dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, 
 }
 
 /// The range recorded for `id`, if it holds one.
-pub fn range_of(state_dir: &Path, id: &SandboxId) -> Option<IdRange> {
-    let text = std::fs::read_to_string(marker_dir(state_dir).join(id.as_str())).ok()?;
-    Some(IdRange {
-        host_first: text.trim().parse().ok()?,
-    })
+pub fn range_of(id_dir: &Path, id: &SandboxId) -> Option<IdRange> {
+    marker(id_dir, id).map(|(range, _)| range)
 }
 
-/// Claims a free range for `id` (or returns the one it already holds).
-/// `in_use(other)` tells whether a sandbox whose marker is found may still
-/// have files or processes; markers of sandboxes for which it is false are
-/// reclaimed.
+/// `id`'s range and the state dir of the runtime that claimed it.
+fn marker(id_dir: &Path, id: &SandboxId) -> Option<(IdRange, PathBuf)> {
+    let text = std::fs::read_to_string(marker_dir(id_dir).join(id.as_str())).ok()?;
+    let mut lines = text.lines();
+    let range = IdRange {
+        host_first: lines.next()?.trim().parse().ok()?,
+    };
+    let owner = match lines.next().map(str::trim).filter(|l| !l.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => id_dir.to_path_buf(),
+    };
+    Some((range, owner))
+}
+
+/// Claims a free range in `id_dir` for `id` of the runtime whose state dir
+/// is `owner` (or returns the one it already holds). `in_use(other, its
+/// owner's state dir)` tells whether a sandbox whose marker is found may
+/// still have files or processes; markers of sandboxes for which it is
+/// false are reclaimed.
 pub fn claim(
-    state_dir: &Path,
+    id_dir: &Path,
+    owner: &Path,
     pool: &IdPool,
     id: &SandboxId,
-    in_use: &dyn Fn(&SandboxId) -> bool,
+    in_use: &dyn Fn(&SandboxId, &Path) -> bool,
 ) -> Result<IdRange, RuntimeError> {
     pool.validate()?;
-    let _lock = lock_state_dir(state_dir)?;
-    if let Some(r) = range_of(state_dir, id) {
+    let _lock = lock_state_dir(id_dir)?;
+    if let Some(r) = range_of(id_dir, id) {
         return Ok(r);
     }
-    let dir = marker_dir(state_dir);
+    let dir = marker_dir(id_dir);
     std::fs::create_dir_all(&dir).map_err(|source| RuntimeError::CreateDir {
         path: dir.clone(),
         source,
@@ -183,13 +200,14 @@ pub fn claim(
         else {
             continue;
         };
-        if !in_use(&other) {
+        let Some((r, other_owner)) = marker(id_dir, &other) else {
+            continue;
+        };
+        if !in_use(&other, &other_owner) {
             let _ = std::fs::remove_file(e.path());
             continue;
         }
-        if let Some(r) = range_of(state_dir, &other) {
-            taken.insert(r.host_first);
-        }
+        taken.insert(r.host_first);
     }
     let range = (0..pool.slots)
         .map(|s| pool.range(s))
@@ -198,28 +216,28 @@ pub fn claim(
             what: format!("all {} user-id ranges are in use", pool.slots),
         })?;
     let marker = dir.join(id.as_str());
-    std::fs::write(&marker, range.host_first.to_string()).map_err(|source| {
-        RuntimeError::WriteFile {
-            path: marker,
-            source,
-        }
+    let text = format!("{}\n{}\n", range.host_first, owner.display());
+    std::fs::write(&marker, text).map_err(|source| RuntimeError::WriteFile {
+        path: marker,
+        source,
     })?;
     Ok(range)
 }
 
-/// Gives `id`'s range back unless `in_use(id)` (files or processes may
-/// remain; a later claim reclaims it once they are gone). Removes the marker
-/// dir when it empties, so an idle state dir looks as it did before.
+/// Gives `id`'s range back unless `in_use(id, owner)` (files or processes
+/// may remain; a later claim reclaims it once they are gone). Removes the
+/// marker dir when it empties, so an idle state dir looks as it did before.
 pub fn release(
-    state_dir: &Path,
+    id_dir: &Path,
+    owner: &Path,
     id: &SandboxId,
-    in_use: &dyn Fn(&SandboxId) -> bool,
+    in_use: &dyn Fn(&SandboxId, &Path) -> bool,
 ) -> Result<(), RuntimeError> {
-    let dir = marker_dir(state_dir);
-    if !dir.exists() || in_use(id) {
+    let dir = marker_dir(id_dir);
+    if !dir.exists() || in_use(id, owner) {
         return Ok(());
     }
-    let _lock = lock_state_dir(state_dir)?;
+    let _lock = lock_state_dir(id_dir)?;
     let marker = dir.join(id.as_str());
     match std::fs::remove_file(&marker) {
         Ok(()) => {}
@@ -277,8 +295,8 @@ pub fn shift_tree(root: &Path, range: IdRange) -> Result<(), RuntimeError> {
 
 /// Shifts a tree the host wrote for sandbox `id` (e.g. a workspace restored
 /// in place) into its range. A no-op for sandboxes without a user namespace.
-pub fn shift_into(state_dir: &Path, id: &SandboxId, root: &Path) -> Result<(), RuntimeError> {
-    match range_of(state_dir, id) {
+pub fn shift_into(id_dir: &Path, id: &SandboxId, root: &Path) -> Result<(), RuntimeError> {
+    match range_of(id_dir, id) {
         Some(range) => shift_tree(root, range),
         None => Ok(()),
     }
@@ -566,7 +584,8 @@ mod tests {
             slots: 2,
         };
         let live = std::sync::Mutex::new(std::collections::HashSet::<SandboxId>::new());
-        let in_use = |id: &SandboxId| live.lock().unwrap().contains(id);
+        let in_use = |id: &SandboxId, _: &Path| live.lock().unwrap().contains(id);
+        let me = dir.path();
         let (a, b, c) = (
             SandboxId::generate(),
             SandboxId::generate(),
@@ -575,36 +594,78 @@ mod tests {
         for id in [&a, &b, &c] {
             live.lock().unwrap().insert(id.clone());
         }
-        let ra = claim(dir.path(), &pool, &a, &in_use).unwrap();
-        let rb = claim(dir.path(), &pool, &b, &in_use).unwrap();
+        let ra = claim(dir.path(), me, &pool, &a, &in_use).unwrap();
+        let rb = claim(dir.path(), me, &pool, &b, &in_use).unwrap();
         assert_ne!(ra, rb);
         assert_eq!(
-            claim(dir.path(), &pool, &a, &in_use).unwrap(),
+            claim(dir.path(), me, &pool, &a, &in_use).unwrap(),
             ra,
             "idempotent"
         );
         assert!(
-            claim(dir.path(), &pool, &c, &in_use).is_err(),
+            claim(dir.path(), me, &pool, &c, &in_use).is_err(),
             "pool exhausted"
         );
         // Still in use (files or processes left): release keeps the range.
-        release(dir.path(), &a, &in_use).unwrap();
+        release(dir.path(), me, &a, &in_use).unwrap();
         assert_eq!(range_of(dir.path(), &a), Some(ra));
         live.lock().unwrap().remove(&a);
-        release(dir.path(), &a, &in_use).unwrap();
+        release(dir.path(), me, &a, &in_use).unwrap();
         assert_eq!(range_of(dir.path(), &a), None);
-        assert_eq!(claim(dir.path(), &pool, &c, &in_use).unwrap(), ra);
+        assert_eq!(claim(dir.path(), me, &pool, &c, &in_use).unwrap(), ra);
         // A crash left b's marker behind: reclaimed once b is gone.
         live.lock().unwrap().remove(&b);
         live.lock().unwrap().remove(&c);
         let d = SandboxId::generate();
         live.lock().unwrap().insert(d.clone());
-        assert_eq!(claim(dir.path(), &pool, &d, &in_use).unwrap(), ra);
+        assert_eq!(claim(dir.path(), me, &pool, &d, &in_use).unwrap(), ra);
         live.lock().unwrap().clear();
-        release(dir.path(), &d, &in_use).unwrap();
+        release(dir.path(), me, &d, &in_use).unwrap();
         assert!(
             !dir.path().join("userns").exists(),
             "empty marker dir removed"
+        );
+    }
+
+    /// Two runtimes share one id dir: a marker is reclaimed only when the
+    /// sandbox's files are gone from the state dir of the runtime that
+    /// claimed it, never because the other runtime does not have them.
+    #[test]
+    fn runtimes_sharing_an_id_dir_never_share_a_range() {
+        let ids = tempfile::tempdir().unwrap();
+        let crun = ids.path().join("crun");
+        let runc = ids.path().join("runc");
+        let pool = IdPool {
+            first: 65_536,
+            slots: 4,
+        };
+        // the state dir a marker names is asked, as the runtimes do
+        let in_use = |id: &SandboxId, owner: &Path| owner.join(id.as_str()).exists();
+        let (a, b) = (SandboxId::generate(), SandboxId::generate());
+        std::fs::create_dir_all(crun.join(a.as_str())).unwrap();
+        std::fs::create_dir_all(runc.join(b.as_str())).unwrap();
+        let ra = claim(ids.path(), &crun, &pool, &a, &in_use).unwrap();
+        let rb = claim(ids.path(), &runc, &pool, &b, &in_use).unwrap();
+        assert_ne!(ra, rb, "b's claim saw a's marker as crun's, still in use");
+        let c = SandboxId::generate();
+        std::fs::create_dir_all(crun.join(c.as_str())).unwrap();
+        let rc = claim(ids.path(), &crun, &pool, &c, &in_use).unwrap();
+        assert!(rc != ra && rc != rb, "crun's claim kept runc's range");
+        // once b's files are gone from runc's dir, its range is free again
+        std::fs::remove_dir(runc.join(b.as_str())).unwrap();
+        let d = SandboxId::generate();
+        std::fs::create_dir_all(crun.join(d.as_str())).unwrap();
+        assert_eq!(claim(ids.path(), &crun, &pool, &d, &in_use).unwrap(), rb);
+        // a marker written before owners were recorded is the id dir's own
+        let legacy = SandboxId::generate();
+        std::fs::write(
+            ids.path().join("userns").join(legacy.as_str()),
+            format!("{}\n", 65_536 * 4),
+        )
+        .unwrap();
+        assert_eq!(
+            marker(ids.path(), &legacy).unwrap().1,
+            ids.path().to_path_buf()
         );
     }
 

@@ -119,6 +119,11 @@ pub struct OciConfig {
     /// Host ids for user namespaces, one range per sandbox (see [`idmap`]).
     /// `None` runs sandboxes without one: root inside is host root.
     pub user_namespace: Option<idmap::IdPool>,
+    /// Where the ranges are claimed (`<id dir>/userns/`, under its lock):
+    /// the state dir unless set. Every OCI runtime of one host must share
+    /// one (a control plane with crun and runc side by side passes the
+    /// same dir to both), or two sandboxes may get one range.
+    pub id_dir: Option<PathBuf>,
     /// The template store (`aviary-templates`) whose `rootfs/<digest hex>`
     /// trees a spec's [`TemplateRef`] resolves to. `None`: every create is
     /// refused.
@@ -136,6 +141,7 @@ impl OciConfig {
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
             user_namespace: Some(idmap::IdPool::default()),
+            id_dir: None,
             template_store: None,
         }
     }
@@ -350,10 +356,19 @@ impl OciRuntime {
         format!("/{}/{}", self.config.cgroup_parent, id)
     }
 
-    /// Whether a sandbox may still have files or processes on this host, so
-    /// its user-id range must stay claimed.
-    fn may_hold_ids(&self, id: &SandboxId) -> bool {
-        self.dirs(id).root.exists() || self.cgroups.dirs(id).iter().any(|d| d.exists())
+    /// Whether a sandbox whose runtime keeps its state in `owner` may still
+    /// have files or processes on this host, so its user-id range must stay
+    /// claimed.
+    fn may_hold_ids(&self, id: &SandboxId, owner: &Path) -> bool {
+        owner.join(id.as_str()).exists() || self.cgroups.dirs(id).iter().any(|d| d.exists())
+    }
+
+    /// Where user-id ranges are claimed ([`OciConfig::id_dir`]).
+    fn id_dir(&self) -> &Path {
+        self.config
+            .id_dir
+            .as_deref()
+            .unwrap_or(&self.config.state_dir)
     }
 
     /// Whether the runtime binary has state for this container.
@@ -550,10 +565,11 @@ impl OciRuntime {
         }
         let id_range = match &self.config.user_namespace {
             Some(pool) => Some(idmap::claim(
+                self.id_dir(),
                 &self.config.state_dir,
                 pool,
                 &spec.id,
-                &|o| self.may_hold_ids(o),
+                &|o, owner| self.may_hold_ids(o, owner),
             )?),
             None => None,
         };
@@ -790,7 +806,9 @@ impl Runtime for OciRuntime {
             }
         }
         // Kept while anything of the sandbox remains (see `idmap`).
-        if let Err(e) = idmap::release(&self.config.state_dir, id, &|o| self.may_hold_ids(o)) {
+        if let Err(e) = idmap::release(self.id_dir(), &self.config.state_dir, id, &|o, owner| {
+            self.may_hold_ids(o, owner)
+        }) {
             residue.push(e);
         }
         // A failed `delete` whose leftovers were then removed by hand is fine.
@@ -1039,10 +1057,10 @@ impl Snapshottable for OciRuntime {
                 reason: format!("no workspace tree is staged for sandbox {id}"),
             });
         }
-        let (state_dir, id) = (self.config.state_dir.clone(), id.clone());
+        let (id_dir, id) = (self.id_dir().to_path_buf(), id.clone());
         blocking(&stage.clone(), move || {
             // written by the host: owned by the sandbox's range like the rest
-            idmap::shift_into(&state_dir, &id, &stage)?;
+            idmap::shift_into(&id_dir, &id, &stage)?;
             let entries = std::fs::read_dir(&stage).map_err(|source| RuntimeError::ReadFile {
                 path: stage.clone(),
                 source,

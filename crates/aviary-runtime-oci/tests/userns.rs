@@ -456,12 +456,24 @@ mod userns {
             std::fs::create_dir_all(root.join("upper")).unwrap();
             let id = SandboxId::generate();
             let t = Instant::now();
-            let range =
-                idmap::claim(&f.state, &Default::default(), &id, &|_: &SandboxId| true).unwrap();
+            let range = idmap::claim(
+                &f.state,
+                &f.state,
+                &Default::default(),
+                &id,
+                &|_: &SandboxId, _: &std::path::Path| true,
+            )
+            .unwrap();
             idmap::prepare_sandbox(&root, &f.template, &[root.join("upper")], range).unwrap();
             idmap::detach_lower(&root).unwrap();
             steps.push(t.elapsed().as_micros());
-            idmap::release(&f.state, &id, &|_: &SandboxId| false).unwrap();
+            idmap::release(
+                &f.state,
+                &f.state,
+                &id,
+                &|_: &SandboxId, _: &std::path::Path| false,
+            )
+            .unwrap();
         }
         std::fs::remove_dir_all(&scratch).unwrap();
         steps.sort_unstable();

@@ -72,8 +72,20 @@ impl ServerConfig {
             .unwrap_or_else(|| self.data_dir.join("templates"))
     }
 
+    /// The default runtime's state dir (where every local runtime claims
+    /// user-id ranges).
     pub fn runtime_state_dir(&self) -> PathBuf {
         self.data_dir.join("sandboxes")
+    }
+
+    /// The state dir of local runtime `name`: the default's, or
+    /// `sandboxes-<name>` for another one the node serves beside it.
+    pub fn runtime_state_dir_of(&self, name: aviary_core::RuntimeName) -> PathBuf {
+        if name == self.runtime {
+            self.runtime_state_dir()
+        } else {
+            self.data_dir.join(format!("sandboxes-{}", name.as_str()))
+        }
     }
 
     pub fn registry_path(&self) -> PathBuf {

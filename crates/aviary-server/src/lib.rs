@@ -41,26 +41,46 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     create_private_dir(&cfg.data_dir)?;
     check_static_binary(&cfg.control.envd_binary)?;
     let stores = open_stores(&cfg).await?;
-    let runtime = aviary_runtime_oci::OciRuntime::new(
-        aviary_runtime_oci::OciConfig::new(
-            aviary_runtime_oci::OciBinary::from(cfg.runtime),
-            cfg.runtime_state_dir(),
+    // the default runtime first, then the others the node serves; each in
+    // its own state dir, all claiming user-id ranges in the default's
+    let mut names = vec![cfg.runtime];
+    names.extend(
+        cfg.control
+            .settings
+            .server
+            .runtimes
+            .iter()
+            .copied()
+            .filter(|r| *r != cfg.runtime),
+    );
+    let mut runtimes = Vec::new();
+    let mut state_dirs = Vec::new();
+    for name in names {
+        let state = cfg.runtime_state_dir_of(name);
+        let mut oci = aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::from(name),
+            state.clone(),
         )
-        .with_template_store(cfg.templates_root()),
-    )
-    .context("setting up the OCI runtime")?;
-    runtime
-        .probe()
-        .await
-        .context("OCI runtime self-check failed")?;
+        .with_template_store(cfg.templates_root());
+        oci.id_dir = Some(cfg.runtime_state_dir());
+        let runtime = aviary_runtime_oci::OciRuntime::new(oci)
+            .with_context(|| format!("setting up the OCI runtime {name}"))?;
+        runtime
+            .probe()
+            .await
+            .with_context(|| format!("OCI runtime {name}: self-check failed"))?;
+        runtimes.push(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
+            runtime,
+        )));
+        state_dirs.push(state);
+    }
     let templates = Arc::new(
         aviary_templates::TemplateStore::open(cfg.templates_root()).with_context(|| {
             format!("opening template store {}", cfg.templates_root().display())
         })?,
     );
     let chunk_store = open_snapshot_store(&cfg).await?;
-    tighten_data_dir(&cfg.data_dir, &cfg.runtime_state_dir())?;
-    let runtime = Arc::new(runtime);
+    tighten_data_dir(&cfg.data_dir, &state_dirs)?;
     let data_dir = cfg.data_dir.clone();
     // Backends are chosen here, and only here: a new registry, coordination
     // store, runtime or chunk store is one more arm where its kind is read
@@ -69,9 +89,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     let backends = aviary_control::Backends {
         coordination: stores.coordination,
         registry: stores.registry,
-        runtimes: aviary_control::RuntimeSet::single(
-            aviary_runtime::CapableRuntime::snapshottable(runtime),
-        ),
+        runtimes: aviary_control::RuntimeSet::new(runtimes).map_err(anyhow::Error::msg)?,
         chunks: chunk_store,
         trees: Arc::new(backends::HostTrees),
         templates: Arc::new(backends::LocalTemplates(templates)),
@@ -481,12 +499,12 @@ fn create_registry_file(db: &Path) -> anyhow::Result<()> {
 
 /// Everything in the data dir but the runtime's state dir (which manages its
 /// own modes) becomes owner-only: dirs 0700, files 0600.
-fn tighten_data_dir(dir: &Path, runtime_state: &Path) -> anyhow::Result<()> {
+fn tighten_data_dir(dir: &Path, runtime_states: &[std::path::PathBuf]) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
         let entry = entry?;
         let path = entry.path();
-        if path == runtime_state {
+        if runtime_states.contains(&path) {
             continue;
         }
         let meta = std::fs::symlink_metadata(&path)?;

@@ -139,9 +139,11 @@ impl TestServer {
     /// Destroys every sandbox this server's runtime still has, pooled ones
     /// included (test cleanup).
     pub async fn cleanup(&self) {
-        if let Ok(ids) = self.cp().runtime().list().await {
-            for id in ids {
-                let _ = self.cp().runtime().destroy(&id).await;
+        for rt in self.cp().runtimes.all() {
+            if let Ok(ids) = rt.runtime.list().await {
+                for id in ids {
+                    let _ = rt.runtime.destroy(&id).await;
+                }
             }
         }
     }
@@ -156,7 +158,13 @@ impl Drop for TestServer {
         let Some(server) = self.server.as_ref() else {
             return;
         };
-        let runtime = server.control_plane.runtime().clone();
+        let runtimes: Vec<_> = server
+            .control_plane
+            .runtimes
+            .all()
+            .iter()
+            .map(|r| r.runtime.clone())
+            .collect();
         let swept = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -165,9 +173,11 @@ impl Drop for TestServer {
                 return;
             };
             rt.block_on(async move {
-                if let Ok(ids) = runtime.list().await {
-                    for id in ids {
-                        let _ = runtime.destroy(&id).await;
+                for runtime in runtimes {
+                    if let Ok(ids) = runtime.list().await {
+                        for id in ids {
+                            let _ = runtime.destroy(&id).await;
+                        }
                     }
                 }
             });
