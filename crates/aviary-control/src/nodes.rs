@@ -68,10 +68,8 @@ pub struct Nodes {
 pub(crate) enum PlaceOn<'a> {
     /// Any node (a cold create).
     Any,
-    /// Only this control plane's own node (its warm pools).
-    Own,
     /// Only node `n`: new compute for a sandbox that stays where it is
-    /// (wake, recovery).
+    /// (wake, recovery), or a warm sandbox for that node's pool.
     Node(&'a str),
     /// Nodes whose layers can be staged from a snapshot (a fork, a create
     /// from a snapshot): this control plane's own node, and the agents
@@ -291,7 +289,6 @@ impl ControlPlane {
         placing: Option<&str>,
     ) -> Result<Vec<NodeView>, OpError> {
         let local_only = match on {
-            PlaceOn::Own => true,
             PlaceOn::Node(n) => n == self.cfg.local_node,
             PlaceOn::Any | PlaceOn::Stageable => false,
         };
@@ -331,7 +328,7 @@ impl ControlPlane {
         }];
         let local_allowed = match on {
             PlaceOn::Node(n) => n == self.cfg.local_node,
-            PlaceOn::Any | PlaceOn::Own | PlaceOn::Stageable => true,
+            PlaceOn::Any | PlaceOn::Stageable => true,
         };
         if !self.cfg.runs_sandboxes || !local_allowed {
             // a stateless replica: placement only among the agents
@@ -340,7 +337,6 @@ impl ControlPlane {
         for n in self.nodes.all() {
             let allowed = match on {
                 PlaceOn::Any => true,
-                PlaceOn::Own => false,
                 PlaceOn::Node(id) => id == n.id,
                 PlaceOn::Stageable => n.runtime.layers().is_some(),
             };

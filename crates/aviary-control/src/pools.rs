@@ -20,11 +20,15 @@
 //! pools stop refilling after `pool_min` hand-outs.) Hits and misses are
 //! process-local counters, like every metric.
 //!
-//! Pools are per node: a replica (or the single server) keeps warm
-//! sandboxes on its own node (`ControlConfig::local_node`) and hands out only
-//! those, since a sandbox on another replica's node is not reachable from
-//! here. Bounds are shared (one `pool set` row per class, read by every
-//! replica).
+//! Pools are per node: every node that serves a pool's runtime keeps its
+//! own warm sandboxes of it — a replica's own node (`ControlConfig::local_node`),
+//! refilled by that replica, and each `aviary node` agent, refilled by the
+//! replica holding the leader lock ([`crate::Reconciling`] says which). A
+//! create is handed a warm sandbox from any node this replica drives (its
+//! own node's first: no agent hop), never one on another replica's node,
+//! which is not reachable from here. Bounds are shared (one `pool set` row
+//! per class, read by every replica) and apply to each node;
+//! `GET /v1/pools` adds the nodes up.
 //!
 //! Concurrency: a pool's bounds are read from the registry on every refill
 //! pass and view (`pool set` on any replica takes effect on the next pass;
@@ -221,9 +225,10 @@ fn counts_as_handed_out(r: &SandboxRecord, node: &str, s: &PoolSettings) -> bool
 }
 
 impl ControlPlane {
-    /// Per pool (in `self.pools.pools` order), its hand-outs that still hold
-    /// compute, read from the registry; also refreshes the metrics' copy.
-    async fn handed_out_counts(&self) -> Result<Vec<u32>, OpError> {
+    /// Per pool (in `self.pools.pools` order), its hand-outs on each of
+    /// `nodes` that still hold compute, read from the registry (summed over
+    /// the nodes); also refreshes the metrics' copy.
+    async fn handed_out_counts(&self, nodes: &[String]) -> Result<Vec<u32>, OpError> {
         let handouts = self.registry.list_pool_handouts().await?;
         Ok(self
             .pools
@@ -232,12 +237,32 @@ impl ControlPlane {
             .map(|p| {
                 let n = handouts
                     .iter()
-                    .filter(|r| counts_as_handed_out(r, &self.cfg.local_node, &p.settings))
+                    .filter(|r| {
+                        nodes
+                            .iter()
+                            .any(|n| counts_as_handed_out(r, n, &p.settings))
+                    })
                     .count();
                 p.handed_out.store(n as u64, Ordering::Relaxed);
                 u32::try_from(n).unwrap_or(u32::MAX)
             })
             .collect())
+    }
+
+    /// The nodes whose pools a pass over `scope` keeps, each with the
+    /// runtimes it serves: this control plane's own node (when it runs
+    /// sandboxes) and, with the agents, every connected agent.
+    fn pool_nodes(&self, scope: crate::Reconciling) -> Vec<(String, Vec<String>)> {
+        let mut out = Vec::new();
+        if self.cfg.runs_sandboxes {
+            out.push((self.cfg.local_node.clone(), self.runtimes.names()));
+        }
+        if scope == crate::Reconciling::OwnNodeAndAgents {
+            for n in self.nodes.all() {
+                out.push((n.id.clone(), vec![n.runtime.runtime().name().to_owned()]));
+            }
+        }
+        out
     }
 
     /// Every pool with its sizes and hit/miss counts (admin only: the
@@ -252,7 +277,12 @@ impl ControlPlane {
             .registry
             .list_sandboxes(Some(POOL_TENANT), false)
             .await?;
-        let handed_out = self.handed_out_counts().await?;
+        let nodes: Vec<String> = self
+            .pool_nodes(crate::Reconciling::OwnNodeAndAgents)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let handed_out = self.handed_out_counts(&nodes).await?;
         let bounds = self.registry.list_pool_bounds().await?;
         let mut out = Vec::new();
         for (p, handed_out) in self.pools.pools.iter().zip(handed_out) {
@@ -260,7 +290,7 @@ impl ControlPlane {
             out.push(PoolView {
                 idle: rows
                     .iter()
-                    .filter(|r| is_pooled(r, &self.cfg.local_node, &s.class, &s.template))
+                    .filter(|r| nodes.iter().any(|n| is_pooled(r, n, &s.class, &s.template)))
                     .count() as u32,
                 handed_out,
                 class: s.class,
@@ -312,15 +342,19 @@ impl ControlPlane {
         request_id: Option<&str>,
     ) -> Result<Option<SandboxRecord>, OpError> {
         let (class, template, _) = pool.key();
-        let rows = self
+        let mut rows: Vec<SandboxRecord> = self
             .registry
             .list_sandboxes(Some(POOL_TENANT), false)
-            .await?;
-        for r in rows
-            .iter()
-            .filter(|r| is_pooled(r, &self.cfg.local_node, &class, &template))
-        {
-            let Some(live) = self.live_opt(&r.id) else {
+            .await?
+            .into_iter()
+            .filter(|r| self.drives_node(&r.node) && is_pooled(r, &r.node, &class, &template))
+            .collect();
+        // this node's own first: no agent in between
+        rows.sort_by_key(|r| r.node != self.cfg.local_node);
+        for r in &rows {
+            // one on an agent that another replica started is attached here
+            // on first use
+            let Ok(live) = self.live_rec(r).await else {
                 continue;
             };
             // its compute may have gone since the last probe: one health
@@ -358,33 +392,43 @@ impl ControlPlane {
         Ok(None)
     }
 
-    /// One pass of the refill: brings every pool to its target and trims
-    /// idle sandboxes above `buffer_max`. Returns how many were started. A
-    /// pool whose refill lock is held (another pass is at it) is skipped.
+    /// One pass of the refill over this control plane's own node and every
+    /// connected agent (the single server; see [`Self::refill_pools_as`]).
     pub async fn refill_pools(&self) -> Result<usize, OpError> {
-        if !self.cfg.runs_sandboxes {
-            // pools are per node, and this replica is none
-            return Ok(0);
+        self.refill_pools_as(crate::Reconciling::OwnNodeAndAgents)
+            .await
+    }
+
+    /// One pass of the refill over the nodes `scope` names: brings every
+    /// pool of each node to its target and trims idle sandboxes above
+    /// `buffer_max`. Returns how many were started. A pool whose refill
+    /// lock is held (another pass is at it) is skipped.
+    pub async fn refill_pools_as(&self, scope: crate::Reconciling) -> Result<usize, OpError> {
+        let mut started = 0;
+        for (node, runtimes) in self.pool_nodes(scope) {
+            started += self.refill_node(&node, &runtimes).await?;
         }
+        Ok(started)
+    }
+
+    /// [`Self::refill_pools_as`] for the pools of one node.
+    async fn refill_node(&self, node: &str, runtimes: &[String]) -> Result<usize, OpError> {
         let mut started = 0;
         let bounds = self.registry.list_pool_bounds().await?;
+        let nodes = [node.to_owned()];
         for (i, pool) in self.pools.pools.iter().enumerate() {
             let s = pool.effective(&bounds);
-            if self.runtimes.get(s.runtime.as_str()).is_none() {
+            if !runtimes.iter().any(|r| r == s.runtime.as_str()) {
                 continue;
             }
             let owner = format!("aviary-server[{}] pool refill", std::process::id());
-            let req = LockRequest::new(
-                pool.refill_lock(&self.cfg.local_node),
-                owner,
-                crate::lifecycle::LOCK_TTL,
-            );
+            let req = LockRequest::new(pool.refill_lock(node), owner, crate::lifecycle::LOCK_TTL);
             let Some(guard) = self.locks.try_acquire(&req).await? else {
                 continue;
             };
             let _refilling = guard.keep_alive();
             // read under the lock: what another pass started is counted
-            let handed = self.handed_out_counts().await?[i];
+            let handed = self.handed_out_counts(&nodes).await?[i];
             // a pool whose template is not (yet) there has nothing to start
             let Ok(template) = self.template_info(&s.template).await else {
                 continue;
@@ -398,7 +442,7 @@ impl ControlPlane {
                 .await?;
             let idle: Vec<_> = rows
                 .iter()
-                .filter(|r| is_pooled(r, &self.cfg.local_node, &s.class, &s.template))
+                .filter(|r| is_pooled(r, node, &s.class, &s.template))
                 .cloned()
                 .collect();
             // pool_min is a floor on the total (idle + handed out), buffer_min
@@ -413,7 +457,7 @@ impl ControlPlane {
             let mut have = idle.len() as u32;
             while have < target {
                 match self
-                    .start_pooled(&class, &template, s.runtime.as_str())
+                    .start_pooled(&class, &template, s.runtime.as_str(), node)
                     .await
                 {
                     Ok(()) => {}
@@ -439,9 +483,10 @@ impl ControlPlane {
         class: &aviary_config::ResourceClass,
         template: &aviary_registry::TemplateRecord,
         runtime: &str,
+        node: &str,
     ) -> Result<(), OpError> {
         // warm sandboxes are committed like any other: only within the
-        // local node's over-commit limit
+        // node's over-commit limit
         let placement = self
             .place(crate::nodes::PlaceRequest {
                 tenant: POOL_TENANT,
@@ -449,7 +494,7 @@ impl ControlPlane {
                 limits: class.limits(),
                 template_digest: &template.digest,
                 runtime,
-                on: crate::nodes::PlaceOn::Own,
+                on: crate::nodes::PlaceOn::Node(node),
                 request_id: None,
             })
             .await?;
@@ -467,7 +512,7 @@ impl ControlPlane {
             template_digest: template.digest.clone(),
             runtime: runtime.to_owned(),
             runtime_instance_id: None,
-            node: self.cfg.local_node.clone(),
+            node: node.to_owned(),
             network_profile: aviary_core::NetworkProfile::None,
             expires_at: None,
             tainted: false,

@@ -509,4 +509,93 @@ mod tests {
         .await
         .unwrap();
     }
+
+    /// A replica that runs no sandboxes keeps warm pools on the agents it
+    /// drives (refilled only by a pass over the agents: the leader's), and
+    /// a create is handed one of those, which works through the agent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pools_live_on_node_agents_for_a_stateless_replica() {
+        use aviary_control::nodes::AddNodeRequest;
+        use aviary_control::Reconciling;
+        use std::sync::Arc;
+        let mut cfg = config();
+        cfg.runs_sandboxes = false;
+        cfg.local_node = "replica-1".into();
+        cfg.settings.pools = vec![pool_settings("python-small", 1, 4)];
+        let nodes = Arc::new(FakeNodes::default());
+        let agent = Arc::new(aviary_fakes::FakeRuntime::new().unwrap());
+        nodes.add("agent-1", "127.0.0.1:7401", agent.clone());
+        let p = plane_full(
+            cfg,
+            aviary_registry::MemoryRegistry::new(),
+            Arc::new(aviary_fakes::FakeRuntime::new().unwrap()),
+            nodes,
+            Arc::new(aviary_snapshots::MemoryStore::new()),
+        )
+        .await;
+        p.cp.add_node(
+            &admin(),
+            AddNodeRequest {
+                id: "agent-1".into(),
+                address: "127.0.0.1:7401".into(),
+                token: "agent-token".into(),
+            },
+        )
+        .await
+        .unwrap();
+        // a non-leader's pass keeps only its own node's pools: it has none
+        assert_eq!(p.cp.refill_pools_as(Reconciling::OwnNode).await.unwrap(), 0);
+        assert_eq!(
+            p.cp.refill_pools_as(Reconciling::OwnNodeAndAgents)
+                .await
+                .unwrap(),
+            1
+        );
+        assert_eq!(agent.create_calls(), 1);
+        assert_eq!(p.runtime.create_calls(), 0, "nothing on the replica");
+        let rows = pooled_rows(&p).await;
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].node, "agent-1");
+
+        let alice = tenant("alice");
+        let c =
+            p.cp.create(&alice, CreateSandboxRequest::default())
+                .await
+                .unwrap();
+        assert!(is_hit(&c), "{}", c.decision.reason);
+        assert_eq!(c.sandbox.node, "agent-1");
+        assert_eq!(agent.create_calls(), 1, "a hit starts no compute");
+        p.cp.exec(
+            &alice,
+            OnSandbox::new(
+                c.sandbox.id.as_str(),
+                ExecRequest {
+                    shell: Some("echo hi".into()),
+                    ..Default::default()
+                },
+            ),
+        )
+        .await
+        .unwrap();
+        let v = view(&p).await;
+        assert_eq!((v.idle, v.handed_out, v.hits), (0, 1, 1));
+        // pool_min counts hand-outs: with one out, none is to start
+        assert_eq!(
+            p.cp.refill_pools_as(Reconciling::OwnNodeAndAgents)
+                .await
+                .unwrap(),
+            0
+        );
+        p.cp.delete(&alice, SandboxRef::new(c.sandbox.id.as_str()))
+            .await
+            .unwrap();
+        assert_eq!(
+            p.cp.refill_pools_as(Reconciling::OwnNodeAndAgents)
+                .await
+                .unwrap(),
+            1,
+            "refilled once the hand-out ended"
+        );
+        assert_eq!(agent.create_calls(), 2);
+    }
 }

@@ -346,17 +346,24 @@ pub async fn start(
         }
     });
     let refiller = cp.clone();
+    let refill_leader = leader.clone();
     let refill_task = tokio::spawn(async move {
         loop {
             tokio::select! {
                 _ = refiller.pools.refill.notified() => {}
                 _ = tokio::time::sleep(Duration::from_secs(1)) => {}
             }
-            // pools are per node: every replica keeps its own node's pool
+            // pools are per node: every replica keeps its own node's, the
+            // leader the agents'
             if refiller.readiness() != aviary_control::Readiness::Ready {
                 continue;
             }
-            if let Err(e) = refiller.refill_pools().await {
+            let scope = if refill_leader.is_leader() {
+                aviary_control::Reconciling::OwnNodeAndAgents
+            } else {
+                aviary_control::Reconciling::OwnNode
+            };
+            if let Err(e) = refiller.refill_pools_as(scope).await {
                 tracing::warn!(error = %e, "pool refill failed");
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }

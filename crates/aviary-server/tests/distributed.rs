@@ -355,6 +355,8 @@ async fn two_replicas_share_the_registry_and_leases_and_one_leads() {
     let mut b = b;
     let survivor = if first.contains(&a_addr) {
         a.client.release_lease(&id, lease.token).await.unwrap();
+        // a stopped server leaves its sandboxes running: none may outlive the test
+        a.client.delete_sandbox(&id, None).await.unwrap();
         a.stop().await;
         b_addr
     } else {
@@ -615,6 +617,89 @@ async fn snapshots_fork_and_hibernate_work_on_a_node_agent() {
 
     for s in [id.as_str(), child.id.as_str()] {
         c.delete_sandbox(s, None).await.unwrap();
+    }
+    node.stop().await;
+}
+
+/// A stateless replica keeps its warm pools on the node agent (the leader
+/// refills them) and hands a create one of those, through any replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_pools_live_on_the_node_agents() {
+    let Some((pg, redis)) = services() else {
+        return;
+    };
+    let space = unique("agent_pool");
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = common::config(&dir.path().join("replica"), "busybox");
+    distributed(&mut cfg, &pg, &redis, &space);
+    cfg.control.settings.distributed.node_name = None;
+    cfg.control.runs_sandboxes = false;
+    cfg.control.local_node = "replica-stateless".into();
+    cfg.control.settings.pools = vec![aviary_config::PoolSettings {
+        class: "python-small".into(),
+        template: "busybox".into(),
+        runtime: aviary_config::Runtime::Crun,
+        pool_min: 1,
+        pool_max: 2,
+        buffer_min: 0,
+        buffer_max: 0,
+    }];
+    let r = common::start_cfg(cfg).await;
+    let c = &r.client;
+    let (node, token) = agent(dir.path(), "agent-1").await;
+    c.add_node("agent-1", &node.addr().to_string(), &token)
+        .await
+        .unwrap();
+    let idle = |c: aviary_client::Client| async move {
+        c.pools().await.unwrap()["pools"][0]["idle"]
+            .as_u64()
+            .unwrap()
+    };
+    let mut filled = false;
+    for _ in 0..300 {
+        if idle(c.clone()).await == 1 {
+            filled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(filled, "the leader filled the agent's pool");
+    let created = c
+        .create_sandbox(&aviary_core::api::CreateSandboxRequest::default())
+        .await
+        .unwrap();
+    assert!(
+        created.decision.reason.starts_with("warm pool hit"),
+        "{}",
+        created.decision.reason
+    );
+    assert_eq!(created.sandbox.node, "agent-1");
+    let id = created.sandbox.id.to_string();
+    let out = c.exec(&id, &common::shell("echo warm")).await.unwrap();
+    assert_eq!(out.stdout, "warm\n");
+    c.delete_sandbox(&id, None).await.unwrap();
+    // refilled once the hand-out ended
+    let mut refilled = false;
+    for _ in 0..300 {
+        if idle(c.clone()).await == 1 {
+            refilled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(refilled);
+    // the warm one left on the agent goes with the test (sandboxes outlive
+    // an agent process)
+    let (remote, _) = aviary_node::RemoteRuntime::connect(node.addr().to_string(), token)
+        .await
+        .unwrap();
+    for id in aviary_runtime::Runtime::list(&remote).await.unwrap() {
+        aviary_runtime::Runtime::destroy(&remote, &id)
+            .await
+            .unwrap();
     }
     node.stop().await;
 }
