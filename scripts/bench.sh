@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots quota planner pool leases.
+# PARTs (default: all, in this order): core snapshots quota planner pool leases replicas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots quota planner pool leases "
+all_parts=" core snapshots quota planner pool leases replicas "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -77,18 +77,36 @@ if want pool; then
   "$CARGO_TARGET_DIR/release/aviary-bench" pool-churn "${AVIARY_BENCH_POOL_CYCLES:-50}" | tee "$out"
   write_section pool "$measured" "$out"
 fi
-# lease stores: embedded vs PostgreSQL vs Redis, beside redis-benchmark (the floor)
-if want leases; then
+# services_up / services_down: the test services (PostgreSQL, Redis) for the
+# parts that need them, from scripts/services.sh; services that were already up
+# (a test run, a developer's) are left running
+services_up() {
   services_env=$(mktemp)
-  # services that were already up (a test run, a developer's) are left running
   were_up=no
   if (exec 3<>/dev/tcp/127.0.0.1/"${AVIARY_PG_PORT:-15432}") 2>/dev/null; then were_up=yes; fi
   scripts/services.sh start >"$services_env"
   # shellcheck disable=SC1090
   . "$services_env"
-  "$CARGO_TARGET_DIR/release/aviary-bench" leases "${AVIARY_BENCH_LEASE_CYCLES:-2000}" | tee "$out"
+}
+services_down() {
   [[ $were_up == yes ]] || scripts/services.sh stop >/dev/null 2>&1 || true
   rm -f "$services_env"
+}
+
+# lease stores: embedded vs PostgreSQL vs Redis, beside redis-benchmark (the floor)
+if want leases; then
+  services_up
+  "$CARGO_TARGET_DIR/release/aviary-bench" leases "${AVIARY_BENCH_LEASE_CYCLES:-2000}" | tee "$out"
+  services_down
   write_section leases "$measured" "$out"
+fi
+
+# replicas: distributed create → first exec (1 vs 3 replicas, two node agents)
+# vs the embedded server; reconciler time to find and restore a Lost sandbox
+if want replicas; then
+  services_up
+  "$CARGO_TARGET_DIR/release/aviary-bench" replicas "$iterations" | tee "$out"
+  services_down
+  write_section replicas "$measured" "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

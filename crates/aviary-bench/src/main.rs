@@ -11,12 +11,14 @@
 //! `aviary-bench pool-churn [CYCLES]` a warm pool under create → exec → rm
 //! churn, hits and hit/miss latency ([`pool_churn`]); `aviary-bench leases
 //! [CYCLES]` lease operations per second on each lease store beside
-//! `redis-benchmark` ([`leases`]).
+//! `redis-benchmark` ([`leases`]); `aviary-bench replicas [ITERATIONS]`
+//! distributed create → first exec and Lost → restored times ([`replicas`]).
 #![forbid(unsafe_code)]
 
 mod leases;
 mod planner;
 mod pool_churn;
+mod replicas;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -139,6 +141,10 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("pool-churn") {
         let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
         return pool_churn::run(cycles).await;
+    }
+    if args.get(1).map(String::as_str) == Some("replicas") {
+        let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
+        return replicas::run(iters).await;
     }
     let iters: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(30);
     let work = work_dir()?;
