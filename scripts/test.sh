@@ -20,6 +20,14 @@ scripts/services.sh start >"$services_env"
 # the services are up: a test that finds them missing fails instead of skipping
 export AVIARY_REQUIRE_SERVICES=1
 
+echo "== python tools (a throwaway venv: openapi-spec-validator)"
+venv=${AVIARY_TEST_VENV:-/var/tmp/aviary-test-venv}
+if [[ ! -x $venv/bin/openapi-spec-validator ]]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "openapi-spec-validator==0.9.0"
+fi
+export AVIARY_OPENAPI_VALIDATOR=$venv/bin/openapi-spec-validator
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

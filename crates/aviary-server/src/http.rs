@@ -267,6 +267,7 @@ fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, ApiError> {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQuery {
     /// Include terminated sandboxes.
@@ -275,6 +276,7 @@ pub struct ListQuery {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PathQuery {
     /// Absolute path inside the sandbox.
@@ -284,6 +286,7 @@ pub struct PathQuery {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct EventsQuery {
     sandbox: Option<String>,
@@ -293,6 +296,7 @@ pub struct EventsQuery {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxEventsQuery {
     after: Option<i64>,
@@ -393,7 +397,7 @@ async fn get_sandbox(
     Ok(Json(cp.get(&cx, SandboxRef::new(id)).await?))
 }
 
-#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<u64>, Header, description = "lease token, required while leased")),
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")),
     responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn delete_sandbox(
     State(cp): State<AppState>,
@@ -506,7 +510,7 @@ async fn read_file(
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
-#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<u64>, Header, description = "lease token, required while leased")),
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, description = "{\"bytes\": N}"), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
 async fn write_file(
@@ -533,7 +537,7 @@ async fn write_file(
     Ok(Json(serde_json::json!({"bytes": res?})))
 }
 
-#[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(PathQuery, ("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 204), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn remove_file(
     State(cp): State<AppState>,
     auth: Auth,
@@ -741,6 +745,7 @@ async fn plan(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct LimitQuery {
     limit: Option<u32>,
@@ -787,7 +792,7 @@ async fn set_pool(
 }
 
 /// Freezes the sandbox's processes (cgroup freezer); fenced.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn pause(
     State(cp): State<AppState>,
     auth: Auth,
@@ -798,7 +803,7 @@ async fn pause(
     Ok(Json(cp.pause(&cx, SandboxRef::new(id)).await?))
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn resume(
     State(cp): State<AppState>,
     auth: Auth,
@@ -811,7 +816,7 @@ async fn resume(
 
 /// Recycling: level 1 kills leftover processes, clears /tmp, revokes the lease (/workspace stays);
 /// level 2 restores the clean checkpoint; level 3 destroys.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(ResetQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/reset", params(ResetQuery, ("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn reset(
     State(cp): State<AppState>,
     auth: Auth,
@@ -828,6 +833,7 @@ async fn reset(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ResetQuery {
     /// 1 soft reset (default), 2 back to the clean checkpoint, 3 hard destroy.
@@ -835,7 +841,7 @@ pub struct ResetQuery {
 }
 
 /// Ends a call: releases the lease, refreshes the manifest, sandbox back to Idle for its scope.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/release", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/release", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn release(
     State(cp): State<AppState>,
     auth: Auth,
@@ -847,6 +853,7 @@ async fn release(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ManifestQuery {
     /// Probe the sandbox now instead of returning the stored manifest.
@@ -872,7 +879,7 @@ async fn manifest(
 }
 
 /// Checkpoint: workspace + writable layer as content-defined chunks (fenced).
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 201, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(LabelQuery, ("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 201, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn snapshot(
     State(cp): State<AppState>,
     auth: Auth,
@@ -886,6 +893,7 @@ async fn snapshot(
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct LabelQuery {
     /// `clean` marks the checkpoint level-2 resets return to (default `checkpoint`).
@@ -893,6 +901,7 @@ pub struct LabelQuery {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotsQuery {
     sandbox: Option<String>,
@@ -927,7 +936,7 @@ async fn fork(
 }
 
 /// Snapshot, then stop compute; the sandbox keeps its id and wakes from the snapshot.
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/hibernate", params(("x-aviary-lease-token" = Option<u64>, Header)), responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/hibernate", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn hibernate(
     State(cp): State<AppState>,
     auth: Auth,
