@@ -466,6 +466,9 @@ fn client() -> Result<Client, Failure> {
 struct Failure {
     code: i32,
     message: String,
+    /// The stable error code (`--json` prints it); `None` for the exits
+    /// outside the table (local I/O, configuration).
+    stable: Option<&'static str>,
 }
 
 /// Exit codes the error table has no code for (sysexits.h): a local file
@@ -480,22 +483,38 @@ impl Failure {
         Failure {
             code: code.cli_exit_code(),
             message,
+            stable: Some(code.as_str()),
         }
     }
 
     /// A failure outside the table ([`EXIT_IO_ERROR`], [`EXIT_CONFIG`]).
     fn exit(code: i32, message: String) -> Self {
-        Failure { code, message }
+        let stable = match code {
+            EXIT_IO_ERROR => Some("local_io"),
+            EXIT_CONFIG => Some("invalid_config"),
+            _ => None,
+        };
+        Failure {
+            code,
+            message,
+            stable,
+        }
     }
 }
 
 impl From<ClientError> for Failure {
     fn from(e: ClientError) -> Self {
-        let code = match &e {
-            ClientError::Api { code, .. } => code.cli_exit_code(),
-            ClientError::Connect { .. } => ErrorCode::Unavailable.cli_exit_code(),
-            ClientError::Io(_) => EXIT_IO_ERROR,
-            _ => ErrorCode::Internal.cli_exit_code(),
+        let (code, stable) = match &e {
+            ClientError::Api { code, .. } => (code.cli_exit_code(), Some(code.as_str())),
+            ClientError::Connect { .. } => (
+                ErrorCode::Unavailable.cli_exit_code(),
+                Some(ErrorCode::Unavailable.as_str()),
+            ),
+            ClientError::Io(_) => (EXIT_IO_ERROR, Some("local_io")),
+            _ => (
+                ErrorCode::Internal.cli_exit_code(),
+                Some(ErrorCode::Internal.as_str()),
+            ),
         };
         let message = match &e {
             ClientError::Connect { url, .. } => format!(
@@ -504,7 +523,11 @@ impl From<ClientError> for Failure {
             ClientError::Api { code, message, .. } => format!("{message} [{}]", code.as_str()),
             other => error_chain(other),
         };
-        Failure { code, message }
+        Failure {
+            code,
+            message,
+            stable,
+        }
     }
 }
 
@@ -537,6 +560,14 @@ pub async fn run(cli: Cli) -> i32 {
     match res {
         Ok(code) => code,
         Err(f) => {
+            if json {
+                // under --json, stdout is one JSON document, errors included
+                output::json(&serde_json::json!({"error": {
+                    "code": f.stable.unwrap_or("internal"),
+                    "message": f.message,
+                    "exit_code": f.code,
+                }}));
+            }
             eprintln!("aviary: {}", f.message);
             f.code
         }
@@ -681,12 +712,17 @@ fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) ->
 }
 
 /// Streams a command's output live; returns its exit status as an exit code.
+/// Under `--json` the output is collected instead and printed once, in the
+/// one JSON document (the exit result with `stdout`/`stderr`, and `sandbox`).
 async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Result<i32, Failure> {
     let mut s = c.exec_stream(id, req).await?;
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
+    let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
     while let Some(item) = s.next().await? {
         match item {
+            StreamItem::Stdout(d) if json => got_out.extend_from_slice(&d),
+            StreamItem::Stderr(d) if json => got_err.extend_from_slice(&d),
             StreamItem::Stdout(d) => {
                 let _ = out.write_all(&d);
                 let _ = out.flush();
@@ -695,9 +731,13 @@ async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Res
                 let _ = err.write_all(&d);
                 let _ = err.flush();
             }
-            StreamItem::Exit(r) => {
+            StreamItem::Exit(mut r) => {
                 if json {
-                    output::json(&r);
+                    r.stdout = String::from_utf8_lossy(&got_out).into_owned();
+                    r.stderr = String::from_utf8_lossy(&got_err).into_owned();
+                    let mut doc = serde_json::to_value(&r).unwrap_or_default();
+                    doc["sandbox"] = serde_json::Value::String(id.to_owned());
+                    output::json(&doc);
                 }
                 if r.timed_out {
                     eprintln!("aviary: command timed out; its process group was killed");

@@ -134,6 +134,36 @@ fn quick_start_works_end_to_end() {
     assert_eq!(o.status.code(), Some(7), "{o:?}");
     let o = aviary(&s, &["run", "--timeout", "0.5", "--", "sleep", "10"]);
     assert_eq!(o.status.code(), Some(124), "{o:?}");
+    // --json: stdout is exactly one JSON document, the output inside it
+    let o = aviary(
+        &s,
+        &[
+            "--json",
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 3",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exit_code"], 3, "{v}");
+    assert_eq!(v["stdout"], "out\n", "{v}");
+    assert_eq!(v["stderr"], "err\n", "{v}");
+    assert!(v["sandbox"].as_str().unwrap().starts_with("sbx-"), "{v}");
+    // errors too: one document naming the stable code
+    let o = aviary(
+        &s,
+        &["--json", "sandbox", "get", "sbx-aaaaaaaaaaaaaaaaaaaa"],
+    );
+    assert_eq!(o.status.code(), Some(66), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["error"]["code"], "not_found", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("sbx-"),
+        "{v}"
+    );
 
     let o = aviary(&s, &["--json", "sandbox", "create"]);
     assert!(o.status.success(), "{o:?}");
@@ -166,6 +196,24 @@ fn quick_start_works_end_to_end() {
         ],
     );
     assert_eq!(stdout(&o), "3 /workspace/data.csv\n", "{o:?}");
+    let o = aviary(
+        &s,
+        &[
+            "--json",
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "cat",
+            "/workspace/data.csv",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["exit_code"].as_i64(), v["stdout"].as_str()),
+        (Some(0), Some("a\nb\nc\n")),
+        "{v}"
+    );
     let back = s._dir.path().join("back.csv");
     let o = aviary(
         &s,
