@@ -440,8 +440,35 @@ fn data_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/lib/aviary"))
 }
 
+/// `AVIARY_URL` as a base URL: `host:port` alone means `http://host:port`;
+/// any scheme but http and https is refused with a clear message.
+fn server_url(raw: &str) -> Result<String, Failure> {
+    let raw = raw.trim();
+    let url = if raw.contains("://") {
+        raw.to_owned()
+    } else {
+        format!("http://{raw}")
+    };
+    let bad = |why: &str| {
+        Failure::new(
+            ErrorCode::InvalidRequest,
+            format!("AVIARY_URL {raw:?} {why} (e.g. http://127.0.0.1:7400)"),
+        )
+    };
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(bad("must be an http:// or https:// address"));
+    }
+    let rest = url.split_once("://").map(|(_, r)| r).unwrap_or_default();
+    if rest.is_empty() || rest.starts_with('/') || rest.starts_with(':') {
+        return Err(bad("names no host"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
 fn client() -> Result<Client, Failure> {
-    let url = std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into());
+    let url = server_url(
+        &std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into()),
+    )?;
     let key = match std::env::var("AVIARY_API_KEY") {
         Ok(k) if !k.is_empty() => k,
         _ => {
@@ -463,6 +490,7 @@ fn client() -> Result<Client, Failure> {
 }
 
 /// A failed command: message for stderr and the exit code.
+#[derive(Debug)]
 struct Failure {
     code: i32,
     message: String,
@@ -1250,6 +1278,24 @@ async fn nodes(cmd: NodesCmd, json: bool) -> Result<i32, Failure> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn server_urls_take_a_bare_host_and_refuse_the_rest() {
+        assert_eq!(
+            server_url("127.0.0.1:7400").unwrap(),
+            "http://127.0.0.1:7400"
+        );
+        assert_eq!(
+            server_url("https://aviary.example/").unwrap(),
+            "https://aviary.example"
+        );
+        for bad in ["ftp://h", "http://", ":7400", "unix:///x"] {
+            let e = server_url(bad).unwrap_err();
+            assert!(e.message.contains("AVIARY_URL"), "{bad}: {}", e.message);
+            assert_eq!(e.code, ErrorCode::InvalidRequest.cli_exit_code());
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -26,7 +26,7 @@ use aviary_core::{ErrorBody, LeaseToken};
 use axum::body::Body;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -212,10 +212,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
 }
 
 fn request_id(headers: &HeaderMap) -> String {
-    headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
+    usable_request_id(headers.get("x-request-id").and_then(|v| v.to_str().ok()))
         .map(str::to_owned)
         .unwrap_or_else(|| aviary_core::new_id("req"))
 }
@@ -1177,5 +1174,44 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             body_timeout,
         ))
         .layer(axum::Extension(limiter))
+        // every answer carries its request id: the client's (when it is a
+        // usable one) or a new one, the same id the events record
+        .layer(tower_http::request_id::PropagateRequestIdLayer::x_request_id())
+        .layer(tower_http::request_id::SetRequestIdLayer::x_request_id(
+            NewRequestId,
+        ))
+        .layer(axum::middleware::map_request(drop_unusable_request_id))
         .with_state(cp)
+}
+
+/// Makes the id of a request that came without a usable one.
+#[derive(Clone, Copy)]
+struct NewRequestId;
+
+impl tower_http::request_id::MakeRequestId for NewRequestId {
+    fn make_request_id<B>(
+        &mut self,
+        _request: &axum::http::Request<B>,
+    ) -> Option<tower_http::request_id::RequestId> {
+        HeaderValue::from_str(&aviary_core::new_id("req"))
+            .ok()
+            .map(tower_http::request_id::RequestId::new)
+    }
+}
+
+/// A client's `x-request-id` that is empty, too long or not printable
+/// ASCII is dropped, so a new one is made (and echoed) instead.
+async fn drop_unusable_request_id(mut req: Request) -> Request {
+    let unusable = req
+        .headers()
+        .get("x-request-id")
+        .is_some_and(|v| usable_request_id(v.to_str().ok()).is_none());
+    if unusable {
+        req.headers_mut().remove("x-request-id");
+    }
+    req
+}
+
+fn usable_request_id(v: Option<&str>) -> Option<&str> {
+    v.filter(|s| !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic()))
 }

@@ -835,3 +835,68 @@ async fn ttl_expiry_destroys_the_sandbox() {
     }
     assert_eq!(state, SandboxState::Terminated);
 }
+
+/// Every answer carries its request id: the client's when usable (and the
+/// events record it), a new one otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_echo_the_request_id() {
+    let ts = common::start().await;
+    let http = reqwest::Client::new();
+    let get = |id: Option<String>| {
+        let mut r = http
+            .get(format!("{}/v1/sandboxes", ts.url()))
+            .bearer_auth(&ts.key);
+        if let Some(id) = id {
+            r = r.header("x-request-id", id);
+        }
+        r.send()
+    };
+    let echoed = |r: &reqwest::Response| {
+        r.headers()
+            .get("x-request-id")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let r = get(Some("trace-42".into())).await.unwrap();
+    assert_eq!(echoed(&r).as_deref(), Some("trace-42"));
+    let r = get(None).await.unwrap();
+    let made = echoed(&r).expect("a new id");
+    assert!(made.starts_with("req"), "{made}");
+    let r = get(Some("x".repeat(200))).await.unwrap();
+    let replaced = echoed(&r).expect("a new id");
+    assert!(replaced.starts_with("req"), "{replaced}");
+    // errors carry it too, and the events record the same id
+    let r = http
+        .post(format!("{}/v1/sandboxes", ts.url()))
+        .bearer_auth(&ts.key)
+        .header("x-request-id", "create-7")
+        .json(&serde_json::json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(echoed(&r).as_deref(), Some("create-7"));
+    let created: serde_json::Value = r.json().await.unwrap();
+    let sandbox = created.get("sandbox").unwrap_or(&created);
+    let id = sandbox["id"].as_str().expect("created").to_owned();
+    let events = ts.client.events(Some(&id), None, Some(100)).await.unwrap();
+    assert!(
+        events
+            .events
+            .iter()
+            .any(|e| e.request_id.as_deref() == Some("create-7")),
+        "{:?}",
+        events.events
+    );
+    let r = http
+        .get(format!(
+            "{}/v1/sandboxes/sbx-aaaaaaaaaaaaaaaaaaaa",
+            ts.url()
+        ))
+        .bearer_auth(&ts.key)
+        .header("x-request-id", "missing-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(echoed(&r).as_deref(), Some("missing-1"));
+    ts.client.delete_sandbox(&id, None).await.unwrap();
+}
