@@ -204,3 +204,63 @@ async fn level_two_returns_to_the_clean_checkpoint_and_level_three_destroys() {
         .unwrap()
         .contains(&id));
 }
+
+/// Issue 13, bug 1: every operation on a paused sandbox answers at once
+/// (it works, or is refused with `invalid_state`), and none leaves it stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_on_a_paused_sandbox_answers_at_once() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let t = std::time::Duration::from_secs(15);
+    let id = common::new_sandbox(c).await;
+    c.sandbox_action(&id, "pause", None).await.unwrap();
+    // a lease on a paused sandbox: granted at once, the sandbox stays paused
+    let lease = tokio::time::timeout(t, c.acquire_lease(&id, "agent", Some(60)))
+        .await
+        .expect("lease acquire answers")
+        .unwrap();
+    let events = c.events(Some(&id), None, Some(100)).await.unwrap().events;
+    assert!(
+        events.iter().any(|e| e.event_type == "lease_acquired"),
+        "{events:?}"
+    );
+    // exec on a frozen sandbox is refused, not hung
+    let mut exec = common::shell("true");
+    exec.token = Some(lease.token);
+    let e = tokio::time::timeout(t, c.exec(&id, &exec))
+        .await
+        .expect("exec answers")
+        .unwrap_err();
+    assert_eq!(e.code(), Some(aviary_core::ErrorCode::InvalidState), "{e}");
+    // release and acquire again while paused: both answer
+    tokio::time::timeout(t, c.release_lease(&id, lease.token))
+        .await
+        .expect("release answers")
+        .unwrap();
+    let again = tokio::time::timeout(t, c.acquire_lease(&id, "agent-2", Some(60)))
+        .await
+        .expect("acquire answers")
+        .unwrap();
+    // resume with the lease, then the holder works
+    tokio::time::timeout(t, c.sandbox_action(&id, "resume", Some(again.token)))
+        .await
+        .expect("resume answers")
+        .unwrap();
+    let mut exec = common::shell("echo thawed");
+    exec.token = Some(again.token);
+    assert_eq!(c.exec(&id, &exec).await.unwrap().stdout, "thawed\n");
+    // paused again: a level-3 reset and a delete both answer
+    c.sandbox_action(&id, "pause", Some(again.token))
+        .await
+        .unwrap();
+    tokio::time::timeout(t, c.delete_sandbox(&id, Some(again.token)))
+        .await
+        .expect("delete answers")
+        .unwrap();
+    let other = common::new_sandbox(c).await;
+    c.sandbox_action(&other, "pause", None).await.unwrap();
+    tokio::time::timeout(t, c.reset(&other, 3, None))
+        .await
+        .expect("reset answers")
+        .unwrap();
+}
