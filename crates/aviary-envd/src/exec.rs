@@ -99,6 +99,18 @@ fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
     }
 }
 
+/// The exit status and message a shell gives a command that cannot start
+/// (POSIX: 127 not found, 126 found but not executable); `None` for other
+/// spawn failures, which are envd's errors.
+fn shell_exit(e: &io::Error) -> Option<(i32, &'static str)> {
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => Some((127, "command not found")),
+        Some(libc::EACCES | libc::EPERM) => Some((126, "permission denied")),
+        Some(libc::ENOEXEC) => Some((126, "cannot execute: not an executable format")),
+        _ => None,
+    }
+}
+
 /// Runs `req` and streams its output and exit over `conn`. Errors before the
 /// process started are returned (the caller sends them as an `Error` frame).
 pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
@@ -145,10 +157,29 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     let (wake_r, wake_w) = sys::pipe().map_err(|e| internal("create pipe", &e))?;
 
     let gate = envd.enter_fence(req.token)?;
-    let (mut child, exit_rx) = envd
-        .reaper
-        .spawn(&mut cmd)
-        .map_err(|e| spawn_error(argv0, req.cwd.as_deref(), &e))?;
+    let (mut child, exit_rx) = match envd.reaper.spawn(&mut cmd) {
+        Ok(spawned) => spawned,
+        Err(e) => {
+            drop(gate);
+            // a command that cannot start exits as a shell's would: 127
+            // not found, 126 not executable, the reason on stderr
+            if let Some((exit_code, why)) = shell_exit(&e) {
+                let line = format!("{argv0}: {why}\n");
+                let _ = write_frame(conn, FrameKind::Stderr, line.as_bytes());
+                let exit = Response::Exit(ExitWire {
+                    exit_code,
+                    signal: None,
+                    timed_out: false,
+                    duration_us: 0,
+                });
+                if let Ok(payload) = encode_json(&exit) {
+                    let _ = write_frame(conn, FrameKind::Response, &payload);
+                }
+                return Ok(());
+            }
+            return Err(spawn_error(argv0, req.cwd.as_deref(), &e));
+        }
+    };
     let started = Instant::now();
     let pgid = child.id() as i32;
     envd.exec_started(pgid);

@@ -348,7 +348,9 @@ mod e2e {
         let out = c.exec_collect(sh("kill -TERM $$"), None).await.unwrap();
         assert_eq!((out.exit.exit_code, out.exit.signal), (143, Some(15)));
 
-        let err = c
+        // A command that cannot start exits as in a shell: 127 not found,
+        // 126 not executable, the reason on stderr.
+        let out = c
             .exec_collect(
                 ExecSpec {
                     argv: vec!["/no/such/program".into()],
@@ -357,8 +359,23 @@ mod e2e {
                 None,
             )
             .await
-            .unwrap_err();
-        assert!(matches!(err, EnvdError::NotFound(_)), "{err:?}");
+            .unwrap();
+        assert_eq!(out.exit.exit_code, 127);
+        assert_eq!(out.stderr, b"/no/such/program: command not found\n");
+        let script = d.root.join("not-executable.sh");
+        std::fs::write(&script, "echo hi\n").unwrap();
+        let out = c
+            .exec_collect(
+                ExecSpec {
+                    argv: vec![script.to_str().unwrap().into()],
+                    ..ExecSpec::default()
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.exit.exit_code, 126, "{:?}", out);
+        assert!(String::from_utf8_lossy(&out.stderr).contains("permission denied"));
         let err = c.exec_collect(ExecSpec::default(), None).await.unwrap_err();
         assert!(matches!(err, EnvdError::BadRequest(_)), "{err:?}");
     }

@@ -900,3 +900,45 @@ async fn answers_echo_the_request_id() {
     assert_eq!(echoed(&r).as_deref(), Some("missing-1"));
     ts.client.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// Issue 13, bug 4: ordinary mistakes are never a 5xx. A command that cannot
+/// start exits as in a shell (127 not found, 126 not executable; never
+/// Aviary's own exit codes), and deleting a non-empty directory is a 4xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordinary_mistakes_are_shell_exits_or_4xx() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let missing = aviary_core::api::ExecRequest {
+        cmd: Some(vec!["no-such-binary".into()]),
+        ..Default::default()
+    };
+    let r = c.exec(&id, &missing).await.unwrap();
+    assert_eq!(r.exit_code, 127, "{r:?}");
+    assert!(r.stderr.contains("command not found"), "{r:?}");
+    c.exec(
+        &id,
+        &common::shell(
+            "echo echo hi > /workspace/x.sh; mkdir -p /workspace/d; touch /workspace/d/f",
+        ),
+    )
+    .await
+    .unwrap();
+    let not_exec = aviary_core::api::ExecRequest {
+        cmd: Some(vec!["/workspace/x.sh".into()]),
+        ..Default::default()
+    };
+    let r = c.exec(&id, &not_exec).await.unwrap();
+    assert_eq!(r.exit_code, 126, "{r:?}");
+    let (status, body) = c
+        .raw(
+            reqwest::Method::DELETE,
+            &format!("/v1/sandboxes/{id}/files?path=/workspace/d"),
+            None,
+            Some(&ts.key),
+        )
+        .await
+        .unwrap();
+    assert!(status.is_client_error(), "{status} {body}");
+    c.delete_sandbox(&id, None).await.unwrap();
+}
