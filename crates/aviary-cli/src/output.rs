@@ -14,16 +14,25 @@ fn ts(t: time::OffsetDateTime) -> String {
         .unwrap_or_default()
 }
 
+/// A sandbox's state as people read it: `Idle (paused)` while frozen.
+fn shown_state(s: &Sandbox) -> String {
+    if s.paused {
+        format!("{} (paused)", s.state.as_str())
+    } else {
+        s.state.as_str().to_owned()
+    }
+}
+
 pub fn sandbox_table(list: &[Sandbox]) {
     println!(
-        "{:<26} {:<13} {:<14} {:<10} {:<8} {:<20}",
+        "{:<26} {:<16} {:<14} {:<10} {:<8} {:<20}",
         "ID", "STATE", "CLASS", "TEMPLATE", "LEASED", "CREATED"
     );
     for s in list {
         println!(
-            "{:<26} {:<13} {:<14} {:<10} {:<8} {:<20}",
+            "{:<26} {:<16} {:<14} {:<10} {:<8} {:<20}",
             s.id.as_str(),
-            s.state.as_str(),
+            shown_state(s),
             s.resource_class,
             s.template,
             if s.lease_owner.is_some() { "yes" } else { "no" },
@@ -34,7 +43,7 @@ pub fn sandbox_table(list: &[Sandbox]) {
 
 pub fn sandbox_detail(s: &Sandbox) {
     println!("id:              {}", s.id);
-    println!("state:           {}", s.state);
+    println!("state:           {}", shown_state(s));
     println!("tenant:          {}", s.tenant);
     println!("scope:           {}", s.scope);
     if let Some(u) = &s.user_id {

@@ -126,9 +126,31 @@ impl ControlPlane {
             .await
             .map_err(OpError::runtime("pause"))?;
         live.paused.store(true, Ordering::SeqCst);
+        let rec = self.record_paused(&rec.id, true).await?;
         self.event(&rec, "paused", cx.request_id(), serde_json::json!({}))
             .await?;
         self.view(&rec).await
+    }
+
+    /// Records on the row whether the sandbox is paused (what `get`, `ls`
+    /// and every replica show), retrying a write that raced another.
+    pub(crate) async fn record_paused(
+        &self,
+        id: &SandboxId,
+        paused: bool,
+    ) -> Result<SandboxRecord, OpError> {
+        for _ in 0..8 {
+            let rec = self.registry.get_sandbox(id).await?;
+            if rec.paused == paused {
+                return Ok(rec);
+            }
+            match self.registry.set_paused(id, rec.version, paused).await {
+                Ok(rec) => return Ok(rec),
+                Err(aviary_registry::RegistryError::Conflict) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(OpError::Conflict)
     }
 
     /// Thaws a paused sandbox (fenced) and pushes it the current fence.
@@ -149,10 +171,12 @@ impl ControlPlane {
             .await
             .map_err(OpError::runtime("resume"))?;
         live.paused.store(false, Ordering::SeqCst);
+        let rec = self.record_paused(&rec.id, false).await?;
         // the lease may have changed while envd was frozen
         self.push_fence_or_lose(&rec.id, &live, request_id).await?;
         self.event(&rec, "resumed", request_id, serde_json::json!({}))
             .await?;
+        let rec = self.registry.get_sandbox(&rec.id).await?;
         self.view(&rec).await
     }
 

@@ -1240,10 +1240,14 @@ impl ControlPlane {
             })?;
         let live = self.attach(id, envd, allocation_id);
         self.sync_projection(id, &live).await?;
-        let rec = self
+        let mut rec = self
             .registry
             .set_runtime_instance(id, rec.version, &handle.runtime_instance_id, &rec.node)
             .await?;
+        if rec.paused {
+            // new compute (a wake, a recovery) runs: nothing of it is frozen
+            rec = self.registry.set_paused(id, rec.version, false).await?;
+        }
         Ok((rec, live))
     }
 

@@ -79,6 +79,9 @@ pub struct Sandbox {
     /// Owned by the user: the platform only stops (hibernates) it, never destroys it.
     #[serde(default)]
     pub user_managed: bool,
+    /// Frozen by `pause` (every process stopped) until `resume`.
+    #[serde(default)]
+    pub paused: bool,
     /// Optimistic-concurrency version of the registry row.
     pub version: i64,
     /// The live lease, if any (its token is shown only in the acquire/create answer).

@@ -50,8 +50,10 @@ pub use aviary_registry::Registry;
 /// Schema migrations as (version, description, SQL), in order; applied ones
 /// are recorded in `registry_migrations`. Never edit a released one: append
 /// a new file.
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "init", include_str!("../migrations/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("../migrations/0001_init.sql")),
+    (2, "paused", include_str!("../migrations/0002_paused.sql")),
+];
 
 /// The schema version this build brings a database to.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].0;

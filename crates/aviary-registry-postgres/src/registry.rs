@@ -17,7 +17,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted, user_managed";
+    expires_at, version, tainted, user_managed, paused";
 
 fn col<'r, T>(row: &'r PgRow, name: &str) -> Result<T, RegistryError>
 where
@@ -74,6 +74,7 @@ fn sandbox_row(row: &PgRow) -> Result<SandboxRecord, RegistryError> {
         version: col(row, "version")?,
         tainted: col(row, "tainted")?,
         user_managed: col(row, "user_managed")?,
+        paused: col(row, "paused")?,
     })
 }
 
@@ -293,6 +294,7 @@ impl Registry for PostgresRegistry {
             version: 0,
             tainted: new.tainted,
             user_managed: new.user_managed,
+            paused: false,
         })
     }
 
@@ -531,6 +533,25 @@ impl Registry for PostgresRegistry {
              WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(tainted)
+        .bind(id.as_str())
+        .bind(expected_version)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(storage)?;
+        self.versioned(id, row).await
+    }
+
+    async fn set_paused(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        paused: bool,
+    ) -> Result<SandboxRecord, RegistryError> {
+        let row = sqlx::query(&format!(
+            "UPDATE sandbox_instance SET paused = $1, version = version + 1 \
+             WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
+        ))
+        .bind(paused)
         .bind(id.as_str())
         .bind(expected_version)
         .fetch_optional(&self.pool)

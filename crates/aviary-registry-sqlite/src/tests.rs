@@ -501,9 +501,10 @@ async fn sandboxes_from_before_schema_6_are_no_pool_handouts() {
     .unwrap();
     pool.close().await;
     let reg = SqliteRegistry::open(&db.path).await.unwrap();
-    assert_eq!(reg.schema_version().await.unwrap(), 6);
+    assert_eq!(reg.schema_version().await.unwrap(), MIGRATIONS.len() as i64);
     let old = reg.list_sandboxes(Some("acme"), false).await.unwrap();
     assert_eq!((old.len(), old[0].version), (1, 7), "{old:?}");
+    assert!(!old[0].paused, "an older row is not paused");
     assert!(reg.list_pool_handouts().await.unwrap().is_empty());
     assert!(reg.list_pool_bounds().await.unwrap().is_empty());
     assert!(reg.list_node_registrations().await.unwrap().is_empty());

@@ -602,6 +602,21 @@ pub async fn field_updates_bump_version<R: Registry>(r: &R) {
         r.set_tainted(&ghost, 0, true).await.unwrap_err(),
         RegistryError::NotFound
     );
+    // paused: stored, version-checked, read back, and cleared
+    assert!(!rec.paused, "a new sandbox is not paused");
+    let paused = r.set_paused(&s.id, 2, true).await.unwrap();
+    assert!(paused.paused);
+    assert_eq!(paused.version, 3);
+    assert_eq!(
+        r.set_paused(&s.id, 2, false).await.unwrap_err(),
+        RegistryError::Conflict
+    );
+    assert!(r.get_sandbox(&s.id).await.unwrap().paused);
+    assert!(!r.set_paused(&s.id, 3, false).await.unwrap().paused);
+    assert_eq!(
+        r.set_paused(&ghost, 0, true).await.unwrap_err(),
+        RegistryError::NotFound
+    );
 }
 
 pub async fn touch_keeps_version<R: Registry>(r: &R) {

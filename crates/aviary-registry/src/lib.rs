@@ -241,6 +241,14 @@ pub trait Registry: Send + Sync {
         tainted: bool,
     ) -> Result<SandboxRecord, RegistryError>;
 
+    /// Records that the sandbox is paused (frozen) or not; bumps `version`.
+    async fn set_paused(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        paused: bool,
+    ) -> Result<SandboxRecord, RegistryError>;
+
     /// Sets `last_active_at`; no version bump, no event.
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError>;
 
@@ -446,6 +454,7 @@ mod tests {
             version: 3,
             tainted: true,
             user_managed: false,
+            paused: false,
         };
         let json = serde_json::to_string(&rec).unwrap();
         let back: SandboxRecord = serde_json::from_str(&json).unwrap();

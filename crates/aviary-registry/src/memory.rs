@@ -190,6 +190,7 @@ impl Registry for MemoryRegistry {
             version: 0,
             tainted: new.tainted,
             user_managed: new.user_managed,
+            paused: false,
         };
         state.events.append(
             NewEvent {
@@ -363,6 +364,15 @@ impl Registry for MemoryRegistry {
         tainted: bool,
     ) -> Result<SandboxRecord, RegistryError> {
         self.update_versioned(id, expected_version, |r| r.tainted = tainted)
+    }
+
+    async fn set_paused(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        paused: bool,
+    ) -> Result<SandboxRecord, RegistryError> {
+        self.update_versioned(id, expected_version, |r| r.paused = paused)
     }
 
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError> {

@@ -40,6 +40,10 @@ pub struct SandboxRecord {
     /// Owned by the user: the platform only stops it (hibernates), never destroys it.
     #[serde(default)]
     pub user_managed: bool,
+    /// Frozen by a `pause` (cgroup freezer) and not resumed since; meaningful
+    /// while the sandbox holds compute.
+    #[serde(default)]
+    pub paused: bool,
 }
 
 impl SandboxRecord {
@@ -64,6 +68,7 @@ impl SandboxRecord {
             expires_at: self.expires_at,
             tainted: self.tainted,
             user_managed: self.user_managed,
+            paused: self.paused && self.state.is_live(),
             version: self.version,
             lease_owner,
         }

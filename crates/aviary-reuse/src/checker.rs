@@ -1212,6 +1212,7 @@ mod tests {
             version: 3,
             tainted: true,
             user_managed: false,
+            paused: false,
         };
         let c = ReuseCandidate::from_record(&rec, None);
         assert!(!c.healthy);

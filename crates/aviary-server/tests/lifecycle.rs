@@ -213,7 +213,17 @@ async fn every_operation_on_a_paused_sandbox_answers_at_once() {
     let c = &ts.client;
     let t = std::time::Duration::from_secs(15);
     let id = common::new_sandbox(c).await;
-    c.sandbox_action(&id, "pause", None).await.unwrap();
+    let paused = c.sandbox_action(&id, "pause", None).await.unwrap();
+    assert!(paused.paused, "{paused:?}");
+    assert!(
+        c.get_sandbox(&id).await.unwrap().paused,
+        "get shows it paused"
+    );
+    let listed = c.list_sandboxes(false).await.unwrap().sandboxes;
+    assert!(
+        listed.iter().any(|s| s.id.as_str() == id && s.paused),
+        "ls shows it"
+    );
     // a lease on a paused sandbox: granted at once, the sandbox stays paused
     let lease = tokio::time::timeout(t, c.acquire_lease(&id, "agent", Some(60)))
         .await
@@ -242,10 +252,13 @@ async fn every_operation_on_a_paused_sandbox_answers_at_once() {
         .expect("acquire answers")
         .unwrap();
     // resume with the lease, then the holder works
-    tokio::time::timeout(t, c.sandbox_action(&id, "resume", Some(again.token)))
+    assert!(c.get_sandbox(&id).await.unwrap().paused, "still paused");
+    let resumed = tokio::time::timeout(t, c.sandbox_action(&id, "resume", Some(again.token)))
         .await
         .expect("resume answers")
         .unwrap();
+    assert!(!resumed.paused);
+    assert!(!c.get_sandbox(&id).await.unwrap().paused);
     let mut exec = common::shell("echo thawed");
     exec.token = Some(again.token);
     assert_eq!(c.exec(&id, &exec).await.unwrap().stdout, "thawed\n");
