@@ -340,12 +340,15 @@ struct EventsArgs {
     /// Only this sandbox's events.
     #[arg(long)]
     sandbox: Option<String>,
-    /// Keep printing new events as they happen.
+    /// Then keep printing new events as the server pushes them (Ctrl-C ends).
     #[arg(long, short)]
     follow: bool,
-    /// How many events (most recent last; default 100).
+    /// How many events: the newest ones, printed oldest first (default 100, at most 1000).
     #[arg(long)]
     limit: Option<u32>,
+    /// Instead of the newest: the first events with an id above this one.
+    #[arg(long)]
+    after: Option<i64>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -974,26 +977,42 @@ async fn lease(cmd: LeaseCmd, json: bool) -> Result<i32, Failure> {
 
 async fn events(a: EventsArgs, json: bool) -> Result<i32, Failure> {
     let c = client()?;
-    let mut after = None;
-    loop {
-        let list = c.events(a.sandbox.as_deref(), after, a.limit).await?;
-        for e in &list.events {
-            if json {
-                match serde_json::to_string(e) {
-                    Ok(s) => println!("{s}"),
-                    Err(err) => eprintln!("aviary: {err}"),
-                }
-            } else {
-                output::event_line(e);
+    let limit = a.limit.unwrap_or(100);
+    let list = match a.after {
+        Some(after) => {
+            c.events(a.sandbox.as_deref(), Some(after), Some(limit))
+                .await?
+        }
+        None => c.newest_events(a.sandbox.as_deref(), limit).await?,
+    };
+    let print = |e: &aviary_core::api::Event| {
+        if json {
+            match serde_json::to_string(e) {
+                Ok(s) => println!("{s}"),
+                Err(err) => eprintln!("aviary: {err}"),
             }
-            after = Some(e.id);
+        } else {
+            output::event_line(e);
         }
         let _ = std::io::stdout().flush();
-        if !a.follow {
-            return Ok(0);
-        }
-        if list.events.is_empty() {
-            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    };
+    let mut last = a.after;
+    for e in &list.events {
+        print(e);
+        last = Some(e.id);
+    }
+    if !a.follow {
+        return Ok(0);
+    }
+    // from the last one shown (or from now), pushed by the server
+    let mut stream = c.follow_events(a.sandbox.as_deref(), last).await?;
+    loop {
+        tokio::select! {
+            next = stream.next() => match next? {
+                Some(e) => print(&e),
+                None => return Ok(0),
+            },
+            _ = tokio::signal::ctrl_c() => return Ok(130),
         }
     }
 }

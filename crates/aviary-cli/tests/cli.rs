@@ -258,6 +258,12 @@ fn quick_start_works_end_to_end() {
 
     let o = aviary(&s, &["--json", "events", "--sandbox", &id]);
     assert!(stdout(&o).contains("Terminated"), "{o:?}");
+    // the newest by default: with --limit 1, only the last one
+    let o = aviary(&s, &["--json", "events", "--sandbox", &id, "--limit", "1"]);
+    let lines: Vec<&str> = std::str::from_utf8(&o.stdout).unwrap().lines().collect();
+    assert_eq!(lines.len(), 1, "{o:?}");
+    let last: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+    assert_eq!(last["new_state"], "Terminated", "{last}");
     let o = aviary(&s, &["template", "ls"]);
     assert!(stdout(&o).contains("default"), "{o:?}");
 }

@@ -93,6 +93,63 @@ impl ExecStream {
     }
 }
 
+/// The events a server pushes (`Client::follow_events`).
+pub struct EventStream {
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
+    buf: Vec<u8>,
+}
+
+impl EventStream {
+    /// The next event; `None` when the server ends the stream. An `error`
+    /// event (the sandbox was deleted, say) is returned as that error.
+    pub async fn next(&mut self) -> Result<Option<Event>, ClientError> {
+        loop {
+            if let Some(pos) = find_frame_end(&self.buf) {
+                let frame: Vec<u8> = self.buf.drain(..pos.1).collect();
+                let text = String::from_utf8_lossy(&frame[..pos.0]).into_owned();
+                let (name, data) = sse_fields(&text);
+                if data.is_empty() {
+                    continue; // a keep-alive comment
+                }
+                if name == "error" {
+                    let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+                    let code: ErrorCode =
+                        serde_json::from_value(v["code"].clone()).unwrap_or(ErrorCode::Internal);
+                    return Err(ClientError::Api {
+                        status: code.http_status(),
+                        code,
+                        message: v["message"].as_str().unwrap_or_default().to_owned(),
+                    });
+                }
+                return serde_json::from_str(&data)
+                    .map(Some)
+                    .map_err(|e| ClientError::Protocol(format!("bad event: {e}")));
+            }
+            match self.body.next().await {
+                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
+                Some(Err(e)) => return Err(ClientError::Transport(e)),
+                None => return Ok(None),
+            }
+        }
+    }
+}
+
+/// The event name and the joined data lines of one SSE frame.
+fn sse_fields(frame: &str) -> (String, String) {
+    let (mut name, mut data) = (String::from("message"), String::new());
+    for line in frame.lines() {
+        if let Some(rest) = line.strip_prefix("event:") {
+            name = rest.trim().to_owned();
+        } else if let Some(rest) = line.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(rest.trim_start());
+        }
+    }
+    (name, data)
+}
+
 /// One decoded item of a streaming exec.
 #[derive(Debug)]
 pub enum StreamItem {
@@ -459,6 +516,52 @@ impl Client {
         };
         self.json(self.req(Method::GET, &format!("/v1/events{qs}")))
             .await
+    }
+
+    /// The last `limit` events (of one sandbox when given), oldest first.
+    pub async fn newest_events(
+        &self,
+        sandbox: Option<&str>,
+        limit: u32,
+    ) -> Result<EventList, ClientError> {
+        let mut q = format!("?newest=true&limit={limit}");
+        if let Some(s) = sandbox {
+            q.push_str(&format!("&sandbox={}", urlencode(s)));
+        }
+        self.json(self.req(Method::GET, &format!("/v1/events{q}")))
+            .await
+    }
+
+    /// `GET /v1/events/stream`: the events recorded after `after` (from now
+    /// when `None`), pushed by the server as they happen.
+    pub async fn follow_events(
+        &self,
+        sandbox: Option<&str>,
+        after: Option<i64>,
+    ) -> Result<EventStream, ClientError> {
+        let mut q = Vec::new();
+        if let Some(s) = sandbox {
+            q.push(format!("sandbox={}", urlencode(s)));
+        }
+        if let Some(a) = after {
+            q.push(format!("after={a}"));
+        }
+        let qs = if q.is_empty() {
+            String::new()
+        } else {
+            format!("?{}", q.join("&"))
+        };
+        // no overall timeout: a followed stream lasts as long as the caller wants
+        let resp = self
+            .send(
+                self.req(Method::GET, &format!("/v1/events/stream{qs}"))
+                    .timeout(std::time::Duration::from_secs(365 * 24 * 3600)),
+            )
+            .await?;
+        Ok(EventStream {
+            body: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        })
     }
 
     pub async fn templates(&self) -> Result<TemplateList, ClientError> {

@@ -706,6 +706,7 @@ impl ControlPlane {
                     sandbox_id: Some(id.clone()),
                     after_id: after,
                     limit: 1000,
+                    newest: false,
                 })
                 .await?;
             let Some(last) = page.last() else {

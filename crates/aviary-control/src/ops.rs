@@ -2073,6 +2073,7 @@ impl ControlPlane {
                 sandbox_id,
                 after_id: req.after,
                 limit,
+                newest: req.newest,
             })
             .await?)
     }

@@ -851,6 +851,7 @@ impl ControlPlane {
                     sandbox_id: Some(id.clone()),
                     after_id: after,
                     limit: PAGE,
+                    newest: false,
                 })
                 .await?;
             for e in &page {

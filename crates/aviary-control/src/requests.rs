@@ -135,6 +135,9 @@ pub struct EventQuery {
     pub sandbox: Option<String>,
     pub after: Option<i64>,
     pub limit: Option<u32>,
+    /// The last `limit` events (after `after`) instead of the first; the
+    /// answer is oldest first either way.
+    pub newest: bool,
 }
 
 /// The caller's snapshots, of one sandbox when given.

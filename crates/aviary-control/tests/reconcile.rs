@@ -583,6 +583,7 @@ mod periodic {
                 sandbox_id: Some(id.clone()),
                 after_id: None,
                 limit: 1000,
+                newest: false,
             })
             .await
             .unwrap()
@@ -596,6 +597,7 @@ mod periodic {
                 sandbox_id: None,
                 after_id: None,
                 limit: 1000,
+                newest: false,
             })
             .await
             .unwrap()

@@ -578,10 +578,19 @@ impl Registry for SqliteRegistry {
         if let Some(s) = &filter.sandbox_id {
             q.push(" AND sandbox_id = ").push_bind(s.as_str());
         }
-        q.push(" ORDER BY event_id LIMIT ")
-            .push_bind(i64::from(effective_limit(filter.limit)));
+        q.push(if filter.newest {
+            " ORDER BY event_id DESC LIMIT "
+        } else {
+            " ORDER BY event_id LIMIT "
+        })
+        .push_bind(i64::from(effective_limit(filter.limit)));
         let rows = q.build().fetch_all(&self.reader).await.map_err(storage)?;
-        rows.iter().map(event_row).collect()
+        let mut events: Vec<Event> = rows.iter().map(event_row).collect::<Result<_, _>>()?;
+        if filter.newest {
+            // the last ones, still oldest first
+            events.reverse();
+        }
+        Ok(events)
     }
 
     async fn upsert_template(&self, t: &TemplateRecord) -> Result<(), RegistryError> {

@@ -668,6 +668,7 @@ pub async fn events_filter_and_page<R: Registry>(r: &R) {
         sandbox_id: None,
         after_id,
         limit,
+        newest: false,
     };
     let all = r.list_events(&by_tenant(None, 0)).await.unwrap();
     assert_eq!(all.len(), 6, "created + 5 appended, other tenant excluded");
@@ -685,6 +686,25 @@ pub async fn events_filter_and_page<R: Registry>(r: &R) {
     let page = r.list_events(&by_tenant(Some(ids[1]), 2)).await.unwrap();
     let page_ids: Vec<i64> = page.iter().map(|e| e.id).collect();
     assert_eq!(page_ids, vec![ids[2], ids[3]], "after_id + limit");
+    // the newest ones, still oldest first (and after_id still applies)
+    let last_two = r
+        .list_events(&EventFilter {
+            newest: true,
+            ..by_tenant(None, 2)
+        })
+        .await
+        .unwrap();
+    let last_ids: Vec<i64> = last_two.iter().map(|e| e.id).collect();
+    assert_eq!(last_ids, vec![ids[3], ids[4]], "newest + limit");
+    let tail = r
+        .list_events(&EventFilter {
+            newest: true,
+            ..by_tenant(Some(ids[2]), 10)
+        })
+        .await
+        .unwrap();
+    let tail_ids: Vec<i64> = tail.iter().map(|e| e.id).collect();
+    assert_eq!(tail_ids, vec![ids[3], ids[4]], "newest after an id");
 
     let mine = events_of(r, &s.id).await;
     assert_eq!(mine.len(), 4, "created + 3 with this sandbox");

@@ -392,7 +392,7 @@ impl Registry for MemoryRegistry {
         let rows = &state.events.rows;
         let after = filter.after_id.unwrap_or(0);
         let start = rows.partition_point(|e| e.id <= after);
-        Ok(rows[start..]
+        let matching: Vec<&Event> = rows[start..]
             .iter()
             .filter(|e| filter.tenant.as_ref().is_none_or(|t| &e.tenant == t))
             .filter(|e| {
@@ -401,7 +401,17 @@ impl Registry for MemoryRegistry {
                     .as_ref()
                     .is_none_or(|s| e.sandbox_id.as_ref() == Some(s))
             })
-            .take(limit_of(filter.limit))
+            .collect();
+        let limit = limit_of(filter.limit);
+        let skip = if filter.newest {
+            matching.len().saturating_sub(limit)
+        } else {
+            0
+        };
+        Ok(matching
+            .into_iter()
+            .skip(skip)
+            .take(limit)
             .cloned()
             .collect())
     }

@@ -141,6 +141,10 @@ pub struct EventFilter {
     /// Only events with an id greater than this (paging, `--follow`).
     pub after_id: Option<i64>,
     pub limit: u32,
+    /// The last `limit` matching events instead of the first (the answer
+    /// is still oldest first).
+    #[serde(default)]
+    pub newest: bool,
 }
 
 /// An immutable root filesystem.

@@ -35,6 +35,7 @@ use base64::Engine;
 use futures_util::{Stream, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 use utoipa::OpenApi;
@@ -289,7 +290,20 @@ pub struct EventsQuery {
     sandbox: Option<String>,
     /// Only events with a larger id (for following).
     after: Option<i64>,
+    /// How many (1-1000, default 100).
     limit: Option<u32>,
+    /// The last `limit` events instead of the first (still oldest first).
+    newest: Option<bool>,
+}
+
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct EventStreamQuery {
+    sandbox: Option<String>,
+    /// Start after this event id; absent: from the newest event on (only
+    /// what happens from now).
+    after: Option<i64>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -297,7 +311,10 @@ pub struct EventsQuery {
 #[serde(deny_unknown_fields)]
 pub struct SandboxEventsQuery {
     after: Option<i64>,
+    /// How many (1-1000, default 100).
     limit: Option<u32>,
+    /// The last `limit` events instead of the first (still oldest first).
+    newest: Option<bool>,
 }
 
 #[utoipa::path(get, path = "/healthz", responses((status = 200, description = "process is up")))]
@@ -643,10 +660,75 @@ async fn events(
         sandbox: q.sandbox,
         after: q.after,
         limit: q.limit,
+        newest: q.newest.unwrap_or(false),
     };
     Ok(Json(EventList {
         events: cp.events(&cx, req).await?,
     }))
+}
+
+/// How often the event stream looks for new events (the registry is the
+/// only place every replica's events meet).
+const EVENT_STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+#[utoipa::path(get, path = "/v1/events/stream", params(EventStreamQuery),
+    responses((status = 200, description = "server-sent events (`event`), data = Event, as they are recorded", body = Event), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    security(("api_key" = [])))]
+async fn event_stream(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    ApiQuery(q): ApiQuery<EventStreamQuery>,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    let query = |after: Option<i64>, newest: bool| EventQuery {
+        sandbox: q.sandbox.clone(),
+        after,
+        limit: Some(if newest { 1 } else { 500 }),
+        newest,
+    };
+    // checks the caller may see the sandbox, and finds where "now" is
+    let after = match q.after {
+        Some(a) => a,
+        None => cp
+            .events(&cx, query(None, true))
+            .await?
+            .last()
+            .map_or(0, |e| e.id),
+    };
+    let state = Some((cp, cx, query(None, false), after, VecDeque::<Event>::new()));
+    let stream = futures_util::stream::unfold(state, |state| async move {
+        let (cp, cx, mut q, mut after, mut queue) = state?;
+        loop {
+            if let Some(ev) = queue.pop_front() {
+                after = ev.id;
+                let sse = SseEvent::default()
+                    .event("event")
+                    .id(ev.id.to_string())
+                    .json_data(&ev)
+                    .unwrap_or_else(|_| SseEvent::default().event("error"));
+                return Some((Ok(sse), Some((cp, cx, q, after, queue))));
+            }
+            q.after = Some(after);
+            match cp.events(&cx, q.clone()).await {
+                Ok(events) if !events.is_empty() => queue.extend(events),
+                Ok(_) => tokio::time::sleep(EVENT_STREAM_POLL).await,
+                // the registry is down for a moment: keep the stream, retry
+                Err(OpError::Unavailable(_)) => tokio::time::sleep(EVENT_STREAM_POLL).await,
+                Err(e) => {
+                    // one error event (the sandbox was deleted, say), then the end
+                    let sse = SseEvent::default()
+                        .event("error")
+                        .json_data(
+                            serde_json::json!({"code": e.code(), "message": e.public_message()}),
+                        )
+                        .unwrap_or_else(|_| SseEvent::default().event("error"));
+                    return Some((Ok(sse), None));
+                }
+            }
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/events", params(SandboxEventsQuery), responses((status = 200, body = EventList), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
@@ -662,6 +744,7 @@ async fn sandbox_events(
         sandbox: Some(id),
         after: q.after,
         limit: q.limit,
+        newest: q.newest.unwrap_or(false),
     };
     Ok(Json(EventList {
         events: cp.events(&cx, req).await?,
@@ -1107,7 +1190,7 @@ impl utoipa::Modify for SecurityAddon {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     modifiers(&SecurityAddon)
 )]
 pub struct ApiDoc;
@@ -1159,6 +1242,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))
+        .route("/v1/events/stream", get(event_stream))
         .route("/v1/templates", get(templates))
         .route("/v1/keys", post(create_key).get(list_keys))
         .route("/v1/keys/{id}", axum::routing::delete(revoke_key))

@@ -942,3 +942,45 @@ async fn ordinary_mistakes_are_shell_exits_or_4xx() {
     assert!(status.is_client_error(), "{status} {body}");
     c.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// Issue 13, bug 6: the newest events by default, and following them over
+/// a server-side stream (as they are recorded, from the registry).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newest_events_and_a_followed_stream() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let all = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
+    assert!(all.len() >= 3, "{all:?}");
+    let last_two = c.newest_events(Some(&id), 2).await.unwrap().events;
+    let want: Vec<i64> = all[all.len() - 2..].iter().map(|e| e.id).collect();
+    assert_eq!(
+        last_two.iter().map(|e| e.id).collect::<Vec<_>>(),
+        want,
+        "the newest, oldest first"
+    );
+    // follow from now: only what happens next arrives, as it happens
+    let mut stream = c.follow_events(Some(&id), None).await.unwrap();
+    c.sandbox_action(&id, "pause", None).await.unwrap();
+    c.sandbox_action(&id, "resume", None).await.unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let ev = tokio::time::timeout(std::time::Duration::from_secs(10), stream.next())
+            .await
+            .expect("pushed within 10 s")
+            .unwrap()
+            .expect("an event");
+        assert!(ev.id > all.last().unwrap().id, "nothing old replayed");
+        seen.push(ev.event_type);
+    }
+    assert_eq!(seen, ["paused", "resumed"]);
+    // another tenant cannot follow this sandbox
+    let other = c.create_key("tenant-b", false).await.unwrap();
+    let b = aviary_client::Client::new(&ts.url(), &other.key);
+    let e = match b.follow_events(Some(&id), None).await {
+        Ok(_) => panic!("another tenant followed the sandbox"),
+        Err(e) => e,
+    };
+    assert_eq!(e.code(), Some(aviary_core::ErrorCode::NotFound), "{e}");
+    c.delete_sandbox(&id, None).await.unwrap();
+}

@@ -433,6 +433,7 @@ pub async fn sandbox_events(
         sandbox: Some(id.to_string()),
         after: None,
         limit: Some(1000),
+        newest: false,
     };
     p.cp.events(cx, of_sandbox).await.unwrap()
 }
@@ -448,6 +449,7 @@ pub async fn state_path(p: &Plane, id: &aviary_core::SandboxId) -> Vec<aviary_co
             sandbox_id: Some(id.clone()),
             after_id: None,
             limit: 1000,
+            newest: false,
         })
         .await
         .unwrap()
