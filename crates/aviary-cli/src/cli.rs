@@ -299,7 +299,7 @@ enum SandboxCmd {
         #[arg(long)]
         refresh: bool,
     },
-    /// Copy a file in or out: one side is written ID:/path.
+    /// Copy a file or a directory tree in or out: one side is ID:/path; `-` is stdin (in) or stdout (out).
     Cp {
         src: String,
         dst: String,
@@ -811,6 +811,120 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     res
 }
 
+/// `sandbox cp SRC ID:/path`: a file, `-` (stdin), or a directory tree
+/// (each directory made, each file uploaded; symlinks are not followed and
+/// not copied, with a warning). Into an existing directory, SRC goes inside
+/// it under its own name, as `cp -r` does. Returns the bytes copied.
+async fn copy_in(
+    c: &Client,
+    id: &str,
+    src: &str,
+    dst: &str,
+    token: Option<LeaseToken>,
+) -> Result<u64, Failure> {
+    if src == "-" {
+        return Ok(c.upload_reader(id, tokio::io::stdin(), dst, token).await?);
+    }
+    let local = Path::new(src);
+    let meta = std::fs::symlink_metadata(local)
+        .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{src}: {e}")))?;
+    let target = match c.stat(id, dst).await {
+        Ok(st) if st.kind == "dir" => format!(
+            "{}/{}",
+            dst.trim_end_matches('/'),
+            local.file_name().and_then(|n| n.to_str()).unwrap_or("copy")
+        ),
+        _ => dst.to_owned(),
+    };
+    if meta.is_file() {
+        return Ok(c.upload(id, local, &target, token).await?);
+    }
+    if !meta.is_dir() {
+        return Err(Failure::exit(
+            EXIT_IO_ERROR,
+            format!("{src} is not a regular file or a directory"),
+        ));
+    }
+    let mut bytes = 0;
+    let mut dirs = vec![(local.to_path_buf(), target)];
+    while let Some((dir, remote)) = dirs.pop() {
+        match c.mkdir(id, &remote, token).await {
+            Ok(()) => {}
+            // merging into a directory that is there already
+            Err(e) if e.code() == Some(ErrorCode::Conflict) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let mut entries: Vec<_> = std::fs::read_dir(&dir)
+            .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", dir.display())))?
+            .flatten()
+            .collect();
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let Some(name) = e.file_name().to_str().map(str::to_owned) else {
+                eprintln!(
+                    "aviary: skipping {} (name is not UTF-8)",
+                    e.path().display()
+                );
+                continue;
+            };
+            let child = format!("{}/{name}", remote.trim_end_matches('/'));
+            let kind = e.file_type().map_err(|err| {
+                Failure::exit(EXIT_IO_ERROR, format!("{}: {err}", e.path().display()))
+            })?;
+            if kind.is_dir() {
+                dirs.push((e.path(), child));
+            } else if kind.is_file() {
+                bytes += c.upload(id, &e.path(), &child, token).await?;
+            } else {
+                eprintln!(
+                    "aviary: skipping {} (not a regular file or directory)",
+                    e.path().display()
+                );
+            }
+        }
+    }
+    Ok(bytes)
+}
+
+/// `sandbox cp ID:/path DST`: a file, or a directory tree (made locally,
+/// symlinks skipped), into DST (inside it when it is a directory), or `-`
+/// (stdout). Returns the bytes copied.
+async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Failure> {
+    if dst == "-" {
+        let mut out = tokio::io::stdout();
+        return Ok(c.download_to(id, src, &mut out).await?);
+    }
+    let name = Path::new(src)
+        .file_name()
+        .map(|n| n.to_owned())
+        .unwrap_or_default();
+    let local = if Path::new(dst).is_dir() {
+        Path::new(dst).join(&name)
+    } else {
+        PathBuf::from(dst)
+    };
+    let st = c.stat(id, src).await?;
+    if st.kind != "dir" {
+        return Ok(c.download(id, src, &local).await?);
+    }
+    let mut bytes = 0;
+    let mut dirs = vec![(src.trim_end_matches('/').to_owned(), local)];
+    while let Some((remote, dir)) = dirs.pop() {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", dir.display())))?;
+        for e in c.list_files(id, &remote).await?.entries {
+            let child_remote = format!("{remote}/{}", e.name);
+            let child_local = dir.join(&e.name);
+            match e.kind.as_str() {
+                "dir" => dirs.push((child_remote, child_local)),
+                "file" => bytes += c.download(id, &child_remote, &child_local).await?,
+                _ => eprintln!("aviary: skipping {child_remote} ({})", e.kind),
+            }
+        }
+    }
+    Ok(bytes)
+}
+
 fn parse_remote(s: &str) -> Option<(&str, &str)> {
     let (id, path) = s.split_once(':')?;
     if id.starts_with("sbx-") && path.starts_with('/') {
@@ -920,15 +1034,8 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
             let n = match (parse_remote(&src), parse_remote(&dst)) {
-                (None, Some((id, path))) => c.upload(id, Path::new(&src), path, token).await?,
-                (Some((id, path)), None) => {
-                    let local = if Path::new(&dst).is_dir() {
-                        Path::new(&dst).join(Path::new(path).file_name().unwrap_or_default())
-                    } else {
-                        PathBuf::from(&dst)
-                    };
-                    c.download(id, path, &local).await?
-                }
+                (None, Some((id, path))) => copy_in(&c, id, &src, path, token).await?,
+                (Some((id, path)), None) => copy_out(&c, id, path, &dst).await?,
                 _ => {
                     return Err(Failure::new(
                         ErrorCode::InvalidRequest,
@@ -936,7 +1043,9 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                     ))
                 }
             };
-            if json {
+            if dst == "-" {
+                // stdout carries the file itself
+            } else if json {
                 output::json(&serde_json::json!({"bytes": n}));
             } else {
                 eprintln!("{n} bytes copied");

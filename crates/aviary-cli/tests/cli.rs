@@ -227,6 +227,69 @@ fn quick_start_works_end_to_end() {
     assert!(o.status.success(), "{o:?}");
     assert_eq!(std::fs::read_to_string(&back).unwrap(), "a\nb\nc\n");
 
+    // directories both ways, and `-` for stdin / stdout
+    let tree = s._dir.path().join("tree");
+    std::fs::create_dir_all(tree.join("sub/deeper")).unwrap();
+    std::fs::write(tree.join("top.txt"), "top\n").unwrap();
+    std::fs::write(tree.join("sub/deeper/leaf.txt"), "leaf\n").unwrap();
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "cp",
+            tree.to_str().unwrap(),
+            &format!("{id}:/workspace/tree"),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(
+        &s,
+        &["sandbox", "exec", &id, "--", "sh", "-c", "cat /workspace/tree/top.txt /workspace/tree/sub/deeper/leaf.txt; ls -a /workspace/tree"],
+    );
+    assert_eq!(
+        stdout(&o),
+        "top\nleaf\n.\n..\nsub\ntop.txt\n",
+        "no temp file left: {o:?}"
+    );
+    let out = s._dir.path().join("tree-back");
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/workspace/tree"),
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(
+        std::fs::read_to_string(out.join("sub/deeper/leaf.txt")).unwrap(),
+        "leaf\n"
+    );
+    let mut piped = Command::new(BIN)
+        .args(["sandbox", "cp", "-", &format!("{id}:/workspace/piped.bin")])
+        .env("AVIARY_URL", &s.url)
+        .env("AVIARY_DATA_DIR", &s.data)
+        .env_remove("AVIARY_API_KEY")
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = piped.stdin.take().unwrap();
+        stdin.write_all(&[0u8, 255, 10, 13, 7]).unwrap();
+    }
+    assert!(piped.wait().unwrap().success());
+    let o = aviary(
+        &s,
+        &["sandbox", "cp", &format!("{id}:/workspace/piped.bin"), "-"],
+    );
+    assert_eq!(
+        o.stdout,
+        vec![0u8, 255, 10, 13, 7],
+        "bytes, not text: {o:?}"
+    );
+
     // leases through the CLI
     let o = aviary(&s, &["lease", "acquire", &id, "--owner", "cli-test"]);
     assert!(o.status.success(), "{o:?}");

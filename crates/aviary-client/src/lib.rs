@@ -378,6 +378,54 @@ impl Client {
         Ok(v["bytes"].as_u64().unwrap_or(0))
     }
 
+    /// Uploads whatever `reader` yields (stdin, say: its length unknown)
+    /// as the file `remote`, streamed.
+    pub async fn upload_reader<R>(
+        &self,
+        id: &str,
+        reader: R,
+        remote: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<u64, ClientError>
+    where
+        R: tokio::io::AsyncRead + Send + 'static,
+    {
+        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(reader));
+        let rb = self
+            .req(Method::PUT, &Self::files_url(id, "", remote))
+            .body(body);
+        let v: serde_json::Value = self.json(token_header(rb, token)).await?;
+        Ok(v["bytes"].as_u64().unwrap_or(0))
+    }
+
+    /// Streams the file `remote` into `out` (stdout, say).
+    pub async fn download_to<W>(
+        &self,
+        id: &str,
+        remote: &str,
+        out: &mut W,
+    ) -> Result<u64, ClientError>
+    where
+        W: tokio::io::AsyncWrite + Unpin,
+    {
+        let resp = self
+            .send(self.req(Method::GET, &Self::files_url(id, "", remote)))
+            .await?;
+        let mut stream = resp.bytes_stream();
+        let mut n = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(ClientError::Transport)?;
+            n += chunk.len() as u64;
+            tokio::io::AsyncWriteExt::write_all(out, &chunk)
+                .await
+                .map_err(ClientError::Io)?;
+        }
+        tokio::io::AsyncWriteExt::flush(out)
+            .await
+            .map_err(ClientError::Io)?;
+        Ok(n)
+    }
+
     /// Downloads a file into a local path, streamed.
     pub async fn download(&self, id: &str, remote: &str, local: &Path) -> Result<u64, ClientError> {
         let resp = self
