@@ -119,10 +119,13 @@ struct CreateArgs {
     /// Resource class (python-small, python-ds, build-medium, browser-medium, compute-large).
     #[arg(long)]
     class: Option<String>,
+    /// The end user the sandbox works for (scope `user` reuses it across sessions).
     #[arg(long)]
     user: Option<String>,
+    /// The session it belongs to (scope `session`, the default, reuses it within one).
     #[arg(long)]
     session: Option<String>,
+    /// The agent that asks (scope `agent` reuses it across that agent's calls).
     #[arg(long)]
     agent: Option<String>,
     /// Isolation scope: session, user, agent or global.
@@ -203,7 +206,7 @@ enum SandboxCmd {
     Create {
         #[command(flatten)]
         create: CreateArgs,
-        /// Take a lease at create for this owner (the token is printed).
+        /// Take a lease at create for this owner: the id, then the token, each on its own line.
         #[arg(long)]
         lease_owner: Option<String>,
         /// Lease ttl in seconds (with --lease-owner).
@@ -220,51 +223,66 @@ enum SandboxCmd {
     Get { id: String },
     /// Destroy a sandbox (needs --token while it is leased).
     Rm {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
     /// Run a command in a sandbox; output streams live; exits with its code.
     Exec {
+        /// The sandbox id (sbx-…).
         id: String,
         /// Lease token (required while the sandbox is leased).
         #[arg(long)]
         token: Option<LeaseToken>,
         #[command(flatten)]
         exec: ExecOpts,
+        /// The command and its arguments, after `--`.
         #[arg(required = true, last = true)]
         cmd: Vec<String>,
     },
     /// Freeze every process of a sandbox (cgroup freezer).
     Pause {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
     /// Thaw a paused sandbox.
     Resume {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
     /// Recycle: level 1 (default) kills leftover processes, clears /tmp, revokes the lease, keeps
     /// /workspace; level 2 restores the clean checkpoint; level 3 destroys.
     Reset {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
+        /// 1 soft reset (default), 2 back to the clean checkpoint, 3 destroy.
         #[arg(long, default_value_t = 1)]
         level: u8,
     },
     /// End a call: release the lease, refresh the manifest, back to Idle for its scope.
     Release {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
     /// Checkpoint the workspace and writable layer (content-defined chunks).
     Snapshot {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
         /// `clean` marks the checkpoint `reset --level 2` returns to.
@@ -273,15 +291,20 @@ enum SandboxCmd {
     },
     /// A new sandbox from a checkpoint of this one (a fresh checkpoint when none is named).
     Fork {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The checkpoint to fork from (default: a fresh one).
         #[arg(long)]
         snapshot: Option<String>,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
     /// Snapshot and stop compute; `wake` restores it.
     Hibernate {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
@@ -289,11 +312,13 @@ enum SandboxCmd {
     Wake { id: String },
     /// List checkpoints (of one sandbox, or all of yours).
     Snapshots {
+        /// Only this sandbox's.
         #[arg(long)]
         sandbox: Option<String>,
     },
     /// Show the environment manifest (runtimes, packages, dirty paths).
     Manifest {
+        /// The sandbox id (sbx-…).
         id: String,
         /// Probe the sandbox now.
         #[arg(long)]
@@ -303,6 +328,7 @@ enum SandboxCmd {
     Cp {
         src: String,
         dst: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
     },
@@ -312,7 +338,9 @@ enum SandboxCmd {
 enum LeaseCmd {
     /// Acquire the sandbox's lease; prints the fencing token.
     Acquire {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// Who holds the lease (shown in `sandbox get` and the events).
         #[arg(long)]
         owner: String,
         /// Seconds until the lease expires unless renewed (default 60).
@@ -321,15 +349,20 @@ enum LeaseCmd {
     },
     /// Renew (heartbeat) a lease.
     Renew {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET from `lease acquire`.
         #[arg(long)]
         token: LeaseToken,
+        /// Seconds the lease lives without a renewal (default 60).
         #[arg(long)]
         ttl: Option<u64>,
     },
     /// Release a lease.
     Release {
+        /// The sandbox id (sbx-…).
         id: String,
+        /// The lease token FENCE.SECRET from `lease acquire`.
         #[arg(long)]
         token: LeaseToken,
     },
@@ -390,9 +423,11 @@ enum NodesCmd {
     Ls,
     /// Register a node agent.
     Add {
+        /// The sandbox id (sbx-…).
         id: String,
         /// host:port of the agent
         address: String,
+        /// The bearer token the agent was started with.
         #[arg(long)]
         token: String,
     },
@@ -405,8 +440,10 @@ enum PoolCmd {
     /// Set pool_min/pool_max for the pools of a class (kept across restarts).
     Set {
         class: String,
+        /// The floor: warm plus handed-out sandboxes.
         #[arg(long)]
         min: u32,
+        /// The cap: warm plus handed-out sandboxes.
         #[arg(long)]
         max: u32,
     },
@@ -416,8 +453,10 @@ enum PoolCmd {
 enum KeyCmd {
     /// Create an API key for a tenant (admin); the key is printed once (its id on stderr).
     Create {
+        /// The tenant the key acts for.
         #[arg(long)]
         tenant: String,
+        /// An admin key (may manage keys, pools and nodes, and see every tenant).
         #[arg(long)]
         admin: bool,
     },
@@ -605,6 +644,25 @@ pub async fn run(cli: Cli) -> i32 {
     }
 }
 
+/// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them
+/// (`info` by default); `AVIARY_LOG_FORMAT=json` writes one JSON object a
+/// line; colours only when stderr is a terminal.
+fn init_logging() {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if std::env::var("AVIARY_LOG_FORMAT").as_deref() == Ok("json") {
+        builder.json().try_init()
+    } else {
+        builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init()
+    };
+}
+
 fn find_envd(explicit: Option<PathBuf>) -> PathBuf {
     if let Some(p) = explicit {
         return p;
@@ -625,13 +683,7 @@ fn find_envd(explicit: Option<PathBuf>) -> PathBuf {
 }
 
 async fn serve(a: ServeArgs) -> Result<i32, Failure> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    init_logging();
     let mut settings = match &a.config {
         Some(p) => aviary_config::Config::load(p)
             .map_err(|e| Failure::exit(EXIT_CONFIG, format!("{e}")))?,
@@ -953,10 +1005,8 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             } else {
                 println!("{}", r.sandbox.id);
                 if let Some(l) = &r.lease {
-                    eprintln!(
-                        "lease token {} (owner {}), expires {}",
-                        l.token, l.owner, l.expires_at
-                    );
+                    println!("{}", l.token);
+                    eprintln!("lease of {} expires {}", l.owner, output::ts(l.expires_at));
                 }
             }
         }
@@ -1254,28 +1304,29 @@ async fn pool(cmd: PoolCmd, json: bool) -> Result<i32, Failure> {
         output::json(&list);
         return Ok(0);
     }
-    println!(
-        "{:<16} {:<12} {:<6} {:>4} {:>4} {:>5} {:>5} {:>5} {:>7} {:>6} {:>6}",
-        "CLASS", "TEMPLATE", "RT", "MIN", "MAX", "BMIN", "BMAX", "IDLE", "HANDED", "HITS", "MISSES"
+    output::table(
+        [
+            "CLASS", "TEMPLATE", "RT", "MIN", "MAX", "BMIN", "BMAX", "IDLE", "HANDED", "HITS",
+            "MISSES",
+        ],
+        list["pools"].as_array().into_iter().flatten().map(|p| {
+            let n = |k: &str| p[k].as_u64().unwrap_or(0).to_string();
+            let t = |k: &str| p[k].as_str().unwrap_or("").to_owned();
+            [
+                t("class"),
+                t("template"),
+                t("runtime"),
+                n("pool_min"),
+                n("pool_max"),
+                n("buffer_min"),
+                n("buffer_max"),
+                n("idle"),
+                n("handed_out"),
+                n("hits"),
+                n("misses"),
+            ]
+        }),
     );
-    for p in list["pools"].as_array().into_iter().flatten() {
-        let n = |k: &str| p[k].as_u64().unwrap_or(0);
-        let t = |k: &str| p[k].as_str().unwrap_or("").to_owned();
-        println!(
-            "{:<16} {:<12} {:<6} {:>4} {:>4} {:>5} {:>5} {:>5} {:>7} {:>6} {:>6}",
-            t("class"),
-            t("template"),
-            t("runtime"),
-            n("pool_min"),
-            n("pool_max"),
-            n("buffer_min"),
-            n("buffer_max"),
-            n("idle"),
-            n("handed_out"),
-            n("hits"),
-            n("misses")
-        );
-    }
     Ok(0)
 }
 
@@ -1296,13 +1347,7 @@ async fn action(
 }
 
 async fn node(a: NodeArgs) -> Result<i32, Failure> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    init_logging();
     let fail = |e: String| Failure::new(ErrorCode::Internal, e);
     std::fs::create_dir_all(&a.data_dir)
         .map_err(|e| fail(format!("creating {}: {e}", a.data_dir.display())))?;
@@ -1385,22 +1430,22 @@ async fn nodes(cmd: NodesCmd, json: bool) -> Result<i32, Failure> {
         output::json(&list);
         return Ok(0);
     }
-    println!(
-        "{:<12} {:<22} {:>6} {:>10} {:>8} {:>10} {:<8}",
-        "ID", "ADDRESS", "CPU", "MEM MiB", "CPU USED", "MEM USED", "HEALTHY"
+    output::table(
+        [
+            "ID", "ADDRESS", "CPU", "MEM MiB", "CPU USED", "MEM USED", "HEALTHY",
+        ],
+        list["nodes"].as_array().into_iter().flatten().map(|n| {
+            [
+                n["id"].as_str().unwrap_or("").to_owned(),
+                n["address"].as_str().unwrap_or("").to_owned(),
+                n["cpu_capacity"].to_string(),
+                n["memory_capacity_mb"].to_string(),
+                format!("{:.1}", n["cpu_committed"].as_f64().unwrap_or(0.0)),
+                n["memory_committed_mb"].to_string(),
+                n["healthy"].to_string(),
+            ]
+        }),
     );
-    for n in list["nodes"].as_array().into_iter().flatten() {
-        println!(
-            "{:<12} {:<22} {:>6} {:>10} {:>8.1} {:>10} {:<8}",
-            n["id"].as_str().unwrap_or(""),
-            n["address"].as_str().unwrap_or(""),
-            n["cpu_capacity"],
-            n["memory_capacity_mb"],
-            n["cpu_committed"].as_f64().unwrap_or(0.0),
-            n["memory_committed_mb"],
-            n["healthy"]
-        );
-    }
     Ok(0)
 }
 

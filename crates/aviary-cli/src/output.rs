@@ -9,7 +9,7 @@ pub fn json<T: serde::Serialize>(v: &T) {
     }
 }
 
-fn ts(t: time::OffsetDateTime) -> String {
+pub fn ts(t: time::OffsetDateTime) -> String {
     t.format(&time::format_description::well_known::Rfc3339)
         .unwrap_or_default()
 }
@@ -23,22 +23,40 @@ fn shown_state(s: &Sandbox) -> String {
     }
 }
 
-pub fn sandbox_table(list: &[Sandbox]) {
-    println!(
-        "{:<26} {:<16} {:<14} {:<10} {:<8} {:<20}",
-        "ID", "STATE", "CLASS", "TEMPLATE", "LEASED", "CREATED"
-    );
-    for s in list {
-        println!(
-            "{:<26} {:<16} {:<14} {:<10} {:<8} {:<20}",
-            s.id.as_str(),
-            shown_state(s),
-            s.resource_class,
-            s.template,
-            if s.lease_owner.is_some() { "yes" } else { "no" },
-            ts(s.created_at)
-        );
+/// Prints a table: a header row and columns as wide as their widest cell
+/// (no borders; numbers as the caller formats them).
+pub fn table<const N: usize>(header: [&str; N], rows: impl IntoIterator<Item = [String; N]>) {
+    let mut t = comfy_table::Table::new();
+    t.load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(header);
+    for r in rows {
+        t.add_row(r);
     }
+    // the preset pads every cell by one space on each side
+    for line in t.to_string().lines() {
+        println!("{}", line.strip_prefix(' ').unwrap_or(line).trim_end());
+    }
+}
+
+pub fn sandbox_table(list: &[Sandbox]) {
+    table(
+        [
+            "ID", "STATE", "CLASS", "TEMPLATE", "RUNTIME", "NODE", "LEASED", "CREATED",
+        ],
+        list.iter().map(|s| {
+            [
+                s.id.to_string(),
+                shown_state(s),
+                s.resource_class.clone(),
+                s.template.clone(),
+                s.runtime.clone(),
+                s.node.clone(),
+                if s.lease_owner.is_some() { "yes" } else { "no" }.to_owned(),
+                ts(s.created_at),
+            ]
+        }),
+    );
 }
 
 pub fn sandbox_detail(s: &Sandbox) {
@@ -94,36 +112,31 @@ pub fn event_line(e: &Event) {
 }
 
 pub fn template_table(list: &[Template]) {
-    println!(
-        "{:<16} {:<20} {:>10} {:<18} CREATED",
-        "NAME", "DIGEST", "SIZE", "SOURCE"
+    table(
+        ["NAME", "DIGEST", "SIZE", "SOURCE", "CREATED"],
+        list.iter().map(|t| {
+            [
+                t.name.clone(),
+                t.digest.get(..19).unwrap_or(&t.digest).to_owned(),
+                format!("{}M", t.size_bytes / (1 << 20)),
+                t.source.clone(),
+                ts(t.created_at),
+            ]
+        }),
     );
-    for t in list {
-        let short = t.digest.get(..19).unwrap_or(&t.digest);
-        println!(
-            "{:<16} {:<20} {:>9}M {:<18} {}",
-            t.name,
-            short,
-            t.size_bytes / (1 << 20),
-            t.source,
-            ts(t.created_at)
-        );
-    }
 }
 
 pub fn key_table(keys: &[aviary_client::ApiKeyInfo]) {
-    println!(
-        "{:<28} {:<20} {:<6} {:<28} {:<28}",
-        "ID", "TENANT", "ADMIN", "CREATED", "REVOKED"
+    table(
+        ["ID", "TENANT", "ADMIN", "CREATED", "REVOKED"],
+        keys.iter().map(|k| {
+            [
+                k.id.clone(),
+                k.tenant.clone(),
+                if k.admin { "yes" } else { "no" }.to_owned(),
+                k.created_at.clone(),
+                k.revoked_at.clone().unwrap_or_else(|| "-".into()),
+            ]
+        }),
     );
-    for k in keys {
-        println!(
-            "{:<28} {:<20} {:<6} {:<28} {:<28}",
-            k.id,
-            k.tenant,
-            if k.admin { "yes" } else { "no" },
-            k.created_at,
-            k.revoked_at.as_deref().unwrap_or("-")
-        );
-    }
 }

@@ -1779,6 +1779,41 @@ impl ControlPlane {
             .await?;
         Ok(FileList {
             entries: entries.into_iter().map(file_info).collect(),
+            truncated: false,
+        })
+    }
+
+    /// Every entry below a directory, depth first, directories before
+    /// their content (symlinks are listed, never followed); at most
+    /// [`MAX_LISTED`] entries, `truncated` saying when there were more.
+    pub async fn list_tree(&self, cx: &OpContext, req: FileRequest) -> Result<FileList, OpError> {
+        check_sandbox_path(&req.path)?;
+        let (rec, live) = self.readable(cx, &req.id).await?;
+        let mut entries = Vec::new();
+        let mut dirs = vec![req.path.clone()];
+        while let Some(dir) = dirs.pop() {
+            let listed = self
+                .via_envd(&rec, &live, live.envd.list_dir(&dir).await)
+                .await?;
+            let mut subdirs = Vec::new();
+            for e in listed.into_iter().map(file_info) {
+                if entries.len() == MAX_LISTED {
+                    return Ok(FileList {
+                        entries,
+                        truncated: true,
+                    });
+                }
+                if e.kind == "dir" {
+                    subdirs.push(e.path.clone());
+                }
+                entries.push(e);
+            }
+            // visit them in listing order
+            dirs.extend(subdirs.into_iter().rev());
+        }
+        Ok(FileList {
+            entries,
+            truncated: false,
         })
     }
 
@@ -2160,6 +2195,9 @@ fn append_capped(buf: &mut Vec<u8>, data: &[u8], cap: usize, truncated: &mut boo
     }
     buf.extend_from_slice(&data[..data.len().min(room)]);
 }
+
+/// The most entries one recursive listing answers.
+pub const MAX_LISTED: usize = 10_000;
 
 fn file_info(s: aviary_envd_proto::FileStat) -> FileInfo {
     FileInfo {

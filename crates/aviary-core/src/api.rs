@@ -228,6 +228,9 @@ pub struct FileInfo {
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FileList {
     pub entries: Vec<FileInfo>,
+    /// A recursive listing stopped at its cap (10,000 entries).
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]

@@ -279,6 +279,8 @@ pub struct ListQuery {
 pub struct PathQuery {
     /// Absolute path inside the sandbox.
     path: String,
+    /// Delete: a directory with its content. List: every entry below the
+    /// directory (at most 10,000; `truncated` says when there were more).
     #[serde(default)]
     recursive: bool,
 }
@@ -578,9 +580,12 @@ async fn list_files(
     ApiQuery(q): ApiQuery<PathQuery>,
 ) -> Result<Json<FileList>, ApiError> {
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
-    Ok(Json(
-        cp.list_files(&cx, FileRequest::new(id, q.path)).await?,
-    ))
+    let req = FileRequest::new(id, q.path);
+    Ok(Json(if q.recursive {
+        cp.list_tree(&cx, req).await?
+    } else {
+        cp.list_files(&cx, req).await?
+    }))
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(PathQuery), responses((status = 200, body = FileInfo), (status = 404, body = ErrorBody)), security(("api_key" = [])))]

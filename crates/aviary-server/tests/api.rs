@@ -984,3 +984,51 @@ async fn newest_events_and_a_followed_stream() {
     assert_eq!(e.code(), Some(aviary_core::ErrorCode::NotFound), "{e}");
     c.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// Issue 13, bug 11: `files/list?recursive=true` lists the whole tree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recursive_listing_lists_the_whole_tree() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    c.exec(
+        &id,
+        &common::shell("mkdir -p /workspace/t/a/b && touch /workspace/t/top /workspace/t/a/mid /workspace/t/a/b/deep && ln -s /etc /workspace/t/link"),
+    )
+    .await
+    .unwrap();
+    let (status, body) = c
+        .raw(
+            reqwest::Method::GET,
+            &format!("/v1/sandboxes/{id}/files/list?path=/workspace/t&recursive=true"),
+            None,
+            Some(&ts.key),
+        )
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let mut paths: Vec<&str> = body["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    paths.sort_unstable();
+    assert_eq!(
+        paths,
+        [
+            "/workspace/t/a",
+            "/workspace/t/a/b",
+            "/workspace/t/a/b/deep",
+            "/workspace/t/a/mid",
+            "/workspace/t/link",
+            "/workspace/t/top"
+        ],
+        "the symlink listed, not followed"
+    );
+    assert_eq!(body["truncated"], false);
+    // without the flag, one level
+    let flat = c.list_files(&id, "/workspace/t").await.unwrap();
+    assert_eq!(flat.entries.len(), 3);
+    c.delete_sandbox(&id, None).await.unwrap();
+}
