@@ -389,7 +389,15 @@ enum TemplateCmd {
     /// List templates.
     Ls,
     /// Import a `docker save` or OCI image-layout tarball as template NAME (admin).
-    Import { name: String, archive: PathBuf },
+    Import {
+        /// The template's name (1-64 of A-Z a-z 0-9 . _ -).
+        name: String,
+        /// The tarball (`docker save`, or an OCI image layout).
+        archive: PathBuf,
+        /// Replace a template of that name (without it, an existing name is refused).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -1187,8 +1195,12 @@ async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
                 output::template_table(&l.templates);
             }
         }
-        TemplateCmd::Import { name, archive } => {
-            let t = c.import_template(&name, &archive).await?;
+        TemplateCmd::Import {
+            name,
+            archive,
+            force,
+        } => {
+            let t = c.import_template_with(&name, &archive, force).await?;
             if json {
                 output::json(&t);
             } else {

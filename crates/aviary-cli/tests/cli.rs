@@ -381,12 +381,29 @@ fn template_import_from_a_docker_save_archive() {
         .unwrap();
     assert!(st.success());
 
+    // --force: the template store is shared by test runs, "mini" may exist
+    let o = aviary(
+        &s,
+        &[
+            "template",
+            "import",
+            "--force",
+            "mini",
+            archive.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).starts_with("mini sha256:"));
+    // an existing name is never replaced silently
     let o = aviary(
         &s,
         &["template", "import", "mini", archive.to_str().unwrap()],
     );
-    assert!(o.status.success(), "{o:?}");
-    assert!(stdout(&o).starts_with("mini sha256:"));
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--force"),
+        "{o:?}"
+    );
     let o = aviary(
         &s,
         &["run", "--template", "mini", "--", "echo", "from-mini"],

@@ -622,15 +622,29 @@ impl Client {
         name: &str,
         archive: &Path,
     ) -> Result<Template, ClientError> {
+        self.import_template_with(name, archive, false).await
+    }
+
+    /// [`Self::import_template`], replacing a template of that name when
+    /// `force` (without it an existing name is a 409 `conflict`).
+    pub async fn import_template_with(
+        &self,
+        name: &str,
+        archive: &Path,
+        force: bool,
+    ) -> Result<Template, ClientError> {
         let file = tokio::fs::File::open(archive)
             .await
             .map_err(ClientError::Io)?;
         let len = file.metadata().await.map_err(ClientError::Io)?.len();
         let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
         self.json(
-            self.req(Method::POST, &format!("/v1/templates/{}", urlencode(name)))
-                .header(reqwest::header::CONTENT_LENGTH, len)
-                .body(body),
+            self.req(
+                Method::POST,
+                &format!("/v1/templates/{}?force={force}", urlencode(name)),
+            )
+            .header(reqwest::header::CONTENT_LENGTH, len)
+            .body(body),
         )
         .await
     }

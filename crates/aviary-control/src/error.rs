@@ -136,7 +136,8 @@ impl OpError {
             ErrorCode::InvalidPath => OpError::InvalidPath(message),
             ErrorCode::LeaseRequired => OpError::LeaseRequired,
             ErrorCode::StaleToken => OpError::StaleToken,
-            ErrorCode::Conflict => OpError::Conflict,
+            // the plain retry message unless the layer says more
+            ErrorCode::Conflict if message.is_empty() => OpError::Conflict,
             ErrorCode::InvalidArchive => OpError::InvalidArchive(message),
             ErrorCode::Unavailable => OpError::Unavailable(message),
             ErrorCode::CapacityExhausted => OpError::CapacityExhausted(message),
@@ -145,6 +146,7 @@ impl OpError {
             ErrorCode::PermissionDenied => OpError::PermissionDenied(message),
             ErrorCode::Internal => OpError::Internal(cause),
             code @ (ErrorCode::NotFound
+            | ErrorCode::Conflict
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
             | ErrorCode::RateLimited) => OpError::Coded { code, message },

@@ -2143,6 +2143,15 @@ impl ControlPlane {
                 "template name must be 1-64 of [A-Za-z0-9._-], not starting with '.'".into(),
             ));
         }
+        if !req.force && self.templates.get(name).await?.is_some() {
+            return Err(OpError::layer(
+                aviary_core::ErrorCode::Conflict,
+                format!(
+                    "template {name:?} exists already: import with force (aviary template import --force) to replace it"
+                ),
+                anyhow::anyhow!("template {name} exists"),
+            ));
+        }
         let info = self.templates.import(name, req.archive).await?;
         self.registry.upsert_template(&info).await?;
         self.record_event(

@@ -172,4 +172,6 @@ pub struct PoolUpdate {
 pub struct TemplateImport {
     pub name: String,
     pub archive: PathBuf,
+    /// Replace a template of that name (otherwise an existing name is a 409).
+    pub force: bool,
 }

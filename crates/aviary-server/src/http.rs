@@ -769,13 +769,23 @@ async fn templates(
 }
 
 /// Imports a `docker save` or OCI image-layout tarball (admin only).
-#[utoipa::path(post, path = "/v1/templates/{name}", request_body(content = Vec<u8>, content_type = "application/x-tar"),
-    responses((status = 201, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ImportQuery {
+    /// Replace a template of that name (otherwise an existing name is 409).
+    #[serde(default)]
+    force: bool,
+}
+
+#[utoipa::path(post, path = "/v1/templates/{name}", params(ImportQuery), request_body(content = Vec<u8>, content_type = "application/x-tar"),
+    responses((status = 201, body = Template), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 409, description = "a template of that name exists (use force)", body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
 async fn import_template(
     State(cp): State<AppState>,
     auth: Auth,
     headers: HeaderMap,
     Path(name): Path<String>,
+    ApiQuery(q): ApiQuery<ImportQuery>,
     body: Body,
 ) -> Result<(StatusCode, Json<Template>), ApiError> {
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
@@ -809,6 +819,7 @@ async fn import_template(
     let import = TemplateImport {
         name,
         archive: path.clone(),
+        force: q.force,
     };
     let imported = cp.import_template(&cx, import).await;
     let _ = tokio::fs::remove_file(&path).await;
