@@ -442,7 +442,7 @@ async fn exec(
 /// Streaming exec: `text/event-stream`; each event's data is an `ExecEvent`
 /// (stdout/stderr chunks base64-encoded), the last one `exit`.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
-    responses((status = 200, description = "server-sent events, data = ExecEvent", body = ExecEvent), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
+    responses((status = 200, description = "server-sent events, data = ExecEvent", content_type = "text/event-stream", body = ExecEvent), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec_stream(
     State(cp): State<AppState>,
     auth: Auth,
@@ -653,7 +653,7 @@ async fn lease_release(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList), (status = 404, description = "`sandbox` names no sandbox of this tenant", body = ErrorBody)), security(("api_key" = [])))]
 async fn events(
     State(cp): State<AppState>,
     auth: Auth,
@@ -677,7 +677,7 @@ async fn events(
 const EVENT_STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
 #[utoipa::path(get, path = "/v1/events/stream", params(EventStreamQuery),
-    responses((status = 200, description = "server-sent events (`event`), data = Event, as they are recorded", body = Event), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    responses((status = 200, description = "server-sent events (`event`), data = Event, as they are recorded", content_type = "text/event-stream", body = Event), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("api_key" = [])))]
 async fn event_stream(
     State(cp): State<AppState>,
@@ -1201,13 +1201,106 @@ impl utoipa::Modify for SecurityAddon {
     }
 }
 
+/// Documents, on every operation, the error statuses the server can give
+/// it (each an `ErrorBody`), where the operation does not already: 401,
+/// 403 and 429 on authenticated ones; 404 where the path names an object;
+/// 409 on a sandbox's own routes (state, lease, conflicts); 400 and 413
+/// where a body or query is read; 503 everywhere the registry is read.
+/// Also describes `/openapi.json` itself.
+struct ErrorResponses;
+
+impl utoipa::Modify for ErrorResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+        use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
+        let error = |description: &str| {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                        .build(),
+                )
+                .build()
+        };
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            let names_object = path.contains('{');
+            let on_sandbox = path.starts_with("/v1/sandboxes/{id}");
+            for (method, op) in [
+                ("get", item.get.as_mut()),
+                ("put", item.put.as_mut()),
+                ("post", item.post.as_mut()),
+                ("delete", item.delete.as_mut()),
+            ] {
+                let Some(op) = op else { continue };
+                let secured = op.security.as_ref().is_some_and(|s| !s.is_empty());
+                let reads_input =
+                    method != "delete" || op.parameters.is_some() || op.request_body.is_some();
+                let mut add = |status: &str, description: &str| {
+                    op.responses
+                        .responses
+                        .entry(status.to_owned())
+                        .or_insert_with(|| error(description).into());
+                };
+                if reads_input {
+                    add(
+                        "400",
+                        "the request is malformed or invalid (`invalid_request`, `invalid_path`)",
+                    );
+                }
+                if secured {
+                    add(
+                        "401",
+                        "no API key, or one that is unknown or revoked (`unauthorized`)",
+                    );
+                    add("403", "the key may not do this, or policy denied it (`forbidden`, `permission_denied`)");
+                    add(
+                        "429",
+                        "too many requests for this key (`rate_limited`; see `Retry-After`)",
+                    );
+                }
+                if names_object {
+                    add("404", "no such object for this tenant (`not_found`)");
+                }
+                if on_sandbox {
+                    add("409", "the sandbox's state or lease forbids it now (`invalid_state`, `lease_required`, `stale_token`, `lease_held`, `sandbox_lost`, `conflict`)");
+                }
+                if method == "post" || method == "put" {
+                    add(
+                        "413",
+                        "the body is larger than this route accepts (`payload_too_large`)",
+                    );
+                }
+                if path.starts_with("/v1/") {
+                    add("503", "a backend is unavailable, or capacity is exhausted; retry (`unavailable`, `capacity_exhausted`, `busy`)");
+                }
+            }
+        }
+        let spec = OperationBuilder::new()
+            .summary(Some("This OpenAPI document"))
+            .response(
+                "200",
+                ResponseBuilder::new()
+                    .description("the OpenAPI 3.1 document of this API")
+                    .content("application/json", ContentBuilder::new().build())
+                    .build(),
+            )
+            .build();
+        openapi
+            .paths
+            .paths
+            .insert("/openapi.json".into(), PathItem::new(HttpMethod::Get, spec));
+    }
+}
+
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
           events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
-    modifiers(&SecurityAddon)
+    modifiers(&SecurityAddon, &ErrorResponses)
 )]
 pub struct ApiDoc;
 
