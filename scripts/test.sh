@@ -20,13 +20,14 @@ scripts/services.sh start >"$services_env"
 # the services are up: a test that finds them missing fails instead of skipping
 export AVIARY_REQUIRE_SERVICES=1
 
-echo "== python tools (a throwaway venv: openapi-spec-validator)"
+echo "== python tools (a throwaway venv: openapi-spec-validator, schemathesis)"
 venv=${AVIARY_TEST_VENV:-/var/tmp/aviary-test-venv}
-if [[ ! -x $venv/bin/openapi-spec-validator ]]; then
+if [[ ! -x $venv/bin/openapi-spec-validator || ! -x $venv/bin/schemathesis ]]; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q "openapi-spec-validator==0.9.0"
+  "$venv/bin/pip" install -q "openapi-spec-validator==0.9.0" "schemathesis==4.32.5"
 fi
 export AVIARY_OPENAPI_VALIDATOR=$venv/bin/openapi-spec-validator
+export AVIARY_SCHEMATHESIS=$venv/bin/schemathesis
 
 echo "== fmt"
 cargo fmt --all -- --check

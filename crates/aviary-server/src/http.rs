@@ -442,7 +442,7 @@ async fn exec(
 /// Streaming exec: `text/event-stream`; each event's data is an `ExecEvent`
 /// (stdout/stderr chunks base64-encoded), the last one `exit`.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stream", request_body = ExecRequest,
-    responses((status = 200, description = "server-sent events, data = ExecEvent", content_type = "text/event-stream", body = ExecEvent), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
+    responses((status = 200, description = "server-sent events: `event:` stdout, stderr, exit or error, `data:` the ExecEvent as JSON", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, description = "the command (argv, cwd, env) is too large", body = ErrorBody)), security(("api_key" = [])))]
 async fn exec_stream(
     State(cp): State<AppState>,
     auth: Auth,
@@ -672,12 +672,25 @@ async fn events(
     }))
 }
 
+/// One server-sent event as it travels (the `text/event-stream` framing):
+/// what the streaming routes' items look like on the wire.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)] // documentation only: the server writes the framing itself
+pub struct SseItem {
+    /// The event's name (`event`, `stdout`, `exit`, ...).
+    event: String,
+    /// The event's id, where it has one.
+    id: Option<String>,
+    /// The payload, a JSON document (an `Event`, an `ExecEvent`).
+    data: String,
+}
+
 /// How often the event stream looks for new events (the registry is the
 /// only place every replica's events meet).
 const EVENT_STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
 #[utoipa::path(get, path = "/v1/events/stream", params(EventStreamQuery),
-    responses((status = 200, description = "server-sent events (`event`), data = Event, as they are recorded", content_type = "text/event-stream", body = Event), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    responses((status = 200, description = "server-sent events, one per recorded event: `event: event`, `id:` its id, `data:` the Event as JSON", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("api_key" = [])))]
 async fn event_stream(
     State(cp): State<AppState>,
@@ -692,15 +705,10 @@ async fn event_stream(
         limit: Some(if newest { 1 } else { 500 }),
         newest,
     };
-    // checks the caller may see the sandbox, and finds where "now" is
-    let after = match q.after {
-        Some(a) => a,
-        None => cp
-            .events(&cx, query(None, true))
-            .await?
-            .last()
-            .map_or(0, |e| e.id),
-    };
+    // checks the caller may see the sandbox (before the stream starts: a
+    // refusal is an HTTP error, not an event), and finds where "now" is
+    let newest = cp.events(&cx, query(None, true)).await?;
+    let after = q.after.unwrap_or_else(|| newest.last().map_or(0, |e| e.id));
     let state = Some((cp, cx, query(None, false), after, VecDeque::<Event>::new()));
     let stream = futures_util::stream::unfold(state, |state| async move {
         let (cp, cx, mut q, mut after, mut queue) = state?;
@@ -721,14 +729,11 @@ async fn event_stream(
                 // the registry is down for a moment: keep the stream, retry
                 Err(OpError::Unavailable(_)) => tokio::time::sleep(EVENT_STREAM_POLL).await,
                 Err(e) => {
-                    // one error event (the sandbox was deleted, say), then the end
-                    let sse = SseEvent::default()
-                        .event("error")
-                        .json_data(
-                            serde_json::json!({"code": e.code(), "message": e.public_message()}),
-                        )
-                        .unwrap_or_else(|_| SseEvent::default().event("error"));
-                    return Some((Ok(sse), None));
+                    // the caller could read the events when the stream
+                    // began; whatever broke since ends the stream (every
+                    // item of it is an Event, as documented)
+                    tracing::info!(error = %e, "event stream ended");
+                    return None;
                 }
             }
         }
@@ -1300,6 +1305,7 @@ impl utoipa::Modify for ErrorResponses {
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
           events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+    components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
 pub struct ApiDoc;
