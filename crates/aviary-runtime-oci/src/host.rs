@@ -362,6 +362,21 @@ impl CgroupLayout {
         Ok(())
     }
 
+    /// Whether every task of the sandbox is frozen: `FROZEN` in the v1
+    /// freezer (not `FREEZING`), `frozen 1` in cgroup2's `cgroup.events`.
+    /// True when the host has neither (nothing to wait for).
+    pub fn is_frozen(&self, id: &SandboxId) -> bool {
+        if let Some(f) = self.v1("freezer") {
+            return std::fs::read_to_string(self.dir_in(f, id).join("freezer.state"))
+                .is_ok_and(|s| s.trim() == "FROZEN");
+        }
+        if let Some(u) = self.unified() {
+            return std::fs::read_to_string(self.dir_in(u, id).join("cgroup.events"))
+                .is_ok_and(|s| s.lines().any(|l| l.trim() == "frozen 1"));
+        }
+        true
+    }
+
     pub fn thaw(&self, id: &SandboxId) {
         // Frozen tasks do not die from SIGKILL until thawed. Best effort: the
         // files are absent when the sandbox was never frozen in that version.

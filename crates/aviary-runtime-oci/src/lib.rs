@@ -917,8 +917,23 @@ impl Pausable for OciRuntime {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
         self.invoke("pause", vec!["pause".into(), id.to_string()])
-            .await
-            .map(drop)
+            .await?;
+        // the v1 freezer can still say FREEZING when the runtime returns: a
+        // pause (and a snapshot's consistency) means every task is stopped
+        let deadline = std::time::Instant::now() + self.config.command_timeout;
+        while !self.cgroups.is_frozen(id) {
+            if std::time::Instant::now() > deadline {
+                return Err(RuntimeError::InvokeRuntime {
+                    action: "pause".into(),
+                    detail: format!(
+                        "sandbox {id} was not frozen within {:?}",
+                        self.config.command_timeout
+                    ),
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        Ok(())
     }
 
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
