@@ -230,6 +230,16 @@ async fn json_side_files_of_an_old_data_dir_are_imported_once() {
         3
     );
     ts.cleanup().await;
+    // the pool keeps warm sandboxes on the agent too: they go with the test
+    drop(ts);
+    let (remote, _) = aviary_node::RemoteRuntime::connect(node.addr().to_string(), node_token)
+        .await
+        .unwrap();
+    for id in aviary_runtime::Runtime::list(&remote).await.unwrap() {
+        aviary_runtime::Runtime::destroy(&remote, &id)
+            .await
+            .unwrap();
+    }
     node.stop().await;
 }
 
