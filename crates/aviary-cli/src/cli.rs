@@ -973,6 +973,17 @@ async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Fai
         std::fs::create_dir_all(&dir)
             .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", dir.display())))?;
         for e in c.list_files(id, &remote).await?.entries {
+            // names come from inside the sandbox: one that is not a plain
+            // file name could write outside DST, and is refused
+            if !plain_file_name(&e.name) {
+                return Err(Failure::new(
+                    ErrorCode::InvalidPath,
+                    format!(
+                        "the sandbox listed an entry {:?} in {remote}: not a plain file name",
+                        e.name
+                    ),
+                ));
+            }
             let child_remote = format!("{remote}/{}", e.name);
             let child_local = dir.join(&e.name);
             match e.kind.as_str() {
@@ -983,6 +994,12 @@ async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Fai
         }
     }
     Ok(bytes)
+}
+
+/// A single path component that stays where it is joined: not empty, not
+/// `.` or `..`, no `/` and no NUL.
+fn plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
 }
 
 fn parse_remote(s: &str) -> Option<(&str, &str)> {
@@ -1463,6 +1480,16 @@ async fn nodes(cmd: NodesCmd, json: bool) -> Result<i32, Failure> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn only_plain_file_names_are_joined_to_a_local_dir() {
+        for ok in ["a", "a.txt", ".hidden", "..x", "x.."] {
+            assert!(plain_file_name(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../etc", "/etc/passwd", "a/b", "a\0b"] {
+            assert!(!plain_file_name(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn server_urls_take_a_bare_host_and_refuse_the_rest() {

@@ -198,6 +198,28 @@ impl PostgresRegistry {
         Ok(found.is_some())
     }
 
+    /// Sets one boolean column of a sandbox row (`column` is one of this
+    /// crate's own names, never input), version-checked; bumps `version`.
+    async fn set_flag(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        column: &'static str,
+        value: bool,
+    ) -> Result<SandboxRecord, RegistryError> {
+        let row = sqlx::query(&format!(
+            "UPDATE sandbox_instance SET {column} = $1, version = version + 1 \
+             WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
+        ))
+        .bind(value)
+        .bind(id.as_str())
+        .bind(expected_version)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(storage)?;
+        self.versioned(id, row).await
+    }
+
     /// The answer of a versioned single-row `UPDATE ... RETURNING`: the new
     /// record, or why no row matched.
     async fn versioned(
@@ -528,17 +550,8 @@ impl Registry for PostgresRegistry {
         expected_version: i64,
         tainted: bool,
     ) -> Result<SandboxRecord, RegistryError> {
-        let row = sqlx::query(&format!(
-            "UPDATE sandbox_instance SET tainted = $1, version = version + 1 \
-             WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
-        ))
-        .bind(tainted)
-        .bind(id.as_str())
-        .bind(expected_version)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(storage)?;
-        self.versioned(id, row).await
+        self.set_flag(id, expected_version, "tainted", tainted)
+            .await
     }
 
     async fn set_paused(
@@ -547,17 +560,7 @@ impl Registry for PostgresRegistry {
         expected_version: i64,
         paused: bool,
     ) -> Result<SandboxRecord, RegistryError> {
-        let row = sqlx::query(&format!(
-            "UPDATE sandbox_instance SET paused = $1, version = version + 1 \
-             WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
-        ))
-        .bind(paused)
-        .bind(id.as_str())
-        .bind(expected_version)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(storage)?;
-        self.versioned(id, row).await
+        self.set_flag(id, expected_version, "paused", paused).await
     }
 
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError> {
