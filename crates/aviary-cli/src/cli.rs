@@ -270,6 +270,14 @@ enum SandboxCmd {
         #[arg(long, default_value_t = 1)]
         level: u8,
     },
+    /// Mark the sandbox tainted: never reused nor returned to a pool (a level-2 reset clears it).
+    Taint {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// Why; recorded in the sandbox's `tainted` event.
+        #[arg(long)]
+        reason: String,
+    },
     /// End a call: release the lease, refresh the manifest, back to Idle for its scope.
     Release {
         /// The sandbox id (sbx-…).
@@ -1076,6 +1084,14 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 output::json(&s);
             } else {
                 println!("{} {}", s.id, s.state);
+            }
+        }
+        SandboxCmd::Taint { id, reason } => {
+            let s = c.taint(&id, &reason).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{} {} tainted", s.id, s.state);
             }
         }
         SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,

@@ -307,11 +307,27 @@ fn quick_start_works_end_to_end() {
     let o = aviary(&s, &["lease", "release", &id, "--token", &token]);
     assert!(o.status.success(), "{o:?}");
 
+    // the operator's mark: never reused again, the reason in its event
+    let o = aviary(&s, &["sandbox", "taint", &id]);
+    assert_eq!(o.status.code(), Some(2), "a reason is required: {o:?}");
+    let o = aviary(
+        &s,
+        &["sandbox", "taint", &id, "--reason", "cli test: it looked wrong"],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(stdout(&o).contains("tainted"), "{o:?}");
+    let o = aviary(&s, &["--json", "events", "--sandbox", &id]);
+    assert!(
+        stdout(&o).contains("cli test: it looked wrong") && stdout(&o).contains("\"operator\""),
+        "{o:?}"
+    );
+
     let o = aviary(&s, &["sandbox", "ls"]);
     assert!(stdout(&o).contains(&id));
     let o = aviary(&s, &["--json", "sandbox", "get", &id]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["resource_class"], "python-small");
+    assert_eq!(v["tainted"], true, "{v}");
     let o = aviary(&s, &["sandbox", "rm", &id]);
     assert!(o.status.success(), "{o:?}");
     let o = aviary(&s, &["sandbox", "exec", &id, "--", "true"]);

@@ -711,6 +711,15 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/taint`: marks the sandbox never to be reused.
+    pub async fn taint(&self, id: &str, reason: &str) -> Result<Sandbox, ClientError> {
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/taint"))
+                .json(&serde_json::json!({ "reason": reason })),
+        )
+        .await
+    }
+
     /// `POST /v1/sandboxes/{id}/reset?level=N`.
     pub async fn reset(
         &self,

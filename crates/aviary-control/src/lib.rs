@@ -22,7 +22,9 @@
 //!   snapshots, fork, hibernate/wake, restore branches; [`projection`]:
 //!   workspace projection; [`keys`]: API keys; [`reconciler`]: the periodic
 //!   observe → compare → reconcile pass (lost compute recovered from its
-//!   snapshot, orphans destroyed after a grace, silent node agents).
+//!   snapshot, orphans destroyed after a grace, silent node agents);
+//!   [`taint`]: what taints a sandbox (each cause an event) and the
+//!   operator's mark.
 //!
 //! Concurrency: per-sandbox ordering comes from the registry's optimistic
 //! versions and the lease store's fencing tokens. Work that must not overlap
@@ -44,8 +46,7 @@
 //!   attached.
 //! - caches: resolved API keys (`keys`, emptied on every revocation), when
 //!   `last_active_at` was last written per sandbox (to rate-limit that
-//!   write), the last projection index per sandbox (`projection`; a missing
-//!   one costs a full upload, not correctness).
+//!   write).
 //! - metrics and counters: request metrics, pool hits/misses and the last
 //!   read hand-out count (`metrics`, `pools`), reconciler actions, per
 //!   process like every metric.
@@ -71,6 +72,7 @@ pub mod reconciler;
 pub mod requests;
 pub mod scopes;
 pub mod snapshots;
+pub mod taint;
 pub mod validate;
 
 pub use backends::{

@@ -35,6 +35,7 @@ use aviary_envd_proto::ExecSpec;
 use aviary_leases::{LockGuard, LockName, LockRequest};
 use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
 use aviary_reuse::{EnvironmentManifest, ProbeOutputs};
+use crate::taint::TaintCause;
 use aviary_runtime::RuntimeStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -61,9 +62,23 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// `kill -1`): every other process dies, which also closes every listening
 /// port; temporary directories are emptied. `/workspace` is the user's data
 /// and stays.
+///
+/// Then it looks for survivors: any process but PID 1, itself and its own
+/// children (the `sed` it runs) that is not a zombie, for up to three
+/// seconds. Survivors are printed after `survivors:` and the script exits
+/// [`RESET_SURVIVORS_EXIT`]: the control plane taints the sandbox.
 const SOFT_RESET_SCRIPT: &str = "kill -9 -1 2>/dev/null; \
 for d in /tmp /var/tmp /dev/shm; do [ -d \"$d\" ] && find \"$d\" -mindepth 1 -maxdepth 1 -exec rm -rf {} + 2>/dev/null; done; \
+left=; for try in 1 2 3 4; do left=; \
+for p in /proc/[0-9]*; do p=${p#/proc/}; [ \"$p\" = 1 ] || [ \"$p\" = $$ ] && continue; \
+st=$(sed -n 's/.*) \\(.\\) \\([0-9]*\\) .*/\\1 \\2/p' /proc/$p/stat 2>/dev/null); \
+case \"$st\" in ''|Z*|X*|\"? $$\"|*\" $$\") ;; *) left=\"$left $p\";; esac; done; \
+[ -z \"$left\" ] && break; [ $try = 4 ] || { kill -9 -1 2>/dev/null; sleep 1; }; done; \
+[ -n \"$left\" ] && { echo \"survivors:$left\"; exit 7; }; \
 exit 0";
+
+/// The soft reset script's exit when processes survived it.
+const RESET_SURVIVORS_EXIT: i32 = 7;
 
 fn ctx(request_id: Option<&str>, event: &str, metadata: serde_json::Value) -> TransitionCtx {
     TransitionCtx {
@@ -254,11 +269,32 @@ impl ControlPlane {
             .destroy(&rec.id)
             .await
             .map_err(OpError::runtime("stop compute for reset"))?;
-        let template = self.template_info(&rec.template).await?;
-        self.stage_seed(&clean, &rec).await?;
-        let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
-        let (rec, live) = self.provision(&spec, rec, None).await?;
-        let (rec, _) = self.finish_lock(rec, &live, &[], None, request_id).await?;
+        let restored = async {
+            let template = self.template_info(&rec.template).await?;
+            self.stage_seed(&clean, &rec).await?;
+            let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+            let (rec, live) = self.provision(&spec, rec.clone(), None).await?;
+            self.finish_lock(rec, &live, &[], None, request_id).await
+        }
+        .await;
+        let rec = match restored {
+            Ok((rec, _)) => rec,
+            Err(e) => {
+                let detail = format!("level 2 from {}: {}", clean.id, e.public_message());
+                self.taint_or_log(&rec.id, TaintCause::RestoreFailed, &detail, request_id)
+                    .await;
+                return Err(e);
+            }
+        };
+        // new compute from the clean checkpoint: whatever tainted the old
+        // compute is gone with it
+        let rec = self
+            .untaint_for(
+                &rec.id,
+                &format!("level 2 reset to checkpoint {}", clean.id),
+                request_id,
+            )
+            .await?;
         self.view(&rec).await
     }
 
@@ -316,6 +352,13 @@ impl ControlPlane {
                     ),
                 )
                 .await?;
+            self.taint_or_log(
+                &rec.id,
+                TaintCause::ResetFailed,
+                &format!("level 1: {LOST_FENCE_REFUSED}"),
+                request_id,
+            )
+            .await;
             return Err(OpError::SandboxLost(format!(
                 "sandbox {} failed during its reset ({LOST_FENCE_REFUSED}); delete it",
                 rec.id
@@ -336,6 +379,35 @@ impl ControlPlane {
             Ok(o) => serde_json::json!({"level": 1, "exit_code": o.exit.exit_code}),
             Err(e) => serde_json::json!({"level": 1, "error": e.to_string()}),
         };
+        // a reset that did not finish, or left processes behind, leaves a
+        // sandbox nobody can vouch for: it stays usable, never reusable
+        let taint = match &out {
+            Ok(o) if o.exit.exit_code == RESET_SURVIVORS_EXIT => {
+                let text = String::from_utf8_lossy(&o.stdout);
+                let pids = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("survivors:"))
+                    .unwrap_or("")
+                    .trim()
+                    .chars()
+                    .take(200)
+                    .collect::<String>();
+                let detail = format!("level 1 could not kill pids {pids}");
+                Some((TaintCause::ResetSurvivors, detail))
+            }
+            Ok(o) if o.exit.exit_code != 0 || o.exit.timed_out => {
+                let detail = format!(
+                    "level 1 script exited {} (timed out: {})",
+                    o.exit.exit_code, o.exit.timed_out
+                );
+                Some((TaintCause::ResetFailed, detail))
+            }
+            Ok(_) => None,
+            Err(e) => {
+                let detail = format!("level 1: {e}");
+                Some((TaintCause::ResetFailed, detail))
+            }
+        };
         let rec = self
             .registry
             .transition(
@@ -346,6 +418,10 @@ impl ControlPlane {
                 ctx(request_id, "reset", outcome),
             )
             .await?;
+        if let Some((cause, detail)) = taint {
+            self.taint_or_log(&rec.id, cause, &detail, request_id).await;
+        }
+        let rec = self.registry.get_sandbox(&rec.id).await?;
         out?;
         self.view(&rec).await
     }
@@ -469,6 +545,8 @@ impl ControlPlane {
             if m.last_snapshot_id.is_none() {
                 m.last_snapshot_id = p.snapshot_id.clone();
             }
+            // not probed: the venv a hand-out made stays the task's
+            m.active_venv = EnvironmentManifest::from_record(p).and_then(|old| old.active_venv);
         }
         self.registry
             .upsert_environment(&m.to_record(rec.id.clone(), version))
@@ -559,10 +637,13 @@ impl ControlPlane {
                 )
                 .await
             {
-                Ok(rec) => {
-                    if let Err(e) = self.registry.set_tainted(id, rec.version, true).await {
-                        tracing::warn!(sandbox.id = %id, error = %e, "could not taint the lost sandbox");
-                    }
+                Ok(_) => {
+                    let cause = if reason == LOST_FENCE_REFUSED {
+                        TaintCause::EnvdProtocol
+                    } else {
+                        TaintCause::EnvdDied
+                    };
+                    self.taint_or_log(id, cause, reason, request_id).await;
                     return Ok(true);
                 }
                 Err(aviary_registry::RegistryError::Conflict) => continue,
@@ -624,6 +705,11 @@ impl ControlPlane {
             && self.envd_is_gone(rec, Some(live)).await
         {
             return self.mark_lost(&rec.id, LOST_ENVD_GONE, None).await;
+        }
+        if matches!(e, EnvdError::Protocol(_) | EnvdError::PeerMismatch { .. }) {
+            // an honest envd never sends this: what answers is not trusted
+            self.taint_or_log(&rec.id, TaintCause::EnvdProtocol, &e.to_string(), None)
+                .await;
         }
         e.into()
     }

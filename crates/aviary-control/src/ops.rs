@@ -27,7 +27,7 @@ use crate::requests::{
 };
 use aviary_core::api::*;
 use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
-use aviary_envd_proto::{EnvdClient, ExecSpec};
+use aviary_envd_proto::{EnvdClient, EnvdError, ExecSpec};
 use aviary_leases::LeaseStore;
 use aviary_registry::TemplateRecord;
 use aviary_registry::{
@@ -80,6 +80,10 @@ where
 pub(crate) fn envd_client(ep: &aviary_runtime::EnvdEndpoint) -> EnvdClient {
     EnvdClient::new(ep.socket.clone()).expect_peer_pid(ep.peer_pid)
 }
+
+/// Below this many writable bytes a sandbox's disk counts as full (its
+/// writes fail with ENOSPC; ext4 keeps a little for its own metadata).
+const DISK_FULL_BYTES: u64 = 1 << 20;
 
 /// Longest a fence push may take; an envd that does not answer by then is
 /// treated as one that refused.
@@ -165,10 +169,6 @@ pub struct ControlPlane {
     /// What the reconciler saw on earlier passes (unclaimed compute, silent
     /// agents): observations, not records.
     pub(crate) reconciler: crate::reconciler::Observations,
-    /// The last synced projection index per sandbox (a cache: a missing one
-    /// costs a full upload, not correctness).
-    pub(crate) projection_indexes:
-        StdMutex<HashMap<SandboxId, aviary_reuse::projection::RemoteIndex>>,
     /// Hash of the bootstrap admin key (set by [`Self::ensure_admin_key`]),
     /// which `revoke_key` refuses.
     pub(crate) bootstrap_key_hash: std::sync::RwLock<Option<String>>,
@@ -270,7 +270,6 @@ impl ControlPlane {
             snapshots,
             nodes,
             reconciler: Default::default(),
-            projection_indexes: StdMutex::new(HashMap::new()),
             bootstrap_key_hash: std::sync::RwLock::new(None),
         }))
     }
@@ -841,6 +840,7 @@ impl ControlPlane {
         req: CreateSandboxRequest,
         seed: Option<crate::snapshots::SandboxSnapshot>,
     ) -> Result<CreateSandboxResponse, OpError> {
+        let mut seed = seed;
         let (caller, request_id) = (&cx.caller, cx.request_id());
         self.ensure_ready()?;
         for (what, v) in [
@@ -882,6 +882,8 @@ impl ControlPlane {
         let expires_at = aviary_core::now() + time::Duration::seconds(ttl_s as i64);
         let mut lease_req = lease_req;
         let mut new_decision = None;
+        // the checker's `fork_clean_snapshot`: the decision is final as it is
+        let mut forked = false;
         let bucket = if seed.is_some() {
             None
         } else {
@@ -904,6 +906,23 @@ impl ControlPlane {
             match self.reuse_in_bucket(&stage, b).await? {
                 crate::scopes::BucketOutcome::Reused(resp) => return Ok(*resp),
                 crate::scopes::BucketOutcome::New(d) => new_decision = Some(d),
+                crate::scopes::BucketOutcome::Fork(snap, d) => {
+                    if snap.template_digest != template.digest {
+                        new_decision = Some(Decision {
+                            action: "new_sandbox".into(),
+                            branch: "D".into(),
+                            reason: format!(
+                                "the scope's clean checkpoint {} was taken on template {} at {}, which now has {}",
+                                snap.id, snap.template, snap.template_digest, template.digest
+                            ),
+                            score: 0.0,
+                        });
+                    } else {
+                        seed = Some(*snap);
+                        new_decision = Some(d);
+                        forked = true;
+                    }
+                }
             }
             if lease_req.is_none() && scope != Scope::Session {
                 // shared scopes hand out their sandbox under a lease
@@ -1016,9 +1035,22 @@ impl ControlPlane {
         {
             Ok((rec, lease)) => {
                 let sandbox = self.view(&rec).await?;
+                if forked {
+                    if let (Some(snap), Some(d)) = (&seed, &new_decision) {
+                        self.event(
+                            &rec,
+                            "restore_branch",
+                            request_id,
+                            serde_json::json!({"branch": "C", "action": d.action, "snapshot": snap.id,
+                                               "from_sandbox": snap.sandbox_id, "reason": d.reason}),
+                        )
+                        .await?;
+                    }
+                }
                 Ok(CreateSandboxResponse {
                     sandbox,
                     decision: match new_decision {
+                        Some(d) if forked => d,
                         Some(mut d) => {
                             d.reason = format!(
                                 "cold create; {}; class {class}: {}",
@@ -1461,7 +1493,9 @@ impl ControlPlane {
         id: &SandboxId,
         token: Option<LeaseToken>,
     ) -> Result<FenceCheck, OpError> {
-        let fence = self.leases.check(id, token, aviary_core::now()).await?;
+        let fence = self
+            .token_checked(id, self.leases.check(id, token, aviary_core::now()).await)
+            .await?;
         let counter = match fence {
             aviary_leases::Fence::Leased(_) => 0,
             aviary_leases::Fence::Unleased => self.fences.current_fence(id).await?,
@@ -1474,11 +1508,29 @@ impl ControlPlane {
         id: &SandboxId,
         token: Option<LeaseToken>,
     ) -> Result<(), OpError> {
-        self.leases
-            .check(id, token, aviary_core::now())
-            .await
-            .map(|_| ())
-            .map_err(OpError::from)
+        let checked = self.leases.check(id, token, aviary_core::now()).await;
+        self.token_checked(id, checked).await.map(|_| ())
+    }
+
+    /// A lease store's answer about a token the caller presented: a stale
+    /// or foreign token taints the sandbox (its presenter is not who holds
+    /// it now), then the refusal is answered as it is.
+    pub(crate) async fn token_checked<T>(
+        &self,
+        id: &SandboxId,
+        r: Result<T, aviary_leases::LeaseError>,
+    ) -> Result<T, OpError> {
+        let r = r.map_err(OpError::from);
+        if matches!(r, Err(OpError::StaleToken)) {
+            self.taint_or_log(
+                id,
+                crate::taint::TaintCause::StaleToken,
+                "a stale or foreign lease token was presented",
+                None,
+            )
+            .await;
+        }
+        r
     }
 
     /// A sandbox that can run commands, with the context's fence checked.
@@ -1587,8 +1639,17 @@ impl ControlPlane {
         cx: &OpContext,
         req: OnSandbox<ExecRequest>,
     ) -> Result<ExecRun, OpError> {
-        let spec = Self::exec_spec(&req.request)?;
+        let mut spec = Self::exec_spec(&req.request)?;
         let (rec, live) = self.writable(cx, &req.id).await?;
+        if let Some(venv) = self.active_venv(&rec.id).await? {
+            // the task's fresh venv (a `new_venv` hand-out) comes first,
+            // unless the caller set these variables itself
+            for (k, v) in venv.exec_env(aviary_envd_proto::DEFAULT_PATH) {
+                if !spec.env.iter().any(|(have, _)| *have == k) {
+                    spec.env.push((k, v));
+                }
+            }
+        }
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self
@@ -1605,6 +1666,7 @@ impl ControlPlane {
             oom_before,
             runtime,
             busy: ExecGuard::new(live.clone()),
+            shared: rec.scope != Scope::Session && rec.tenant != aviary_registry::POOL_TENANT,
         })
     }
 
@@ -1613,7 +1675,36 @@ impl ControlPlane {
     pub async fn exec_finish(&self, run: &ExecRun, exit: &aviary_envd_proto::ExitInfo) -> bool {
         let oom = self.exec_oom(run, exit).await;
         self.touch_lazily(&run.id);
+        if run.shared {
+            self.limits_hit(run, oom).await;
+        }
         oom
+    }
+
+    /// A shared sandbox whose exec ended in an OOM kill or with its disk
+    /// full is tainted: the next caller would inherit a broken state.
+    async fn limits_hit(&self, run: &ExecRun, oom: bool) {
+        use crate::taint::TaintCause;
+        if oom {
+            self.taint_or_log(
+                &run.id,
+                TaintCause::MemoryLimit,
+                "an exec was OOM-killed while the sandbox was shared",
+                None,
+            )
+            .await;
+        }
+        if let Ok(u) = run.runtime.usage(&run.id).await {
+            if u.disk_free_bytes.is_some_and(|free| free < DISK_FULL_BYTES) {
+                self.taint_or_log(
+                    &run.id,
+                    TaintCause::DiskLimit,
+                    "its disk was full after an exec while the sandbox was shared",
+                    None,
+                )
+                .await;
+            }
+        }
     }
 
     /// OOM attribution of an exec's exit; a timeout is noted for telemetry.
@@ -1768,6 +1859,18 @@ impl ControlPlane {
             .envd
             .write_file(&path, None, body, cx.token.map(|t| t.fence()))
             .await;
+        if matches!(r, Err(EnvdError::NoSpace(_)))
+            && rec.scope != Scope::Session
+            && rec.tenant != aviary_registry::POOL_TENANT
+        {
+            self.taint_or_log(
+                &rec.id,
+                crate::taint::TaintCause::DiskLimit,
+                "a file upload filled its disk while the sandbox was shared",
+                cx.request_id(),
+            )
+            .await;
+        }
         self.via_envd(&rec, &live, r).await
     }
 
@@ -1913,10 +2016,11 @@ impl ControlPlane {
     ) -> Result<Lease, OpError> {
         let ttl = self.lease_ttl(req.request.ttl_s)?;
         let rec = self.sandbox_for(&cx.caller, &req.id).await?;
-        Ok(self
+        let renewed = self
             .leases
             .renew(&rec.id, req.request.token, ttl, aviary_core::now())
-            .await?)
+            .await;
+        self.token_checked(&rec.id, renewed).await
     }
 
     /// Releases the lease whose token the request names.
@@ -1928,9 +2032,11 @@ impl ControlPlane {
         let OnSandbox { id, request: req } = req;
         let request_id = cx.request_id();
         let rec = self.sandbox_for(&cx.caller, &id).await?;
-        self.leases
+        let released = self
+            .leases
             .release(&rec.id, req.token, aviary_core::now())
-            .await?;
+            .await;
+        self.token_checked(&rec.id, released).await?;
         if let Some(live) = self.live_opt(&rec.id) {
             self.push_fence_or_lose(&rec.id, &live, request_id).await?;
         }
@@ -2195,6 +2301,9 @@ pub struct ExecRun {
     pub runtime: Arc<dyn aviary_runtime::Pausable>,
     /// Keeps the sandbox counted busy while the exec runs.
     pub busy: ExecGuard,
+    /// The sandbox serves a shared scope (user, agent, global): a limit
+    /// its exec hits taints it.
+    pub shared: bool,
 }
 
 fn append_capped(buf: &mut Vec<u8>, data: &[u8], cap: usize, truncated: &mut bool) {

@@ -207,6 +207,7 @@ fn is_pooled(r: &SandboxRecord, node: &str, class: &str, template: &str) -> bool
     r.tenant == POOL_TENANT
         && r.node == node
         && r.state == SandboxState::Ready
+        && !r.tainted
         && r.resource_class == class
         && r.template == template
 }

@@ -13,11 +13,12 @@
 //!   root, a file over the size limit, ...) applies nothing; the start fails
 //!   with `unavailable` (503: the operator's configuration is wrong, not the
 //!   caller's request) and a `projection_failed` event is recorded.
-//! - The index of the last sync (sandbox path → SHA-256) is kept in memory per
-//!   sandbox (a field of the control plane), and stored only after a successful apply; a
-//!   sync takes it out first, so after a failed apply (remote state unknown)
-//!   or a server restart the next sync starts from an empty index (uploads
-//!   everything, cannot delete what an earlier process projected).
+//! - The index of the last sync (sandbox path → SHA-256) is kept in the
+//!   registry per sandbox (`sandbox_projection`), stored only after a
+//!   successful apply; a sync takes it out first, so after a failed apply
+//!   (remote state unknown) the next sync starts from an empty index
+//!   (uploads everything). A server restart, or another replica, finds it
+//!   there: unchanged projected files are not uploaded again.
 //! - The index is not trusted blindly: before planning, every indexed file is
 //!   read back through envd and hashed here (not by a binary the sandbox could
 //!   replace). A file the sandbox changed is re-uploaded (or deleted, when the
@@ -184,22 +185,23 @@ async fn verify_index(live: &LiveSandbox, index: RemoteIndex, limit: u64) -> (Re
 }
 
 impl ControlPlane {
-    /// Takes this sandbox's stored index out (a failed sync leaves none) and
-    /// drops entries of sandboxes that are no longer live.
-    fn take_index(&self, id: &SandboxId) -> RemoteIndex {
-        let mut map = self
-            .projection_indexes
-            .lock()
-            .expect("projection index map poisoned");
-        map.retain(|sid, _| sid == id || self.live_opt(sid).is_some());
-        map.remove(id).unwrap_or_default()
+    /// Takes this sandbox's stored index out of the registry (a failed sync
+    /// leaves none: the remote state is then unknown).
+    async fn take_index(&self, id: &SandboxId) -> Result<RemoteIndex, OpError> {
+        let files = self.registry.get_projection_index(id).await?;
+        if files.is_some() {
+            self.registry.delete_projection_index(id).await?;
+        }
+        Ok(RemoteIndex {
+            files: files.unwrap_or_default(),
+        })
     }
 
-    fn store_index(&self, id: &SandboxId, index: RemoteIndex) {
-        self.projection_indexes
-            .lock()
-            .expect("projection index map poisoned")
-            .insert(id.clone(), index);
+    async fn store_index(&self, id: &SandboxId, index: &RemoteIndex) -> Result<(), OpError> {
+        self.registry
+            .put_projection_index(id, &index.files)
+            .await
+            .map_err(OpError::from)
     }
 
     /// Syncs the configured projection roots into the sandbox (a no-op when
@@ -226,7 +228,7 @@ impl ControlPlane {
             .collect();
         let planner = ProjectionPlanner::default();
         let (index, repaired) =
-            verify_index(live, self.take_index(id), planner.max_file_bytes).await;
+            verify_index(live, self.take_index(id).await?, planner.max_file_bytes).await;
         let result = async {
             let plan = tokio::task::spawn_blocking(move || planner.plan(&roots, &index))
                 .await
@@ -250,7 +252,7 @@ impl ControlPlane {
         let tenant = self.registry.get_sandbox(id).await?.tenant;
         match result {
             Ok((next_index, report)) => {
-                self.store_index(id, next_index);
+                self.store_index(id, &next_index).await?;
                 let ms = started.elapsed().as_millis() as u64;
                 tracing::debug!(sandbox.id = %id, uploaded = report.uploaded, deleted = report.deleted, skipped = report.skipped, ms, "projection synced");
                 self.record_event(

@@ -714,6 +714,9 @@ impl ControlPlane {
             }
             Err(e) => {
                 tracing::warn!(sandbox.id = %id, error = format!("{:#}", anyhow_of(&e)), "recovery from the snapshot failed");
+                let detail = format!("recovery: {}", e.public_message());
+                self.taint_or_log(&id, crate::taint::TaintCause::RestoreFailed, &detail, None)
+                    .await;
                 self.forget_live(&id);
                 let cleanup = source.compute.destroy(&id).await;
                 let _ = self.leases.revoke(&id).await;
@@ -820,6 +823,43 @@ impl ControlPlane {
                 }
             }
         }
+    }
+
+    /// A sandbox just lost on the request path (the reuse health probe),
+    /// settled now rather than on the next pass: with a snapshot it is
+    /// restored on new compute (branch C), `Some` with its row once it is
+    /// `Idle` and untainted again; `None` when it stays lost (no snapshot,
+    /// tainted before, or a recovery that failed or must wait).
+    pub(crate) async fn recover_lost_now(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<SandboxRecord>, OpError> {
+        let rec = self.registry.get_sandbox(id).await?;
+        let compute = if self.drives_own_node(&rec.node) {
+            match self.local_runtime(&rec.runtime) {
+                Ok(rt) => Compute::Local(rt.runtime.clone()),
+                Err(_) => return Ok(None),
+            }
+        } else if let Some(node) = self.nodes.get(&rec.node) {
+            Compute::Agent(node.runtime.runtime())
+        } else {
+            return Ok(None);
+        };
+        let source = Source {
+            node: rec.node.clone(),
+            runtime: None,
+            compute,
+            listed: None,
+        };
+        let _lifecycle = self.lifecycle_guard(id).await?;
+        let rec = self.registry.get_sandbox(id).await?;
+        if rec.state != SandboxState::Lost {
+            return Ok(None);
+        }
+        let mut report = ReconcileReport::default();
+        self.settle_lost(rec, &source, &mut report).await?;
+        let rec = self.registry.get_sandbox(id).await?;
+        Ok((rec.state == SandboxState::Idle && !rec.tainted).then_some(rec))
     }
 
     /// Puts back the taint a loss set when the sandbox was clean before it:

@@ -23,6 +23,9 @@ use aviary_reuse::{
     EnvironmentManifest, EnvironmentRequirements, ReuseAction, ReuseCandidate, ReuseChecker,
     ReuseRequest,
 };
+use crate::snapshots::{SandboxSnapshot, CLEAN_LABEL};
+use aviary_registry::{SandboxRecord, SnapshotFilter};
+use aviary_reuse::{ActiveVenv, CleanSnapshot, ReuseDecision};
 use std::time::{Duration, Instant};
 
 /// How long a create waits for a shared sandbox's lease before answering
@@ -39,7 +42,13 @@ pub(crate) enum BucketOutcome {
     Reused(Box<CreateSandboxResponse>),
     /// No sandbox could be reused; why (for the create's decision).
     New(Decision),
+    /// The checker's `fork_clean_snapshot`: a new sandbox of the bucket
+    /// from the scope's clean checkpoint (the decision says which).
+    Fork(Box<SandboxSnapshot>, Decision),
 }
+
+/// Where a `new_venv` hand-out makes its virtual environments.
+const VENV_ROOT: &str = "/opt/aviary/venvs";
 
 pub(crate) fn requirements(req: &CreateSandboxRequest) -> Result<EnvironmentRequirements, OpError> {
     let Some(ctx) = &req.intent else {
@@ -158,10 +167,43 @@ impl ControlPlane {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
+        // a dead sandbox is never handed out: every live one is asked for
+        // its health first; one whose envd is gone is lost (tainted, with
+        // its event) and, when a snapshot of it exists, restored on new
+        // compute now (branch C); else the create goes on to branch D
+        let mut rows = rows;
+        let mut woken: Option<(aviary_core::SandboxId, &'static str)> = None;
+        for r in rows.iter_mut() {
+            if !matches!(r.state, SandboxState::Idle | SandboxState::Leased) {
+                continue;
+            }
+            let Some(live) = self.live_opt(&r.id) else {
+                continue;
+            };
+            if live.paused.load(std::sync::atomic::Ordering::SeqCst)
+                || !Self::envd_unreachable(&r.id, &live).await
+                || !self.envd_is_gone(r, Some(&live)).await
+            {
+                continue;
+            }
+            let extra = [("found_by".to_owned(), serde_json::json!("reuse health probe"))]
+                .into_iter()
+                .collect();
+            self.lose(&r.id, crate::lifecycle::LOST_ENVD_GONE, request_id, extra)
+                .await?;
+            match self.recover_lost_now(&r.id).await? {
+                Some(rec) => {
+                    woken = Some((
+                        rec.id.clone(),
+                        "its envd was dead: new compute restored from its snapshot",
+                    ));
+                    *r = rec;
+                }
+                None => *r = self.registry.get_sandbox(&r.id).await?,
+            }
+        }
         // branch C: the bucket's compute is gone (hibernated) but its
         // snapshot is there: new compute, layers restored
-        let mut rows = rows;
-        let mut woken = None;
         if !rows
             .iter()
             .any(|r| matches!(r.state, SandboxState::Idle | SandboxState::Leased))
@@ -172,10 +214,14 @@ impl ControlPlane {
                 .cloned()
             {
                 let rec = self.wake_record(h, request_id).await?;
-                woken = Some(rec.id.clone());
+                woken = Some((
+                    rec.id.clone(),
+                    "container was gone, new compute restored from its snapshot",
+                ));
                 rows = vec![rec];
             }
         }
+        let clean = self.clean_checkpoints(&caller.tenant, &rows).await?;
         let mut candidates = Vec::new();
         for r in rows {
             if !matches!(r.state, SandboxState::Idle | SandboxState::Leased) {
@@ -196,6 +242,11 @@ impl ControlPlane {
             }
             let mut c = ReuseCandidate::from_record(&r, manifest);
             c.healthy = !live.paused.load(std::sync::atomic::Ordering::SeqCst);
+            c.clean_snapshots = clean
+                .iter()
+                .filter(|(s, _)| s.template_digest == template_digest)
+                .map(|(_, c)| c.clone())
+                .collect();
             candidates.push((r, c));
         }
         let cands: Vec<ReuseCandidate> = candidates.iter().map(|(_, c)| c.clone()).collect();
@@ -205,7 +256,25 @@ impl ControlPlane {
             .pick_best(&request, &cands)
             .or_else(|| cands.first().map(|c| (0, checker.check(&request, c))));
         let (rec, decision) = match best {
-            Some((i, d)) if d.action == ReuseAction::Reuse => (candidates[i].0.clone(), d),
+            Some((i, d)) if matches!(d.action, ReuseAction::Reuse | ReuseAction::NewVenv) => {
+                (candidates[i].0.clone(), d)
+            }
+            Some((i, d)) if d.action == ReuseAction::ForkCleanSnapshot => {
+                self.reuse_event(cx, Some(&candidates[i].0.id), &d).await?;
+                let snap_id = d.snapshot_id.clone().unwrap_or_default();
+                let Some((snap, _)) = clean.into_iter().find(|(s, _)| s.id == snap_id) else {
+                    return Err(OpError::internal(anyhow::anyhow!(
+                        "the checker chose checkpoint {snap_id}, which is not the scope's"
+                    )));
+                };
+                let mut api = d.to_api("C");
+                api.reason = format!(
+                    "forked from the scope's clean checkpoint {snap_id} ({} was not reusable as it is): {}",
+                    candidates[i].0.id,
+                    d.reasons.join("; ")
+                );
+                return Ok(BucketOutcome::Fork(Box::new(snap), api));
+            }
             Some((i, d)) => {
                 self.reuse_event(cx, Some(&candidates[i].0.id), &d).await?;
                 let mut api = d.to_api("D");
@@ -242,35 +311,45 @@ impl ControlPlane {
             }
         };
         let rec = self.registry.get_sandbox(&rec.id).await?;
-        if let Some(live) = self.live_opt(&rec.id) {
-            // every start of a call sees the current projected files
-            self.sync_projection(&rec.id, &live).await?;
-        }
-        let (branch, how) = if woken.as_ref() == Some(&rec.id) {
-            (
-                "C",
-                "container was gone, new compute restored from its snapshot",
-            )
-        } else {
-            let last = self.last_snapshot(&rec.tenant, &rec.id).await?;
-            let lost = match &last {
-                Some(snap) => self.workspace_lost(&rec, snap).await,
-                None => false,
-            };
-            match last {
-                // branch B: compute alive, work dir lost: restore it in place
-                Some(snap) if lost => {
-                    self.restore_workspace_live(&rec, &snap).await?;
-                    (
-                        "B",
-                        "container alive, work dir lost: restored from the last snapshot",
-                    )
+        let live = self.live_rec(&rec).await?;
+        // every start of a call sees the current projected files
+        self.sync_projection(&rec.id, &live).await?;
+        let token = lease.as_ref().map(|l| l.token.fence());
+        let venv = self
+            .venv_for_task(&rec, &live, token, &decision, req.session_id.as_deref())
+            .await?;
+        let (branch, how) = match &woken {
+            Some((id, how)) if *id == rec.id => ("C", *how),
+            _ => {
+                let last = self.last_snapshot(&rec.tenant, &rec.id).await?;
+                let lost = match &last {
+                    Some(snap) => self.workspace_lost(&rec, snap).await,
+                    None => false,
+                };
+                match last {
+                    // branch B: compute alive, work dir lost: restore it in place
+                    Some(snap) if lost => {
+                        self.restore_workspace_live(&rec, &snap).await?;
+                        (
+                            "B",
+                            "container alive, work dir lost: restored from the last snapshot",
+                        )
+                    }
+                    _ => ("A", "container alive, work dir intact"),
                 }
-                _ => ("A", "container alive, work dir intact"),
             }
         };
         let mut api = decision.to_api(branch);
-        api.reason = format!("{how}: {}", decision.reasons.join("; "));
+        api.reason = match &venv {
+            Some(v) => format!(
+                "{how}; new_venv: fresh virtual environment {} (python {}) for this task, \
+                 the earlier task's packages are not on its path: {}",
+                v.path,
+                v.python,
+                decision.reasons.join("; ")
+            ),
+            None => format!("{how}: {}", decision.reasons.join("; ")),
+        };
         self.record_event(
             &rec.tenant,
             Some(&rec.id),
@@ -285,6 +364,161 @@ impl ControlPlane {
             decision: api,
             lease,
         })))
+    }
+
+    /// The clean checkpoints (label `clean`) of the bucket's sandboxes that
+    /// carry the manifest they were taken with, oldest first.
+    async fn clean_checkpoints(
+        &self,
+        tenant: &str,
+        rows: &[SandboxRecord],
+    ) -> Result<Vec<(SandboxSnapshot, CleanSnapshot)>, OpError> {
+        let snaps = self
+            .registry
+            .list_snapshots(&SnapshotFilter {
+                tenant: Some(tenant.to_owned()),
+                sandbox_id: None,
+                label: Some(CLEAN_LABEL.to_owned()),
+            })
+            .await?;
+        Ok(snaps
+            .into_iter()
+            .filter(|s| rows.iter().any(|r| r.id == s.sandbox_id))
+            .filter_map(|s| {
+                let manifest: EnvironmentManifest =
+                    serde_json::from_value(s.manifest.clone()?).ok()?;
+                let clean = CleanSnapshot {
+                    snapshot_id: s.id.clone(),
+                    manifest,
+                };
+                Some((SandboxSnapshot::from(s), clean))
+            })
+            .collect())
+    }
+
+    /// The virtual environment the hand-out's task runs in: `new_venv`
+    /// makes a fresh one (and records it, with an event); a plain reuse by
+    /// another session drops the one an earlier task had.
+    async fn venv_for_task(
+        &self,
+        rec: &SandboxRecord,
+        live: &crate::ops::LiveSandbox,
+        token: Option<u64>,
+        decision: &ReuseDecision,
+        session: Option<&str>,
+    ) -> Result<Option<ActiveVenv>, OpError> {
+        let env = self.registry.get_environment(&rec.id).await?;
+        let mut manifest = env
+            .as_ref()
+            .and_then(EnvironmentManifest::from_record)
+            .unwrap_or_else(|| {
+                EnvironmentManifest::new(rec.template_digest.clone(), aviary_core::now())
+            });
+        let version = env.as_ref().map_or(1, |e| e.environment_version);
+        if decision.action != ReuseAction::NewVenv {
+            let keep = manifest
+                .active_venv
+                .as_ref()
+                .is_some_and(|v| v.session_id.is_some() && v.session_id.as_deref() == session);
+            if manifest.active_venv.is_some() && !keep {
+                manifest.active_venv = None;
+                self.registry
+                    .upsert_environment(&manifest.to_record(rec.id.clone(), version))
+                    .await?;
+            }
+            return Ok(None);
+        }
+        let python = decision
+            .venv_python
+            .clone()
+            .or_else(|| manifest.runtimes.get("python").cloned())
+            .unwrap_or_default();
+        // `python3.11` for 3.11.x: the interpreter the checker matched
+        let minor: Vec<&str> = python.split('.').take(2).collect();
+        let interpreter = match minor.as_slice() {
+            [major, minor]
+                if major.bytes().all(|b| b.is_ascii_digit())
+                    && minor.bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                format!("python{major}.{minor}")
+            }
+            _ => "python3".to_owned(),
+        };
+        let name = format!(
+            "{}-{}",
+            session
+                .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'))
+                .unwrap_or("task"),
+            aviary_core::now().unix_timestamp_nanos() / 1_000_000
+        );
+        let path = format!("{VENV_ROOT}/{name}");
+        let node_prefix = manifest
+            .runtimes
+            .contains_key("node")
+            .then(|| format!("{path}/node"));
+        // without ensurepip (Debian's python3 without python3-venv) the
+        // venv is made without pip: isolation does not need it
+        let mut script = format!(
+            "set -e; mkdir -p {VENV_ROOT}; py={interpreter}; command -v $py >/dev/null 2>&1 || py=python3; \
+             $py -m venv {path} 2>/dev/null || {{ rm -rf {path}; $py -m venv --without-pip {path}; }}"
+        );
+        if let Some(prefix) = &node_prefix {
+            script.push_str(&format!("; mkdir -p {prefix}/lib/node_modules {prefix}/bin"));
+        }
+        let out = live
+            .envd
+            .exec_collect(
+                aviary_envd_proto::ExecSpec {
+                    argv: vec!["/bin/sh".into(), "-c".into(), script],
+                    timeout: Some(Duration::from_secs(120)),
+                    ..Default::default()
+                },
+                token,
+            )
+            .await;
+        let out = self.via_envd(rec, live, out).await?;
+        if out.exit.exit_code != 0 {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return Err(OpError::Unavailable(format!(
+                "the reuse checker chose a new virtual environment, but making it failed \
+                 (exit {}): {}",
+                out.exit.exit_code,
+                stderr.chars().take(300).collect::<String>()
+            )));
+        }
+        let venv = ActiveVenv {
+            path,
+            python,
+            node_prefix,
+            session_id: session.map(str::to_owned),
+        };
+        manifest.active_venv = Some(venv.clone());
+        self.registry
+            .upsert_environment(&manifest.to_record(rec.id.clone(), version))
+            .await?;
+        let install: Vec<String> = decision.install.iter().map(|p| p.to_string()).collect();
+        self.event(
+            rec,
+            "venv_created",
+            None,
+            serde_json::json!({"path": venv.path, "python": venv.python, "node_prefix": venv.node_prefix, "install": install}),
+        )
+        .await?;
+        Ok(Some(venv))
+    }
+
+    /// The active venv of a sandbox's current task, if a `new_venv`
+    /// hand-out made one.
+    pub(crate) async fn active_venv(
+        &self,
+        id: &aviary_core::SandboxId,
+    ) -> Result<Option<ActiveVenv>, OpError> {
+        Ok(self
+            .registry
+            .get_environment(id)
+            .await?
+            .and_then(|e| e.manifest.get("active_venv").cloned())
+            .and_then(|v| serde_json::from_value(v).ok()))
     }
 
     async fn reuse_event(

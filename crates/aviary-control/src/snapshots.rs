@@ -28,6 +28,7 @@
 use crate::backends::{LayerArchive, RuntimeLayers};
 use crate::context::OpContext;
 use crate::error::OpError;
+use crate::taint::TaintCause;
 use crate::ops::ControlPlane;
 use crate::requests::{CheckpointRequest, OnSandbox, SandboxRef, SnapshotQuery};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
@@ -103,6 +104,7 @@ impl SandboxSnapshot {
             total_bytes: self.total_bytes,
             new_bytes: self.new_bytes,
             created_at: self.created_at,
+            manifest: None,
         })
     }
 }
@@ -125,6 +127,9 @@ pub struct ForkRequest {
     #[serde(default)]
     pub token: Option<LeaseToken>,
 }
+
+/// The label of the checkpoint level-2 resets return to and scope reuse forks.
+pub(crate) const CLEAN_LABEL: &str = "clean";
 
 /// The label of a checkpoint taken without one.
 const DEFAULT_LABEL: &str = "checkpoint";
@@ -216,7 +221,14 @@ impl ControlPlane {
                 "snapshot label must be 1-32 of [a-z0-9-]".into(),
             ));
         }
-        let (rec, _live) = self.writable(cx, &req.id).await?;
+        let (rec, live) = self.writable(cx, &req.id).await?;
+        if label == CLEAN_LABEL {
+            // a clean checkpoint is what scope reuse may fork: it carries
+            // the environment it was taken with, probed now
+            if let Err(e) = self.refresh_manifest(&rec, &live).await {
+                tracing::warn!(sandbox.id = %rec.id, error = %e, "manifest probe before a clean checkpoint failed");
+            }
+        }
         let snap = self.take_snapshot(&rec, label).await?;
         self.record_event(&rec.tenant, Some(&rec.id), Some(rec.state), "snapshot_taken", cx.request_id(), serde_json::json!({"snapshot": snap.id, "parent": snap.parent, "total_bytes": snap.total_bytes, "new_bytes": snap.new_bytes})).await?;
         Ok(snap)
@@ -315,7 +327,21 @@ impl ControlPlane {
                 tracing::error!(sandbox.id = %rec.id, error = %e, "could not thaw after snapshot");
             }
         }
-        let (w, u) = result?;
+        let manifest = match self.registry.get_environment(&rec.id).await {
+            Ok(Some(env)) if !env.manifest.is_null() => Some(env.manifest),
+            _ => None,
+        };
+        let (w, u) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                // a checkpoint that failed half-way says nothing good about
+                // what the sandbox holds (a tree it cannot be read back from)
+                let detail = format!("{label}: {}", e.public_message());
+                self.taint_or_log(&rec.id, TaintCause::SnapshotFailed, &detail, None)
+                    .await;
+                return Err(e);
+            }
+        };
         let snap: SandboxSnapshot = self
             .registry
             .insert_snapshot(&SnapshotRecord {
@@ -332,6 +358,7 @@ impl ControlPlane {
                 total_bytes: w.total_bytes + u.total_bytes,
                 new_bytes: w.new_bytes + u.new_bytes,
                 created_at: aviary_core::now(),
+                manifest,
             })
             .await?
             .into();
@@ -509,14 +536,24 @@ impl ControlPlane {
             )
             .await?;
         drop(placement);
-        let template = self.template_info(&rec.template).await?;
-        self.stage_seed(&snap, &rec).await?;
-        let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
-        let (rec, live) = self.provision(&spec, rec, None).await?;
-        let (rec, _) = self
-            .finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
-            .await?;
-        Ok(rec)
+        let woken = async {
+            let template = self.template_info(&rec.template).await?;
+            self.stage_seed(&snap, &rec).await?;
+            let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+            let (rec, live) = self.provision(&spec, rec.clone(), None).await?;
+            self.finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
+                .await
+        }
+        .await;
+        match woken {
+            Ok((rec, _)) => Ok(rec),
+            Err(e) => {
+                let detail = format!("wake from {}: {}", snap.id, e.public_message());
+                self.taint_or_log(&rec.id, TaintCause::RestoreFailed, &detail, request_id)
+                    .await;
+                Err(e)
+            }
+        }
     }
 
     /// Branch B: the compute is alive but its work dir is gone: restore the
@@ -527,12 +564,22 @@ impl ControlPlane {
         snap: &SandboxSnapshot,
     ) -> Result<(), OpError> {
         let layers = self.layers_for(rec, "restoring a workspace")?;
-        let manifest = self
-            .manifest_of(&snap.tenant, &snap.workspace_manifest)
-            .await?;
-        layers
-            .restore_workspace(&rec.id, self.snapshots.store().clone(), manifest)
-            .await
+        let restored = async {
+            let manifest = self
+                .manifest_of(&snap.tenant, &snap.workspace_manifest)
+                .await?;
+            layers
+                .restore_workspace(&rec.id, self.snapshots.store().clone(), manifest)
+                .await
+        }
+        .await;
+        if let Err(e) = &restored {
+            // a workspace restored half-way is neither the old nor the new
+            let detail = format!("workspace from {}: {}", snap.id, e.public_message());
+            self.taint_or_log(&rec.id, TaintCause::RestoreFailed, &detail, None)
+                .await;
+        }
+        restored
     }
 
     /// True when the live workspace lost what the snapshot had. A sandbox

@@ -231,8 +231,23 @@ mod tests {
         assert_eq!(envd.file("/workspace/keep"), Some(b"kept".to_vec()));
         assert_eq!(envd.file("/workspace/new"), None);
         assert_eq!(envd.fence(), Some(lease.token.fence()));
-        // …and nothing changed in the registry or the runtime
-        assert_eq!(row(&p, &id).await, before);
+        // …and nothing changed in the registry or the runtime but the
+        // taint the stale and foreign tokens set (once), each attempt an event
+        let (state, version, events) = row(&p, &id).await;
+        assert_eq!((state, version), (before.0, before.1 + 1));
+        assert!(p.registry.get_sandbox(&id).await.unwrap().tainted);
+        let added: Vec<_> = sandbox_events(&p, &alice, &id).await[before.2..]
+            .iter()
+            .map(|e| (e.event_type.clone(), e.metadata["cause"].clone()))
+            .collect();
+        assert_eq!(added.len(), events - before.2);
+        assert_eq!(added.len(), 10, "two stale tokens on five calls: {added:?}");
+        assert!(
+            added
+                .iter()
+                .all(|(t, c)| t == "tainted" && c == "stale_token"),
+            "{added:?}"
+        );
         assert_eq!(p.runtime.destroy_calls(), destroys);
         assert_eq!(p.runtime.live_ids(), vec![id.clone()]);
 

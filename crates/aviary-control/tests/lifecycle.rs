@@ -401,7 +401,11 @@ mod tests {
             ErrorCode::StaleToken,
             "delete with a forged token",
         );
-        assert_eq!(row(&p, &id).await, before);
+        // nothing changed but the taint a forged token sets (and its event)
+        assert_eq!(
+            row(&p, &id).await,
+            (before.0, before.1 + 1, true, before.3 + 1)
+        );
         assert_eq!(p.runtime.live_ids(), vec![id.clone()]);
         assert!(!envd.is_dead());
 
@@ -560,7 +564,10 @@ mod tests {
         assert_eq!(sandbox.state, SandboxState::Lost);
         assert!(sandbox.tainted);
         let events = sandbox_events(&p, &alice, &id).await;
-        let lost = events.last().unwrap();
+        let taint = events.last().unwrap();
+        assert_eq!(taint.event_type, "tainted");
+        assert_eq!(taint.metadata["cause"], "envd_died");
+        let lost = &events[events.len() - 2];
         assert_eq!(lost.event_type, "sandbox_lost");
         assert_eq!(lost.old_state, Some(SandboxState::Idle));
         assert_eq!(lost.new_state, Some(SandboxState::Lost));

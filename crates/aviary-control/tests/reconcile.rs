@@ -735,6 +735,7 @@ mod periodic {
             from_loss,
             [
                 "sandbox_lost",
+                "tainted",
                 "recovering",
                 "state_changed",
                 "state_changed",

@@ -49,6 +49,9 @@ pub use client::{
 };
 
 /// Protocol version reported by `health`; bump on incompatible changes.
+/// The `PATH` envd gives a command whose request sets none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Length of a frame header: kind byte + big-endian u32 length.
 pub const FRAME_HEADER_LEN: usize = 5;

@@ -44,7 +44,7 @@ const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(100);
 /// How often the pump checks for the leader's exit while pipes stay open.
 const EXIT_CHECK_TICK_MS: i32 = 50;
 
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+use aviary_envd_proto::DEFAULT_PATH;
 
 /// A validated exec request.
 pub struct ExecRequest {

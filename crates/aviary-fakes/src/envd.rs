@@ -70,6 +70,8 @@ struct State {
     calls: Vec<EnvdCall>,
     sweeps: u64,
     busy: BusyMode,
+    /// Exec and file calls are answered with bytes outside the protocol.
+    garbled: bool,
 }
 
 struct Inner {
@@ -144,6 +146,7 @@ impl FakeEnvd {
                 calls: Vec::new(),
                 sweeps: 0,
                 busy: BusyMode::Off,
+                garbled: false,
             }),
             stop: watch::Sender::new(false),
             frozen: watch::Sender::new(false),
@@ -230,6 +233,13 @@ impl FakeEnvd {
     }
 
     /// Makes the fake answer `Busy`.
+    /// Answers exec and file calls with bytes that are no frame of the
+    /// protocol (what a compromised or broken envd could send); `health`,
+    /// `set_fence` and `kill_all` stay honest.
+    pub fn set_garbled(&self, garbled: bool) {
+        self.state().garbled = garbled;
+    }
+
     pub fn set_busy(&self, mode: BusyMode) {
         self.state().busy = mode;
     }
@@ -447,14 +457,20 @@ async fn serve(inner: Arc<Inner>, mut conn: Conn) {
         Err(body) => return send_error(&mut conn, &body).await,
     };
     let (method, token) = method(&req);
-    let (fence, busy) = {
+    let (fence, busy, garbled) = {
         let s = inner.state();
-        (s.fence.current, s.busy)
+        (s.fence.current, s.busy, s.garbled)
     };
     let control = matches!(
         req,
         Request::Health | Request::SetFence { .. } | Request::KillAll
     );
+    if garbled && !control {
+        // a frame header announcing an unknown kind and an absurd length
+        let _ = conn.write_all(&[0xee, 0xff, 0xff, 0xff, 0xff, b'?', b'?']).await;
+        let _ = conn.flush().await;
+        return;
+    }
     let result = match busy {
         BusyMode::AllLanes => Err(fail(ErrorCode::Busy, "fake envd is busy")),
         BusyMode::GeneralLane if !control => Err(fail(ErrorCode::Busy, "fake envd is busy")),

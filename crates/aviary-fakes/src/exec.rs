@@ -97,6 +97,9 @@ fn builtin(call: &ExecCall) -> ExecReply {
         ("cat", []) => ExecReply::success(call.stdin.clone().unwrap_or_default()),
         ("sh" | "bash", ["-c", script, ..]) => match script.trim() {
             "true" | ":" | "exit" => ExecReply::exit(0),
+            // the control plane's level-1 reset script: a fake has no
+            // processes left to kill and no temporary files to clear
+            s if s.starts_with("kill -9 -1 ") => ExecReply::exit(0),
             "false" => ExecReply::exit(1),
             s => match s.strip_prefix("exit ").map(|n| n.trim().parse::<i32>()) {
                 // A shell exits with the status modulo 256.

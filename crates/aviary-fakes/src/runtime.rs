@@ -31,6 +31,7 @@ pub const INITIAL_USAGE: ResourceUsage = ResourceUsage {
     cpu_usage_ns: 0,
     oom_kills: 0,
     pids_current: 1,
+    disk_free_bytes: None,
 };
 
 struct FakeSandbox {

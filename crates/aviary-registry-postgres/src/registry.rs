@@ -10,6 +10,7 @@ use aviary_leases::fence_rule;
 use aviary_registry::*;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, QueryBuilder, Row};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use time::OffsetDateTime;
 
@@ -468,7 +469,7 @@ impl Registry for PostgresRegistry {
         let now = truncate(aviary_core::now());
         let mut tx = self.begin().await.map_err(storage)?;
         let row = sqlx::query(
-            "SELECT state, version, tenant_id FROM sandbox_instance \
+            "SELECT state, version, tenant_id, tainted FROM sandbox_instance \
              WHERE sandbox_id = $1 FOR NO KEY UPDATE",
         )
         .bind(id.as_str())
@@ -479,7 +480,13 @@ impl Registry for PostgresRegistry {
         let version: i64 = col(&row, "version")?;
         let state: SandboxState = parse("state", &col::<String>(&row, "state")?)?;
         let tenant: String = col(&row, "tenant_id")?;
-        if version != expected_version || state != SandboxState::Ready || tenant != POOL_TENANT {
+        let tainted: bool = col(&row, "tainted")?;
+        // a tainted sandbox is never handed out of a pool
+        if version != expected_version
+            || state != SandboxState::Ready
+            || tenant != POOL_TENANT
+            || tainted
+        {
             return Err(RegistryError::Conflict);
         }
         validate_path(state, &[SandboxState::Locking])?;
@@ -907,14 +914,62 @@ impl Registry for PostgresRegistry {
         .transpose()
     }
 
+    async fn get_projection_index(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<BTreeMap<String, String>>, RegistryError> {
+        let text: Option<String> =
+            sqlx::query_scalar("SELECT files FROM sandbox_projection WHERE sandbox_id = $1")
+                .bind(id.as_str())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(storage)?;
+        text.map(|t| {
+            serde_json::from_str(&t)
+                .map_err(|e| RegistryError::Storage(format!("bad stored projection index: {e}")))
+        })
+        .transpose()
+    }
+
+    async fn put_projection_index(
+        &self,
+        id: &SandboxId,
+        files: &BTreeMap<String, String>,
+    ) -> Result<(), RegistryError> {
+        let text = serde_json::to_string(files)
+            .map_err(|e| RegistryError::Storage(format!("encode projection index: {e}")))?;
+        // a missing sandbox fails the foreign key: `storage` maps it to NotFound
+        sqlx::query(
+            "INSERT INTO sandbox_projection (sandbox_id, files, updated_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (sandbox_id) DO UPDATE SET files = excluded.files, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(id.as_str())
+        .bind(text)
+        .bind(micros(truncate(aviary_core::now())))
+        .execute(&self.pool)
+        .await
+        .map_err(storage)?;
+        Ok(())
+    }
+
+    async fn delete_projection_index(&self, id: &SandboxId) -> Result<(), RegistryError> {
+        sqlx::query("DELETE FROM sandbox_projection WHERE sandbox_id = $1")
+            .bind(id.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(storage)?;
+        Ok(())
+    }
+
     async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<SnapshotRecord, RegistryError> {
         let mut stored = s.clone();
         stored.created_at = truncate(s.created_at);
         sqlx::query(
             "INSERT INTO sandbox_snapshot (snapshot_id, tenant_id, sandbox_id, parent_id, \
              workspace_manifest, upper_manifest, template_id, template_digest, resource_class, \
-             label, total_bytes, new_bytes, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+             label, total_bytes, new_bytes, created_at, manifest) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(&s.id)
         .bind(&s.tenant)
@@ -929,6 +984,7 @@ impl Registry for PostgresRegistry {
         .bind(to_i64(s.total_bytes)?)
         .bind(to_i64(s.new_bytes)?)
         .bind(micros(stored.created_at))
+        .bind(s.manifest.as_ref().map(|m| m.to_string()))
         .execute(&self.pool)
         .await
         .map_err(storage)?;
@@ -1101,7 +1157,7 @@ fn api_key_record(r: &PgRow) -> Result<ApiKeyRecord, RegistryError> {
 
 const SNAPSHOT_COLUMNS: &str = "SELECT snapshot_id, tenant_id, sandbox_id, parent_id, \
     workspace_manifest, upper_manifest, template_id, template_digest, resource_class, label, \
-    total_bytes, new_bytes, created_at FROM sandbox_snapshot";
+    total_bytes, new_bytes, created_at, manifest FROM sandbox_snapshot";
 
 fn snapshot_row(r: &PgRow) -> Result<SnapshotRecord, RegistryError> {
     Ok(SnapshotRecord {
@@ -1118,6 +1174,8 @@ fn snapshot_row(r: &PgRow) -> Result<SnapshotRecord, RegistryError> {
         total_bytes: to_u64(col(r, "total_bytes")?)?,
         new_bytes: to_u64(col(r, "new_bytes")?)?,
         created_at: from_micros(col(r, "created_at")?)?,
+        manifest: col::<Option<String>>(r, "manifest")?
+            .and_then(|t| serde_json::from_str(&t).ok()),
     })
 }
 

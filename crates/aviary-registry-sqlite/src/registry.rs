@@ -8,6 +8,7 @@ use aviary_leases::fence_rule;
 use aviary_registry::*;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Executor, QueryBuilder, Row, Sqlite};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use time::OffsetDateTime;
 
@@ -441,7 +442,7 @@ impl Registry for SqliteRegistry {
         let now = truncate(aviary_core::now());
         let mut tx = self.begin_write().await.map_err(storage)?;
         let row = sqlx::query(
-            "SELECT state, version, tenant_id FROM sandbox_instance WHERE sandbox_id = ?",
+            "SELECT state, version, tenant_id, tainted FROM sandbox_instance WHERE sandbox_id = ?",
         )
         .bind(id.as_str())
         .fetch_optional(&mut *tx)
@@ -451,7 +452,13 @@ impl Registry for SqliteRegistry {
         let version: i64 = col(&row, "version")?;
         let state: SandboxState = parse("state", &col::<String>(&row, "state")?)?;
         let tenant: String = col(&row, "tenant_id")?;
-        if version != expected_version || state != SandboxState::Ready || tenant != POOL_TENANT {
+        let tainted: bool = col(&row, "tainted")?;
+        // a tainted sandbox is never handed out of a pool
+        if version != expected_version
+            || state != SandboxState::Ready
+            || tenant != POOL_TENANT
+            || tainted
+        {
             return Err(RegistryError::Conflict);
         }
         validate_path(state, &[SandboxState::Locking])?;
@@ -876,14 +883,62 @@ impl Registry for SqliteRegistry {
         .transpose()
     }
 
+    async fn get_projection_index(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<BTreeMap<String, String>>, RegistryError> {
+        let text: Option<String> =
+            sqlx::query_scalar("SELECT files FROM sandbox_projection WHERE sandbox_id = ?")
+                .bind(id.as_str())
+                .fetch_optional(&self.reader)
+                .await
+                .map_err(storage)?;
+        text.map(|t| {
+            serde_json::from_str(&t)
+                .map_err(|e| RegistryError::Storage(format!("bad stored projection index: {e}")))
+        })
+        .transpose()
+    }
+
+    async fn put_projection_index(
+        &self,
+        id: &SandboxId,
+        files: &BTreeMap<String, String>,
+    ) -> Result<(), RegistryError> {
+        let text = serde_json::to_string(files)
+            .map_err(|e| RegistryError::Storage(format!("encode projection index: {e}")))?;
+        // a missing sandbox fails the foreign key: `storage` maps it to NotFound
+        sqlx::query(
+            "INSERT INTO sandbox_projection (sandbox_id, files, updated_at) VALUES (?, ?, ?) \
+             ON CONFLICT (sandbox_id) DO UPDATE SET files = excluded.files, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(id.as_str())
+        .bind(text)
+        .bind(micros(truncate(aviary_core::now())))
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        Ok(())
+    }
+
+    async fn delete_projection_index(&self, id: &SandboxId) -> Result<(), RegistryError> {
+        sqlx::query("DELETE FROM sandbox_projection WHERE sandbox_id = ?")
+            .bind(id.as_str())
+            .execute(&self.writer)
+            .await
+            .map_err(storage)?;
+        Ok(())
+    }
+
     async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<SnapshotRecord, RegistryError> {
         let mut stored = s.clone();
         stored.created_at = truncate(s.created_at);
         sqlx::query(
             "INSERT INTO sandbox_snapshot (snapshot_id, tenant_id, sandbox_id, parent_id, \
              workspace_manifest, upper_manifest, template_id, template_digest, resource_class, \
-             label, total_bytes, new_bytes, created_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             label, total_bytes, new_bytes, created_at, manifest) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.tenant)
@@ -898,6 +953,7 @@ impl Registry for SqliteRegistry {
         .bind(to_i64(s.total_bytes)?)
         .bind(to_i64(s.new_bytes)?)
         .bind(micros(stored.created_at))
+        .bind(s.manifest.as_ref().map(|m| m.to_string()))
         .execute(&self.writer)
         .await
         .map_err(storage)?;
@@ -1060,7 +1116,7 @@ fn api_key_record(r: &SqliteRow) -> Result<ApiKeyRecord, RegistryError> {
 
 const SNAPSHOT_COLUMNS: &str = "SELECT snapshot_id, tenant_id, sandbox_id, parent_id, \
     workspace_manifest, upper_manifest, template_id, template_digest, resource_class, label, \
-    total_bytes, new_bytes, created_at FROM sandbox_snapshot";
+    total_bytes, new_bytes, created_at, manifest FROM sandbox_snapshot";
 
 fn snapshot_row(r: &SqliteRow) -> Result<SnapshotRecord, RegistryError> {
     Ok(SnapshotRecord {
@@ -1077,6 +1133,8 @@ fn snapshot_row(r: &SqliteRow) -> Result<SnapshotRecord, RegistryError> {
         total_bytes: to_u64(col(r, "total_bytes")?)?,
         new_bytes: to_u64(col(r, "new_bytes")?)?,
         created_at: from_micros(col(r, "created_at")?)?,
+        manifest: col::<Option<String>>(r, "manifest")?
+            .and_then(|t| serde_json::from_str(&t).ok()),
     })
 }
 

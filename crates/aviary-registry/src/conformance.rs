@@ -51,6 +51,7 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
         allocations_record_usage,
         environments_upsert,
         snapshots_index,
+        projection_index_round_trips,
         pool_bounds_upsert,
         pool_handouts_follow_claims,
         node_registrations_upsert,
@@ -963,7 +964,58 @@ fn sample_snapshot(
         total_bytes: 5_000_000_000,
         new_bytes: 1234,
         created_at: at,
+        manifest: (label == "clean").then(|| {
+            serde_json::json!({"base_template_digest": "sha256:0123abcd", "dirty_level": 1,
+                               "pip": {"leftpad": "1.0"}})
+        }),
     }
+}
+
+/// The projection index survives the process (it is what keeps a restart
+/// from re-uploading unchanged projected files): stored, replaced, read
+/// back exactly, per sandbox, dropped on request; a missing sandbox is
+/// `NotFound`.
+pub async fn projection_index_round_trips<R: Registry>(r: &R) {
+    let t = tenant();
+    let a = r
+        .insert_sandbox(&sample_sandbox(&t), TransitionCtx::default())
+        .await
+        .unwrap();
+    let b = r
+        .insert_sandbox(&sample_sandbox(&t), TransitionCtx::default())
+        .await
+        .unwrap();
+    assert_eq!(r.get_projection_index(&a.id).await.unwrap(), None);
+    let mut files = std::collections::BTreeMap::new();
+    files.insert("/workspace/AGENTS.md".to_owned(), "ab".repeat(32));
+    files.insert("/workspace/skills/ünï code.md".to_owned(), "cd".repeat(32));
+    r.put_projection_index(&a.id, &files).await.unwrap();
+    assert_eq!(
+        r.get_projection_index(&a.id).await.unwrap().as_ref(),
+        Some(&files)
+    );
+    assert_eq!(r.get_projection_index(&b.id).await.unwrap(), None);
+    // replaced whole, never merged
+    let mut next = std::collections::BTreeMap::new();
+    next.insert("/workspace/AGENTS.md".to_owned(), "ef".repeat(32));
+    r.put_projection_index(&a.id, &next).await.unwrap();
+    assert_eq!(
+        r.get_projection_index(&a.id).await.unwrap().as_ref(),
+        Some(&next)
+    );
+    r.put_projection_index(&b.id, &files).await.unwrap();
+    r.delete_projection_index(&a.id).await.unwrap();
+    assert_eq!(r.get_projection_index(&a.id).await.unwrap(), None);
+    assert_eq!(
+        r.get_projection_index(&b.id).await.unwrap().as_ref(),
+        Some(&files)
+    );
+    r.delete_projection_index(&a.id).await.unwrap();
+    let ghost = SandboxId::generate();
+    assert_eq!(
+        r.put_projection_index(&ghost, &files).await.unwrap_err(),
+        RegistryError::NotFound
+    );
 }
 
 pub async fn snapshots_index<R: Registry>(r: &R) {

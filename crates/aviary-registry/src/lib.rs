@@ -38,6 +38,7 @@ pub use records::*;
 use async_trait::async_trait;
 use aviary_core::{ErrorCode, LeaseToken, SandboxId, SandboxState, StateError};
 use aviary_leases::LeaseError;
+use std::collections::BTreeMap;
 use time::OffsetDateTime;
 
 /// Whether a transition is fenced by the sandbox's lease.
@@ -316,6 +317,24 @@ pub trait Registry: Send + Sync {
         &self,
         id: &SandboxId,
     ) -> Result<Option<EnvironmentRecord>, RegistryError>;
+
+    /// The projection index of a sandbox (sandbox path → SHA-256 of what
+    /// the last successful projection sync put there); `None` when no sync
+    /// succeeded or its index was dropped.
+    async fn get_projection_index(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<BTreeMap<String, String>>, RegistryError>;
+    /// Stores (replaces) the projection index of a sandbox (which must
+    /// exist, else `NotFound`).
+    async fn put_projection_index(
+        &self,
+        id: &SandboxId,
+        files: &BTreeMap<String, String>,
+    ) -> Result<(), RegistryError>;
+    /// Drops the projection index of a sandbox (none is fine): the next
+    /// sync uploads everything.
+    async fn delete_projection_index(&self, id: &SandboxId) -> Result<(), RegistryError>;
 
     /// Stores a snapshot's index entry and returns it as stored (times at
     /// the backend's precision). The same id twice is `Duplicate`.

@@ -46,6 +46,7 @@ struct State {
     /// Oldest first; ids are positions + 1.
     allocations: Vec<AllocationRecord>,
     environments: BTreeMap<SandboxId, EnvironmentRecord>,
+    projections: BTreeMap<SandboxId, BTreeMap<String, String>>,
     snapshots: BTreeMap<String, SnapshotRow>,
     pool_bounds: BTreeMap<String, PoolBoundsRecord>,
     node_registrations: BTreeMap<String, NodeRegistration>,
@@ -312,6 +313,7 @@ impl Registry for MemoryRegistry {
         if r.version != expected_version
             || r.state != SandboxState::Ready
             || r.tenant != POOL_TENANT
+            || r.tainted
         {
             return Err(RegistryError::Conflict);
         }
@@ -540,6 +542,31 @@ impl Registry for MemoryRegistry {
         let mut e = e.clone();
         e.manifest = stored_json(e.manifest);
         state.environments.insert(e.sandbox_id.clone(), e);
+        Ok(())
+    }
+
+    async fn get_projection_index(
+        &self,
+        id: &SandboxId,
+    ) -> Result<Option<BTreeMap<String, String>>, RegistryError> {
+        Ok(self.lock().projections.get(id).cloned())
+    }
+
+    async fn put_projection_index(
+        &self,
+        id: &SandboxId,
+        files: &BTreeMap<String, String>,
+    ) -> Result<(), RegistryError> {
+        let mut state = self.lock();
+        if !state.sandboxes.contains_key(id) {
+            return Err(RegistryError::NotFound);
+        }
+        state.projections.insert(id.clone(), files.clone());
+        Ok(())
+    }
+
+    async fn delete_projection_index(&self, id: &SandboxId) -> Result<(), RegistryError> {
+        self.lock().projections.remove(id);
         Ok(())
     }
 

@@ -294,6 +294,10 @@ pub struct SnapshotRecord {
     pub new_bytes: u64,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// The environment manifest the sandbox had when the snapshot was
+    /// taken (`None`: not known), for the reuse checker's forks.
+    #[serde(default)]
+    pub manifest: Option<serde_json::Value>,
 }
 
 /// Which snapshots to list: every field that is set narrows the list.

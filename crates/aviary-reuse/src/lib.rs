@@ -36,6 +36,7 @@ pub use checker::{
     ReuseDecision, ReusePolicy, ReuseRequest,
 };
 pub use manifest::{
+    ActiveVenv,
     probe_script, DirtyLevel, EnvironmentManifest, PackageSet, ProbeCommand, ProbeKey, ProbeOutput,
     ProbeOutputs, PROBE_COMMANDS,
 };

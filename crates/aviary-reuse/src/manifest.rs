@@ -402,6 +402,45 @@ pub struct EnvironmentManifest {
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub updated_at: OffsetDateTime,
+    /// The fresh virtual environment a `new_venv` hand-out made for the
+    /// task the sandbox serves now: its execs run with it first on `PATH`.
+    /// Not probed: the control plane sets it and carries it across probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_venv: Option<ActiveVenv>,
+}
+
+/// A virtual environment made inside a reused sandbox for one task's
+/// dependencies (the checker's `new_venv`), so an earlier task's
+/// conflicting packages are not on its path.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ActiveVenv {
+    /// The venv's directory inside the sandbox (`VIRTUAL_ENV`).
+    pub path: String,
+    /// The Python version it was made with.
+    pub python: String,
+    /// A fresh npm prefix (its `lib/node_modules` is `NODE_PATH`), when the
+    /// sandbox has Node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_prefix: Option<String>,
+    /// The session it was made for: a hand-out to another session drops it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+}
+
+impl ActiveVenv {
+    /// The environment an exec in this venv gets (`PATH` with the venv's
+    /// `bin` first, before `default_path`).
+    pub fn exec_env(&self, default_path: &str) -> Vec<(String, String)> {
+        let mut path = format!("{}/bin", self.path);
+        let mut env = vec![("VIRTUAL_ENV".to_owned(), self.path.clone())];
+        if let Some(prefix) = &self.node_prefix {
+            path.push_str(&format!(":{prefix}/bin"));
+            env.push(("NODE_PATH".to_owned(), format!("{prefix}/lib/node_modules")));
+            env.push(("npm_config_prefix".to_owned(), prefix.clone()));
+        }
+        env.push(("PATH".to_owned(), format!("{path}:{default_path}")));
+        env
+    }
 }
 
 fn python_version(text: &str) -> Option<String> {
@@ -523,6 +562,7 @@ impl EnvironmentManifest {
             workspace_id: None,
             last_snapshot_id: None,
             updated_at,
+            active_venv: None,
         }
     }
 

@@ -298,6 +298,7 @@ impl CgroupLayout {
                 cpu_usage_ns,
                 oom_kills: read_key(&mem_dir.join("memory.oom_control"), "oom_kill")?,
                 pids_current,
+                disk_free_bytes: None,
             });
         }
         let Some(u) = self.unified() else {
@@ -317,6 +318,7 @@ impl CgroupLayout {
             cpu_usage_ns: read_key(&dir.join("cpu.stat"), "usage_usec")?.saturating_mul(1000),
             oom_kills: read_key(&dir.join("memory.events"), "oom_kill")?,
             pids_current: read_u64(&dir.join("pids.current"))?,
+            disk_free_bytes: None,
         })
     }
 

@@ -852,10 +852,19 @@ impl Runtime for OciRuntime {
     }
 
     async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
-        if !self.dirs(id).root.exists() {
+        let root = self.dirs(id).root;
+        if !root.exists() {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
-        self.cgroups.usage(id)
+        let mut usage = self.cgroups.usage(id)?;
+        // the sandbox dir is its own disk's mount point (without the
+        // quota it is the host's disk: nothing to say about the sandbox)
+        if self.config.disk_quota {
+            usage.disk_free_bytes = nix::sys::statvfs::statvfs(&root)
+                .ok()
+                .map(|v| v.blocks_available().saturating_mul(v.fragment_size()));
+        }
+        Ok(usage)
     }
 
     async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {

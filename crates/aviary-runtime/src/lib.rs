@@ -159,6 +159,10 @@ pub struct ResourceUsage {
     /// Processes killed by the OOM killer in this sandbox since it started.
     pub oom_kills: u64,
     pub pids_current: u64,
+    /// Bytes still writable on the sandbox's own disk (`disk_mb`), when the
+    /// runtime gives each sandbox one (`None`: it does not know).
+    #[serde(default)]
+    pub disk_free_bytes: Option<u64>,
 }
 
 /// A sandbox backend.

@@ -941,6 +941,20 @@ pub struct ResetQuery {
     level: Option<u8>,
 }
 
+/// Marks the sandbox tainted (an operator's verdict): it is never reused nor returned to a pool;
+/// a level-2 reset clears the mark. No lease is needed.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/taint", request_body = aviary_control::taint::TaintRequest, responses((status = 200, body = Sandbox), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn taint(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<aviary_control::taint::TaintRequest>,
+) -> Result<Json<Sandbox>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.taint_sandbox(&cx, OnSandbox::new(id, req)).await?))
+}
+
 /// Ends a call: releases the lease, refreshes the manifest, sandbox back to Idle for its scope.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/release", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn release(
@@ -1304,7 +1318,7 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, taint, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
@@ -1347,6 +1361,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/reset", post(reset))
+        .route("/v1/sandboxes/{id}/taint", post(taint))
         .route("/v1/sandboxes/{id}/release", post(release))
         .route("/v1/sandboxes/{id}/manifest", get(manifest))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot))

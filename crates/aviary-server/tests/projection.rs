@@ -253,3 +253,51 @@ async fn a_leased_sandbox_is_synced_with_the_lease_token() {
         .unwrap();
     ts.cleanup().await;
 }
+
+/// The projection index lives in the registry: a server restarted on the
+/// same data dir re-attaches the sandbox and its next start uploads nothing
+/// that did not change (and still uploads what did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_does_not_upload_unchanged_projected_files_again() {
+    let h = host_workspace();
+    let (mut ts, data) = server(h.path()).await;
+    let a = ts.client.create_sandbox(&session("r")).await.unwrap();
+    let id = a.sandbox.id.to_string();
+    let synced = events(&ts, &id, "projection_synced").await;
+    assert_eq!(counts(&synced[0]), (4, 0, 0));
+    ts.stop().await;
+
+    // the same configuration on the same data dir
+    let mut cfg = common::config(&data.path().join("d"), "busybox");
+    cfg.control.settings.projections = [
+        ("AGENTS.md", "/workspace/AGENTS.md"),
+        ("skills", "/workspace/.agent/skills"),
+        ("knowledge", "/workspace/knowledge"),
+    ]
+    .iter()
+    .map(|(host, sandbox)| aviary_config::Projection {
+        host: h.path().join(host),
+        sandbox: (*sandbox).into(),
+    })
+    .collect();
+    let ts2 = common::start_cfg(cfg).await;
+    let b = ts2.client.create_sandbox(&session("r")).await.unwrap();
+    assert_eq!(b.sandbox.id.as_str(), id, "{:?}", b.decision);
+    let synced = events(&ts2, &id, "projection_synced").await;
+    assert_eq!(synced.len(), 2, "{synced:?}");
+    assert_eq!(
+        counts(&synced[1]),
+        (0, 0, 4),
+        "nothing unchanged is uploaded again after a restart: {:?}",
+        synced[1].metadata
+    );
+
+    // a file changed on the host while the server was down is uploaded
+    write(&h.path().join("AGENTS.md"), "# agent v2\n");
+    let c2 = ts2.client.create_sandbox(&session("r")).await.unwrap();
+    assert_eq!(c2.sandbox.id.as_str(), id);
+    let synced = events(&ts2, &id, "projection_synced").await;
+    assert_eq!(counts(&synced[2]), (1, 0, 3));
+    assert_eq!(read(&ts2, &id, "/workspace/AGENTS.md").await, "# agent v2\n");
+    ts2.cleanup().await;
+}
