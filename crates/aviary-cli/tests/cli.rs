@@ -312,7 +312,13 @@ fn quick_start_works_end_to_end() {
     assert_eq!(o.status.code(), Some(2), "a reason is required: {o:?}");
     let o = aviary(
         &s,
-        &["sandbox", "taint", &id, "--reason", "cli test: it looked wrong"],
+        &[
+            "sandbox",
+            "taint",
+            &id,
+            "--reason",
+            "cli test: it looked wrong",
+        ],
     );
     assert!(o.status.success(), "{o:?}");
     assert!(stdout(&o).contains("tainted"), "{o:?}");

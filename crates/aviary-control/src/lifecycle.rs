@@ -27,6 +27,7 @@ use crate::context::OpContext;
 use crate::error::OpError;
 use crate::ops::{ControlPlane, LiveSandbox};
 use crate::requests::{ManifestRequest, OnSandbox, ResetRequest, SandboxRef, SnapshotQuery};
+use crate::taint::TaintCause;
 use aviary_core::api::Sandbox;
 use aviary_core::SandboxId;
 use aviary_core::SandboxState;
@@ -35,7 +36,6 @@ use aviary_envd_proto::ExecSpec;
 use aviary_leases::{LockGuard, LockName, LockRequest};
 use aviary_registry::{FenceCheck, SandboxRecord, TransitionCtx};
 use aviary_reuse::{EnvironmentManifest, ProbeOutputs};
-use crate::taint::TaintCause;
 use aviary_runtime::RuntimeStatus;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -501,6 +501,12 @@ impl ControlPlane {
                 what: "it is paused".into(),
             });
         }
+        // a leased sandbox's envd runs only what carries the current fence
+        let fence = self
+            .leases
+            .current(&rec.id, aviary_core::now())
+            .await?
+            .map(|l| l.token.fence());
         let out = live
             .envd
             .exec_collect(
@@ -509,7 +515,7 @@ impl ControlPlane {
                     timeout: Some(Duration::from_secs(60)),
                     ..Default::default()
                 },
-                None,
+                fence,
             )
             .await?;
         let outputs = ProbeOutputs::parse_script_output(&String::from_utf8_lossy(&out.stdout));

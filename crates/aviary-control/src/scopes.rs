@@ -16,16 +16,16 @@ use crate::context::{Caller, OpContext};
 use crate::error::OpError;
 use crate::ops::ControlPlane;
 use crate::requests::OnSandbox;
+use crate::snapshots::{SandboxSnapshot, CLEAN_LABEL};
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Lease};
 use aviary_core::{SandboxState, Scope};
 use aviary_leases::{LockGuard, LockName};
+use aviary_registry::{SandboxRecord, SnapshotFilter};
+use aviary_reuse::{ActiveVenv, CleanSnapshot, ReuseDecision};
 use aviary_reuse::{
     EnvironmentManifest, EnvironmentRequirements, ReuseAction, ReuseCandidate, ReuseChecker,
     ReuseRequest,
 };
-use crate::snapshots::{SandboxSnapshot, CLEAN_LABEL};
-use aviary_registry::{SandboxRecord, SnapshotFilter};
-use aviary_reuse::{ActiveVenv, CleanSnapshot, ReuseDecision};
 use std::time::{Duration, Instant};
 
 /// How long a create waits for a shared sandbox's lease before answering
@@ -186,9 +186,12 @@ impl ControlPlane {
             {
                 continue;
             }
-            let extra = [("found_by".to_owned(), serde_json::json!("reuse health probe"))]
-                .into_iter()
-                .collect();
+            let extra = [(
+                "found_by".to_owned(),
+                serde_json::json!("reuse health probe"),
+            )]
+            .into_iter()
+            .collect();
             self.lose(&r.id, crate::lifecycle::LOST_ENVD_GONE, request_id, extra)
                 .await?;
             match self.recover_lost_now(&r.id).await? {
@@ -447,7 +450,9 @@ impl ControlPlane {
         let name = format!(
             "{}-{}",
             session
-                .filter(|s| s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'))
+                .filter(|s| s
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'))
                 .unwrap_or("task"),
             aviary_core::now().unix_timestamp_nanos() / 1_000_000
         );
@@ -463,7 +468,9 @@ impl ControlPlane {
              $py -m venv {path} 2>/dev/null || {{ rm -rf {path}; $py -m venv --without-pip {path}; }}"
         );
         if let Some(prefix) = &node_prefix {
-            script.push_str(&format!("; mkdir -p {prefix}/lib/node_modules {prefix}/bin"));
+            script.push_str(&format!(
+                "; mkdir -p {prefix}/lib/node_modules {prefix}/bin"
+            ));
         }
         let out = live
             .envd

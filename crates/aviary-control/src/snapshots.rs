@@ -28,9 +28,9 @@
 use crate::backends::{LayerArchive, RuntimeLayers};
 use crate::context::OpContext;
 use crate::error::OpError;
-use crate::taint::TaintCause;
 use crate::ops::ControlPlane;
 use crate::requests::{CheckpointRequest, OnSandbox, SandboxRef, SnapshotQuery};
+use crate::taint::TaintCause;
 use aviary_core::api::{CreateSandboxRequest, CreateSandboxResponse, Decision, Sandbox};
 use aviary_core::{LeaseToken, SandboxId, SandboxState};
 use aviary_registry::{FenceCheck, SandboxRecord, SnapshotFilter, SnapshotRecord, TransitionCtx};

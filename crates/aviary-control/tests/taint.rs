@@ -48,11 +48,10 @@ mod tests {
     /// The next create of the same session gets another sandbox, and says
     /// why the first was not reused.
     async fn not_reused(p: &Plane, session: &str, id: &SandboxId) {
-        let again = p
-            .cp
-            .create(&tenant("alice"), in_session(session))
-            .await
-            .unwrap();
+        let again =
+            p.cp.create(&tenant("alice"), in_session(session))
+                .await
+                .unwrap();
         assert_ne!(&again.sandbox.id, id, "{:?}", again.decision);
         assert_eq!(again.decision.action, "new_sandbox");
         assert!(

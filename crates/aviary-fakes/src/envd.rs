@@ -467,7 +467,9 @@ async fn serve(inner: Arc<Inner>, mut conn: Conn) {
     );
     if garbled && !control {
         // a frame header announcing an unknown kind and an absurd length
-        let _ = conn.write_all(&[0xee, 0xff, 0xff, 0xff, 0xff, b'?', b'?']).await;
+        let _ = conn
+            .write_all(&[0xee, 0xff, 0xff, 0xff, 0xff, b'?', b'?'])
+            .await;
         let _ = conn.flush().await;
         return;
     }

@@ -53,7 +53,11 @@ pub use aviary_registry::Registry;
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (2, "paused", include_str!("../migrations/0002_paused.sql")),
-    (4, "reuse state", include_str!("../migrations/0004_reuse_state.sql")),
+    (
+        4,
+        "reuse state",
+        include_str!("../migrations/0004_reuse_state.sql"),
+    ),
 ];
 
 /// The schema version this build brings a database to.

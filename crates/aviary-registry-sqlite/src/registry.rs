@@ -1133,8 +1133,7 @@ fn snapshot_row(r: &SqliteRow) -> Result<SnapshotRecord, RegistryError> {
         total_bytes: to_u64(col(r, "total_bytes")?)?,
         new_bytes: to_u64(col(r, "new_bytes")?)?,
         created_at: from_micros(col(r, "created_at")?)?,
-        manifest: col::<Option<String>>(r, "manifest")?
-            .and_then(|t| serde_json::from_str(&t).ok()),
+        manifest: col::<Option<String>>(r, "manifest")?.and_then(|t| serde_json::from_str(&t).ok()),
     })
 }
 

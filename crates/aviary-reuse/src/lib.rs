@@ -36,9 +36,8 @@ pub use checker::{
     ReuseDecision, ReusePolicy, ReuseRequest,
 };
 pub use manifest::{
-    ActiveVenv,
-    probe_script, DirtyLevel, EnvironmentManifest, PackageSet, ProbeCommand, ProbeKey, ProbeOutput,
-    ProbeOutputs, PROBE_COMMANDS,
+    probe_script, ActiveVenv, DirtyLevel, EnvironmentManifest, PackageSet, ProbeCommand, ProbeKey,
+    ProbeOutput, ProbeOutputs, PROBE_COMMANDS,
 };
 pub use projection::{
     apply, ApplyReport, LocalDirTarget, ProjectionError, ProjectionPlan, ProjectionPlanner,

@@ -298,6 +298,9 @@ async fn a_restart_does_not_upload_unchanged_projected_files_again() {
     assert_eq!(c2.sandbox.id.as_str(), id);
     let synced = events(&ts2, &id, "projection_synced").await;
     assert_eq!(counts(&synced[2]), (1, 0, 3));
-    assert_eq!(read(&ts2, &id, "/workspace/AGENTS.md").await, "# agent v2\n");
+    assert_eq!(
+        read(&ts2, &id, "/workspace/AGENTS.md").await,
+        "# agent v2\n"
+    );
     ts2.cleanup().await;
 }

@@ -57,11 +57,7 @@ async fn assert_tainted(c: &Client, id: &str, cause: &str) {
 
 /// Releases the caller's lease (if any) and asks again for the same user:
 /// the tainted sandbox is not handed out; returns the new create.
-async fn not_reused(
-    c: &Client,
-    first: &CreateSandboxResponse,
-    u: &str,
-) -> CreateSandboxResponse {
+async fn not_reused(c: &Client, first: &CreateSandboxResponse, u: &str) -> CreateSandboxResponse {
     let id = first.sandbox.id.as_str();
     // the holder ends its call (a lease it lost is fine: it is ended)
     let _ = c
@@ -79,7 +75,10 @@ fn kill_from_host(id: &str) {
     let procs = std::fs::read_to_string(format!("/sys/fs/cgroup/pids/aviary/{id}/cgroup.procs"))
         .or_else(|_| std::fs::read_to_string(format!("/sys/fs/cgroup/aviary/{id}/cgroup.procs")))
         .unwrap();
-    let pids: Vec<i32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let pids: Vec<i32> = procs
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
     assert!(!pids.is_empty(), "sandbox {id} has no processes");
     for pid in pids {
         // SAFETY-free: a plain kill(2) through the shell tool
@@ -156,11 +155,16 @@ async fn the_operators_mark_through_the_api_and_the_reset_levels() {
     let other = Client::new(&ts.url(), &k);
     let e = other.taint(&id, "not yours").await.unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
-    let e = c.taint("sbx-aaaaaaaaaaaaaaaaaaaa", "ghost").await.unwrap_err();
+    let e = c
+        .taint("sbx-aaaaaaaaaaaaaaaaaaaa", "ghost")
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
 
     // a clean checkpoint to come back to, then the mark (no lease needed)
-    c.snapshot_labelled(&id, "clean", Some(token)).await.unwrap();
+    c.snapshot_labelled(&id, "clean", Some(token))
+        .await
+        .unwrap();
     let s = c.taint(&id, "operator saw odd traffic").await.unwrap();
     assert!(s.tainted);
     assert_eq!(
@@ -191,7 +195,10 @@ async fn a_stale_lease_token_taints() {
     let id = a.sandbox.id.to_string();
     let old = a.lease.as_ref().unwrap().token;
     c.sandbox_action(&id, "release", Some(old)).await.unwrap();
-    assert!(!c.get_sandbox(&id).await.unwrap().tainted, "an honest release");
+    assert!(
+        !c.get_sandbox(&id).await.unwrap().tainted,
+        "an honest release"
+    );
     // a new holder; the old token is used against the sandbox
     let now = c.acquire_lease(&id, "second", None).await.unwrap();
     let e = c
@@ -220,7 +227,11 @@ async fn a_dead_sandbox_without_a_snapshot_is_tainted_and_the_create_goes_cold()
     kill_from_host(&id);
 
     let b = c.create_sandbox(&user("dies")).await.unwrap();
-    assert_ne!(b.sandbox.id.as_str(), id, "a dead sandbox is never handed out");
+    assert_ne!(
+        b.sandbox.id.as_str(),
+        id,
+        "a dead sandbox is never handed out"
+    );
     assert_eq!(
         (b.decision.action.as_str(), b.decision.branch.as_str()),
         ("new_sandbox", "D"),
@@ -260,16 +271,29 @@ async fn a_dead_sandbox_with_a_snapshot_is_restored_on_new_compute() {
     let b = c.create_sandbox(&user("phoenix")).await.unwrap();
     assert_eq!(b.sandbox.id.as_str(), id, "{:?}", b.decision);
     assert_eq!(b.decision.branch, "C", "{:?}", b.decision);
-    assert!(b.decision.reason.contains("envd was dead"), "{:?}", b.decision);
+    assert!(
+        b.decision.reason.contains("envd was dead"),
+        "{:?}",
+        b.decision
+    );
     assert!(!b.sandbox.tainted, "new compute from the snapshot");
     let out = c
-        .exec(&id, &shell_as("cat /workspace/kept", b.lease.as_ref().map(|l| l.token)))
+        .exec(
+            &id,
+            &shell_as("cat /workspace/kept", b.lease.as_ref().map(|l| l.token)),
+        )
         .await
         .unwrap();
     assert_eq!((out.exit_code, out.stdout.as_str()), (0, "kept\n"));
     let evs = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
     let kinds: Vec<&str> = evs.iter().map(|e| e.event_type.as_str()).collect();
-    for k in ["sandbox_lost", "tainted", "recovering", "recovered", "restore_branch"] {
+    for k in [
+        "sandbox_lost",
+        "tainted",
+        "recovering",
+        "recovered",
+        "restore_branch",
+    ] {
         assert!(kinds.contains(&k), "no {k} event: {kinds:?}");
     }
     ts.cleanup().await;

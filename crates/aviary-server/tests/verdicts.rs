@@ -52,7 +52,11 @@ async fn new_venv_runs_the_next_task_in_a_fresh_virtual_environment() {
     let id = a.sandbox.id.to_string();
     let ta = a.lease.as_ref().unwrap().token;
     let out = sh(c, &id, ta, INSTALL_LEFTPAD_1).await;
-    assert_eq!((out.exit_code, out.stdout.as_str()), (0, "1.0\n"), "{out:?}");
+    assert_eq!(
+        (out.exit_code, out.stdout.as_str()),
+        (0, "1.0\n"),
+        "{out:?}"
+    );
     // the task ends; its manifest now lists leftpad 1.0
     c.sandbox_action(&id, "release", Some(ta)).await.unwrap();
 
@@ -73,7 +77,13 @@ async fn new_venv_runs_the_next_task_in_a_fresh_virtual_environment() {
     );
     let tb = b.lease.as_ref().unwrap().token;
     // inside: the task's python is the venv's, leftpad 1.0 is not on its path
-    let out = sh(c, &id, tb, "echo \"$VIRTUAL_ENV\"; python3 -c 'import sys; print(sys.prefix)'").await;
+    let out = sh(
+        c,
+        &id,
+        tb,
+        "echo \"$VIRTUAL_ENV\"; python3 -c 'import sys; print(sys.prefix)'",
+    )
+    .await;
     let lines: Vec<&str> = out.stdout.lines().collect();
     assert_eq!(lines.len(), 2, "{out:?}");
     assert!(lines[0].starts_with("/opt/aviary/venvs/"), "{out:?}");
@@ -82,7 +92,13 @@ async fn new_venv_runs_the_next_task_in_a_fresh_virtual_environment() {
     assert_ne!(out.exit_code, 0, "{out:?}");
     assert!(out.stderr.contains("No module named 'leftpad'"), "{out:?}");
     // the system interpreter still has it: the venv, not a wipe, hides it
-    let out = sh(c, &id, tb, "/usr/bin/python3 -c 'import leftpad; print(leftpad.VERSION)'").await;
+    let out = sh(
+        c,
+        &id,
+        tb,
+        "/usr/bin/python3 -c 'import leftpad; print(leftpad.VERSION)'",
+    )
+    .await;
     assert_eq!(out.stdout, "1.0\n", "{out:?}");
     // the event log records it
     let evs = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
@@ -91,7 +107,11 @@ async fn new_venv_runs_the_next_task_in_a_fresh_virtual_environment() {
         .find(|e| e.event_type == "venv_created")
         .expect("a venv_created event");
     assert_eq!(made.metadata["path"].as_str(), Some(lines[0]));
-    assert!(made.metadata["install"].to_string().contains("leftpad"), "{}", made.metadata);
+    assert!(
+        made.metadata["install"].to_string().contains("leftpad"),
+        "{}",
+        made.metadata
+    );
     assert!(evs
         .iter()
         .any(|e| e.event_type == "reuse_decision" && e.metadata["action"] == "new_venv"));
@@ -107,7 +127,13 @@ async fn new_venv_runs_the_next_task_in_a_fresh_virtual_environment() {
         .unwrap();
     assert_eq!(next.sandbox.id.as_str(), id, "{:?}", next.decision);
     assert_eq!(next.decision.action, "reuse", "{:?}", next.decision);
-    let out = sh(c, &id, next.lease.as_ref().unwrap().token, "echo \"[$VIRTUAL_ENV]\"").await;
+    let out = sh(
+        c,
+        &id,
+        next.lease.as_ref().unwrap().token,
+        "echo \"[$VIRTUAL_ENV]\"",
+    )
+    .await;
     assert_eq!(out.stdout, "[]\n", "{out:?}");
     ts.cleanup().await;
 }
@@ -140,8 +166,16 @@ async fn fork_clean_snapshot_gives_the_scope_its_clean_checkpoint() {
         "{:?}",
         b.decision
     );
-    assert!(b.decision.reason.contains("unknown_pollution"), "{:?}", b.decision);
-    assert_eq!(b.sandbox.user_id.as_deref(), Some("forky"), "it is the scope's");
+    assert!(
+        b.decision.reason.contains("unknown_pollution"),
+        "{:?}",
+        b.decision
+    );
+    assert_eq!(
+        b.sandbox.user_id.as_deref(),
+        Some("forky"),
+        "it is the scope's"
+    );
     let fid = b.sandbox.id.to_string();
     let tb = b.lease.as_ref().unwrap().token;
     let out = sh(
@@ -161,8 +195,10 @@ async fn fork_clean_snapshot_gives_the_scope_its_clean_checkpoint() {
         "{evs:?}"
     );
     let evs = c.events(Some(&id), None, Some(1000)).await.unwrap().events;
-    assert!(evs
-        .iter()
-        .any(|e| e.event_type == "reuse_decision" && e.metadata["action"] == "fork_clean_snapshot"));
+    assert!(
+        evs.iter()
+            .any(|e| e.event_type == "reuse_decision"
+                && e.metadata["action"] == "fork_clean_snapshot")
+    );
     ts.cleanup().await;
 }
