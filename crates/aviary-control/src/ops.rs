@@ -1675,7 +1675,9 @@ impl ControlPlane {
     pub async fn exec_finish(&self, run: &ExecRun, exit: &aviary_envd_proto::ExitInfo) -> bool {
         let oom = self.exec_oom(run, exit).await;
         self.touch_lazily(&run.id);
-        if run.shared {
+        // a limit that was hit shows as a failed command: only then is the
+        // runtime asked (an agent's usage is a network round trip)
+        if run.shared && exit.exit_code != 0 {
             self.limits_hit(run, oom).await;
         }
         oom
