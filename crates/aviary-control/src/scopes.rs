@@ -173,6 +173,8 @@ impl ControlPlane {
         // compute now (branch C); else the create goes on to branch D
         let mut rows = rows;
         let mut woken: Option<(aviary_core::SandboxId, &'static str)> = None;
+        // found dead here and not brought back (no snapshot to restore)
+        let mut dead = Vec::new();
         for r in rows.iter_mut() {
             if !matches!(r.state, SandboxState::Idle | SandboxState::Leased) {
                 continue;
@@ -202,7 +204,10 @@ impl ControlPlane {
                     ));
                     *r = rec;
                 }
-                None => *r = self.registry.get_sandbox(&r.id).await?,
+                None => {
+                    dead.push(r.id.to_string());
+                    *r = self.registry.get_sandbox(&r.id).await?;
+                }
             }
         }
         // branch C: the bucket's compute is gone (hibernated) but its
@@ -294,7 +299,14 @@ impl ControlPlane {
                 return Ok(BucketOutcome::New(Decision {
                     action: "new_sandbox".into(),
                     branch: "D".into(),
-                    reason: format!("no sandbox in scope {bucket} yet"),
+                    reason: if dead.is_empty() {
+                        format!("no sandbox in scope {bucket} yet")
+                    } else {
+                        format!(
+                            "{} found dead (its envd is gone) with no snapshot to restore: lost and tainted",
+                            dead.join(", ")
+                        )
+                    },
                     score: 0.0,
                 }))
             }
@@ -332,7 +344,28 @@ impl ControlPlane {
                 match last {
                     // branch B: compute alive, work dir lost: restore it in place
                     Some(snap) if lost => {
-                        self.restore_workspace_live(&rec, &snap).await?;
+                        if let Err(e) = self.restore_workspace_live(&rec, &snap).await {
+                            // tainted by the failure: handed back, never out
+                            if let Some(l) = &lease {
+                                let back = aviary_core::api::ReleaseLeaseRequest { token: l.token };
+                                if let Err(r) = self
+                                    .lease_release(cx, OnSandbox::new(rec.id.as_str(), back))
+                                    .await
+                                {
+                                    tracing::warn!(sandbox.id = %rec.id, error = %r, "could not hand back the sandbox whose restore failed");
+                                }
+                            }
+                            return Ok(BucketOutcome::New(Decision {
+                                action: "new_sandbox".into(),
+                                branch: "D".into(),
+                                reason: format!(
+                                    "{} lost its work dir and could not be restored in place ({}); it is tainted",
+                                    rec.id,
+                                    e.public_message()
+                                ),
+                                score: 0.0,
+                            }));
+                        }
                         (
                             "B",
                             "container alive, work dir lost: restored from the last snapshot",

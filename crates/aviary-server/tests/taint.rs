@@ -238,6 +238,7 @@ async fn a_dead_sandbox_without_a_snapshot_is_tainted_and_the_create_goes_cold()
         "{:?}",
         b.decision
     );
+    assert!(b.decision.reason.contains("found dead"), "{:?}", b.decision);
     let out = c
         .exec(
             b.sandbox.id.as_str(),
@@ -349,6 +350,58 @@ async fn a_restore_from_corrupted_chunks_taints() {
     assert_tainted(c, &id, "restore_failed").await;
     let again = c.create_sandbox(&user("rot")).await.unwrap();
     assert_ne!(again.sandbox.id.as_str(), id, "{:?}", again.decision);
+    ts.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_work_dir_restore_from_corrupted_chunks_taints_and_the_create_goes_cold() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let a = c.create_sandbox(&user("wiped")).await.unwrap();
+    let id = a.sandbox.id.to_string();
+    let token = a.lease.as_ref().unwrap().token;
+    c.exec(
+        &id,
+        &shell_as("head -c 300000 /dev/urandom > /workspace/data", Some(token)),
+    )
+    .await
+    .unwrap();
+    c.snapshot_labelled(&id, "checkpoint", Some(token))
+        .await
+        .unwrap();
+    // the work dir is lost while the container lives (branch B), and the
+    // snapshot's chunks rot
+    c.exec(
+        &id,
+        &shell_as("rm -rf /workspace/* /workspace/.[!.]*; true", Some(token)),
+    )
+    .await
+    .unwrap();
+    c.sandbox_action(&id, "release", Some(token)).await.unwrap();
+    for entry in walk(&ts.data.join("snapshots/chunks")) {
+        let len = std::fs::metadata(&entry).unwrap().len() as usize;
+        std::fs::write(&entry, vec![0x5a; len.max(1)]).unwrap();
+    }
+    let b = c.create_sandbox(&user("wiped")).await.unwrap();
+    assert_ne!(b.sandbox.id.as_str(), id, "{:?}", b.decision);
+    assert_eq!(b.decision.branch, "D", "{:?}", b.decision);
+    assert!(
+        b.decision.reason.contains("could not be restored"),
+        "{:?}",
+        b.decision
+    );
+    assert_tainted(c, &id, "restore_failed").await;
+    // handed back: idle, not leased by the failed hand-out
+    let s = c.get_sandbox(&id).await.unwrap();
+    assert_eq!(s.state, aviary_core::SandboxState::Idle);
+    let out = c
+        .exec(
+            b.sandbox.id.as_str(),
+            &shell_as("echo fresh", b.lease.as_ref().map(|l| l.token)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "fresh\n");
     ts.cleanup().await;
 }
 
