@@ -64,6 +64,17 @@ enum Command {
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
+    /// Print a shell completion script: `aviary completions bash > /etc/bash_completion.d/aviary`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), or write one page per command into --dir.
+    Man {
+        /// Write aviary.1 and aviary-<command>.1 pages here instead of printing aviary.1.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -655,6 +666,13 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "aviary", &mut script);
+            print_bytes(&script)
+        }
+        Command::Man { dir } => man_pages(dir),
     };
     match res {
         Ok(code) => code,
@@ -671,6 +689,40 @@ pub async fn run(cli: Cli) -> i32 {
             f.code
         }
     }
+}
+
+/// Writes generated text to stdout; a reader that went away (`| head`)
+/// is not an error.
+fn print_bytes(b: &[u8]) -> Result<i32, Failure> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(b).and_then(|()| out.flush()) {
+        Ok(()) => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(Failure::exit(
+            EXIT_IO_ERROR,
+            format!("writing to stdout: {e}"),
+        )),
+    }
+}
+
+/// The man page of `aviary` on stdout, or every command's page in `dir`
+/// (`aviary.1`, `aviary-sandbox.1`, `aviary-sandbox-create.1`, ...).
+fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let io = |e: std::io::Error| Failure::exit(EXIT_IO_ERROR, format!("writing the man page: {e}"));
+    match dir {
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(cmd).render(&mut page).map_err(io)?;
+            return print_bytes(&page);
+        }
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).map_err(io)?;
+            clap_mangen::generate_to(cmd, &dir).map_err(io)?;
+            eprintln!("man pages written to {}", dir.display());
+        }
+    }
+    Ok(0)
 }
 
 /// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them

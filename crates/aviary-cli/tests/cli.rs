@@ -512,3 +512,84 @@ fn template_import_from_a_docker_save_archive() {
         "{o:?}"
     );
 }
+
+/// Runs the built `aviary` with `args` and no server.
+fn aviary_local(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_aviary"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bash_completion_completes_commands_and_flags() {
+    let script = aviary_local(&["completions", "bash"]);
+    assert!(script.status.success(), "{script:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("aviary.bash");
+    std::fs::write(&path, &script.stdout).unwrap();
+    // what bash's completion machinery does on TAB: set COMP_WORDS/COMP_CWORD
+    // and call the registered function
+    let complete = |words: &str, cword: usize| {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "source {}; COMP_WORDS=({words}); COMP_CWORD={cword}; \
+                 _aviary aviary \"${{COMP_WORDS[$COMP_CWORD]}}\" \"${{COMP_WORDS[$COMP_CWORD-1]}}\"; \
+                 printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+                path.display()
+            ))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    assert_eq!(complete("aviary sandbox cr", 2), "create\n");
+    let flags = complete("aviary sandbox create --me", 3);
+    assert_eq!(flags, "--metadata\n", "{flags}");
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let o = aviary_local(&["completions", shell]);
+        assert!(o.status.success() && !o.stdout.is_empty(), "{shell}: {o:?}");
+    }
+    let o = aviary_local(&["completions", "tcsh"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
+}
+
+#[test]
+fn man_pages_render_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = aviary_local(&["man", "--dir", dir.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let page = dir.path().join("aviary-sandbox-create.1");
+    let roff = std::fs::read_to_string(&page).unwrap();
+    assert!(roff.contains("metadata"), "{roff}");
+    assert!(dir.path().join("aviary-sandbox-ttl.1").is_file());
+    // the top page on stdout names the commands' pages
+    let top = aviary_local(&["man"]);
+    let top = String::from_utf8(top.stdout).unwrap();
+    assert!(top.starts_with(".ie"), "roff");
+    assert!(top.contains("aviary\\-sandbox(1)"), "no see-also of sandbox");
+    // and it is valid roff: man formats it without warnings
+    let man = Command::new("man")
+        .args(["--warnings", "-l", "-P", "cat"])
+        .arg(&page)
+        .env("MANWIDTH", "100")
+        .output();
+    match man {
+        Ok(o) => {
+            assert!(o.status.success(), "{o:?}");
+            let text = String::from_utf8_lossy(&o.stdout);
+            assert!(text.contains("--metadata"), "{text}");
+            assert!(
+                o.stderr.is_empty(),
+                "roff warnings: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        Err(e) => eprintln!("SKIP formatting check: `man` is not installed here ({e})"),
+    }
+}
