@@ -64,6 +64,9 @@ enum Command {
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
+    /// List and delete snapshots (checkpoints).
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
     /// Print a shell completion script: `aviary completions bash > /etc/bash_completion.d/aviary`.
     Completions {
         /// bash, zsh, fish, elvish or powershell.
@@ -240,6 +243,15 @@ enum SandboxCmd {
         /// Only sandboxes labelled KEY=VALUE (repeatable: all must match).
         #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
         metadata: Vec<(String, String)>,
+        /// Only sandboxes in this state (Idle, Leased, Running, Hibernating, Terminated, ...).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only sandboxes working for this end user.
+        #[arg(long)]
+        user: Option<String>,
+        /// Only sandboxes of this session.
+        #[arg(long)]
+        session: Option<String>,
     },
     /// Set when a sandbox expires: SECS seconds from now (may shorten its life).
     Ttl {
@@ -429,6 +441,26 @@ enum TemplateCmd {
         /// Replace a template of that name (without it, an existing name is refused).
         #[arg(long)]
         force: bool,
+    },
+    /// Remove template NAME (admin); refused while a sandbox, snapshot, pool or the default needs it.
+    Rm {
+        /// The template's name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SnapshotCmd {
+    /// List your checkpoints (of one sandbox, or all of yours), oldest first.
+    Ls {
+        /// Only this sandbox's.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    /// Delete a checkpoint (its chunks go with the next GC); refused for the one a hibernated sandbox wakes from.
+    Rm {
+        /// The snapshot id (snap-…).
+        id: String,
     },
 }
 
@@ -663,6 +695,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Plan { intent } => plan(intent, json).await,
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
+        Command::Snapshot(c) => snapshot_cmd(c, json).await,
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
@@ -1110,9 +1143,21 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 }
             }
         }
-        SandboxCmd::Ls { all, metadata } => {
+        SandboxCmd::Ls {
+            all,
+            metadata,
+            state,
+            user,
+            session,
+        } => {
             let l = c
-                .list_sandboxes_with(all, &metadata.into_iter().collect())
+                .list_sandboxes_with(&aviary_client::SandboxFilter {
+                    all,
+                    metadata: metadata.into_iter().collect(),
+                    state,
+                    user_id: user,
+                    session_id: session,
+                })
                 .await?;
             if json {
                 output::json(&l);
@@ -1287,9 +1332,33 @@ async fn events(a: EventsArgs, json: bool) -> Result<i32, Failure> {
     }
 }
 
+async fn snapshot_cmd(cmd: SnapshotCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        SnapshotCmd::Ls { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
+        SnapshotCmd::Rm { id } => {
+            let s = c.delete_snapshot(&id).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{id} deleted");
+            }
+        }
+    }
+    Ok(0)
+}
+
 async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
     let c = client()?;
     match cmd {
+        TemplateCmd::Rm { name } => {
+            c.remove_template(&name).await?;
+            if json {
+                output::json(&serde_json::json!({"removed": name}));
+            } else {
+                println!("{name} removed");
+            }
+        }
         TemplateCmd::Ls => {
             let l = c.templates().await?;
             if json {

@@ -501,6 +501,34 @@ fn template_import_from_a_docker_save_archive() {
         &["run", "--template", "mini", "--", "echo", "from-mini"],
     );
     assert_eq!(stdout(&o), "from-mini\n", "{o:?}");
+    // template rm: refused while a sandbox runs on it, then removed
+    let o = aviary(&s, &["--json", "sandbox", "create", "--template", "mini"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let on_mini = v["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("1 sandbox"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["sandbox", "rm", &on_mini]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(!stdout(&aviary(&s, &["template", "ls"])).contains("mini"));
+    let o = aviary(&s, &["run", "--template", "mini", "--", "true"]);
+    assert_eq!(o.status.code(), Some(64), "unknown template: {o:?}");
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert_eq!(o.status.code(), Some(66), "{o:?}");
+    let o = aviary(&s, &["template", "rm", "default"]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("default"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["template", "rm", "../etc"]);
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
 
     // garbage is refused with a clear error
     let junk = s._dir.path().join("junk.tar");
@@ -511,6 +539,107 @@ fn template_import_from_a_docker_save_archive() {
         String::from_utf8_lossy(&o.stderr).contains("invalid_archive"),
         "{o:?}"
     );
+}
+
+#[test]
+fn ls_filters_and_snapshot_rm() {
+    let s = serve();
+    let create = |args: &[&str]| {
+        let mut all = vec!["--json", "sandbox", "create"];
+        all.extend_from_slice(args);
+        let o = aviary(&s, &all);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let a = create(&["--user", "alice", "--session", "s1", "--scope", "session"]);
+    let b = create(&["--user", "bob", "--session", "s2", "--scope", "session"]);
+    let ls = |args: &[&str]| {
+        let mut all = vec!["--json", "sandbox", "ls"];
+        all.extend_from_slice(args);
+        let o = aviary(&s, &all);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let mut ids: Vec<String> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ls(&["--user", "alice"]), vec![a.clone()]);
+    assert_eq!(ls(&["--session", "s2"]), vec![b.clone()]);
+    assert!(ls(&["--user", "alice", "--session", "s2"]).is_empty());
+    let o = aviary(&s, &["sandbox", "ls", "--state", "Sleepy"]);
+    assert_eq!(
+        o.status.code(),
+        Some(64),
+        "an unknown state is refused: {o:?}"
+    );
+
+    // snapshots: take two of a, delete the older one
+    let snap = |id: &str| {
+        let o = aviary(&s, &["--json", "sandbox", "snapshot", id]);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let first = snap(&a);
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            &a,
+            "--",
+            "sh",
+            "-c",
+            "echo v2 > /workspace/f",
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let second = snap(&a);
+    let o = aviary(&s, &["snapshot", "rm", &first]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["snapshot", "ls", "--sandbox", &a]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let listed: Vec<&str> = v["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, vec![second.as_str()], "{v}");
+    let o = aviary(&s, &["snapshot", "rm", &first]);
+    assert_eq!(o.status.code(), Some(66), "gone: {o:?}");
+    // the later snapshot is whole without its parent: fork from it
+    let o = aviary(
+        &s,
+        &["--json", "sandbox", "fork", &a, "--snapshot", &second],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fork = v["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["sandbox", "exec", &fork, "--", "cat", "/workspace/f"]);
+    assert_eq!(stdout(&o), "v2\n", "{o:?}");
+    // a hibernated sandbox's wake snapshot is kept
+    let o = aviary(&s, &["--json", "sandbox", "hibernate", &b]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(ls(&["--state", "Hibernating"]), vec![b.clone()]);
+    let o = aviary(&s, &["--json", "snapshot", "ls", "--sandbox", &b]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let wake_from = v["snapshots"][0]["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["snapshot", "rm", &wake_from]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("wake"), "{o:?}");
+    for id in [&a, &b, &fork] {
+        let o = aviary(&s, &["sandbox", "rm", id]);
+        assert!(o.status.success(), "{o:?}");
+    }
+    let o = aviary(&s, &["snapshot", "rm", &wake_from]);
+    assert!(o.status.success(), "after the sandbox is deleted: {o:?}");
 }
 
 /// Runs the built `aviary` with `args` and no server.
@@ -572,7 +701,10 @@ fn man_pages_render_every_command() {
     let top = aviary_local(&["man"]);
     let top = String::from_utf8(top.stdout).unwrap();
     assert!(top.starts_with(".ie"), "roff");
-    assert!(top.contains("aviary\\-sandbox(1)"), "no see-also of sandbox");
+    assert!(
+        top.contains("aviary\\-sandbox(1)"),
+        "no see-also of sandbox"
+    );
     // and it is valid roff: man formats it without warnings
     let man = Command::new("man")
         .args(["--warnings", "-l", "-P", "cat"])
