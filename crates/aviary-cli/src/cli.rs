@@ -659,8 +659,9 @@ impl From<ClientError> for Failure {
             ),
         };
         let message = match &e {
-            ClientError::Connect { url, .. } => format!(
-                "cannot reach the aviary server at {url} (is `aviary serve` running? AVIARY_URL selects another)"
+            ClientError::Connect { .. } => format!(
+                "{} (is `aviary serve` running there? AVIARY_URL selects another)",
+                error_chain(&e)
             ),
             ClientError::Api { code, message, .. } => format!("{message} [{}]", code.as_str()),
             other => error_chain(other),

@@ -725,3 +725,95 @@ fn man_pages_render_every_command() {
         Err(e) => eprintln!("SKIP formatting check: `man` is not installed here ({e})"),
     }
 }
+
+/// A TLS terminator in front of `backend` (127.0.0.1), with a certificate
+/// for `localhost` issued by a fresh CA; returns its port and the CA's PEM.
+fn tls_front(backend: u16) -> (u16, String) {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "aviary test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf.der().clone(), ca.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+        )
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", backend)).await
+                    else {
+                        return;
+                    };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                });
+            }
+        });
+    });
+    (port, ca.pem())
+}
+
+#[test]
+fn the_cli_speaks_https_and_checks_the_certificate() {
+    let s = serve();
+    let backend: u16 = s.url.rsplit(':').next().unwrap().parse().unwrap();
+    let (port, ca_pem) = tls_front(backend);
+    let ca_file = s._dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca_pem).unwrap();
+    let https = format!("https://localhost:{port}");
+    let run = |trust: Option<&Path>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_aviary"));
+        cmd.args(["run", "--", "echo", "over-tls"])
+            .env("AVIARY_URL", &https)
+            .env("AVIARY_DATA_DIR", &s.data);
+        match trust {
+            Some(f) => cmd.env("SSL_CERT_FILE", f),
+            // a trust store without our CA
+            None => cmd.env("SSL_CERT_FILE", "/dev/null"),
+        };
+        cmd.output().unwrap()
+    };
+    let o = run(Some(&ca_file));
+    assert_eq!(
+        (o.status.code(), stdout(&o).as_str()),
+        (Some(0), "over-tls\n"),
+        "{o:?}"
+    );
+    // an unknown issuer is refused, not silently accepted
+    let o = run(None);
+    assert_eq!(o.status.code(), Some(69), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("certificate"), "names the cause: {err}");
+}
