@@ -197,6 +197,11 @@ impl CreateArgs {
 
 #[derive(Args, Debug)]
 struct ExecOpts {
+    /// Stream this process's stdin to the command, bytes as they come, until
+    /// EOF (`cat data.bin | aviary sandbox exec -i ID -- sha256sum`). Without
+    /// it the command's stdin is empty.
+    #[arg(short = 'i', long)]
+    interactive: bool,
     /// Kill the command's whole process group after this many seconds.
     #[arg(long)]
     timeout: Option<f64>,
@@ -912,8 +917,19 @@ fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) ->
 /// Streams a command's output live; returns its exit status as an exit code.
 /// Under `--json` the output is collected instead and printed once, in the
 /// one JSON document (the exit result with `stdout`/`stderr`, and `sandbox`).
-async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Result<i32, Failure> {
-    let mut s = c.exec_stream(id, req).await?;
+async fn stream_exec(
+    c: &Client,
+    id: &str,
+    req: &ExecRequest,
+    stdin: bool,
+    json: bool,
+) -> Result<i32, Failure> {
+    let mut s = if stdin {
+        let input = tokio_util::io::ReaderStream::new(tokio::io::stdin());
+        c.exec_stream_piped(id, req, input).await?
+    } else {
+        c.exec_stream(id, req).await?
+    };
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
@@ -966,7 +982,7 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let token = created.lease.as_ref().map(|l| l.token);
     let ereq = exec_request(a.cmd, &a.exec, token);
     let res = tokio::select! {
-        r = stream_exec(&c, &id, &ereq, json) => r,
+        r = stream_exec(&c, &id, &ereq, a.exec.interactive, json) => r,
         _ = tokio::signal::ctrl_c() => Ok(130),
     };
     if let Err(e) = c.delete_sandbox(&id, token).await {
@@ -1198,7 +1214,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             cmd,
         } => {
             let req = exec_request(cmd, &exec, token);
-            return stream_exec(&c, &id, &req, json).await;
+            return stream_exec(&c, &id, &req, exec.interactive, json).await;
         }
         SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,

@@ -642,6 +642,77 @@ fn ls_filters_and_snapshot_rm() {
     assert!(o.status.success(), "after the sandbox is deleted: {o:?}");
 }
 
+#[test]
+fn exec_i_streams_stdin_bytes() {
+    use std::io::Write as _;
+    let s = serve();
+    let o = aviary(&s, &["sandbox", "create"]);
+    let id = stdout(&o).trim().to_owned();
+    let with_stdin = |args: &[&str], input: &[u8]| {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("AVIARY_URL", &s.url)
+            .env("AVIARY_DATA_DIR", &s.data)
+            .env_remove("AVIARY_API_KEY")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let input = input.to_vec();
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&input);
+        });
+        let o = child.wait_with_output().unwrap();
+        writer.join().unwrap();
+        o
+    };
+    let o = with_stdin(&["sandbox", "exec", "-i", &id, "--", "cat"], b"hi\n");
+    assert_eq!(
+        (o.status.code(), stdout(&o).as_str()),
+        (Some(0), "hi\n"),
+        "{o:?}"
+    );
+    // binary input, bigger than one frame, arrives unchanged
+    let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let o = with_stdin(
+        &[
+            "sandbox",
+            "exec",
+            "-i",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "cat > /workspace/b; md5sum < /workspace/b",
+        ],
+        &data,
+    );
+    assert!(o.status.success(), "{o:?}");
+    let local = Command::new("md5sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut li = local.stdin.as_ref().unwrap();
+    li.write_all(&data).unwrap();
+    let local = local.wait_with_output().unwrap();
+    assert_eq!(stdout(&o), stdout(&local));
+    // without -i the command's stdin is empty (as with docker exec)
+    let o = with_stdin(&["sandbox", "exec", &id, "--", "cat"], b"ignored\n");
+    assert_eq!(
+        (o.status.code(), stdout(&o).as_str()),
+        (Some(0), ""),
+        "{o:?}"
+    );
+    // run -i too
+    let o = with_stdin(&["run", "-i", "--", "tr", "a-z", "A-Z"], b"shout\n");
+    assert_eq!(stdout(&o), "SHOUT\n", "{o:?}");
+    let o = aviary(&s, &["sandbox", "rm", &id]);
+    assert!(o.status.success(), "{o:?}");
+}
+
 /// Runs the built `aviary` with `args` and no server.
 fn aviary_local(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_aviary"))

@@ -393,6 +393,41 @@ impl Client {
         })
     }
 
+    /// `exec/stream` with the process's stdin streamed from `stdin` (bytes,
+    /// sent as they come; stdin closes when the stream ends):
+    /// `POST /v1/sandboxes/{id}/exec/stdin`, a multipart body.
+    pub async fn exec_stream_piped<S>(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        stdin: S,
+    ) -> Result<ExecStream, ClientError>
+    where
+        S: futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static,
+    {
+        let json = serde_json::to_string(req)
+            .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
+        let request = reqwest::multipart::Part::text(json)
+            .mime_str("application/json")
+            .map_err(ClientError::Transport)?;
+        let form = reqwest::multipart::Form::new()
+            .part("request", request)
+            .part(
+                "stdin",
+                reqwest::multipart::Part::stream(reqwest::Body::wrap_stream(stdin)),
+            );
+        let resp = self
+            .send(
+                self.req(Method::POST, &format!("/v1/sandboxes/{id}/exec/stdin"))
+                    .multipart(form),
+            )
+            .await?;
+        Ok(ExecStream {
+            body: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        })
+    }
+
     fn files_url(id: &str, op: &str, path: &str) -> String {
         let mut s = format!("/v1/sandboxes/{id}/files{op}?path=");
         s.push_str(&urlencode(path));

@@ -1645,6 +1645,32 @@ impl ControlPlane {
         cx: &OpContext,
         req: OnSandbox<ExecRequest>,
     ) -> Result<ExecRun, OpError> {
+        self.exec_start_with(cx, req, None).await
+    }
+
+    /// [`Self::exec_start`] with the process's stdin streamed from `stdin`
+    /// (bytes, forwarded as they arrive; the request's own `stdin` must be
+    /// absent).
+    pub async fn exec_start_piped(
+        &self,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
+        stdin: aviary_envd_proto::StdinSource,
+    ) -> Result<ExecRun, OpError> {
+        if req.request.stdin.is_some() {
+            return Err(OpError::InvalidRequest(
+                "give stdin either in the request or as the streamed part, not both".into(),
+            ));
+        }
+        self.exec_start_with(cx, req, Some(stdin)).await
+    }
+
+    async fn exec_start_with(
+        &self,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
+        stdin: Option<aviary_envd_proto::StdinSource>,
+    ) -> Result<ExecRun, OpError> {
         let mut spec = Self::exec_spec(&req.request)?;
         let (rec, live) = self.writable(cx, &req.id).await?;
         // the sandbox's default environment, under the exec's own
@@ -1659,7 +1685,14 @@ impl ControlPlane {
             .via_envd(
                 &rec,
                 &live,
-                live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
+                match stdin {
+                    Some(stdin) => {
+                        live.envd
+                            .exec_piped(spec, stdin, cx.token.map(|t| t.fence()))
+                            .await
+                    }
+                    None => live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
+                },
             )
             .await?;
         self.metrics.inc_exec();

@@ -475,6 +475,15 @@ async fn exec_stream(
     aviary_control::validate::exec_request(&req)?;
     let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
     let run = cp.exec_start(&cx, OnSandbox::new(id, req)).await?;
+    Ok(exec_events(cp, run))
+}
+
+/// The SSE answer of a started exec: output chunks as they come, then the
+/// exit (or an error), each an `ExecEvent`.
+fn exec_events(
+    cp: AppState,
+    run: aviary_control::ops::ExecRun,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (cp, mut run) = st?;
@@ -531,7 +540,88 @@ async fn exec_stream(
             .unwrap_or_else(|_| SseEvent::default().event("error"));
         Some((Ok(sse), if ev.1 { None } else { Some((cp, run)) }))
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// Streaming exec with stdin streamed too: a `multipart/form-data` body
+/// whose first part, `request`, is the `ExecRequest` (JSON) and whose second
+/// part, `stdin`, is the process's stdin: bytes, forwarded as they arrive,
+/// closed when the part ends. The answer is the event stream of
+/// `exec/stream`.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stdin",
+    request_body(content = ExecStdinForm, content_type = "multipart/form-data"),
+    params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased (or `token` in the request part)")),
+    responses((status = 200, description = "server-sent events, as exec/stream", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
+async fn exec_piped(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let bad = |m: String| ApiError::from(OpError::InvalidRequest(m));
+    let boundary = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|ct| multer::parse_boundary(ct).ok())
+        .ok_or_else(|| {
+            bad(
+                "exec/stdin takes multipart/form-data: a `request` part (JSON) then a `stdin` part"
+                    .into(),
+            )
+        })?;
+    let limits = multer::Constraints::new()
+        .size_limit(multer::SizeLimit::new().for_field("request", cp.server.max_json_bytes as u64));
+    let mut parts = multer::Multipart::with_constraints(body.into_data_stream(), boundary, limits);
+    let part_err = |e: multer::Error| match e {
+        multer::Error::FieldSizeExceeded { .. } | multer::Error::StreamSizeExceeded { .. } => {
+            ApiError::from(OpError::PayloadTooLarge(
+                "the request part is larger than the JSON body limit".into(),
+            ))
+        }
+        e => ApiError::from(OpError::InvalidRequest(format!(
+            "malformed multipart body: {e}"
+        ))),
+    };
+    let first = parts
+        .next_field()
+        .await
+        .map_err(part_err)?
+        .ok_or_else(|| bad("the body has no `request` part".into()))?;
+    if first.name() != Some("request") {
+        return Err(bad(
+            "the first part must be `request` (the ExecRequest as JSON)".into(),
+        ));
+    }
+    let json = first.bytes().await.map_err(part_err)?;
+    let req: ExecRequest = serde_json::from_slice(&json)
+        .map_err(|e| bad(format!("the request part is not a valid ExecRequest: {e}")))?;
+    aviary_control::validate::exec_request(&req)?;
+    let stdin = parts
+        .next_field()
+        .await
+        .map_err(part_err)?
+        .ok_or_else(|| bad("the body has no `stdin` part after `request`".into()))?;
+    if stdin.name() != Some("stdin") {
+        return Err(bad("the second part must be `stdin`".into()));
+    }
+    let reader = tokio_util::io::StreamReader::new(stdin.map_err(std::io::Error::other));
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
+    let run = cp
+        .exec_start_piped(&cx, OnSandbox::new(id, req), Box::pin(reader))
+        .await?;
+    Ok(exec_events(cp, run))
+}
+
+/// The body of `POST /v1/sandboxes/{id}/exec/stdin`.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ExecStdinForm {
+    /// The command, as for `exec/stream` (JSON).
+    request: ExecRequest,
+    /// The process's stdin.
+    #[schema(value_type = String, format = Binary)]
+    stdin: Vec<u8>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file content (streamed)", content_type = "application/octet-stream"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
@@ -1368,7 +1458,7 @@ impl utoipa::Modify for ErrorResponses {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
-    paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
+    paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream, exec_piped,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
           events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     components(schemas(ExecEvent, Event)),
@@ -1392,6 +1482,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             "/v1/templates/{name}",
             post(import_template).delete(remove_template),
         )
+        .route("/v1/sandboxes/{id}/exec/stdin", post(exec_piped))
         .layer(DefaultBodyLimit::disable());
     Router::new()
         .route("/healthz", get(healthz))
