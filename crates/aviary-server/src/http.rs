@@ -1310,9 +1310,21 @@ impl utoipa::Modify for ErrorResponses {
 )]
 pub struct ApiDoc;
 
+/// Where the OpenSandbox surface is served: `OPEN_SANDBOX_DOMAIN=HOST:PORT/opensandbox`.
+pub const OPENSANDBOX_PREFIX: &str = "/opensandbox";
+
 pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
     use axum::extract::DefaultBodyLimit;
     let json_limit = server.max_json_bytes;
+    // the OpenSandbox-compatible surface, beside v1 (its own auth and limits)
+    let opensandbox = aviary_compat_opensandbox::router(
+        cp.clone(),
+        aviary_compat_opensandbox::OpenSandboxSettings {
+            prefix: OPENSANDBOX_PREFIX.into(),
+            max_json_bytes: json_limit,
+            max_upload_bytes: server.max_upload_bytes,
+        },
+    );
     let cp = AppState { cp, server };
     let edge = &cp.cfg.settings.server.edge;
     let limiter = Arc::new(RateLimiter::from_settings(edge));
@@ -1367,6 +1379,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/allocations", get(allocations))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
+        .nest(OPENSANDBOX_PREFIX, opensandbox)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
