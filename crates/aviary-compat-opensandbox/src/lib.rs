@@ -63,8 +63,12 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| aviary_core::new_id("req"))
 }
 
-/// The OpenSandbox surface; nest it at `settings.prefix`.
-pub fn router(control: Arc<ControlPlane>, settings: OpenSandboxSettings) -> Router {
+/// The OpenSandbox surface; nest it at `settings.prefix` (it carries its
+/// own state, so it nests into a router of any state type).
+pub fn router<S: Clone + Send + Sync + 'static>(
+    control: Arc<ControlPlane>,
+    settings: OpenSandboxSettings,
+) -> Router<S> {
     let json_limit = settings.max_json_bytes;
     let state = OsbState {
         cp: control,

@@ -1,0 +1,209 @@
+//! The official `opensandbox` Python SDK (async and sync flavours) and
+//! AgentScope's `OpenSandboxWorkspace` against a live server (real crun
+//! sandboxes of the debootstrap default template), through the
+//! OpenSandbox surface at `/opensandbox`. The Python scripts are in
+//! `crates/aviary-compat-opensandbox/tests/sdk/`; they print one JSON
+//! object of observations, asserted on here. The venv with the pinned
+//! packages comes from `scripts/test.sh` (`AVIARY_OSB_VENV`); without it
+//! the tests skip, saying so.
+
+mod common;
+
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn venv_python() -> Option<PathBuf> {
+    let Some(venv) = std::env::var_os("AVIARY_OSB_VENV") else {
+        eprintln!(
+            "SKIP: AVIARY_OSB_VENV is not set (scripts/test.sh installs opensandbox==1.1.1 and \
+             agentscope==2.0.11 into a venv and sets it)"
+        );
+        return None;
+    };
+    let py = PathBuf::from(venv).join("bin/python");
+    assert!(py.exists(), "AVIARY_OSB_VENV has no bin/python: {}", py.display());
+    Some(py)
+}
+
+fn script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../aviary-compat-opensandbox/tests/sdk")
+        .join(name)
+}
+
+/// Runs a script with the SDK's two settings pointed at the server; its
+/// last stdout line is the JSON report.
+async fn run_script(
+    py: &PathBuf,
+    name: &str,
+    args: &[&str],
+    ts: &common::TestServer,
+    key: &str,
+    other_key: &str,
+) -> Value {
+    let domain = format!("{}/opensandbox", ts.url().trim_start_matches("http://"));
+    let out = tokio::process::Command::new(py)
+        .arg(script(name))
+        .args(args)
+        .env("OPEN_SANDBOX_DOMAIN", &domain)
+        .env("OPEN_SANDBOX_PROTOCOL", "http")
+        .env("OPEN_SANDBOX_API_KEY", key)
+        .env("OSB_OTHER_KEY", other_key)
+        .env_remove("HTTP_PROXY")
+        .env_remove("http_proxy")
+        .env_remove("ALL_PROXY")
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("--- {name} stderr ---\n{}", String::from_utf8_lossy(&out.stderr));
+    let last = stdout.lines().last().unwrap_or("");
+    let report: Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("{name} printed no JSON report ({e}):\n{stdout}"));
+    eprintln!("--- {name} report ---\n{report:#}");
+    assert!(
+        report.get("exception").is_none(),
+        "{name} raised: {}",
+        report["exception"].as_str().unwrap_or("")
+    );
+    report
+}
+
+fn ts_of(v: &Value) -> time::OffsetDateTime {
+    time::OffsetDateTime::parse(
+        v.as_str().unwrap_or_else(|| panic!("not a time: {v}")),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap()
+}
+
+/// The tenant has no sandbox left that has not ended.
+async fn assert_nothing_left(ts: &common::TestServer, tenant: &str) {
+    let live: Vec<_> = ts
+        .cp()
+        .registry
+        .list_sandboxes(Some(tenant), false)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.id, s.state))
+        .collect();
+    assert!(live.is_empty(), "{tenant} has sandboxes left: {live:?}");
+}
+
+fn common_flow_checks(r: &Value) {
+    assert_eq!(r["state"], "Running");
+    // streamed: line1 reached the handler well before line3 was printed
+    assert_eq!(r["stream_texts"], serde_json::json!(["line1\n", "line2\n", "line3\n"]));
+    let offsets: Vec<f64> = r["stream_offsets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert!(
+        offsets[0] < offsets[2],
+        "line1 came no earlier than line3: {offsets:?}"
+    );
+    assert_eq!(r["stream_exit"], 0);
+    assert_eq!(r["split_stdout"], "out\n");
+    assert_eq!(r["split_stderr"], "err\n");
+    assert_eq!(r["exit3"], 3);
+    assert_eq!(r["files_seen"], serde_json::json!(["100000", "755", "644"]));
+    assert_eq!(r["read_back"], "hello file");
+    assert_eq!(r["list_running_tagged"], serde_json::json!([r["id"].clone()]));
+    // expiresAt ≈ createdAt + timeout, then moved by renew
+    let created = ts_of(&r["created_at"]);
+    let expires = ts_of(&r["expires_at"]);
+    let timeout_s = (expires - created).whole_seconds();
+    assert!(
+        (timeout_s - r["timeout_s"].as_i64().unwrap()).abs() <= 5,
+        "expiresAt - createdAt = {timeout_s}s"
+    );
+    let renewed = ts_of(&r["expires_after_renew"]);
+    let requested = ts_of(&r["renew_requested"]);
+    assert!(
+        (renewed - requested).whole_seconds().abs() <= 5,
+        "renew asked {requested}, got {renewed}"
+    );
+    assert!(renewed > expires);
+    let states = r["pause_states"].as_array().unwrap();
+    assert_eq!(states.last().unwrap(), "Paused", "{states:?}");
+    assert!(states
+        .iter()
+        .all(|s| s == "Running" || s == "Pausing" || s == "Paused"));
+    assert_eq!(r["resumed_state"], "Running");
+    assert_eq!(r["after_resume"], "hello file");
+    assert_eq!(r["get_after_kill"][0], 404);
+    assert_eq!(r["get_after_kill"][1]["code"], "NOT_FOUND");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn opensandbox_sdk_async_flow() {
+    let Some(py) = venv_python() else { return };
+    let ts = common::start_with("default").await;
+    let user = ts.client.create_key("osb-user", false).await.unwrap();
+    let other = ts.client.create_key("osb-other", false).await.unwrap();
+    let mut r = run_script(&py, "osb_flow.py", &["async"], &ts, &user.key, &other.key).await;
+    r["timeout_s"] = 600.into();
+    common_flow_checks(&r);
+    assert_eq!(r["metadata"]["team"], "osb async");
+    assert_eq!(r["cwd_env"], "/tmp\nhello env\n");
+    assert_eq!(r["read_big_len"], 100000);
+    assert_eq!(r["list_paused_tagged"], serde_json::json!([]));
+    assert_eq!(r["list_other_tag"], serde_json::json!([]));
+    assert_eq!(r["pagination_total"], 0);
+    assert_eq!(
+        r["list_paused_after_pause"],
+        serde_json::json!([r["id"].clone()])
+    );
+    assert!(
+        r["endpoint"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("/opensandbox/sandboxes/{}/execd", r["id"].as_str().unwrap())),
+        "{}",
+        r["endpoint"]
+    );
+    let adv = &r["adversarial"];
+    assert_eq!(adv["execd_no_token"], 401);
+    assert_eq!(adv["execd_wrong_token"], 401);
+    assert_eq!(adv["execd_api_key_instead_of_token"], 401);
+    assert_eq!(adv["other_tenant_get"][0], 404);
+    assert_eq!(adv["other_tenant_get"][1]["code"], "NOT_FOUND");
+    assert_eq!(adv["other_tenant_delete"], 404);
+    assert_eq!(adv["other_tenant_endpoint"], 404);
+    assert_eq!(adv["no_key"][0], 401);
+    assert!(adv["no_key"][1]["code"].is_string());
+    for k in [
+        "create_array_body",
+        "create_bad_json",
+        "create_volumes",
+        "create_huge_cpu",
+        "list_bad_state",
+        "renew_past",
+    ] {
+        assert_eq!(adv[k][0], 400, "{k}: {}", adv[k]);
+        assert!(adv[k][1]["message"].is_string(), "{k}");
+    }
+    assert_eq!(adv["command_bad_body"], 400);
+    assert_eq!(adv["command_missing_cwd"], 400);
+    assert_eq!(adv["upload_relative_path"], 400);
+    assert_eq!(adv["upload_file_without_metadata"], 400);
+    assert_eq!(adv["egress"], 501);
+    assert_nothing_left(&ts, "osb-user").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn opensandbox_sdk_sync_flow() {
+    let Some(py) = venv_python() else { return };
+    let ts = common::start_with("default").await;
+    let user = ts.client.create_key("osb-sync", false).await.unwrap();
+    let other = ts.client.create_key("osb-other", false).await.unwrap();
+    let mut r = run_script(&py, "osb_flow.py", &["sync"], &ts, &user.key, &other.key).await;
+    r["timeout_s"] = 300.into();
+    common_flow_checks(&r);
+    assert_eq!(r["metadata"]["flavour"], "sync");
+    assert_nothing_left(&ts, "osb-sync").await;
+}
