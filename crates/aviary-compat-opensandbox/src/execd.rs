@@ -163,6 +163,23 @@ pub(crate) async fn command(
     body: Bytes,
 ) -> Result<Response, OsbError> {
     let req = json_body::<RunCommand>(&body)?.into_exec()?;
+    // execd answers a missing working directory with a 400 before any
+    // event (AgentScope probes with a cwd that does not exist yet)
+    if let Some(cwd) = &req.cwd {
+        let not_dir = |why: &str| OsbError::invalid(format!("working directory {cwd} {why}"));
+        match st
+            .cp
+            .stat(&caller.cx, FileRequest::new(&caller.id, cwd))
+            .await
+        {
+            Ok(info) if info.kind == "dir" || info.kind == "symlink" => {}
+            Ok(_) => return Err(not_dir("is not a directory")),
+            Err(e) if e.code() == aviary_core::ErrorCode::NotFound => {
+                return Err(not_dir("does not exist"))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut run = st
         .cp
         .exec_start(&caller.cx, OnSandbox::new(&caller.id, req))

@@ -207,3 +207,35 @@ async fn opensandbox_sdk_sync_flow() {
     assert_eq!(r["metadata"]["flavour"], "sync");
     assert_nothing_left(&ts, "osb-sync").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agentscope_opensandbox_workspace_pauses_and_reattaches() {
+    let Some(py) = venv_python() else { return };
+    let ts = common::start_with("default").await;
+    let user = ts.client.create_key("osb-agentscope", false).await.unwrap();
+    let r = run_script(&py, "agentscope_flow.py", &[], &ts, &user.key, "").await;
+    let first = r["first_id"].clone();
+    assert!(first.is_string());
+    assert_eq!(r["exec_exit"], 0);
+    assert_eq!(r["exec_stdout"], "hello from /workspace\ndata\nsessions\nskills\n");
+    assert_eq!(r["exec_exit7"], 7);
+    assert_eq!(r["read_back"], "persist me\n");
+    assert_eq!(r["missing"], "FileNotFoundError");
+    assert!(r["info_before_close"]["agentscope.workspace.id"]
+        .as_str()
+        .unwrap()
+        .starts_with("ws-"));
+    // close pauses; the same workspace id re-attaches to the same sandbox
+    // (resumed) with its files
+    assert_eq!(r["state_after_close"], "Paused");
+    assert_eq!(r["second_id"], first);
+    assert_eq!(r["state_after_reattach"], "Running");
+    assert_eq!(r["read_after_reattach"], "persist me\n");
+    assert_eq!(r["state_after_second_close"], "Paused");
+    // another workspace id gets a sandbox of its own
+    assert!(r["other_workspace_id"].is_string());
+    assert_ne!(r["other_workspace_id"], first);
+    assert_eq!(r["kill"], 204);
+    assert_eq!(r["kill_extra"], serde_json::json!([204]));
+    assert_nothing_left(&ts, "osb-agentscope").await;
+}

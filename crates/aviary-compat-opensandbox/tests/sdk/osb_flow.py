@@ -157,12 +157,6 @@ async def run_async():
         finally:
             await mgr.close()
 
-        renewed = await sbx.renew(timedelta(minutes=30))
-        obs["renew_requested"] = iso(datetime.now(timezone.utc) + timedelta(minutes=30))
-        info = await sbx.get_info()
-        obs["expires_after_renew"] = iso(info.expires_at)
-        obs["renew_answer"] = iso(renewed.expires_at)
-
         endpoint = await sbx.get_endpoint(44772)
         obs["endpoint"] = endpoint.endpoint
         obs["adversarial"] = adversarial(sbx.id, endpoint.endpoint, dict(endpoint.headers or {}))
@@ -186,6 +180,12 @@ async def run_async():
         obs["resumed_state"] = (await resumed.get_info()).status.state
         ex = await resumed.commands.run("cat /tmp/osb/b.txt")
         obs["after_resume"] = "".join(m.text for m in ex.logs.stdout)
+
+        renewed = await resumed.renew(timedelta(minutes=30))
+        obs["renew_requested"] = iso(datetime.now(timezone.utc) + timedelta(minutes=30))
+        info = await resumed.get_info()
+        obs["expires_after_renew"] = iso(info.expires_at)
+        obs["renew_answer"] = iso(renewed.expires_at)
         await resumed.close()
     finally:
         await sbx.kill()
