@@ -21,13 +21,17 @@ use serde_json::json;
 #[derive(Clone, Debug, PartialEq)]
 pub enum CommandEvent {
     /// First event: the execution's id.
-    Init { execution_id: String },
+    Init {
+        execution_id: String,
+    },
     Stdout(String),
     Stderr(String),
     /// Sent after a stretch of silence, so idle connections stay open.
     Ping,
     /// The command exited 0.
-    Complete { execution_time_ms: u64 },
+    Complete {
+        execution_time_ms: u64,
+    },
     /// The command exited non-zero (`evalue` is the code) or could not run
     /// to its end (`evalue` is the reason, not a number).
     Error {
@@ -49,7 +53,9 @@ impl CommandEvent {
             CommandEvent::Stderr(t) => {
                 json!({"type": "stderr", "text": t, "timestamp": timestamp_ms})
             }
-            CommandEvent::Ping => json!({"type": "ping", "text": "pong", "timestamp": timestamp_ms}),
+            CommandEvent::Ping => {
+                json!({"type": "ping", "text": "pong", "timestamp": timestamp_ms})
+            }
             CommandEvent::Complete { execution_time_ms } => json!({
                 "type": "execution_complete",
                 "execution_time": execution_time_ms,
@@ -150,8 +156,13 @@ mod tests {
 
     fn parse(frame: &Bytes) -> serde_json::Value {
         let s = std::str::from_utf8(frame).unwrap();
-        let body = s.strip_suffix("\n\n").expect("frame ends with a blank line");
-        assert!(!body.contains('\n'), "a raw newline inside a frame: {body:?}");
+        let body = s
+            .strip_suffix("\n\n")
+            .expect("frame ends with a blank line");
+        assert!(
+            !body.contains('\n'),
+            "a raw newline inside a frame: {body:?}"
+        );
         serde_json::from_str(body).unwrap()
     }
 
@@ -206,11 +217,18 @@ mod tests {
         let mut s = LineSplitter::default();
         let snow = "☃".as_bytes(); // 3 bytes
         assert_eq!(s.push(&snow[..1]), None);
-        assert_eq!(s.push(&[&snow[1..], b"\n"].concat()).as_deref(), Some("☃\n"));
+        assert_eq!(
+            s.push(&[&snow[1..], b"\n"].concat()).as_deref(),
+            Some("☃\n")
+        );
         let mut long = vec![b'a'; LineSplitter::MAX_HELD];
         long.extend_from_slice(&snow[..2]);
         let out = s.push(&long).unwrap();
-        assert_eq!(out.len(), LineSplitter::MAX_HELD, "cut before the split sequence");
+        assert_eq!(
+            out.len(),
+            LineSplitter::MAX_HELD,
+            "cut before the split sequence"
+        );
         assert_eq!(s.push(&snow[2..]), None);
         assert_eq!(s.finish().as_deref(), Some("☃"));
     }

@@ -222,7 +222,8 @@ pub(crate) async fn command(
         out: LineSplitter::default(),
         err: LineSplitter::default(),
     });
-    let first = futures_util::stream::once(async move { Ok::<_, std::io::Error>(init.frame(now_ms())) });
+    let first =
+        futures_util::stream::once(async move { Ok::<_, std::io::Error>(init.frame(now_ms())) });
     let rest = futures_util::stream::unfold(state, |state| async move {
         let mut s = state?;
         loop {
@@ -353,7 +354,12 @@ async fn apply_permissions(
             cp,
             cx,
             id,
-            vec!["chmod".into(), format!("{bits:04o}"), "--".into(), path.into()],
+            vec![
+                "chmod".into(),
+                format!("{bits:04o}"),
+                "--".into(),
+                path.into(),
+            ],
         )
         .await?;
     }
@@ -364,7 +370,13 @@ async fn apply_permissions(
         (None, None) => None,
     };
     if let Some(spec) = spec {
-        run_helper(cp, cx, id, vec!["chown".into(), spec, "--".into(), path.into()]).await?;
+        run_helper(
+            cp,
+            cx,
+            id,
+            vec!["chown".into(), spec, "--".into(), path.into()],
+        )
+        .await?;
     }
     Ok(())
 }
@@ -380,9 +392,8 @@ pub(crate) async fn files_upload(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let boundary = multer::parse_boundary(content_type).map_err(|_| {
-        OsbError::invalid("expected a multipart/form-data body with a boundary")
-    })?;
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|_| OsbError::invalid("expected a multipart/form-data body with a boundary"))?;
     let max = st.settings.max_upload_bytes;
     let constraints = multer::Constraints::new()
         .allowed_fields(vec!["metadata", "file"])
@@ -471,7 +482,10 @@ fn multipart_error(e: multer::Error, max: u64) -> OsbError {
 }
 
 /// The `path` parameters of a query (several for info and removals).
-fn paths(query: Option<&str>, allowed: &[&str]) -> Result<(Vec<String>, BTreeMap<String, String>), OsbError> {
+fn paths(
+    query: Option<&str>,
+    allowed: &[&str],
+) -> Result<(Vec<String>, BTreeMap<String, String>), OsbError> {
     let mut paths = Vec::new();
     let mut other = BTreeMap::new();
     for (k, v) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
@@ -497,8 +511,8 @@ pub(crate) async fn files_download(
     RawQuery(query): RawQuery,
 ) -> Result<Response, OsbError> {
     let (paths, _) = paths(query.as_deref(), &[])?;
-    let [path] = <[String; 1]>::try_from(paths)
-        .map_err(|_| OsbError::invalid("download takes one path"))?;
+    let [path] =
+        <[String; 1]>::try_from(paths).map_err(|_| OsbError::invalid("download takes one path"))?;
     let reader = st
         .cp
         .read_file(&caller.cx, FileRequest::new(&caller.id, path))
@@ -662,8 +676,8 @@ pub(crate) async fn files_search(
     RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, OsbError> {
     let (paths, other) = paths(query.as_deref(), &["pattern"])?;
-    let [dir] = <[String; 1]>::try_from(paths)
-        .map_err(|_| OsbError::invalid("search takes one path"))?;
+    let [dir] =
+        <[String; 1]>::try_from(paths).map_err(|_| OsbError::invalid("search takes one path"))?;
     let pattern = other.get("pattern").map_or("*", String::as_str);
     let tree = st
         .cp
@@ -715,8 +729,8 @@ mod tests {
     #[test]
     fn run_command_bodies_are_checked() {
         let parse = |s: &str| json_body::<RunCommand>(s.as_bytes()).and_then(RunCommand::into_exec);
-        let r = parse(r#"{"command":"echo hi","cwd":"/tmp","timeout":1500,"envs":{"A":"1"}}"#)
-            .unwrap();
+        let r =
+            parse(r#"{"command":"echo hi","cwd":"/tmp","timeout":1500,"envs":{"A":"1"}}"#).unwrap();
         assert_eq!(r.shell.as_deref(), Some("echo hi"));
         assert_eq!(r.timeout_s, Some(1.5));
         assert_eq!(r.env.get("A").map(String::as_str), Some("1"));

@@ -97,7 +97,10 @@ pub fn router<S: Clone + Send + Sync + 'static>(
         .route("/v1/metrics/events", post(lifecycle::metrics_event))
         .route(&format!("{execd}/ping"), get(execd::ping))
         .route(&format!("{execd}/command"), post(execd::command))
-        .route(&format!("{execd}/files/download"), get(execd::files_download))
+        .route(
+            &format!("{execd}/files/download"),
+            get(execd::files_download),
+        )
         .route(&format!("{execd}/files/info"), get(execd::files_info))
         .route(&format!("{execd}/files/search"), get(execd::files_search))
         .route(
@@ -108,9 +111,15 @@ pub fn router<S: Clone + Send + Sync + 'static>(
             &format!("{execd}/directories"),
             post(execd::dirs_make).delete(execd::dirs_remove),
         )
-        .route(&format!("{execd}/{{*rest}}"), axum::routing::any(execd::not_supported))
+        .route(
+            &format!("{execd}/{{*rest}}"),
+            axum::routing::any(execd::not_supported),
+        )
         .route("/sandboxes/{id}/egress", axum::routing::any(execd::egress))
-        .route("/sandboxes/{id}/egress/{*rest}", axum::routing::any(execd::egress))
+        .route(
+            "/sandboxes/{id}/egress/{*rest}",
+            axum::routing::any(execd::egress),
+        )
         .layer(DefaultBodyLimit::max(json_limit));
     let streamed = Router::new()
         .route(&format!("{execd}/files/upload"), post(execd::files_upload))

@@ -124,7 +124,9 @@ pub fn sandbox_json(sb: &Sandbox) -> Value {
     let expires = if sb.user_managed {
         Value::Null
     } else {
-        sb.expires_at.map(rfc3339).map_or(Value::Null, Value::String)
+        sb.expires_at
+            .map(rfc3339)
+            .map_or(Value::Null, Value::String)
     };
     json!({
         "id": sb.id.to_string(),
@@ -233,11 +235,7 @@ pub fn class_for(
     classes
         .iter()
         .filter(|c| !c.gpu && c.cpu + 1e-9 >= cpu && c.memory_mb >= memory_mb)
-        .min_by(|a, b| {
-            a.cpu
-                .total_cmp(&b.cpu)
-                .then(a.memory_mb.cmp(&b.memory_mb))
-        })
+        .min_by(|a, b| a.cpu.total_cmp(&b.cpu).then(a.memory_mb.cmp(&b.memory_mb)))
         .map(|c| c.name.clone())
         .ok_or_else(|| {
             OsbError::invalid(format!(
@@ -476,7 +474,10 @@ pub(crate) async fn pause(
     if osb_state(&sb) != "Running" {
         return Err(OpError::InvalidState {
             state: sb.state,
-            what: format!("only a Running sandbox can be paused (it is {})", osb_state(&sb)),
+            what: format!(
+                "only a Running sandbox can be paused (it is {})",
+                osb_state(&sb)
+            ),
         }
         .into());
     }
@@ -499,7 +500,10 @@ pub(crate) async fn resume(
     } else {
         return Err(OpError::InvalidState {
             state: sb.state,
-            what: format!("only a Paused sandbox can be resumed (it is {})", osb_state(&sb)),
+            what: format!(
+                "only a Paused sandbox can be resumed (it is {})",
+                osb_state(&sb)
+            ),
         }
         .into());
     }
@@ -539,8 +543,7 @@ pub(crate) async fn renew(
     if sb.user_managed {
         return Err(OpError::InvalidState {
             state: sb.state,
-            what: "it was created without a timeout (manual cleanup) and has no expiration"
-                .into(),
+            what: "it was created without a timeout (manual cleanup) and has no expiration".into(),
         }
         .into());
     }
@@ -666,14 +669,22 @@ mod tests {
             c("mid", 2.0, 4096, false),
         ];
         let limits = |cpu: &str, mem: &str| {
-            BTreeMap::from([("cpu".to_owned(), cpu.to_owned()), ("memory".to_owned(), mem.to_owned())])
+            BTreeMap::from([
+                ("cpu".to_owned(), cpu.to_owned()),
+                ("memory".to_owned(), mem.to_owned()),
+            ])
         };
         assert_eq!(class_for(&classes, &limits("1", "2Gi")).unwrap(), "small");
-        assert_eq!(class_for(&classes, &limits("500m", "512Mi")).unwrap(), "small");
+        assert_eq!(
+            class_for(&classes, &limits("500m", "512Mi")).unwrap(),
+            "small"
+        );
         assert_eq!(class_for(&classes, &limits("2", "1Gi")).unwrap(), "mid");
         assert_eq!(class_for(&classes, &limits("1", "8Gi")).unwrap(), "big");
         assert_eq!(
-            class_for(&classes, &limits("64", "1Gi")).unwrap_err().status(),
+            class_for(&classes, &limits("64", "1Gi"))
+                .unwrap_err()
+                .status(),
             400
         );
         let gpu = BTreeMap::from([("nvidia.com/gpu".to_owned(), "1".to_owned())]);
@@ -689,7 +700,9 @@ mod tests {
         );
         assert_eq!(ttl_until("2026-11-29T17:09:13Z", now).unwrap(), 1800);
         assert_eq!(
-            ttl_until("2026-11-29T16:00:00+00:00", now).unwrap_err().status(),
+            ttl_until("2026-11-29T16:00:00+00:00", now)
+                .unwrap_err()
+                .status(),
             400
         );
         assert_eq!(ttl_until("tomorrow", now).unwrap_err().status(), 400);

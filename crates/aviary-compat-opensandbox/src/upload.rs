@@ -102,9 +102,7 @@ pub fn mode_digits(bits: u32) -> u64 {
 /// An absolute path inside the sandbox, without `..` or NUL.
 pub fn check_path(path: &str) -> Result<(), OsbError> {
     if !path.starts_with('/') {
-        return Err(OsbError::invalid(format!(
-            "path {path:?} must be absolute"
-        )));
+        return Err(OsbError::invalid(format!("path {path:?} must be absolute")));
     }
     if path.contains('\0') {
         return Err(OsbError::invalid("path contains a NUL byte"));

@@ -7,6 +7,8 @@
 //! packages comes from `scripts/test.sh` (`AVIARY_OSB_VENV`); without it
 //! the tests skip, saying so.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use serde_json::Value;
@@ -21,7 +23,11 @@ fn venv_python() -> Option<PathBuf> {
         return None;
     };
     let py = PathBuf::from(venv).join("bin/python");
-    assert!(py.exists(), "AVIARY_OSB_VENV has no bin/python: {}", py.display());
+    assert!(
+        py.exists(),
+        "AVIARY_OSB_VENV has no bin/python: {}",
+        py.display()
+    );
     Some(py)
 }
 
@@ -57,7 +63,10 @@ async fn run_script(
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("--- {name} stderr ---\n{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!(
+        "--- {name} stderr ---\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let last = stdout.lines().last().unwrap_or("");
     let report: Value = serde_json::from_str(last)
         .unwrap_or_else(|e| panic!("{name} printed no JSON report ({e}):\n{stdout}"));
@@ -95,7 +104,10 @@ async fn assert_nothing_left(ts: &common::TestServer, tenant: &str) {
 fn common_flow_checks(r: &Value) {
     assert_eq!(r["state"], "Running");
     // streamed: line1 reached the handler well before line3 was printed
-    assert_eq!(r["stream_texts"], serde_json::json!(["line1\n", "line2\n", "line3\n"]));
+    assert_eq!(
+        r["stream_texts"],
+        serde_json::json!(["line1\n", "line2\n", "line3\n"])
+    );
     let offsets: Vec<f64> = r["stream_offsets"]
         .as_array()
         .unwrap()
@@ -112,7 +124,10 @@ fn common_flow_checks(r: &Value) {
     assert_eq!(r["exit3"], 3);
     assert_eq!(r["files_seen"], serde_json::json!(["100000", "755", "644"]));
     assert_eq!(r["read_back"], "hello file");
-    assert_eq!(r["list_running_tagged"], serde_json::json!([r["id"].clone()]));
+    assert_eq!(
+        r["list_running_tagged"],
+        serde_json::json!([r["id"].clone()])
+    );
     // expiresAt ≈ createdAt + timeout, then moved by renew
     let created = ts_of(&r["created_at"]);
     let expires = ts_of(&r["expires_at"]);
@@ -159,10 +174,10 @@ async fn opensandbox_sdk_async_flow() {
         serde_json::json!([r["id"].clone()])
     );
     assert!(
-        r["endpoint"]
-            .as_str()
-            .unwrap()
-            .ends_with(&format!("/opensandbox/sandboxes/{}/execd", r["id"].as_str().unwrap())),
+        r["endpoint"].as_str().unwrap().ends_with(&format!(
+            "/opensandbox/sandboxes/{}/execd",
+            r["id"].as_str().unwrap()
+        )),
         "{}",
         r["endpoint"]
     );
@@ -217,7 +232,10 @@ async fn agentscope_opensandbox_workspace_pauses_and_reattaches() {
     let first = r["first_id"].clone();
     assert!(first.is_string());
     assert_eq!(r["exec_exit"], 0);
-    assert_eq!(r["exec_stdout"], "hello from /workspace\ndata\nsessions\nskills\n");
+    assert_eq!(
+        r["exec_stdout"],
+        "hello from /workspace\ndata\nsessions\nskills\n"
+    );
     assert_eq!(r["exec_exit7"], 7);
     assert_eq!(r["read_back"], "persist me\n");
     assert_eq!(r["missing"], "FileNotFoundError");
