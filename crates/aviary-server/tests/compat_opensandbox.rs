@@ -257,3 +257,141 @@ async fn agentscope_opensandbox_workspace_pauses_and_reattaches() {
     assert_eq!(r["kill_extra"], serde_json::json!([204]));
     assert_nothing_left(&ts, "osb-agentscope").await;
 }
+
+/// Without the SDK (runs everywhere): the raw wire of a command, and
+/// fencing — a sandbox leased by a native client refuses OpenSandbox calls,
+/// which carry no lease token, until the lease is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_sandbox_refuses_opensandbox_calls() {
+    let ts = common::start().await;
+    let key = ts.client.create_key("osb-fenced", false).await.unwrap().key;
+    let native = aviary_client::Client::new(&ts.url(), &key);
+    let http = reqwest::Client::new();
+    let base = format!("{}/opensandbox", ts.url());
+    let api = |m: reqwest::Method, path: &str| {
+        http.request(m, format!("{base}{path}"))
+            .header("OPEN-SANDBOX-API-KEY", &key)
+    };
+    let created = api(reqwest::Method::POST, "/v1/sandboxes")
+        .json(
+            &serde_json::json!({"image": {"uri": "busybox"}, "timeout": 120,
+            "resourceLimits": {"cpu": "1", "memory": "2Gi"},
+            "entrypoint": ["tail", "-f", "/dev/null"], "secureAccess": false}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 202);
+    let created: Value = created.json().await.unwrap();
+    let id = created["id"].as_str().unwrap().to_owned();
+    assert_eq!(created["status"]["state"], "Running");
+    assert_eq!(created["image"]["uri"], "busybox");
+    assert_eq!(
+        created["entrypoint"],
+        serde_json::json!(["tail", "-f", "/dev/null"])
+    );
+
+    let ep: Value = api(
+        reqwest::Method::GET,
+        &format!("/v1/sandboxes/{id}/endpoints/44772"),
+    )
+    .send()
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let endpoint = ep["endpoint"].as_str().unwrap();
+    assert!(!endpoint.starts_with("http"), "no scheme: {endpoint}");
+    assert!(!endpoint.ends_with('/'), "no trailing slash: {endpoint}");
+    let token = ep["headers"]["X-EXECD-ACCESS-TOKEN"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let command = |body: Value| {
+        http.post(format!("http://{endpoint}/command"))
+            .header("X-EXECD-ACCESS-TOKEN", &token)
+            .json(&body)
+            .send()
+    };
+    let r = command(serde_json::json!({"command": "echo hi; echo oops >&2; exit 4"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    let text = r.text().await.unwrap();
+    let events: Vec<Value> = text
+        .split("\n\n")
+        .filter(|f| !f.trim().is_empty())
+        .map(|f| serde_json::from_str(f).unwrap())
+        .collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(types.first(), Some(&"init"), "{text}");
+    assert!(events.iter().all(|e| e["timestamp"].is_i64()), "{text}");
+    let texts = |t: &str| -> String {
+        events
+            .iter()
+            .filter(|e| e["type"] == t)
+            .map(|e| e["text"].as_str().unwrap())
+            .collect()
+    };
+    assert_eq!(texts("stdout"), "hi\n");
+    assert_eq!(texts("stderr"), "oops\n");
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{text}");
+    assert_eq!(last["error"]["evalue"], "4");
+    assert!(!types.contains(&"execution_complete"));
+
+    let lease = native
+        .acquire_lease(&id, "native-agent", Some(60))
+        .await
+        .unwrap();
+    let refused = command(serde_json::json!({"command": "true"}))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 409);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["code"], "LEASE_REQUIRED", "{body}");
+    let refused = api(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 409);
+    // reads are not fenced
+    let ping = http
+        .get(format!("http://{endpoint}/ping"))
+        .header("X-EXECD-ACCESS-TOKEN", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ping.status(), 200);
+
+    native.release_lease(&id, lease.token).await.unwrap();
+    let ok = command(serde_json::json!({"command": "true"}))
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(ok.text().await.unwrap().contains("execution_complete"));
+    let deleted = api(reqwest::Method::DELETE, &format!("/v1/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 204);
+    let gone = api(reqwest::Method::GET, &format!("/v1/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404);
+    let ping = http
+        .get(format!("http://{endpoint}/ping"))
+        .header("X-EXECD-ACCESS-TOKEN", &token)
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        ping.status() == 404 || ping.status() == 401,
+        "{}",
+        ping.status()
+    );
+    assert_nothing_left(&ts, "osb-fenced").await;
+}
