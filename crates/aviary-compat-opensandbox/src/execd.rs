@@ -65,6 +65,7 @@ impl FromRequestParts<OsbState> for SandboxCaller {
         let cx = crate::foundation::authenticate_token(&st.cp, &id, token)
             .await?
             .with_request_id(crate::request_id(&parts.headers));
+        st.admit(&format!("sandbox-token {id}"))?;
         Ok(SandboxCaller { id, cx })
     }
 }

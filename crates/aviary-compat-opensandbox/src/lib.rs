@@ -33,8 +33,13 @@ use axum::routing::{get, post};
 use axum::Router;
 use std::sync::Arc;
 
+/// Admission of an authenticated request by the server's rate limits:
+/// called with the caller's bucket (the hash of its API key, as the v1
+/// API's, or `sandbox-token ID` for execd); `Err(retry_after_s)` refuses.
+pub type Admission = Arc<dyn Fn(&str) -> Result<(), u64> + Send + Sync>;
+
 /// The surface's settings.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct OpenSandboxSettings {
     /// Where the router is nested (`/opensandbox`): the endpoints it hands
     /// out name it.
@@ -43,6 +48,24 @@ pub struct OpenSandboxSettings {
     pub max_json_bytes: usize,
     /// Largest upload (a whole multipart body) accepted.
     pub max_upload_bytes: u64,
+    /// The server's rate limits (none: not limited here).
+    pub admission: Option<Admission>,
+}
+
+impl OsbState {
+    /// Takes one request from `bucket`'s rate limit.
+    pub(crate) fn admit(&self, bucket: &str) -> Result<(), error::OsbError> {
+        match &self.settings.admission {
+            Some(admit) => admit(bucket).map_err(|retry_after_s| {
+                aviary_control::OpError::RateLimited {
+                    message: "too many requests for this key".into(),
+                    retry_after_s,
+                }
+                .into()
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// What every handler gets.

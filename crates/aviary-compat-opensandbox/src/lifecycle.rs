@@ -70,6 +70,7 @@ impl FromRequestParts<OsbState> for ApiCaller {
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
         let caller = st.cp.authenticate(key).await?;
+        st.admit(&aviary_control::ops::hash_key(key.unwrap_or_default()))?;
         Ok(ApiCaller(
             OpContext::new(caller).with_request_id(crate::request_id(&parts.headers)),
         ))

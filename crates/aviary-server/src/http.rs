@@ -1316,18 +1316,23 @@ pub const OPENSANDBOX_PREFIX: &str = "/opensandbox";
 pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
     use axum::extract::DefaultBodyLimit;
     let json_limit = server.max_json_bytes;
-    // the OpenSandbox-compatible surface, beside v1 (its own auth and limits)
+    let limiter = Arc::new(RateLimiter::from_settings(&cp.cfg.settings.server.edge));
+    // the OpenSandbox-compatible surface, beside v1 (its own auth; the
+    // same per-key rate limits)
+    let compat_limiter = limiter.clone();
     let opensandbox = aviary_compat_opensandbox::router(
         cp.clone(),
         aviary_compat_opensandbox::OpenSandboxSettings {
             prefix: OPENSANDBOX_PREFIX.into(),
             max_json_bytes: json_limit,
             max_upload_bytes: server.max_upload_bytes,
+            admission: Some(Arc::new(move |bucket: &str| {
+                compat_limiter.take(bucket, std::time::Instant::now())
+            })),
         },
     );
     let cp = AppState { cp, server };
     let edge = &cp.cfg.settings.server.edge;
-    let limiter = Arc::new(RateLimiter::from_settings(edge));
     let body_timeout = std::time::Duration::from_millis(edge.body_read_timeout_ms);
     let streamed = Router::new()
         .route(

@@ -395,3 +395,43 @@ async fn leased_sandbox_refuses_opensandbox_calls() {
     );
     assert_nothing_left(&ts, "osb-fenced").await;
 }
+
+/// The compat routes take from the same per-key rate limit as `/v1`, and
+/// answer over it in OpenSandbox's error shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opensandbox_calls_share_the_keys_rate_limit() {
+    let (ts, _dir) = common::start_edited(|cfg| {
+        let e = &mut cfg.control.settings.server.edge;
+        e.rate_limit_per_s = 0.2;
+        e.rate_limit_burst = 5;
+    })
+    .await;
+    let key = ts.client.create_key("osb-busy", false).await.unwrap().key;
+    let http = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    let mut limited = None;
+    for _ in 0..8 {
+        let r = http
+            .get(format!("{}/opensandbox/v1/sandboxes", ts.url()))
+            .header("OPEN-SANDBOX-API-KEY", &key)
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        if r.status() == 429 {
+            assert!(r.headers().contains_key("retry-after"));
+            limited = Some(r.json::<Value>().await.unwrap());
+        }
+    }
+    assert_eq!(&statuses[..5], &[200; 5], "{statuses:?}");
+    assert_eq!(statuses[7], 429, "{statuses:?}");
+    assert_eq!(limited.unwrap()["code"], "RATE_LIMITED");
+    // the same bucket as the v1 API's
+    let v1 = http
+        .get(format!("{}/v1/sandboxes", ts.url()))
+        .bearer_auth(&key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(v1.status(), 429);
+}
