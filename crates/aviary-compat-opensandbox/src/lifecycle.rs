@@ -449,7 +449,11 @@ pub(crate) async fn list(
     RawQuery(query): RawQuery,
 ) -> Result<Json<Value>, OsbError> {
     let f = ListFilter::parse(query.as_deref())?;
-    let all = st.cp.list(&cx, SandboxQuery::default()).await?;
+    let query = SandboxQuery {
+        metadata: f.metadata.clone(),
+        ..Default::default()
+    };
+    let all = st.cp.list(&cx, query).await?;
     let admitted = all.into_iter().filter(|s| f.admits(s)).collect();
     Ok(Json(page_of(admitted, &f)))
 }
@@ -548,7 +552,7 @@ pub(crate) async fn renew(
         }
         .into());
     }
-    let sb = foundation::set_ttl(&st.cp, &cx, &id, Some(ttl_s)).await?;
+    let sb = foundation::set_ttl(&st.cp, &cx, &id, ttl_s).await?;
     let expires = sb.expires_at.map(rfc3339);
     Ok(Json(json!({ "expiresAt": expires })))
 }
