@@ -164,7 +164,8 @@ async fn opensandbox_sdk_async_flow() {
     r["timeout_s"] = 600.into();
     common_flow_checks(&r);
     assert_eq!(r["metadata"]["team"], "osb async");
-    assert_eq!(r["cwd_env"], "/tmp\nhello env\n");
+    // the sandbox's env is every command's default; the command's own wins
+    assert_eq!(r["cwd_env"], "/tmp\nhello env\nfrom create\n");
     assert_eq!(r["read_big_len"], 100000);
     assert_eq!(r["list_paused_tagged"], serde_json::json!([]));
     assert_eq!(r["list_other_tag"], serde_json::json!([]));
@@ -196,6 +197,7 @@ async fn opensandbox_sdk_async_flow() {
         "create_bad_json",
         "create_volumes",
         "create_huge_cpu",
+        "create_bad_metadata",
         "list_bad_state",
         "renew_past",
     ] {

@@ -73,6 +73,7 @@ def adversarial(sid, endpoint, headers):
                                  headers={"content-type": "application/json"})
     out["create_volumes"] = raw("POST", "/v1/sandboxes", json={"image": {"uri": "x"}, "volumes": [{"name": "v"}]})
     out["create_huge_cpu"] = raw("POST", "/v1/sandboxes", json={"timeout": 60, "resourceLimits": {"cpu": "512", "memory": "1Gi"}})
+    out["create_bad_metadata"] = raw("POST", "/v1/sandboxes", json={"timeout": 60, "metadata": {"k" * 300: "v"}})
     out["list_bad_state"] = raw("GET", "/v1/sandboxes?state=running")
     out["renew_past"] = raw("POST", f"/v1/sandboxes/{sid}/renew-expiration",
                             json={"expiresAt": "2001-01-01T00:00:00+00:00"})
@@ -105,6 +106,7 @@ async def run_async():
     tag = f"t{int(time.time() * 1000)}"
     meta = {"agentscope.workspace.id": tag, "team": "osb async"}
     sbx = await Sandbox.create("default", timeout=timedelta(minutes=10), metadata=meta,
+                               env={"OSB_DEFAULT": "from create", "GREETING": "overridden"},
                                connection_config=cfg, ready_timeout=timedelta(seconds=60))
     obs["id"] = sbx.id
     try:
@@ -132,7 +134,7 @@ async def run_async():
         obs["split_stdout"] = "".join(m.text for m in ex.logs.stdout)
         obs["split_stderr"] = "".join(m.text for m in ex.logs.stderr)
         obs["exit3"] = (await sbx.commands.run("exit 3")).exit_code
-        ex = await sbx.commands.run("pwd; echo $GREETING", opts=RunCommandOpts(
+        ex = await sbx.commands.run("pwd; echo $GREETING; echo $OSB_DEFAULT", opts=RunCommandOpts(
             working_directory="/tmp", envs={"GREETING": "hello env"}))
         obs["cwd_env"] = "".join(m.text for m in ex.logs.stdout)
 
