@@ -344,6 +344,45 @@ async fn leased_sandbox_refuses_opensandbox_calls() {
     assert_eq!(last["error"]["evalue"], "4");
     assert!(!types.contains(&"execution_complete"));
 
+    // the command's timeout (ms) kills it and ends the stream with an error
+    let r = command(serde_json::json!({"command": "echo started; sleep 30", "timeout": 300}))
+        .await
+        .unwrap();
+    let text = r.text().await.unwrap();
+    let last: Value = serde_json::from_str(text.trim_end().rsplit("\n\n").next().unwrap()).unwrap();
+    assert_eq!(last["type"], "error", "{text}");
+    assert!(
+        last["error"]["traceback"].to_string().contains("timeout"),
+        "{text}"
+    );
+    assert!(text.contains("started"), "{text}");
+
+    // one sandbox's token opens no other sandbox's execd
+    let other: Value = api(reqwest::Method::POST, "/v1/sandboxes")
+        .json(&serde_json::json!({"image": {"uri": "busybox"}, "timeout": 120}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let other_id = other["id"].as_str().unwrap();
+    let crossed = http
+        .get(format!("http://{}", endpoint.replace(&id, other_id)) + "/ping")
+        .header("X-EXECD-ACCESS-TOKEN", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(crossed.status(), 401);
+    let removed = api(
+        reqwest::Method::DELETE,
+        &format!("/v1/sandboxes/{other_id}"),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(removed.status(), 204);
+
     let lease = native
         .acquire_lease(&id, "native-agent", Some(60))
         .await
