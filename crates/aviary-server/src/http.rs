@@ -1466,12 +1466,29 @@ impl utoipa::Modify for ErrorResponses {
 )]
 pub struct ApiDoc;
 
+/// Where the OpenSandbox surface is served: `OPEN_SANDBOX_DOMAIN=HOST:PORT/opensandbox`.
+pub const OPENSANDBOX_PREFIX: &str = "/opensandbox";
+
 pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
     use axum::extract::DefaultBodyLimit;
     let json_limit = server.max_json_bytes;
+    let limiter = Arc::new(RateLimiter::from_settings(&cp.cfg.settings.server.edge));
+    // the OpenSandbox-compatible surface, beside v1 (its own auth; the
+    // same per-key rate limits)
+    let compat_limiter = limiter.clone();
+    let opensandbox = aviary_compat_opensandbox::router(
+        cp.clone(),
+        aviary_compat_opensandbox::OpenSandboxSettings {
+            prefix: OPENSANDBOX_PREFIX.into(),
+            max_json_bytes: json_limit,
+            max_upload_bytes: server.max_upload_bytes,
+            admission: Some(Arc::new(move |bucket: &str| {
+                compat_limiter.take(bucket, std::time::Instant::now())
+            })),
+        },
+    );
     let cp = AppState { cp, server };
     let edge = &cp.cfg.settings.server.edge;
-    let limiter = Arc::new(RateLimiter::from_settings(edge));
     let body_timeout = std::time::Duration::from_millis(edge.body_read_timeout_ms);
     let streamed = Router::new()
         .route(
@@ -1529,6 +1546,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/allocations", get(allocations))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
+        .nest(OPENSANDBOX_PREFIX, opensandbox)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
