@@ -29,6 +29,14 @@ fi
 export AVIARY_OPENAPI_VALIDATOR=$venv/bin/openapi-spec-validator
 export AVIARY_SCHEMATHESIS=$venv/bin/schemathesis
 
+echo "== OpenSandbox SDK and AgentScope (their own throwaway venv, pinned)"
+osb_venv=${AVIARY_OSB_VENV:-/var/tmp/aviary-osb-venv}
+if ! "$osb_venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("opensandbox") != "1.1.1" or m.version("agentscope") != "2.0.11")' 2>/dev/null; then
+  python3 -m venv "$osb_venv"
+  "$osb_venv/bin/pip" install -q "opensandbox==1.1.1" "agentscope==2.0.11"
+fi
+export AVIARY_OSB_VENV=$osb_venv
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

@@ -64,6 +64,20 @@ enum Command {
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
+    /// List and delete snapshots (checkpoints).
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Print a shell completion script: `aviary completions bash > /etc/bash_completion.d/aviary`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), or write one page per command into --dir.
+    Man {
+        /// Write aviary.1 and aviary-<command>.1 pages here instead of printing aviary.1.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -150,6 +164,9 @@ struct CreateArgs {
     /// (`aviary nodes ls` lists them); default: the server's default runtime.
     #[arg(long)]
     runtime: Option<String>,
+    /// Label KEY=VALUE kept with the sandbox (repeatable; `sandbox ls --metadata` filters on it).
+    #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
+    metadata: Vec<(String, String)>,
 }
 
 impl CreateArgs {
@@ -172,12 +189,19 @@ impl CreateArgs {
             from_snapshot: self.from_snapshot.clone(),
             user_managed: self.user_managed,
             runtime: self.runtime.clone(),
+            metadata: self.metadata.iter().cloned().collect(),
+            env: Default::default(),
         })
     }
 }
 
 #[derive(Args, Debug)]
 struct ExecOpts {
+    /// Stream this process's stdin to the command, bytes as they come, until
+    /// EOF (`cat data.bin | aviary sandbox exec -i ID -- sha256sum`). Without
+    /// it the command's stdin is empty.
+    #[arg(short = 'i', long)]
+    interactive: bool,
     /// Kill the command's whole process group after this many seconds.
     #[arg(long)]
     timeout: Option<f64>,
@@ -212,12 +236,37 @@ enum SandboxCmd {
         /// Lease ttl in seconds (with --lease-owner).
         #[arg(long)]
         lease_ttl: Option<u64>,
+        /// Default environment KEY=VALUE of every exec in the sandbox (repeatable; an exec's --env wins).
+        #[arg(long = "env", value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
     },
     /// List your sandboxes.
     Ls {
         /// Include terminated sandboxes.
         #[arg(long, short)]
         all: bool,
+        /// Only sandboxes labelled KEY=VALUE (repeatable: all must match).
+        #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+        /// Only sandboxes in this state (Idle, Leased, Running, Hibernating, Terminated, ...).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only sandboxes working for this end user.
+        #[arg(long)]
+        user: Option<String>,
+        /// Only sandboxes of this session.
+        #[arg(long)]
+        session: Option<String>,
+    },
+    /// Set when a sandbox expires: SECS seconds from now (may shorten its life).
+    Ttl {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// Seconds from now.
+        secs: u64,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
+        #[arg(long)]
+        token: Option<LeaseToken>,
     },
     /// Show one sandbox.
     Get { id: String },
@@ -405,6 +454,26 @@ enum TemplateCmd {
         /// Replace a template of that name (without it, an existing name is refused).
         #[arg(long)]
         force: bool,
+    },
+    /// Remove template NAME (admin); refused while a sandbox, snapshot, pool or the default needs it.
+    Rm {
+        /// The template's name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SnapshotCmd {
+    /// List your checkpoints (of one sandbox, or all of yours), oldest first.
+    Ls {
+        /// Only this sandbox's.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    /// Delete a checkpoint (its chunks go with the next GC); refused for the one a hibernated sandbox wakes from.
+    Rm {
+        /// The snapshot id (snap-…).
+        id: String,
     },
 }
 
@@ -603,8 +672,9 @@ impl From<ClientError> for Failure {
             ),
         };
         let message = match &e {
-            ClientError::Connect { url, .. } => format!(
-                "cannot reach the aviary server at {url} (is `aviary serve` running? AVIARY_URL selects another)"
+            ClientError::Connect { .. } => format!(
+                "{} (is `aviary serve` running there? AVIARY_URL selects another)",
+                error_chain(&e)
             ),
             ClientError::Api { code, message, .. } => format!("{message} [{}]", code.as_str()),
             other => error_chain(other),
@@ -639,9 +709,17 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Plan { intent } => plan(intent, json).await,
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
+        Command::Snapshot(c) => snapshot_cmd(c, json).await,
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "aviary", &mut script);
+            print_bytes(&script)
+        }
+        Command::Man { dir } => man_pages(dir),
     };
     match res {
         Ok(code) => code,
@@ -658,6 +736,40 @@ pub async fn run(cli: Cli) -> i32 {
             f.code
         }
     }
+}
+
+/// Writes generated text to stdout; a reader that went away (`| head`)
+/// is not an error.
+fn print_bytes(b: &[u8]) -> Result<i32, Failure> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(b).and_then(|()| out.flush()) {
+        Ok(()) => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(Failure::exit(
+            EXIT_IO_ERROR,
+            format!("writing to stdout: {e}"),
+        )),
+    }
+}
+
+/// The man page of `aviary` on stdout, or every command's page in `dir`
+/// (`aviary.1`, `aviary-sandbox.1`, `aviary-sandbox-create.1`, ...).
+fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let io = |e: std::io::Error| Failure::exit(EXIT_IO_ERROR, format!("writing the man page: {e}"));
+    match dir {
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(cmd).render(&mut page).map_err(io)?;
+            return print_bytes(&page);
+        }
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).map_err(io)?;
+            clap_mangen::generate_to(cmd, &dir).map_err(io)?;
+            eprintln!("man pages written to {}", dir.display());
+        }
+    }
+    Ok(0)
 }
 
 /// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them
@@ -813,8 +925,19 @@ fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) ->
 /// Streams a command's output live; returns its exit status as an exit code.
 /// Under `--json` the output is collected instead and printed once, in the
 /// one JSON document (the exit result with `stdout`/`stderr`, and `sandbox`).
-async fn stream_exec(c: &Client, id: &str, req: &ExecRequest, json: bool) -> Result<i32, Failure> {
-    let mut s = c.exec_stream(id, req).await?;
+async fn stream_exec(
+    c: &Client,
+    id: &str,
+    req: &ExecRequest,
+    stdin: bool,
+    json: bool,
+) -> Result<i32, Failure> {
+    let mut s = if stdin {
+        let input = tokio_util::io::ReaderStream::new(tokio::io::stdin());
+        c.exec_stream_piped(id, req, input).await?
+    } else {
+        c.exec_stream(id, req).await?
+    };
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
@@ -867,7 +990,7 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let token = created.lease.as_ref().map(|l| l.token);
     let ereq = exec_request(a.cmd, &a.exec, token);
     let res = tokio::select! {
-        r = stream_exec(&c, &id, &ereq, json) => r,
+        r = stream_exec(&c, &id, &ereq, a.exec.interactive, json) => r,
         _ = tokio::signal::ctrl_c() => Ok(130),
     };
     if let Err(e) = c.delete_sandbox(&id, token).await {
@@ -1026,8 +1149,10 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             create,
             lease_owner,
             lease_ttl,
+            env,
         } => {
             let mut req = create.request()?;
+            req.env = env.into_iter().collect();
             req.lease = lease_owner.map(|owner| AcquireLeaseRequest {
                 owner,
                 ttl_s: lease_ttl,
@@ -1043,12 +1168,35 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 }
             }
         }
-        SandboxCmd::Ls { all } => {
-            let l = c.list_sandboxes(all).await?;
+        SandboxCmd::Ls {
+            all,
+            metadata,
+            state,
+            user,
+            session,
+        } => {
+            let l = c
+                .list_sandboxes_with(&aviary_client::SandboxFilter {
+                    all,
+                    metadata: metadata.into_iter().collect(),
+                    state,
+                    user_id: user,
+                    session_id: session,
+                })
+                .await?;
             if json {
                 output::json(&l);
             } else {
                 output::sandbox_table(&l.sandboxes);
+            }
+        }
+        SandboxCmd::Ttl { id, secs, token } => {
+            let s = c.set_ttl(&id, secs, token).await?;
+            if json {
+                output::json(&s);
+            } else {
+                let at = s.expires_at.map(output::ts).unwrap_or_default();
+                println!("{} expires {at}", s.id);
             }
         }
         SandboxCmd::Get { id } => {
@@ -1074,7 +1222,7 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             cmd,
         } => {
             let req = exec_request(cmd, &exec, token);
-            return stream_exec(&c, &id, &req, json).await;
+            return stream_exec(&c, &id, &req, exec.interactive, json).await;
         }
         SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
@@ -1217,9 +1365,33 @@ async fn events(a: EventsArgs, json: bool) -> Result<i32, Failure> {
     }
 }
 
+async fn snapshot_cmd(cmd: SnapshotCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        SnapshotCmd::Ls { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
+        SnapshotCmd::Rm { id } => {
+            let s = c.delete_snapshot(&id).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{id} deleted");
+            }
+        }
+    }
+    Ok(0)
+}
+
 async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
     let c = client()?;
     match cmd {
+        TemplateCmd::Rm { name } => {
+            c.remove_template(&name).await?;
+            if json {
+                output::json(&serde_json::json!({"removed": name}));
+            } else {
+                println!("{name} removed");
+            }
+        }
         TemplateCmd::Ls => {
             let l = c.templates().await?;
             if json {

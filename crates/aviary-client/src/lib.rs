@@ -294,9 +294,66 @@ impl Client {
     }
 
     pub async fn list_sandboxes(&self, all: bool) -> Result<SandboxList, ClientError> {
-        let q = if all { "?all=true" } else { "" };
+        self.list_sandboxes_with(&SandboxFilter {
+            all,
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// `GET /v1/sandboxes` with filters.
+    pub async fn list_sandboxes_with(&self, f: &SandboxFilter) -> Result<SandboxList, ClientError> {
+        let mut q = format!("?all={}", f.all);
+        if !f.metadata.is_empty() {
+            let pairs: Vec<String> = f
+                .metadata
+                .iter()
+                .map(|(k, v)| format!("{}={}", urlencode(k), urlencode(v)))
+                .collect();
+            q.push_str(&format!("&metadata={}", urlencode(&pairs.join("&"))));
+        }
+        for (name, v) in [
+            ("state", &f.state),
+            ("user_id", &f.user_id),
+            ("session_id", &f.session_id),
+        ] {
+            if let Some(v) = v {
+                q.push_str(&format!("&{name}={}", urlencode(v)));
+            }
+        }
         self.json(self.req(Method::GET, &format!("/v1/sandboxes{q}")))
             .await
+    }
+
+    /// `DELETE /v1/snapshots/{id}`.
+    pub async fn delete_snapshot(&self, id: &str) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(Method::DELETE, &format!("/v1/snapshots/{}", urlencode(id))))
+            .await
+    }
+
+    /// `DELETE /v1/templates/{name}` (admin).
+    pub async fn remove_template(&self, name: &str) -> Result<(), ClientError> {
+        self.send(self.req(
+            Method::DELETE,
+            &format!("/v1/templates/{}", urlencode(name).replace('/', "%2F")),
+        ))
+        .await
+        .map(|_| ())
+    }
+
+    /// `POST /v1/sandboxes/{id}/ttl`: expire `ttl_s` seconds from now.
+    pub async fn set_ttl(
+        &self,
+        id: &str,
+        ttl_s: u64,
+        token: Option<LeaseToken>,
+    ) -> Result<Sandbox, ClientError> {
+        self.json(token_header(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/ttl"))
+                .json(&SetTtlBody { ttl_s }),
+            token,
+        ))
+        .await
     }
 
     pub async fn delete_sandbox(
@@ -328,6 +385,41 @@ impl Client {
             .send(
                 self.req(Method::POST, &format!("/v1/sandboxes/{id}/exec/stream"))
                     .json(req),
+            )
+            .await?;
+        Ok(ExecStream {
+            body: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        })
+    }
+
+    /// `exec/stream` with the process's stdin streamed from `stdin` (bytes,
+    /// sent as they come; stdin closes when the stream ends):
+    /// `POST /v1/sandboxes/{id}/exec/stdin`, a multipart body.
+    pub async fn exec_stream_piped<S>(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+        stdin: S,
+    ) -> Result<ExecStream, ClientError>
+    where
+        S: futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static,
+    {
+        let json = serde_json::to_string(req)
+            .map_err(|e| ClientError::Protocol(format!("encoding the request: {e}")))?;
+        let request = reqwest::multipart::Part::text(json)
+            .mime_str("application/json")
+            .map_err(ClientError::Transport)?;
+        let form = reqwest::multipart::Form::new()
+            .part("request", request)
+            .part(
+                "stdin",
+                reqwest::multipart::Part::stream(reqwest::Body::wrap_stream(stdin)),
+            );
+        let resp = self
+            .send(
+                self.req(Method::POST, &format!("/v1/sandboxes/{id}/exec/stdin"))
+                    .multipart(form),
             )
             .await?;
         Ok(ExecStream {
@@ -904,6 +996,19 @@ pub struct ApiKeyInfo {
 #[derive(serde::Deserialize)]
 struct KeyList {
     keys: Vec<ApiKeyInfo>,
+}
+
+/// Which sandboxes `list_sandboxes_with` asks for.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxFilter {
+    /// Terminated ones too.
+    pub all: bool,
+    /// Labels every listed sandbox has.
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// A state name as the API shows it (`Idle`, `Hibernating`, ...).
+    pub state: Option<String>,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters and `/` pass).

@@ -23,7 +23,7 @@ use crate::context::OpContext;
 use crate::error::OpError;
 use crate::requests::{
     EventQuery, FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxQuery, SandboxRef,
-    TemplateImport,
+    SetTtlRequest, TemplateImport,
 };
 use aviary_core::api::*;
 use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
@@ -172,6 +172,9 @@ pub struct ControlPlane {
     /// Hash of the bootstrap admin key (set by [`Self::ensure_admin_key`]),
     /// which `revoke_key` refuses.
     pub(crate) bootstrap_key_hash: std::sync::RwLock<Option<String>>,
+    /// The key of per-sandbox access tokens (see `access`), read from the
+    /// registry once.
+    pub(crate) access_key: tokio::sync::OnceCell<Vec<u8>>,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -271,6 +274,7 @@ impl ControlPlane {
             nodes,
             reconciler: Default::default(),
             bootstrap_key_hash: std::sync::RwLock::new(None),
+            access_key: tokio::sync::OnceCell::new(),
         }))
     }
 
@@ -788,15 +792,63 @@ impl ControlPlane {
     }
 
     pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
+        crate::validate::labels(&req.metadata)?;
+        let include_terminated =
+            req.include_terminated || req.state == Some(SandboxState::Terminated);
         let recs = self
             .registry
-            .list_sandboxes(Some(&cx.caller.tenant), req.include_terminated)
+            .list_sandboxes(Some(&cx.caller.tenant), include_terminated)
             .await?;
         let mut out = Vec::with_capacity(recs.len());
-        for r in &recs {
+        for r in recs.iter().filter(|r| {
+            req.metadata
+                .iter()
+                .all(|(k, v)| r.metadata.get(k) == Some(v))
+                && req.state.is_none_or(|s| r.state == s)
+                && req
+                    .user_id
+                    .as_ref()
+                    .is_none_or(|u| r.user_id.as_ref() == Some(u))
+                && req
+                    .session_id
+                    .as_ref()
+                    .is_none_or(|u| r.session_id.as_ref() == Some(u))
+        }) {
             out.push(self.view(r).await?);
         }
         Ok(out)
+    }
+
+    /// Sets when a sandbox expires: `now + ttl_s`, which may shorten its
+    /// life. Fenced like every write: a leased sandbox needs its token.
+    pub async fn set_ttl(&self, cx: &OpContext, req: SetTtlRequest) -> Result<Sandbox, OpError> {
+        if req.ttl_s == 0 || req.ttl_s > self.cfg.max_sandbox_ttl_s {
+            return Err(OpError::InvalidRequest(format!(
+                "ttl_s must be between 1 and {}",
+                self.cfg.max_sandbox_ttl_s
+            )));
+        }
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
+        if matches!(rec.state, SandboxState::Terminated | SandboxState::Failed) {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it has ended".into(),
+            });
+        }
+        self.check_fence(&rec.id, cx.token).await?;
+        let expires_at = aviary_core::now() + time::Duration::seconds(req.ttl_s as i64);
+        let rec = self
+            .registry
+            .set_expiry(&rec.id, rec.version, Some(expires_at))
+            .await?;
+        self.event(
+            &rec,
+            "ttl_set",
+            cx.request_id(),
+            serde_json::json!({"ttl_s": req.ttl_s, "expires_at": rfc3339(expires_at)}),
+        )
+        .await?;
+        self.view(&rec).await
     }
 
     #[tracing::instrument(skip_all, fields(tenant = %cx.caller.tenant))]
@@ -843,6 +895,8 @@ impl ControlPlane {
         let mut seed = seed;
         let (caller, request_id) = (&cx.caller, cx.request_id());
         self.ensure_ready()?;
+        // every surface's create passes here, not only the v1 API's
+        crate::validate::create_request(&req)?;
         for (what, v) in [
             ("user_id", &req.user_id),
             ("session_id", &req.session_id),
@@ -978,6 +1032,8 @@ impl ControlPlane {
             expires_at: Some(now + time::Duration::seconds(ttl_s as i64)),
             tainted: false,
             user_managed: req.user_managed,
+            metadata: req.metadata.clone(),
+            env: req.env.clone(),
         };
         let rec = self
             .registry
@@ -1163,6 +1219,8 @@ impl ControlPlane {
             scope,
             expires_at: Some(expires_at),
             user_managed: req.user_managed,
+            metadata: req.metadata.clone(),
+            env: req.env.clone(),
         };
         let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
             return Ok(None);
@@ -1639,6 +1697,32 @@ impl ControlPlane {
         cx: &OpContext,
         req: OnSandbox<ExecRequest>,
     ) -> Result<ExecRun, OpError> {
+        self.exec_start_with(cx, req, None).await
+    }
+
+    /// [`Self::exec_start`] with the process's stdin streamed from `stdin`
+    /// (bytes, forwarded as they arrive; the request's own `stdin` must be
+    /// absent).
+    pub async fn exec_start_piped(
+        &self,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
+        stdin: aviary_envd_proto::StdinSource,
+    ) -> Result<ExecRun, OpError> {
+        if req.request.stdin.is_some() {
+            return Err(OpError::InvalidRequest(
+                "give stdin either in the request or as the streamed part, not both".into(),
+            ));
+        }
+        self.exec_start_with(cx, req, Some(stdin)).await
+    }
+
+    async fn exec_start_with(
+        &self,
+        cx: &OpContext,
+        req: OnSandbox<ExecRequest>,
+        stdin: Option<aviary_envd_proto::StdinSource>,
+    ) -> Result<ExecRun, OpError> {
         let mut spec = Self::exec_spec(&req.request)?;
         let (rec, live) = self.writable(cx, &req.id).await?;
         if let Some(venv) = self.active_venv(&rec.id).await? {
@@ -1650,13 +1734,26 @@ impl ControlPlane {
                 }
             }
         }
+        // the sandbox's default environment, under the exec's own
+        for (k, v) in &rec.env {
+            if !spec.env.iter().any(|(name, _)| name == k) {
+                spec.env.push((k.clone(), v.clone()));
+            }
+        }
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self
             .via_envd(
                 &rec,
                 &live,
-                live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
+                match stdin {
+                    Some(stdin) => {
+                        live.envd
+                            .exec_piped(spec, stdin, cx.token.map(|t| t.fence()))
+                            .await
+                    }
+                    None => live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
+                },
             )
             .await?;
         self.metrics.inc_exec();
@@ -2230,6 +2327,67 @@ impl ControlPlane {
             .iter()
             .map(template_api)
             .collect())
+    }
+
+    /// Removes a template (admin). Refused while anything still needs it:
+    /// the default template, a configured warm pool, a sandbox that has not
+    /// ended (any tenant's, warm ones included), or a snapshot (it restores
+    /// onto that template). Its tree is deleted when no other name shares it.
+    pub async fn remove_template(&self, cx: &OpContext, name: &str) -> Result<(), OpError> {
+        cx.require_admin("removing templates")?;
+        crate::validate::template_name(name)?;
+        if self.templates.get(name).await?.is_none() {
+            return Err(OpError::NotFound(format!("template {name}")));
+        }
+        let in_use = |what: String| {
+            OpError::layer(
+                aviary_core::ErrorCode::Conflict,
+                format!("template {name:?} is in use: {what}"),
+                anyhow::anyhow!("template {name} in use"),
+            )
+        };
+        if name == self.cfg.default_template {
+            return Err(in_use("it is the server's default template".into()));
+        }
+        if self.pools.uses_template(name) {
+            return Err(in_use(
+                "a warm pool starts sandboxes from it (see [[pool]] in the configuration)".into(),
+            ));
+        }
+        let live = self
+            .registry
+            .list_sandboxes(None, false)
+            .await?
+            .into_iter()
+            .filter(|r| r.template == name)
+            .count();
+        if live > 0 {
+            return Err(in_use(format!(
+                "{live} sandbox(es) that have not ended run on it"
+            )));
+        }
+        let snapshots = self
+            .registry
+            .list_snapshots(&aviary_registry::SnapshotFilter::default())
+            .await?
+            .into_iter()
+            .filter(|s| s.template == name)
+            .count();
+        if snapshots > 0 {
+            return Err(in_use(format!(
+                "{snapshots} snapshot(s) restore onto it (delete them first: aviary snapshot rm)"
+            )));
+        }
+        self.templates.remove(name).await?;
+        self.record_event(
+            &cx.caller.tenant,
+            None,
+            None,
+            "template_removed",
+            cx.request_id(),
+            serde_json::json!({"template": name}),
+        )
+        .await
     }
 
     /// Imports an archive already spooled to `archive` (the caller removes it).

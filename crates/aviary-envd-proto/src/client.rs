@@ -160,6 +160,9 @@ impl EnvdError {
     }
 }
 
+/// Where a process's stdin comes from when it is streamed.
+pub type StdinSource = Pin<Box<dyn AsyncRead + Send>>;
+
 /// What to run.
 #[derive(Debug, Clone, Default)]
 pub struct ExecSpec {
@@ -539,41 +542,67 @@ impl EnvdClient {
     /// Starts a process; the returned stream yields output chunks as they come and
     /// finally the exit.
     pub async fn exec(&self, spec: ExecSpec, token: Option<u64>) -> Result<ExecStream, EnvdError> {
+        let stdin: Option<StdinSource> = spec
+            .stdin
+            .clone()
+            .map(|data| Box::pin(std::io::Cursor::new(data)) as StdinSource);
+        self.exec_with(spec, stdin, token).await
+    }
+
+    /// Starts a process whose stdin is `stdin`, read until its end and
+    /// forwarded as it comes (`spec.stdin` is ignored); then stdin is closed.
+    pub async fn exec_piped(
+        &self,
+        spec: ExecSpec,
+        stdin: StdinSource,
+        token: Option<u64>,
+    ) -> Result<ExecStream, EnvdError> {
+        self.exec_with(spec, Some(stdin), token).await
+    }
+
+    async fn exec_with(
+        &self,
+        spec: ExecSpec,
+        stdin: Option<StdinSource>,
+        token: Option<u64>,
+    ) -> Result<ExecStream, EnvdError> {
         let req = Request::Exec {
             argv: spec.argv,
             cwd: spec.cwd,
             env: spec.env,
-            stdin: spec.stdin.is_some(),
+            stdin: stdin.is_some(),
             timeout_ms: spec
                 .timeout
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)),
             token,
         };
         let conn = self.connect(&req).await?;
-        let stdin_writer = match spec.stdin {
-            None => None,
-            Some(data) => {
-                // Stdin is written concurrently with reading output: a process that
-                // writes before it reads would otherwise deadlock against us.
-                let (conn_back, mut writer) = conn.duplicate().map_err(EnvdError::Transport)?;
-                let handle = tokio::spawn(async move {
-                    for chunk in data.chunks(CHUNK_SIZE) {
-                        write_raw_frame(&mut writer, FrameKind::Data, chunk).await?;
-                    }
-                    // Dropping `writer` afterwards closes only this duplicate descriptor:
-                    // the connection stays open until the ExecStream is dropped.
-                    write_raw_frame(&mut writer, FrameKind::End, &[]).await
-                });
-                return Ok(ExecStream {
-                    conn: conn_back,
-                    stdin_writer: Some(handle),
-                    finished: false,
-                });
-            }
+        let Some(mut source) = stdin else {
+            return Ok(ExecStream {
+                conn,
+                stdin_writer: None,
+                finished: false,
+            });
         };
+        // Stdin is written concurrently with reading output: a process that
+        // writes before it reads would otherwise deadlock against us.
+        let (conn_back, mut writer) = conn.duplicate().map_err(EnvdError::Transport)?;
+        let handle = tokio::spawn(async move {
+            let mut buf = vec![0u8; CHUNK_SIZE];
+            loop {
+                let n = source.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                write_raw_frame(&mut writer, FrameKind::Data, &buf[..n]).await?;
+            }
+            // Dropping `writer` afterwards closes only this duplicate descriptor:
+            // the connection stays open until the ExecStream is dropped.
+            write_raw_frame(&mut writer, FrameKind::End, &[]).await
+        });
         Ok(ExecStream {
-            conn,
-            stdin_writer,
+            conn: conn_back,
+            stdin_writer: Some(handle),
             finished: false,
         })
     }

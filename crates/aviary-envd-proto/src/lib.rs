@@ -46,6 +46,7 @@ mod client;
 #[cfg(feature = "client")]
 pub use client::{
     EnvdClient, EnvdError, ExecEvent, ExecOutput, ExecSpec, ExecStream, ExitInfo, FileReader,
+    StdinSource,
 };
 
 /// Protocol version reported by `health`; bump on incompatible changes.

@@ -54,6 +54,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (2, "paused", include_str!("../migrations/0002_paused.sql")),
     (
+        3,
+        "labels_env_secrets",
+        include_str!("../migrations/0003_labels_env_secrets.sql"),
+    ),
+    (
         4,
         "reuse state",
         include_str!("../migrations/0004_reuse_state.sql"),

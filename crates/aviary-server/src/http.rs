@@ -271,6 +271,21 @@ pub struct ListQuery {
     /// Include terminated sandboxes.
     #[serde(default)]
     all: bool,
+    /// Only sandboxes whose metadata has every pair: `k=v&k2=v2`, each key
+    /// and value form-urlencoded (so the whole value is encoded twice in
+    /// the URL, as the E2B and OpenSandbox SDKs send it).
+    #[serde(default)]
+    metadata: Option<String>,
+    /// Only sandboxes in this state (e.g. `Idle`, `Hibernating`; `Terminated` lists ended ones).
+    #[serde(default)]
+    #[param(value_type = Option<String>)]
+    state: Option<aviary_core::SandboxState>,
+    /// Only sandboxes working for this end user.
+    #[serde(default)]
+    user_id: Option<String>,
+    /// Only sandboxes of this session.
+    #[serde(default)]
+    session_id: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -396,6 +411,13 @@ async fn list_sandboxes(
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
     let req = SandboxQuery {
         include_terminated: q.all,
+        metadata: match &q.metadata {
+            Some(m) => aviary_control::requests::parse_label_filter(m)?,
+            None => Default::default(),
+        },
+        state: q.state,
+        user_id: q.user_id,
+        session_id: q.session_id,
     };
     Ok(Json(SandboxList {
         sandboxes: cp.list(&cx, req).await?,
@@ -453,6 +475,15 @@ async fn exec_stream(
     aviary_control::validate::exec_request(&req)?;
     let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
     let run = cp.exec_start(&cx, OnSandbox::new(id, req)).await?;
+    Ok(exec_events(cp, run))
+}
+
+/// The SSE answer of a started exec: output chunks as they come, then the
+/// exit (or an error), each an `ExecEvent`.
+fn exec_events(
+    cp: AppState,
+    run: aviary_control::ops::ExecRun,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
         let b64 = base64::engine::general_purpose::STANDARD;
         let (cp, mut run) = st?;
@@ -509,7 +540,88 @@ async fn exec_stream(
             .unwrap_or_else(|_| SseEvent::default().event("error"));
         Some((Ok(sse), if ev.1 { None } else { Some((cp, run)) }))
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// Streaming exec with stdin streamed too: a `multipart/form-data` body
+/// whose first part, `request`, is the `ExecRequest` (JSON) and whose second
+/// part, `stdin`, is the process's stdin: bytes, forwarded as they arrive,
+/// closed when the part ends. The answer is the event stream of
+/// `exec/stream`.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/exec/stdin",
+    request_body(content = ExecStdinForm, content_type = "multipart/form-data"),
+    params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased (or `token` in the request part)")),
+    responses((status = 200, description = "server-sent events, as exec/stream", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody), (status = 413, body = ErrorBody)), security(("api_key" = [])))]
+async fn exec_piped(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Sse<impl Stream<Item = Result<SseEvent, Infallible>>>, ApiError> {
+    let bad = |m: String| ApiError::from(OpError::InvalidRequest(m));
+    let boundary = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|ct| multer::parse_boundary(ct).ok())
+        .ok_or_else(|| {
+            bad(
+                "exec/stdin takes multipart/form-data: a `request` part (JSON) then a `stdin` part"
+                    .into(),
+            )
+        })?;
+    let limits = multer::Constraints::new()
+        .size_limit(multer::SizeLimit::new().for_field("request", cp.server.max_json_bytes as u64));
+    let mut parts = multer::Multipart::with_constraints(body.into_data_stream(), boundary, limits);
+    let part_err = |e: multer::Error| match e {
+        multer::Error::FieldSizeExceeded { .. } | multer::Error::StreamSizeExceeded { .. } => {
+            ApiError::from(OpError::PayloadTooLarge(
+                "the request part is larger than the JSON body limit".into(),
+            ))
+        }
+        e => ApiError::from(OpError::InvalidRequest(format!(
+            "malformed multipart body: {e}"
+        ))),
+    };
+    let first = parts
+        .next_field()
+        .await
+        .map_err(part_err)?
+        .ok_or_else(|| bad("the body has no `request` part".into()))?;
+    if first.name() != Some("request") {
+        return Err(bad(
+            "the first part must be `request` (the ExecRequest as JSON)".into(),
+        ));
+    }
+    let json = first.bytes().await.map_err(part_err)?;
+    let req: ExecRequest = serde_json::from_slice(&json)
+        .map_err(|e| bad(format!("the request part is not a valid ExecRequest: {e}")))?;
+    aviary_control::validate::exec_request(&req)?;
+    let stdin = parts
+        .next_field()
+        .await
+        .map_err(part_err)?
+        .ok_or_else(|| bad("the body has no `stdin` part after `request`".into()))?;
+    if stdin.name() != Some("stdin") {
+        return Err(bad("the second part must be `stdin`".into()));
+    }
+    let reader = tokio_util::io::StreamReader::new(stdin.map_err(std::io::Error::other));
+    let cx = op_context(auth, &headers, TokenFrom::Body(req.token))?;
+    let run = cp
+        .exec_start_piped(&cx, OnSandbox::new(id, req), Box::pin(reader))
+        .await?;
+    Ok(exec_events(cp, run))
+}
+
+/// The body of `POST /v1/sandboxes/{id}/exec/stdin`.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ExecStdinForm {
+    /// The command, as for `exec/stream` (JSON).
+    request: ExecRequest,
+    /// The process's stdin.
+    #[schema(value_type = String, format = Binary)]
+    stdin: Vec<u8>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(PathQuery), responses((status = 200, description = "file content (streamed)", content_type = "application/octet-stream"), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
@@ -892,6 +1004,23 @@ async fn set_pool(
     Ok(Json(cp.set_pool(&cx, PoolUpdate { class, bounds }).await?))
 }
 
+/// Sets the sandbox's expiry to now + `ttl_s` (it may shorten it); fenced.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/ttl", request_body = SetTtlBody, params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn set_ttl(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<SetTtlBody>,
+) -> Result<Json<Sandbox>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let req = aviary_control::requests::SetTtlRequest {
+        id,
+        ttl_s: body.ttl_s,
+    };
+    Ok(Json(cp.set_ttl(&cx, req).await?))
+}
+
 /// Freezes the sandbox's processes (cgroup freezer); fenced.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn pause(
@@ -1133,6 +1262,33 @@ async fn list_keys(
     Ok(Json(cp.list_keys(&cx).await?))
 }
 
+/// Removes a template (admin only); 409 while a sandbox, a snapshot, a pool
+/// or the server's default still needs it.
+#[utoipa::path(delete, path = "/v1/templates/{name}", responses((status = 204), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn remove_template(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    cp.remove_template(&cx, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Deletes one of the caller's snapshots (its chunks go with the next GC);
+/// 409 for the one a hibernated sandbox wakes from.
+#[utoipa::path(delete, path = "/v1/snapshots/{id}", responses((status = 200, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn delete_snapshot(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<aviary_control::snapshots::SandboxSnapshot>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.delete_snapshot(&cx, &id).await?))
+}
+
 /// Revokes a key (admin only): from the next request on it is 401.
 #[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = aviary_control::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn revoke_key(
@@ -1316,27 +1472,48 @@ impl utoipa::Modify for ErrorResponses {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
-    paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
+    paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream, exec_piped,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, taint, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
 pub struct ApiDoc;
 
+/// Where the OpenSandbox surface is served: `OPEN_SANDBOX_DOMAIN=HOST:PORT/opensandbox`.
+pub const OPENSANDBOX_PREFIX: &str = "/opensandbox";
+
 pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
     use axum::extract::DefaultBodyLimit;
     let json_limit = server.max_json_bytes;
+    let limiter = Arc::new(RateLimiter::from_settings(&cp.cfg.settings.server.edge));
+    // the OpenSandbox-compatible surface, beside v1 (its own auth; the
+    // same per-key rate limits)
+    let compat_limiter = limiter.clone();
+    let opensandbox = aviary_compat_opensandbox::router(
+        cp.clone(),
+        aviary_compat_opensandbox::OpenSandboxSettings {
+            prefix: OPENSANDBOX_PREFIX.into(),
+            max_json_bytes: json_limit,
+            max_upload_bytes: server.max_upload_bytes,
+            admission: Some(Arc::new(move |bucket: &str| {
+                compat_limiter.take(bucket, std::time::Instant::now())
+            })),
+        },
+    );
     let cp = AppState { cp, server };
     let edge = &cp.cfg.settings.server.edge;
-    let limiter = Arc::new(RateLimiter::from_settings(edge));
     let body_timeout = std::time::Duration::from_millis(edge.body_read_timeout_ms);
     let streamed = Router::new()
         .route(
             "/v1/sandboxes/{id}/files",
             get(read_file).put(write_file).delete(remove_file),
         )
-        .route("/v1/templates/{name}", post(import_template))
+        .route(
+            "/v1/templates/{name}",
+            post(import_template).delete(remove_template),
+        )
+        .route("/v1/sandboxes/{id}/exec/stdin", post(exec_piped))
         .layer(DefaultBodyLimit::disable());
     Router::new()
         .route("/healthz", get(healthz))
@@ -1358,6 +1535,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             post(lease_acquire).put(lease_renew).delete(lease_release),
         )
         .route("/v1/sandboxes/{id}/events", get(sandbox_events))
+        .route("/v1/sandboxes/{id}/ttl", post(set_ttl))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/reset", post(reset))
@@ -1369,6 +1547,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/sandboxes/{id}/hibernate", post(hibernate))
         .route("/v1/sandboxes/{id}/wake", post(wake))
         .route("/v1/snapshots", get(snapshots))
+        .route("/v1/snapshots/{id}", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))
@@ -1382,6 +1561,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/allocations", get(allocations))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
+        .nest(OPENSANDBOX_PREFIX, opensandbox)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(

@@ -1032,3 +1032,186 @@ async fn a_recursive_listing_lists_the_whole_tree() {
     assert_eq!(flat.entries.len(), 3);
     c.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// `exec/stdin`: the process reads its stdin as the client sends it (the
+/// second line is only sent once the answer to the first has arrived, so a
+/// server that buffered the whole body would never answer), bytes arrive
+/// unchanged, and malformed bodies are 4xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_with_streamed_stdin() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+
+    // an interactive exchange: line, answer, line, answer
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(4);
+    let input = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let req = shell("read a; echo got-$a; read b; echo got-$b >&2");
+    let mut s = c.exec_stream_piped(&id, &req, input).await.unwrap();
+    tx.send(Ok(bytes::Bytes::from_static(b"one\n")))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while !out.ends_with(b"got-one\n") {
+        match s.next().await.unwrap().unwrap() {
+            aviary_client::StreamItem::Stdout(d) => out.extend(d),
+            other => panic!("before the second line: {other:?}"),
+        }
+    }
+    tx.send(Ok(bytes::Bytes::from_static(b"two\n")))
+        .await
+        .unwrap();
+    drop(tx);
+    let mut err = Vec::new();
+    let exit = loop {
+        match s.next().await.unwrap().unwrap() {
+            aviary_client::StreamItem::Stdout(d) => out.extend(d),
+            aviary_client::StreamItem::Stderr(d) => err.extend(d),
+            aviary_client::StreamItem::Exit(r) => break r,
+        }
+    };
+    assert_eq!(
+        (exit.exit_code, out.as_slice(), err.as_slice()),
+        (0, &b"got-one\n"[..], &b"got-two\n"[..])
+    );
+
+    // 3 MiB of every byte value, in odd-sized chunks: the same bytes arrive
+    let data: Vec<u8> = (0..3 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let chunks: Vec<std::io::Result<bytes::Bytes>> = data
+        .chunks(7919)
+        .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+        .collect();
+    let mut s = c
+        .exec_stream_piped(
+            &id,
+            &shell("cat > /workspace/in.bin; wc -c < /workspace/in.bin"),
+            futures_util::stream::iter(chunks),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let exit = loop {
+        match s.next().await.unwrap().unwrap() {
+            aviary_client::StreamItem::Stdout(d) => out.extend(d),
+            aviary_client::StreamItem::Stderr(_) => {}
+            aviary_client::StreamItem::Exit(r) => break r,
+        }
+    };
+    assert_eq!(exit.exit_code, 0);
+    assert_eq!(
+        String::from_utf8(out).unwrap().trim(),
+        data.len().to_string()
+    );
+    assert_eq!(c.read_file(&id, "/workspace/in.bin").await.unwrap(), data);
+
+    // bad bodies: not multipart, parts missing or out of order, bad JSON,
+    // stdin given twice; none runs anything
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/sandboxes/{id}/exec/stdin", ts.url());
+    let send = |form: Option<reqwest::multipart::Form>, body: Option<&'static str>| {
+        let mut rb = http.post(&url).bearer_auth(&ts.key);
+        if let Some(f) = form {
+            rb = rb.multipart(f);
+        }
+        if let Some(b) = body {
+            rb = rb.header("content-type", "application/json").body(b);
+        }
+        async move {
+            let r = rb.send().await.unwrap();
+            let status = r.status().as_u16();
+            let v: serde_json::Value = r.json().await.unwrap();
+            (
+                status,
+                v["error"]["code"].as_str().unwrap_or_default().to_owned(),
+            )
+        }
+    };
+    use reqwest::multipart::{Form, Part};
+    let touch = r#"{"shell": "touch /workspace/ran"}"#;
+    for (what, form, body) in [
+        ("json body", None, Some(touch)),
+        ("no parts", Some(Form::new()), None),
+        (
+            "stdin first",
+            Some(
+                Form::new()
+                    .part("stdin", Part::bytes(&b"x"[..]))
+                    .text("request", touch),
+            ),
+            None,
+        ),
+        (
+            "no stdin part",
+            Some(Form::new().text("request", touch)),
+            None,
+        ),
+        (
+            "bad json",
+            Some(
+                Form::new()
+                    .text("request", "{nope")
+                    .part("stdin", Part::bytes(&b""[..])),
+            ),
+            None,
+        ),
+        (
+            "unknown field",
+            Some(
+                Form::new()
+                    .text("request", r#"{"shell": "true", "bogus": 1}"#)
+                    .part("stdin", Part::bytes(&b""[..])),
+            ),
+            None,
+        ),
+        (
+            "stdin twice",
+            Some(
+                Form::new()
+                    .text(
+                        "request",
+                        r#"{"shell": "touch /workspace/ran", "stdin": "x"}"#,
+                    )
+                    .part("stdin", Part::bytes(&b""[..])),
+            ),
+            None,
+        ),
+    ] {
+        let (status, code) = send(form, body).await;
+        assert_eq!((status, code.as_str()), (400, "invalid_request"), "{what}");
+    }
+    let r = c
+        .exec(&id, &shell("test -e /workspace/ran; echo $?"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "1\n", "a refused request ran nothing");
+    // another tenant's sandbox is not found, and no key is 401
+    let other = c.create_key("mallory", false).await.unwrap();
+    let r = http
+        .post(&url)
+        .bearer_auth(&other.key)
+        .multipart(
+            Form::new()
+                .text("request", touch)
+                .part("stdin", Part::bytes(&b""[..])),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let r = http
+        .post(&url)
+        .multipart(
+            Form::new()
+                .text("request", touch)
+                .part("stdin", Part::bytes(&b""[..])),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    c.delete_sandbox(&id, None).await.unwrap();
+}
