@@ -383,7 +383,14 @@ pub async fn start(
     });
     let gc_task = tokio::spawn(collect_chunks(cp.clone(), leader));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = http::router(cp.clone(), server);
+    let e2b = aviary_compat_e2b::E2bSettings {
+        max_json_bytes: server.max_json_bytes,
+        max_upload_bytes: server.max_upload_bytes,
+        body_read_timeout: Duration::from_millis(cp.cfg.settings.server.edge.body_read_timeout_ms),
+    };
+    // the E2B SDKs' API (E2B_API_URL=…/e2b) and envd (E2B_SANDBOX_URL=…/e2b/envd)
+    let app = http::router(cp.clone(), server)
+        .nest_service("/e2b", aviary_compat_e2b::router(cp.clone(), e2b));
     let edge_cp = cp.clone();
     let task = tokio::spawn(async move {
         let res = edge::serve(listener, app, edge_cp, async move {

@@ -1,0 +1,311 @@
+//! The E2B-compatible surface (`crates/aviary-compat-e2b`) driven by the
+//! official SDKs, unmodified, against a live server on 127.0.0.1:0 with
+//! real crun sandboxes of the default (Debian) template: the `e2b` Python
+//! SDK (sync and async), AgentScope 2.0's `E2BWorkspace`, and the E2B JS
+//! SDK. The flows live in `crates/aviary-compat-e2b/tests/sdk/`; each
+//! prints its observations as one JSON object, asserted here.
+//!
+//! scripts/test.sh installs the pinned packages into throwaway
+//! environments and names them: `AVIARY_E2B_PYTHON` (a venv's python with
+//! e2b==2.63.0 and agentscope==2.0.11) and `AVIARY_E2B_JS_MODULE` (the ESM
+//! entry of npm e2b@2.51.0). A test whose environment is missing skips
+//! with the reason (and fails under `AVIARY_REQUIRE_SERVICES=1`).
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn sdk_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../aviary-compat-e2b/tests/sdk")
+}
+
+/// The tool named by `var`, or a loud skip.
+fn tool(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            let why = format!(
+                "SKIPPED: {var} is not set; scripts/test.sh installs the pinned E2B SDKs and sets it"
+            );
+            assert!(
+                std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                "{why}"
+            );
+            eprintln!("{why}");
+            None
+        }
+    }
+}
+
+struct Flow {
+    ts: common::TestServer,
+    other_key: String,
+}
+
+async fn server() -> Flow {
+    let ts = common::start_with("default").await;
+    let other = ts.client.create_key("e2b-other", false).await.unwrap();
+    Flow {
+        ts,
+        other_key: other.key,
+    }
+}
+
+/// Runs `program script` with the E2B settings `aviary compat env` prints
+/// and answers the JSON object the flow printed last.
+fn run_flow(flow: &Flow, program: &str, script: &str, extra: &[(&str, &str)]) -> Value {
+    let base = flow.ts.url();
+    let run = format!("r{}", std::process::id()) + &rand_suffix();
+    let mut cmd = std::process::Command::new(program);
+    cmd.arg(sdk_dir().join(script))
+        .env("E2B_API_URL", format!("{base}/e2b"))
+        .env("E2B_SANDBOX_URL", format!("{base}/e2b/envd"))
+        .env("E2B_API_KEY", &flow.ts.key)
+        .env_remove("E2B_DOMAIN")
+        .env_remove("E2B_DEBUG")
+        .env("OTHER_KEY", &flow.other_key)
+        .env("RUN", &run);
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{script} failed ({}):\n{stdout}\n{stderr}",
+        out.status
+    );
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("{script} printed no JSON ({e}):\n{stdout}\n{stderr}"))
+}
+
+fn rand_suffix() -> String {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let n = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{n:x}")
+}
+
+/// Every sandbox of the flow is gone (the flows kill what they create).
+async fn assert_all_killed(flow: &Flow) {
+    let left: Vec<_> = flow
+        .ts
+        .client
+        .list_sandboxes(false)
+        .await
+        .unwrap()
+        .sandboxes
+        .into_iter()
+        .filter(|s| !s.state.is_terminal())
+        .map(|s| (s.id, s.state))
+        .collect();
+    assert!(left.is_empty(), "sandboxes left running: {left:?}");
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_sync_flow() {
+    let Some(python) = tool("AVIARY_E2B_PYTHON") else {
+        return;
+    };
+    let flow = server().await;
+    let o = tokio::task::block_in_place(|| run_flow(&flow, &python, "e2b_sync.py", &[]));
+    let id = o["sandbox_id"].as_str().unwrap().to_owned();
+    // sandbox env, an exec's own env wins; stdout and stderr apart
+    assert_eq!(o["env_stdout"], "hello\n");
+    assert_eq!(o["stderr"], "oops\n");
+    assert_eq!(o["exit_code"], 0);
+    assert_eq!(o["own_env_wins"], "mine\n");
+    // streamed: the client saw line1 while the command still ran
+    let chunks = strs(&o["stream_chunks"]);
+    assert!(
+        chunks[0].contains("line1") && !chunks[0].contains("line3"),
+        "{chunks:?}"
+    );
+    assert_eq!(o["stream_stdout"], "line1\nsaw-go\nline3\n");
+    assert_eq!(
+        o["exit3"],
+        serde_json::json!({"exit_code": 3, "stdout": "before-exit\n", "stderr": "bad\n"})
+    );
+    // files and commands see one file system
+    assert_eq!(o["write_path"], "/tmp/e2b/a.txt");
+    assert_eq!(o["read_len"], 100000);
+    assert_eq!(o["wc"], "100000");
+    assert_eq!(
+        o["read_bytes"],
+        serde_json::json!([0, 1, 255, 98, 105, 110])
+    );
+    assert_eq!(
+        o["list"],
+        serde_json::json!([["a.txt", "file"], ["b.bin", "file"]])
+    );
+    assert_eq!(o["exists"], serde_json::json!([true, false]));
+    assert_eq!(o["make_dir"], serde_json::json!([true, false]));
+    assert_eq!(o["moved"], "/tmp/e2b/sub/c.bin");
+    assert_eq!(strs(&o["moved_seen"]), vec!["c.bin"]);
+    assert_eq!(o["removed"], false);
+    assert_eq!(o["file_info_size"], 100000);
+    assert!(
+        o["read_missing"].as_str().unwrap().contains("NotFound"),
+        "{}",
+        o["read_missing"]
+    );
+    assert_eq!(o["cmd_file"], "from-cmd\n");
+    assert_eq!(o["pwd"], "/home/user");
+    assert_eq!(o["rel_cat"], "home");
+    // metadata round trip; set_timeout moves the end
+    assert_eq!(o["info_metadata"]["suite"], "sync");
+    assert_eq!(o["info_state"], "running");
+    let (before, after) = (
+        o["lifetime_before"].as_f64().unwrap(),
+        o["lifetime_after"].as_f64().unwrap(),
+    );
+    assert!((299.0..=301.0).contains(&before), "{before}");
+    assert!(after >= 600.0 && after > before, "{after}");
+    // list: metadata filters (pages of one), state filters
+    let second = o["second_id"].as_str().unwrap().to_owned();
+    let mut both = vec![id.clone(), second.clone()];
+    both.sort();
+    assert_eq!(strs(&o["list_run"]), both);
+    assert_eq!(strs(&o["list_suite"]), vec![id.clone()]);
+    assert!(strs(&o["list_paused_before"]).is_empty());
+    // pause → paused, not running; connect resumes with the files
+    assert_eq!(o["pause"], true);
+    assert_eq!(o["running_while_paused"], false);
+    assert_eq!(strs(&o["list_paused"]), vec![id.clone()]);
+    assert_eq!(strs(&o["list_running"]), vec![second]);
+    assert_eq!(o["info_paused_state"], "paused");
+    assert_eq!(o["running_after_connect"], true);
+    assert_eq!(o["file_after_resume"], "100000");
+    // auth
+    assert_eq!(o["wrong_token"], 401);
+    assert_eq!(o["token_of_other_sandbox"], 401);
+    assert_eq!(o["other_tenant_connect"], "NotFoundException");
+    assert_eq!(o["other_tenant_kill"], false);
+    assert!(strs(&o["other_tenant_list"]).is_empty());
+    // kill: True, then False; not running after
+    assert_eq!(o["kill"], true);
+    assert_eq!(o["kill_again"], false);
+    assert_eq!(o["running_after_kill"], false);
+    assert_eq!(o["kill_second"], true);
+    assert_all_killed(&flow).await;
+    // every call went through the operations: the create and the kill are events
+    let events = flow
+        .ts
+        .client
+        .events(Some(&id), None, Some(1000))
+        .await
+        .unwrap()
+        .events;
+    let types: Vec<_> = events.iter().map(|e| e.event_type.as_str()).collect();
+    for t in ["created", "paused", "resumed"] {
+        assert!(types.contains(&t), "{t} missing from {types:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_async_flow() {
+    let Some(python) = tool("AVIARY_E2B_PYTHON") else {
+        return;
+    };
+    let flow = server().await;
+    let o = tokio::task::block_in_place(|| run_flow(&flow, &python, "e2b_async.py", &[]));
+    let id = o["sandbox_id"].as_str().unwrap().to_owned();
+    let chunks = strs(&o["stream_chunks"]);
+    assert!(
+        chunks[0].contains("line1") && !chunks[0].contains("line3"),
+        "{chunks:?}"
+    );
+    assert_eq!(o["stdout"], "line1\nsaw-go\nline3\n");
+    assert_eq!(o["stderr"], "async\n");
+    assert_eq!(o["exit3"], 3);
+    assert_eq!(o["bg_listed"], true);
+    assert_eq!(o["bg_killed"], true);
+    assert_eq!(o["bg_wait"], -1);
+    assert_eq!(o["bg_listed_after"], false);
+    assert_eq!(o["read"], "async data");
+    assert_eq!(strs(&o["list"]), vec!["data.txt"]);
+    assert_eq!(o["metadata"]["suite"], "async");
+    assert_eq!(strs(&o["list_dotted"]), vec![id.clone()]);
+    assert_eq!(o["pause"], true);
+    assert_eq!(o["pause_again"], false);
+    assert_eq!(o["running_paused"], false);
+    assert_eq!(strs(&o["list_paused"]), vec![id]);
+    assert_eq!(o["running_back"], true);
+    assert_eq!(o["read_back"], "async data");
+    assert_eq!(o["kill"], true);
+    assert_eq!(o["kill_again"], false);
+    assert_eq!(o["running_killed"], false);
+    assert_all_killed(&flow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agentscope_e2b_workspace_reattaches_after_close() {
+    let Some(python) = tool("AVIARY_E2B_PYTHON") else {
+        return;
+    };
+    let flow = server().await;
+    let o = tokio::task::block_in_place(|| run_flow(&flow, &python, "agentscope_e2b.py", &[]));
+    assert_eq!(
+        o["exec"],
+        serde_json::json!([0, "hello from /home/user/workspace\n"])
+    );
+    assert_eq!(o["exec_fail"], 5);
+    assert_eq!(o["read"], "kept across close");
+    assert_eq!(o["read_missing"], "FileNotFoundError");
+    let layout = strs(&o["layout"]);
+    for d in ["data", "sessions", "skills"] {
+        assert!(layout.contains(&d.to_owned()), "{layout:?}");
+    }
+    assert_eq!(o["state_after_close"], "paused");
+    // the second workspace found the paused sandbox, resumed it, saw the file
+    assert_eq!(o["second_id"], o["first_id"]);
+    assert_eq!(o["read_again"], "kept across close");
+    assert_eq!(o["sandboxes_of_run"], 1);
+    assert_all_killed(&flow).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn js_sdk_flow() {
+    let (Some(node), Some(module)) = (tool("AVIARY_E2B_NODE"), tool("AVIARY_E2B_JS_MODULE")) else {
+        return;
+    };
+    let flow = server().await;
+    let o = tokio::task::block_in_place(|| {
+        run_flow(
+            &flow,
+            &node,
+            "e2b_js.mjs",
+            &[("E2B_JS_MODULE", module.as_str())],
+        )
+    });
+    let chunks = strs(&o["chunks"]);
+    assert!(
+        chunks[0].contains("line1") && !chunks[0].contains("saw-go"),
+        "{chunks:?}"
+    );
+    assert_eq!(o["stdout"], "line1\nsaw-go\n");
+    assert_eq!(o["stderr"], "js\n");
+    assert_eq!(o["exit3"], 3);
+    assert_eq!(o["read"], "from js");
+    assert_eq!(o["list"], serde_json::json!([["a.txt", "file"]]));
+    assert_eq!(o["wc"], "7");
+    assert_eq!(o["info"]["suite"], "js");
+    assert_eq!(o["kill"], true);
+    assert_eq!(o["running"], false);
+    assert_all_killed(&flow).await;
+}
