@@ -471,11 +471,19 @@ pub struct ListFilter {
     pub states: Vec<String>,
     pub limit: usize,
     pub offset: usize,
+    /// Oldest first (`order=asc`); newest first otherwise.
+    pub ascending: bool,
+    /// Only sandboxes started at or after this time.
+    pub started_after: Option<time::OffsetDateTime>,
+    /// Only sandboxes of this template (E2B id, `base` for the default, or
+    /// the Aviary name).
+    pub template: Option<String>,
 }
 
 /// Parses the query: `metadata` is one parameter holding an urlencoded
 /// `k=v&k2=v2` (keys may contain dots), `state` is comma-joined (or
-/// repeated), `limit` 1-100, `nextToken` the token of the previous page.
+/// repeated), `limit` 1-100, `nextToken` the token of the previous page,
+/// `order` asc|desc, `startedAfter` RFC 3339, `template`.
 pub fn parse_list_query(raw: Option<&str>) -> Result<ListFilter, E2bError> {
     let bad = |m: String| E2bError::new(StatusCode::BAD_REQUEST, m);
     let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.unwrap_or(""))
@@ -520,11 +528,20 @@ pub fn parse_list_query(raw: Option<&str>) -> Result<ListFilter, E2bError> {
                     .filter(|n: &usize| *n <= 1_000_000)
                     .ok_or_else(|| bad("nextToken is not a token this server issued".into()))?;
             }
-            // E2B's other filters and orders are not offered; ignoring one
-            // silently would return the wrong sandboxes
-            "template" | "startedAfter" | "startedBefore" | "order" => {
-                return Err(bad(format!("the {k} filter is not supported by Aviary")));
+            "order" => {
+                f.ascending = match v.as_str() {
+                    "asc" => true,
+                    "desc" => false,
+                    _ => return Err(bad(format!("order {v:?} is not asc or desc"))),
+                }
             }
+            "startedAfter" => {
+                let t =
+                    time::OffsetDateTime::parse(&v, &time::format_description::well_known::Rfc3339)
+                        .map_err(|e| bad(format!("startedAfter is not an RFC 3339 time: {e}")))?;
+                f.started_after = Some(t);
+            }
+            "template" => f.template = Some(v),
             _ => {}
         }
     }
@@ -540,11 +557,18 @@ async fn list_page(
     let mut all = st.cp.list(cx, fnd::query(&f.metadata)).await?;
     all.retain(|s| {
         e2b_state(s).is_some_and(|state| f.states.is_empty() || f.states.iter().any(|x| x == state))
+            && f.started_after.is_none_or(|t| s.created_at >= t)
+            && f.template
+                .as_ref()
+                .is_none_or(|t| *t == s.template || *t == template_id(st, s))
     });
     all.sort_by(|a, b| {
-        b.created_at
-            .cmp(&a.created_at)
-            .then_with(|| a.id.as_str().cmp(b.id.as_str()))
+        let by_start = if f.ascending {
+            a.created_at.cmp(&b.created_at)
+        } else {
+            b.created_at.cmp(&a.created_at)
+        };
+        by_start.then_with(|| a.id.as_str().cmp(b.id.as_str()))
     });
     let page: Vec<SandboxDetail> = all
         .iter()
@@ -747,12 +771,21 @@ mod tests {
             "limit=x",
             "nextToken=abc",
             "metadata=%3Dv",
-            "template=base",
+            "order=up",
+            "startedAfter=yesterday",
         ] {
             let e = parse_list_query(Some(q)).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST, "{q}");
         }
         assert_eq!(parse_list_query(None).unwrap().states, Vec::<String>::new());
+        let f = parse_list_query(Some(
+            "order=asc&startedAfter=2026-01-01T00%3A00%3A00Z&template=base&limit=5&nextToken=10",
+        ))
+        .unwrap();
+        assert!(f.ascending);
+        assert_eq!(f.started_after.unwrap().year(), 2026);
+        assert_eq!(f.template.as_deref(), Some("base"));
+        assert_eq!((f.limit, f.offset), (5, 10));
     }
 
     #[test]

@@ -80,6 +80,7 @@ fn run_flow(flow: &Flow, program: &str, script: &str, extra: &[(&str, &str)]) ->
         out.status
     );
     let last = stdout.lines().last().unwrap_or_default();
+    eprintln!("{script} observed: {last}");
     serde_json::from_str(last)
         .unwrap_or_else(|e| panic!("{script} printed no JSON ({e}):\n{stdout}\n{stderr}"))
 }
