@@ -310,3 +310,140 @@ async fn js_sdk_flow() {
     assert_eq!(o["running"], false);
     assert_all_killed(&flow).await;
 }
+
+/// The surface's own answers, without an SDK: fencing holds against E2B
+/// calls, unknown sandboxes get E2B's proxy answer, errors have E2B's
+/// shapes, and bad Connect input is refused before anything runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_surface_keeps_fencing_and_answers_in_e2b_shapes() {
+    let ts = common::start().await;
+    let base = format!("{}/e2b", ts.url());
+    let http = reqwest::Client::new();
+    let api = |m: reqwest::Method, path: &str| {
+        http.request(m, format!("{base}{path}"))
+            .header("x-api-key", &ts.key)
+    };
+    // a sandbox a native client holds under a lease
+    let leased = ts
+        .client
+        .create_sandbox(&aviary_core::api::CreateSandboxRequest {
+            lease: Some(aviary_core::api::AcquireLeaseRequest {
+                owner: "native".into(),
+                ttl_s: Some(300),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = leased.sandbox.id.to_string();
+    let detail: Value = api(reqwest::Method::GET, &format!("/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let token = detail["envdAccessToken"].as_str().unwrap().to_owned();
+    let envd = |path: &str, sandbox: &str, token: &str| {
+        http.post(format!("{base}/envd{path}"))
+            .header("e2b-sandbox-id", sandbox)
+            .header("x-access-token", token)
+    };
+    // a write through envd is refused: E2B calls carry no lease token
+    let r = envd("/filesystem.Filesystem/MakeDir", &id, &token)
+        .header("content-type", "application/json")
+        .body(r#"{"path":"/tmp/fenced"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 412);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["code"], "failed_precondition");
+    // and so is a kill, with E2B's error body and no retry
+    let r = api(reqwest::Method::DELETE, &format!("/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409);
+    assert_eq!(r.headers()["should-retry"], "false");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["code"], 409);
+    assert!(
+        body["message"].as_str().unwrap().contains("lease"),
+        "{body}"
+    );
+    assert!(ts.client.get_sandbox(&id).await.unwrap().state.is_live());
+    // unknown sandbox: the proxy's 502, which the SDK reads as not running
+    let r = http
+        .get(format!("{base}/envd/health"))
+        .header("e2b-sandbox-id", "sbx-doesnotexist0000000")
+        .header("x-access-token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let body: Value = r.json().await.unwrap();
+    assert!(
+        body["message"].as_str().unwrap().contains("was not found"),
+        "{body}"
+    );
+    // a malformed Connect request is refused with a Connect error
+    for (ct, body, code) in [
+        (
+            "application/connect+json",
+            b"\x00\xff\xff\xff\xff{}".to_vec(),
+            "resource_exhausted",
+        ),
+        (
+            "application/connect+json",
+            b"\x00\x00\x00\x00\x02{}trailing".to_vec(),
+            "invalid_argument",
+        ),
+        (
+            "application/connect+json",
+            b"\x00\x00".to_vec(),
+            "invalid_argument",
+        ),
+        ("application/json", b"{}".to_vec(), "unimplemented"),
+    ] {
+        let r = envd("/process.Process/Start", &id, &token)
+            .header("content-type", ct)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["code"], code, "{body:?}: {status} {v}");
+    }
+    // a bad key is 401 in E2B's shape
+    let r = http
+        .get(format!("{base}/v2/sandboxes"))
+        .header("x-api-key", "not-a-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["code"], 401);
+    // the native holder still owns it; it deletes it with its token
+    ts.client
+        .delete_sandbox(&id, leased.lease.as_ref().map(|l| l.token))
+        .await
+        .unwrap();
+    // gone: 404 JSON on kill, the proxy's 502 on envd
+    let r = api(reqwest::Method::DELETE, &format!("/sandboxes/{id}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.json::<Value>().await.unwrap()["code"], 404);
+    let r = http
+        .get(format!("{base}/envd/health"))
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+}
