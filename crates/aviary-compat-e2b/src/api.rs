@@ -613,7 +613,15 @@ async fn kill(
     ApiCaller(cx): ApiCaller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
-    visible(&st, &cx, &id).await.map_err(E2bError::no_retry)?;
+    // anything not yet ended can be killed (a lost or failed one too)
+    let s = st
+        .cp
+        .get(&cx, SandboxRef::new(&id))
+        .await
+        .map_err(|e| E2bError::from(e).no_retry())?;
+    if s.state.is_terminal() {
+        return Err(not_found(&id).no_retry());
+    }
     st.cp
         .delete(&cx, SandboxRef::new(&id))
         .await
