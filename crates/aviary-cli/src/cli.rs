@@ -160,6 +160,9 @@ struct CreateArgs {
     /// (`aviary nodes ls` lists them); default: the server's default runtime.
     #[arg(long)]
     runtime: Option<String>,
+    /// Label KEY=VALUE kept with the sandbox (repeatable; `sandbox ls --metadata` filters on it).
+    #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
+    metadata: Vec<(String, String)>,
 }
 
 impl CreateArgs {
@@ -182,6 +185,8 @@ impl CreateArgs {
             from_snapshot: self.from_snapshot.clone(),
             user_managed: self.user_managed,
             runtime: self.runtime.clone(),
+            metadata: self.metadata.iter().cloned().collect(),
+            env: Default::default(),
         })
     }
 }
@@ -222,12 +227,28 @@ enum SandboxCmd {
         /// Lease ttl in seconds (with --lease-owner).
         #[arg(long)]
         lease_ttl: Option<u64>,
+        /// Default environment KEY=VALUE of every exec in the sandbox (repeatable; an exec's --env wins).
+        #[arg(long = "env", value_name = "KEY=VALUE", value_parser = parse_kv)]
+        env: Vec<(String, String)>,
     },
     /// List your sandboxes.
     Ls {
         /// Include terminated sandboxes.
         #[arg(long, short)]
         all: bool,
+        /// Only sandboxes labelled KEY=VALUE (repeatable: all must match).
+        #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+    },
+    /// Set when a sandbox expires: SECS seconds from now (may shorten its life).
+    Ttl {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// Seconds from now.
+        secs: u64,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
+        #[arg(long)]
+        token: Option<LeaseToken>,
     },
     /// Show one sandbox.
     Get { id: String },
@@ -1061,8 +1082,10 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             create,
             lease_owner,
             lease_ttl,
+            env,
         } => {
             let mut req = create.request()?;
+            req.env = env.into_iter().collect();
             req.lease = lease_owner.map(|owner| AcquireLeaseRequest {
                 owner,
                 ttl_s: lease_ttl,
@@ -1078,12 +1101,23 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 }
             }
         }
-        SandboxCmd::Ls { all } => {
-            let l = c.list_sandboxes(all).await?;
+        SandboxCmd::Ls { all, metadata } => {
+            let l = c
+                .list_sandboxes_with(all, &metadata.into_iter().collect())
+                .await?;
             if json {
                 output::json(&l);
             } else {
                 output::sandbox_table(&l.sandboxes);
+            }
+        }
+        SandboxCmd::Ttl { id, secs, token } => {
+            let s = c.set_ttl(&id, secs, token).await?;
+            if json {
+                output::json(&s);
+            } else {
+                let at = s.expires_at.map(output::ts).unwrap_or_default();
+                println!("{} expires {at}", s.id);
             }
         }
         SandboxCmd::Get { id } => {

@@ -88,6 +88,9 @@ pub fn sandbox_detail(s: &Sandbox) {
         println!("leased by:       {o}");
     }
     println!("tainted:         {}", s.tainted);
+    for (k, v) in &s.metadata {
+        println!("metadata:        {k}={v}");
+    }
 }
 
 pub fn event_line(e: &Event) {

@@ -332,6 +332,98 @@ fn quick_start_works_end_to_end() {
 }
 
 #[test]
+fn labels_env_and_ttl_through_the_cli() {
+    let s = serve();
+    let create = |label: &str| {
+        let o = aviary(
+            &s,
+            &[
+                "--json",
+                "sandbox",
+                "create",
+                "--metadata",
+                &format!("agentscope.workspace.id={label}"),
+                "--metadata",
+                "team=a b",
+                "--env",
+                "GREETING=hello there",
+                "--env",
+                "MODE=sandbox",
+            ],
+        );
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["metadata"]["agentscope.workspace.id"], label, "{v}");
+        assert!(v.get("env").is_none(), "env is never shown: {v}");
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let (one, two) = (create("ws-1"), create("ws-2"));
+    // the sandbox env reaches the real process; an exec's own --env wins
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            &one,
+            "--env",
+            "MODE=exec",
+            "--",
+            "sh",
+            "-c",
+            "echo \"$GREETING/$MODE\"",
+        ],
+    );
+    assert_eq!(stdout(&o), "hello there/exec\n", "{o:?}");
+    // the label filter, through the real query string
+    let ls = |filter: &[&str]| {
+        let mut args = vec!["--json", "sandbox", "ls"];
+        for f in filter {
+            args.extend(["--metadata", f]);
+        }
+        let o = aviary(&s, &args);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let mut ids: Vec<String> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    let mut both = vec![one.clone(), two.clone()];
+    both.sort();
+    assert_eq!(ls(&["team=a b"]), both);
+    assert_eq!(
+        ls(&["agentscope.workspace.id=ws-2", "team=a b"]),
+        vec![two.clone()]
+    );
+    assert!(ls(&["team=other"]).is_empty());
+    let o = aviary(&s, &["sandbox", "get", &one]);
+    assert!(stdout(&o).contains("agentscope.workspace.id=ws-1"), "{o:?}");
+    // ttl: now + 120 s, shown; a zero ttl is refused with a usage error
+    let o = aviary(&s, &["--json", "sandbox", "ttl", &one, "120"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let expires = time::OffsetDateTime::parse(
+        v["expires_at"].as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    let left = (expires - time::OffsetDateTime::now_utc()).whole_seconds();
+    assert!((100..=121).contains(&left), "{left} s left: {v}");
+    let o = aviary(&s, &["sandbox", "ttl", &one, "0"]);
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
+    let o = aviary(&s, &["sandbox", "create", "--env", "1BAD=x"]);
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
+    for id in [&one, &two] {
+        let o = aviary(&s, &["sandbox", "rm", id]);
+        assert!(o.status.success(), "{o:?}");
+    }
+}
+
+#[test]
 fn template_import_from_a_docker_save_archive() {
     let s = serve();
     // a docker-save style archive: one layer with a static busybox

@@ -294,9 +294,40 @@ impl Client {
     }
 
     pub async fn list_sandboxes(&self, all: bool) -> Result<SandboxList, ClientError> {
-        let q = if all { "?all=true" } else { "" };
+        self.list_sandboxes_with(all, &Default::default()).await
+    }
+
+    /// `GET /v1/sandboxes`, only those whose metadata has every pair.
+    pub async fn list_sandboxes_with(
+        &self,
+        all: bool,
+        metadata: &std::collections::BTreeMap<String, String>,
+    ) -> Result<SandboxList, ClientError> {
+        let mut q = format!("?all={all}");
+        if !metadata.is_empty() {
+            let pairs: Vec<String> = metadata
+                .iter()
+                .map(|(k, v)| format!("{}={}", urlencode(k), urlencode(v)))
+                .collect();
+            q.push_str(&format!("&metadata={}", urlencode(&pairs.join("&"))));
+        }
         self.json(self.req(Method::GET, &format!("/v1/sandboxes{q}")))
             .await
+    }
+
+    /// `POST /v1/sandboxes/{id}/ttl`: expire `ttl_s` seconds from now.
+    pub async fn set_ttl(
+        &self,
+        id: &str,
+        ttl_s: u64,
+        token: Option<LeaseToken>,
+    ) -> Result<Sandbox, ClientError> {
+        self.json(token_header(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/ttl"))
+                .json(&SetTtlBody { ttl_s }),
+            token,
+        ))
+        .await
     }
 
     pub async fn delete_sandbox(

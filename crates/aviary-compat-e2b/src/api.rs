@@ -11,7 +11,8 @@
 //!   session scope (see [`scope_from_metadata`]).
 //! - kill → delete; timeout → TTL from now (may shorten); pause → Aviary's
 //!   pause (every process frozen, files and memory kept) with the TTL
-//!   cleared, so a paused sandbox is never reaped; connect/resume → resume
+//!   set to the server's longest (`max_sandbox_ttl_s`), so a paused
+//!   sandbox waits for its connect; connect/resume → resume
 //!   (or wake, for a sandbox the platform hibernated) with `timeout` as the
 //!   new TTL.
 //!
@@ -647,7 +648,7 @@ async fn set_timeout(
         )
         .no_retry());
     }
-    fnd::set_ttl(&st.cp, &cx, &id, Some(timeout))
+    fnd::set_ttl(&st.cp, &cx, &id, timeout)
         .await
         .map_err(|e| E2bError::from(e).no_retry())?;
     Ok(StatusCode::NO_CONTENT)
@@ -670,8 +671,9 @@ async fn pause(
         .pause(&cx, SandboxRef::new(&id))
         .await
         .map_err(|e| E2bError::from(e).no_retry())?;
-    // a paused E2B sandbox waits for its connect: it is never reaped
-    fnd::set_ttl(&st.cp, &cx, &id, None)
+    // a paused E2B sandbox waits for its connect: it is kept as long as
+    // any sandbox may live (the server's longest TTL)
+    fnd::set_ttl(&st.cp, &cx, &id, st.cp.cfg.max_sandbox_ttl_s)
         .await
         .map_err(|e| E2bError::from(e).no_retry())?;
     Ok(StatusCode::NO_CONTENT)
@@ -700,7 +702,7 @@ async fn bring_back(
     };
     let wanted = aviary_core::now() + time::Duration::seconds(timeout.min(i64::MAX as u64) as i64);
     let s = if resumed || s.expires_at.is_some_and(|t| t < wanted) {
-        fnd::set_ttl(&st.cp, cx, id, Some(timeout)).await?
+        fnd::set_ttl(&st.cp, cx, id, timeout).await?
     } else {
         s
     };
@@ -805,6 +807,8 @@ mod tests {
         let req = create_request(body, DEFAULT_TIMEOUT_S).unwrap();
         assert_eq!(req.template, None);
         assert_eq!(req.ttl_s, Some(300));
+        assert_eq!(req.metadata["k"], "v");
+        assert_eq!(req.env["A"], "1");
         assert_eq!(req.scope, None);
         assert!(!req.user_managed);
         let body: NewSandbox = serde_json::from_str(

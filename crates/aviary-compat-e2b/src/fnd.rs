@@ -2,58 +2,68 @@
 //! (sandbox labels and default environment, TTL changes, per-sandbox
 //! access tokens), in one place so the rest of the crate names them once.
 
-use aviary_control::requests::SandboxQuery;
+use aviary_control::requests::{SandboxQuery, SetTtlRequest};
 use aviary_control::{ControlPlane, OpContext, OpError};
 use aviary_core::api::{CreateSandboxRequest, Sandbox};
 use std::collections::BTreeMap;
 
-fn pending() -> OpError {
-    OpError::Unavailable("this server lacks the compat foundation".into())
-}
-
 /// The access token the SDK sends as `X-Access-Token` to envd: only the
 /// sandbox's tenant can obtain it.
 pub async fn access_token(
-    _cp: &ControlPlane,
-    _cx: &OpContext,
-    _sandbox: &str,
+    cp: &ControlPlane,
+    cx: &OpContext,
+    sandbox: &str,
 ) -> Result<String, OpError> {
-    Err(pending())
+    cp.sandbox_access_token(cx, sandbox).await
 }
 
-/// The context of an envd call presenting `token` for `sandbox`.
+/// The context of an envd call presenting `token` for `sandbox`
+/// (`not_found` for an unknown or ended sandbox, `unauthorized` for a
+/// wrong token).
 pub async fn authenticate_token(
-    _cp: &ControlPlane,
-    _sandbox: &str,
-    _token: &str,
+    cp: &ControlPlane,
+    sandbox: &str,
+    token: &str,
 ) -> Result<OpContext, OpError> {
-    Err(pending())
+    cp.authenticate_sandbox_token(sandbox, token).await
 }
 
-/// `expires_at = now + ttl_s` (`None`: no expiry).
+/// `expires_at = now + ttl_s` (fenced: a leased sandbox refuses it).
 pub async fn set_ttl(
-    _cp: &ControlPlane,
-    _cx: &OpContext,
-    _sandbox: &str,
-    _ttl_s: Option<u64>,
+    cp: &ControlPlane,
+    cx: &OpContext,
+    sandbox: &str,
+    ttl_s: u64,
 ) -> Result<Sandbox, OpError> {
-    Err(pending())
+    cp.set_ttl(
+        cx,
+        SetTtlRequest {
+            id: sandbox.to_owned(),
+            ttl_s,
+        },
+    )
+    .await
 }
 
 /// A sandbox's metadata.
-pub fn metadata(_s: &Sandbox) -> BTreeMap<String, String> {
-    BTreeMap::new()
+pub fn metadata(s: &Sandbox) -> BTreeMap<String, String> {
+    s.metadata.clone()
 }
 
 /// Sets a create's metadata and default exec environment.
 pub fn set_labels(
-    _req: &mut CreateSandboxRequest,
-    _metadata: BTreeMap<String, String>,
-    _env: BTreeMap<String, String>,
+    req: &mut CreateSandboxRequest,
+    metadata: BTreeMap<String, String>,
+    env: BTreeMap<String, String>,
 ) {
+    req.metadata = metadata;
+    req.env = env;
 }
 
 /// The query of the caller's sandboxes whose metadata holds every pair.
-pub fn query(_metadata: &BTreeMap<String, String>) -> SandboxQuery {
-    SandboxQuery::default()
+pub fn query(metadata: &BTreeMap<String, String>) -> SandboxQuery {
+    SandboxQuery {
+        metadata: metadata.clone(),
+        ..Default::default()
+    }
 }

@@ -55,6 +55,7 @@
 //! - readiness, and the planner and policy built from the configuration.
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod backends;
 pub mod config;
 pub mod context;

@@ -23,7 +23,7 @@ use crate::context::OpContext;
 use crate::error::OpError;
 use crate::requests::{
     EventQuery, FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxQuery, SandboxRef,
-    TemplateImport,
+    SetTtlRequest, TemplateImport,
 };
 use aviary_core::api::*;
 use aviary_core::{LeaseToken, SandboxId, SandboxState, Scope};
@@ -172,6 +172,9 @@ pub struct ControlPlane {
     /// Hash of the bootstrap admin key (set by [`Self::ensure_admin_key`]),
     /// which `revoke_key` refuses.
     pub(crate) bootstrap_key_hash: std::sync::RwLock<Option<String>>,
+    /// The key of per-sandbox access tokens (see `access`), read from the
+    /// registry once.
+    pub(crate) access_key: tokio::sync::OnceCell<Vec<u8>>,
 }
 
 pub fn rfc3339(t: OffsetDateTime) -> String {
@@ -272,6 +275,7 @@ impl ControlPlane {
             reconciler: Default::default(),
             projection_indexes: StdMutex::new(HashMap::new()),
             bootstrap_key_hash: std::sync::RwLock::new(None),
+            access_key: tokio::sync::OnceCell::new(),
         }))
     }
 
@@ -789,15 +793,52 @@ impl ControlPlane {
     }
 
     pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
+        crate::validate::labels(&req.metadata)?;
         let recs = self
             .registry
             .list_sandboxes(Some(&cx.caller.tenant), req.include_terminated)
             .await?;
         let mut out = Vec::with_capacity(recs.len());
-        for r in &recs {
+        for r in recs.iter().filter(|r| {
+            req.metadata
+                .iter()
+                .all(|(k, v)| r.metadata.get(k) == Some(v))
+        }) {
             out.push(self.view(r).await?);
         }
         Ok(out)
+    }
+
+    /// Sets when a sandbox expires: `now + ttl_s`, which may shorten its
+    /// life. Fenced like every write: a leased sandbox needs its token.
+    pub async fn set_ttl(&self, cx: &OpContext, req: SetTtlRequest) -> Result<Sandbox, OpError> {
+        if req.ttl_s == 0 || req.ttl_s > self.cfg.max_sandbox_ttl_s {
+            return Err(OpError::InvalidRequest(format!(
+                "ttl_s must be between 1 and {}",
+                self.cfg.max_sandbox_ttl_s
+            )));
+        }
+        let rec = self.sandbox_for(&cx.caller, &req.id).await?;
+        if matches!(rec.state, SandboxState::Terminated | SandboxState::Failed) {
+            return Err(OpError::InvalidState {
+                state: rec.state,
+                what: "it has ended".into(),
+            });
+        }
+        self.check_fence(&rec.id, cx.token).await?;
+        let expires_at = aviary_core::now() + time::Duration::seconds(req.ttl_s as i64);
+        let rec = self
+            .registry
+            .set_expiry(&rec.id, rec.version, Some(expires_at))
+            .await?;
+        self.event(
+            &rec,
+            "ttl_set",
+            cx.request_id(),
+            serde_json::json!({"ttl_s": req.ttl_s, "expires_at": rfc3339(expires_at)}),
+        )
+        .await?;
+        self.view(&rec).await
     }
 
     #[tracing::instrument(skip_all, fields(tenant = %cx.caller.tenant))]
@@ -843,6 +884,8 @@ impl ControlPlane {
     ) -> Result<CreateSandboxResponse, OpError> {
         let (caller, request_id) = (&cx.caller, cx.request_id());
         self.ensure_ready()?;
+        // every surface's create passes here, not only the v1 API's
+        crate::validate::create_request(&req)?;
         for (what, v) in [
             ("user_id", &req.user_id),
             ("session_id", &req.session_id),
@@ -959,6 +1002,8 @@ impl ControlPlane {
             expires_at: Some(now + time::Duration::seconds(ttl_s as i64)),
             tainted: false,
             user_managed: req.user_managed,
+            metadata: req.metadata.clone(),
+            env: req.env.clone(),
         };
         let rec = self
             .registry
@@ -1131,6 +1176,8 @@ impl ControlPlane {
             scope,
             expires_at: Some(expires_at),
             user_managed: req.user_managed,
+            metadata: req.metadata.clone(),
+            env: req.env.clone(),
         };
         let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
             return Ok(None);
@@ -1587,8 +1634,14 @@ impl ControlPlane {
         cx: &OpContext,
         req: OnSandbox<ExecRequest>,
     ) -> Result<ExecRun, OpError> {
-        let spec = Self::exec_spec(&req.request)?;
+        let mut spec = Self::exec_spec(&req.request)?;
         let (rec, live) = self.writable(cx, &req.id).await?;
+        // the sandbox's default environment, under the exec's own
+        for (k, v) in &rec.env {
+            if !spec.env.iter().any(|(name, _)| name == k) {
+                spec.env.push((k.clone(), v.clone()));
+            }
+        }
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self

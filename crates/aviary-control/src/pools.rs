@@ -517,6 +517,8 @@ impl ControlPlane {
             expires_at: None,
             tainted: false,
             user_managed: false,
+            metadata: Default::default(),
+            env: Default::default(),
         };
         let meta = serde_json::json!({"pool": {"class": class.name, "template": template.name}});
         let rec = self

@@ -6,7 +6,9 @@
 //! Ids are the strings the client sent: an id that does not parse is
 //! `not_found` like one of another tenant, answered by the operation.
 
+use crate::error::OpError;
 use crate::pools::SetPoolRequest;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 /// One sandbox, by id (get, delete, pause, resume, reset, release,
@@ -112,10 +114,12 @@ impl<R> std::fmt::Debug for FileUpload<R> {
 }
 
 /// The caller's sandboxes (`include_terminated`: the ended ones too; the
-/// default lists the others only).
+/// default lists the others only), only those whose labels contain every
+/// pair of `metadata` when it is not empty.
 #[derive(Clone, Debug, Default)]
 pub struct SandboxQuery {
     pub include_terminated: bool,
+    pub metadata: BTreeMap<String, String>,
 }
 
 impl SandboxQuery {
@@ -123,8 +127,34 @@ impl SandboxQuery {
     pub fn all() -> Self {
         SandboxQuery {
             include_terminated: true,
+            ..Default::default()
         }
     }
+}
+
+/// A label filter as the E2B and OpenSandbox APIs (and `GET /v1/sandboxes`)
+/// spell it: one query value holding `k=v&k2=v2`, each key and value
+/// form-urlencoded (`%xx`, `+` for a space). Empty: no filter.
+pub fn parse_label_filter(s: &str) -> Result<BTreeMap<String, String>, OpError> {
+    let mut out = BTreeMap::new();
+    for (k, v) in form_urlencoded::parse(s.as_bytes()) {
+        if k.is_empty() {
+            return Err(OpError::InvalidRequest(format!(
+                "metadata filter {s:?} has an empty key (expected k=v&k2=v2)"
+            )));
+        }
+        out.insert(k.into_owned(), v.into_owned());
+    }
+    crate::validate::labels(&out)?;
+    Ok(out)
+}
+
+/// `expires_at = now + ttl_s` (1 s up to the server's maximum ttl; it may
+/// shorten the sandbox's life).
+#[derive(Clone, Debug)]
+pub struct SetTtlRequest {
+    pub id: String,
+    pub ttl_s: u64,
 }
 
 /// The caller's events, oldest first: of one sandbox when given, only

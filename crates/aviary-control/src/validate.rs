@@ -66,6 +66,76 @@ pub fn create_request(req: &CreateSandboxRequest) -> Result<(), OpError> {
             identifier(field, v)?;
         }
     }
+    labels(&req.metadata)?;
+    sandbox_env(&req.env)
+}
+
+/// At most this many labels (`metadata`) on a sandbox.
+pub const MAX_LABELS: usize = 64;
+/// Longest label key and value.
+pub const MAX_LABEL_KEY: usize = 128;
+pub const MAX_LABEL_VALUE: usize = 1024;
+/// At most this many default environment variables on a sandbox, and their
+/// total size (names and values), so that every exec still fits envd's frame.
+pub const MAX_SANDBOX_ENV: usize = 128;
+pub const MAX_SANDBOX_ENV_BYTES: usize = 32 * 1024;
+
+/// A sandbox's labels: printable keys (dots allowed, e.g.
+/// `agentscope.workspace.id`) and values without control characters.
+pub fn labels(m: &std::collections::BTreeMap<String, String>) -> Result<(), OpError> {
+    if m.len() > MAX_LABELS {
+        return Err(OpError::InvalidRequest(format!(
+            "metadata has {} entries; at most {MAX_LABELS}",
+            m.len()
+        )));
+    }
+    for (k, v) in m {
+        if k.is_empty() || k.len() > MAX_LABEL_KEY || k.chars().any(char::is_control) {
+            return Err(OpError::InvalidRequest(format!(
+                "metadata key {k:?} must be 1-{MAX_LABEL_KEY} bytes without control characters"
+            )));
+        }
+        if v.len() > MAX_LABEL_VALUE || v.chars().any(char::is_control) {
+            return Err(OpError::InvalidRequest(format!(
+                "metadata value of {k:?} must be at most {MAX_LABEL_VALUE} bytes without control characters"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A sandbox's default exec environment: POSIX-style names
+/// (`[A-Za-z_][A-Za-z0-9_]*`), values without NUL, bounded in count and size.
+pub fn sandbox_env(m: &std::collections::BTreeMap<String, String>) -> Result<(), OpError> {
+    if m.len() > MAX_SANDBOX_ENV {
+        return Err(OpError::InvalidRequest(format!(
+            "env has {} entries; at most {MAX_SANDBOX_ENV}",
+            m.len()
+        )));
+    }
+    let mut size = 0;
+    for (k, v) in m {
+        let b = k.as_bytes();
+        let name_ok = !b.is_empty()
+            && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+            && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_');
+        if !name_ok {
+            return Err(OpError::InvalidRequest(format!(
+                "env name {k:?} must match [A-Za-z_][A-Za-z0-9_]*"
+            )));
+        }
+        if v.contains('\0') {
+            return Err(OpError::InvalidRequest(format!(
+                "env value of {k} must not contain NUL"
+            )));
+        }
+        size += k.len() + v.len();
+    }
+    if size > MAX_SANDBOX_ENV_BYTES {
+        return Err(OpError::PayloadTooLarge(format!(
+            "env is {size} bytes; at most {MAX_SANDBOX_ENV_BYTES}"
+        )));
+    }
     Ok(())
 }
 
@@ -160,6 +230,52 @@ mod tests {
         }
         template_name(&"t".repeat(128)).unwrap();
         template_name("../etc").unwrap_err();
+    }
+
+    #[test]
+    fn labels_and_env_are_bounded() {
+        let map = |pairs: &[(&str, &str)]| -> std::collections::BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        labels(&map(&[
+            ("agentscope.workspace.id", "ws 1"),
+            ("a/b", "x=y&z"),
+        ]))
+        .unwrap();
+        for bad in [
+            map(&[("", "v")]),
+            map(&[("k\n", "v")]),
+            map(&[("k", "v\0")]),
+            map(&[(&"k".repeat(129), "v")]),
+            map(&[("k", &"v".repeat(1025))]),
+        ] {
+            assert_eq!(labels(&bad).unwrap_err().code(), ErrorCode::InvalidRequest);
+        }
+        let many: std::collections::BTreeMap<String, String> =
+            (0..65).map(|i| (format!("k{i}"), String::new())).collect();
+        labels(&many).unwrap_err();
+
+        sandbox_env(&map(&[("PATH", "/bin"), ("_X1", "a=b"), ("EMPTY", "")])).unwrap();
+        for bad in [
+            map(&[("1X", "v")]),
+            map(&[("A-B", "v")]),
+            map(&[("A=B", "v")]),
+            map(&[("", "v")]),
+            map(&[("X", "nul\0")]),
+        ] {
+            assert_eq!(
+                sandbox_env(&bad).unwrap_err().code(),
+                ErrorCode::InvalidRequest
+            );
+        }
+        let big = map(&[("BIG", &"x".repeat(MAX_SANDBOX_ENV_BYTES))]);
+        assert_eq!(
+            sandbox_env(&big).unwrap_err().code(),
+            ErrorCode::PayloadTooLarge
+        );
     }
 
     #[test]

@@ -122,6 +122,8 @@ mod tests {
             expires_at: rec.expires_at,
             tainted: false,
             user_managed: false,
+            metadata: Default::default(),
+            env: Default::default(),
         };
         let ctx = || TransitionCtx {
             request_id: None,
@@ -643,6 +645,8 @@ mod periodic {
             expires_at: rec.expires_at,
             tainted: false,
             user_managed: false,
+            metadata: Default::default(),
+            env: Default::default(),
         };
         let row = p
             .registry

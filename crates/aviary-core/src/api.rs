@@ -50,6 +50,14 @@ pub struct CreateSandboxRequest {
     /// runtime when the class offers it, else one of the class's.
     #[serde(default)]
     pub runtime: Option<String>,
+    /// Labels kept with the sandbox, shown by `get`/`ls` and filterable
+    /// (keys 1-128 characters, values up to 1024, at most 64 pairs).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Default environment of every exec in the sandbox (an exec's own
+    /// `env` wins); never shown back.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// A sandbox as the API shows it.
@@ -82,6 +90,9 @@ pub struct Sandbox {
     /// Frozen by `pause` (every process stopped) until `resume`.
     #[serde(default)]
     pub paused: bool,
+    /// The labels given at create.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
     /// Optimistic-concurrency version of the registry row.
     pub version: i64,
     /// The live lease, if any (its token is shown only in the acquire/create answer).
@@ -132,6 +143,15 @@ pub struct RenewLeaseRequest {
     pub token: LeaseToken,
     #[serde(default)]
     pub ttl_s: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{id}/ttl`: the sandbox now expires `ttl_s` seconds
+/// from now (which may shorten its life).
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetTtlBody {
+    #[schema(minimum = 1)]
+    pub ttl_s: u64,
 }
 
 /// `DELETE /v1/sandboxes/{id}/lease`

@@ -53,6 +53,11 @@ pub use aviary_registry::Registry;
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../migrations/0001_init.sql")),
     (2, "paused", include_str!("../migrations/0002_paused.sql")),
+    (
+        3,
+        "labels_env_secrets",
+        include_str!("../migrations/0003_labels_env_secrets.sql"),
+    ),
 ];
 
 /// The schema version this build brings a database to.

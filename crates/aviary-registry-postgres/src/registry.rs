@@ -10,6 +10,7 @@ use aviary_leases::fence_rule;
 use aviary_registry::*;
 use sqlx::postgres::PgRow;
 use sqlx::{Postgres, QueryBuilder, Row};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use time::OffsetDateTime;
 
@@ -17,7 +18,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted, user_managed, paused";
+    expires_at, version, tainted, user_managed, paused, labels_json, env_json";
 
 fn col<'r, T>(row: &'r PgRow, name: &str) -> Result<T, RegistryError>
 where
@@ -29,6 +30,15 @@ where
 fn parse<T: FromStr>(what: &str, s: &str) -> Result<T, RegistryError> {
     s.parse()
         .map_err(|_| RegistryError::Storage(format!("bad stored {what} {s:?}")))
+}
+
+/// A stored JSON object of strings (labels, env).
+fn string_map(what: &str, s: &str) -> Result<BTreeMap<String, String>, RegistryError> {
+    serde_json::from_str(s).map_err(|e| RegistryError::Storage(format!("bad stored {what}: {e}")))
+}
+
+fn map_text(m: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(m).unwrap_or_else(|_| "{}".to_owned())
 }
 
 fn parse_state(s: Option<String>) -> Result<Option<SandboxState>, RegistryError> {
@@ -75,6 +85,8 @@ fn sandbox_row(row: &PgRow) -> Result<SandboxRecord, RegistryError> {
         tainted: col(row, "tainted")?,
         user_managed: col(row, "user_managed")?,
         paused: col(row, "paused")?,
+        metadata: string_map("labels", &col::<String>(row, "labels_json")?)?,
+        env: string_map("env", &col::<String>(row, "env_json")?)?,
     })
 }
 
@@ -249,9 +261,10 @@ impl Registry for PostgresRegistry {
             "INSERT INTO sandbox_instance (sandbox_id, tenant_id, user_id, session_id, agent, \
              scope, runtime_provider, runtime_instance_id, node_id, resource_class, cpu, \
              memory_mb, disk_mb, pids, template_id, template_digest, network_profile, state, \
-             created_at, last_active_at, expires_at, version, tainted, user_managed) \
+             created_at, last_active_at, expires_at, version, tainted, user_managed, labels_json, \
+             env_json) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-             $18, $19, $19, $20, 0, $21, $22)",
+             $18, $19, $19, $20, 0, $21, $22, $23, $24)",
         )
         .bind(new.id.as_str())
         .bind(&new.tenant)
@@ -275,6 +288,8 @@ impl Registry for PostgresRegistry {
         .bind(expires_at.map(micros))
         .bind(new.tainted)
         .bind(new.user_managed)
+        .bind(map_text(&new.metadata))
+        .bind(map_text(&new.env))
         .execute(&mut *tx)
         .await
         .map_err(storage)?;
@@ -317,6 +332,8 @@ impl Registry for PostgresRegistry {
             tainted: new.tainted,
             user_managed: new.user_managed,
             paused: false,
+            metadata: new.metadata.clone(),
+            env: new.env.clone(),
         })
     }
 
@@ -486,7 +503,8 @@ impl Registry for PostgresRegistry {
         let updated = sqlx::query(&format!(
             "UPDATE sandbox_instance SET tenant_id = $1, user_id = $2, session_id = $3, \
              agent = $4, scope = $5, expires_at = $6, user_managed = $7, state = $8, \
-             version = version + 1, last_active_at = $9, pool_claimed_at = $9 \
+             version = version + 1, last_active_at = $9, pool_claimed_at = $9, \
+             labels_json = $11, env_json = $12 \
              WHERE sandbox_id = $10 RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
@@ -499,6 +517,8 @@ impl Registry for PostgresRegistry {
         .bind(SandboxState::Locking.as_str())
         .bind(micros(now))
         .bind(id.as_str())
+        .bind(map_text(&claim.metadata))
+        .bind(map_text(&claim.env))
         .fetch_one(&mut *tx)
         .await
         .map_err(storage)?;
@@ -561,6 +581,41 @@ impl Registry for PostgresRegistry {
         paused: bool,
     ) -> Result<SandboxRecord, RegistryError> {
         self.set_flag(id, expected_version, "paused", paused).await
+    }
+
+    async fn set_expiry(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        expires_at: Option<OffsetDateTime>,
+    ) -> Result<SandboxRecord, RegistryError> {
+        let row = sqlx::query(&format!(
+            "UPDATE sandbox_instance SET expires_at = $1, version = version + 1 \
+             WHERE sandbox_id = $2 AND version = $3 RETURNING {SANDBOX_COLUMNS}"
+        ))
+        .bind(expires_at.map(truncate).map(micros))
+        .bind(id.as_str())
+        .bind(expected_version)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(storage)?;
+        self.versioned(id, row).await
+    }
+
+    async fn server_secret(&self, name: &str, candidate: &str) -> Result<String, RegistryError> {
+        sqlx::query(
+            "INSERT INTO server_secret (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(name)
+        .bind(candidate)
+        .execute(&self.pool)
+        .await
+        .map_err(storage)?;
+        sqlx::query_scalar("SELECT value FROM server_secret WHERE name = $1")
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(storage)
     }
 
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError> {

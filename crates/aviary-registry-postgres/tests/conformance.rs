@@ -651,6 +651,8 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
                 scope: aviary_core::Scope::Session,
                 expires_at: None,
                 user_managed: false,
+                metadata: Default::default(),
+                env: Default::default(),
             };
             let v = rec.version;
             tokio::spawn(async move {

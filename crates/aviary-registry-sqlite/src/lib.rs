@@ -47,6 +47,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0005_lease_secret.sql"),
     include_str!("../migrations/0006_snapshots_pools_nodes.sql"),
     include_str!("../migrations/0007_paused.sql"),
+    include_str!("../migrations/0008_labels_env_secrets.sql"),
 ];
 
 /// How long a writer from another process waits for the write lock.

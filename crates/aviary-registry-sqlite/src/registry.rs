@@ -8,6 +8,7 @@ use aviary_leases::fence_rule;
 use aviary_registry::*;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Executor, QueryBuilder, Row, Sqlite};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use time::OffsetDateTime;
 
@@ -15,7 +16,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted, user_managed, paused";
+    expires_at, version, tainted, user_managed, paused, labels_json, env_json";
 
 fn col<'r, T>(row: &'r SqliteRow, name: &str) -> Result<T, RegistryError>
 where
@@ -27,6 +28,15 @@ where
 fn parse<T: FromStr>(what: &str, s: &str) -> Result<T, RegistryError> {
     s.parse()
         .map_err(|_| RegistryError::Storage(format!("bad stored {what} {s:?}")))
+}
+
+/// A stored JSON object of strings (labels, env).
+fn string_map(what: &str, s: &str) -> Result<BTreeMap<String, String>, RegistryError> {
+    serde_json::from_str(s).map_err(|e| RegistryError::Storage(format!("bad stored {what}: {e}")))
+}
+
+fn map_text(m: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(m).unwrap_or_else(|_| "{}".to_owned())
 }
 
 fn parse_state(s: Option<String>) -> Result<Option<SandboxState>, RegistryError> {
@@ -69,6 +79,8 @@ fn sandbox_row(row: &SqliteRow) -> Result<SandboxRecord, RegistryError> {
         tainted: col(row, "tainted")?,
         user_managed: col(row, "user_managed")?,
         paused: col(row, "paused")?,
+        metadata: string_map("labels", &col::<String>(row, "labels_json")?)?,
+        env: string_map("env", &col::<String>(row, "env_json")?)?,
     })
 }
 
@@ -232,8 +244,9 @@ impl Registry for SqliteRegistry {
             "INSERT INTO sandbox_instance (sandbox_id, tenant_id, user_id, session_id, agent, \
              scope, runtime_provider, runtime_instance_id, node_id, resource_class, cpu, \
              memory_mb, disk_mb, pids, template_id, template_digest, network_profile, state, \
-             created_at, last_active_at, expires_at, version, tainted, user_managed) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
+             created_at, last_active_at, expires_at, version, tainted, user_managed, labels_json, \
+             env_json) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
         )
         .bind(new.id.as_str())
         .bind(&new.tenant)
@@ -258,6 +271,8 @@ impl Registry for SqliteRegistry {
         .bind(expires_at.map(micros))
         .bind(new.tainted)
         .bind(new.user_managed)
+        .bind(map_text(&new.metadata))
+        .bind(map_text(&new.env))
         .execute(&mut *tx)
         .await
         .map_err(storage)?;
@@ -300,6 +315,8 @@ impl Registry for SqliteRegistry {
             tainted: new.tainted,
             user_managed: new.user_managed,
             paused: false,
+            metadata: new.metadata.clone(),
+            env: new.env.clone(),
         })
     }
 
@@ -458,7 +475,8 @@ impl Registry for SqliteRegistry {
         let updated = sqlx::query(&format!(
             "UPDATE sandbox_instance SET tenant_id = ?, user_id = ?, session_id = ?, agent = ?, scope = ?, \
              expires_at = ?, user_managed = ?, state = ?, version = version + 1, last_active_at = ?, \
-             pool_claimed_at = ? WHERE sandbox_id = ? RETURNING {SANDBOX_COLUMNS}"
+             pool_claimed_at = ?, labels_json = ?, env_json = ? WHERE sandbox_id = ? \
+             RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
         .bind(&claim.user_id)
@@ -470,6 +488,8 @@ impl Registry for SqliteRegistry {
         .bind(SandboxState::Locking.as_str())
         .bind(micros(now))
         .bind(micros(now))
+        .bind(map_text(&claim.metadata))
+        .bind(map_text(&claim.env))
         .bind(id.as_str())
         .fetch_one(&mut *tx)
         .await
@@ -533,6 +553,41 @@ impl Registry for SqliteRegistry {
         paused: bool,
     ) -> Result<SandboxRecord, RegistryError> {
         self.set_flag(id, expected_version, "paused", paused).await
+    }
+
+    async fn set_expiry(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        expires_at: Option<OffsetDateTime>,
+    ) -> Result<SandboxRecord, RegistryError> {
+        let row = sqlx::query(&format!(
+            "UPDATE sandbox_instance SET expires_at = ?, version = version + 1 \
+             WHERE sandbox_id = ? AND version = ? RETURNING {SANDBOX_COLUMNS}"
+        ))
+        .bind(expires_at.map(truncate).map(micros))
+        .bind(id.as_str())
+        .bind(expected_version)
+        .fetch_optional(&self.writer)
+        .await
+        .map_err(storage)?;
+        self.versioned(id, row).await
+    }
+
+    async fn server_secret(&self, name: &str, candidate: &str) -> Result<String, RegistryError> {
+        sqlx::query(
+            "INSERT INTO server_secret (name, value) VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(name)
+        .bind(candidate)
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        sqlx::query_scalar("SELECT value FROM server_secret WHERE name = ?")
+            .bind(name)
+            .fetch_one(&self.writer)
+            .await
+            .map_err(storage)
     }
 
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError> {

@@ -341,6 +341,8 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
         scope: aviary_core::Scope::Session,
         expires_at: None,
         user_managed: false,
+        metadata: Default::default(),
+        env: Default::default(),
     };
     // 20 concurrent claimers, one winner
     let mut tasks = Vec::new();

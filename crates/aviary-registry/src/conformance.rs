@@ -54,6 +54,7 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
         pool_bounds_upsert,
         pool_handouts_follow_claims,
         node_registrations_upsert,
+        server_secrets_are_written_once,
     );
     eprintln!("registry conformance: spawned_transitions_have_one_winner");
     spawned_transitions_have_one_winner(r, 10).await;
@@ -84,6 +85,14 @@ pub fn sample_sandbox(tenant: &str) -> NewSandbox {
         expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
         tainted: false,
         user_managed: false,
+        metadata: [("agentscope.workspace.id", "ws-1"), ("team", "a b=c")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        env: [("LANG", "C.UTF-8")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
     }
 }
 
@@ -133,6 +142,7 @@ pub async fn insert_then_get<R: Registry>(r: &R) {
     assert_eq!(rec.network_profile, new.network_profile);
     assert_eq!(rec.expires_at, new.expires_at);
     assert!(!rec.tainted);
+    assert_eq!((&rec.metadata, &rec.env), (&new.metadata, &new.env));
     assert!(rec.created_at >= before, "created_at is now");
     assert_eq!(rec.last_active_at, rec.created_at);
     assert_eq!(r.get_sandbox(&new.id).await.unwrap(), rec, "get = insert");
@@ -617,6 +627,30 @@ pub async fn field_updates_bump_version<R: Registry>(r: &R) {
         r.set_paused(&ghost, 0, true).await.unwrap_err(),
         RegistryError::NotFound
     );
+    // expiry: set, version-checked, cleared
+    let at = datetime!(2032-02-03 4:05:06.789 UTC);
+    let later = r.set_expiry(&s.id, 4, Some(at)).await.unwrap();
+    assert_eq!((later.expires_at, later.version), (Some(at), 5));
+    assert_eq!(
+        r.set_expiry(&s.id, 4, None).await.unwrap_err(),
+        RegistryError::Conflict
+    );
+    assert_eq!(r.get_sandbox(&s.id).await.unwrap().expires_at, Some(at));
+    assert_eq!(r.set_expiry(&s.id, 5, None).await.unwrap().expires_at, None);
+    assert_eq!(
+        r.set_expiry(&ghost, 0, None).await.unwrap_err(),
+        RegistryError::NotFound
+    );
+}
+
+/// The first candidate stored under a name is what every later call gets.
+pub async fn server_secrets_are_written_once<R: Registry>(r: &R) {
+    let name = new_id("secret");
+    let first = r.server_secret(&name, "one").await.unwrap();
+    assert_eq!(first, "one");
+    assert_eq!(r.server_secret(&name, "two").await.unwrap(), "one");
+    let other = new_id("secret");
+    assert_eq!(r.server_secret(&other, "two").await.unwrap(), "two");
 }
 
 pub async fn touch_keeps_version<R: Registry>(r: &R) {
@@ -1132,6 +1166,8 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
         scope: Scope::Session,
         expires_at: Some(datetime!(2031-01-01 0:00 UTC)),
         user_managed: true,
+        metadata: [("owner".to_owned(), "claimer".to_owned())].into(),
+        env: [("CLAIMED".to_owned(), "1".to_owned())].into(),
     };
     let rec = r
         .claim_sandbox(
@@ -1145,6 +1181,8 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
     assert_eq!((rec.state, rec.tenant.as_str()), (Locking, t.as_str()));
     assert_eq!(rec.version, claimed.version + 1);
     assert!(rec.user_managed, "the claim's user_managed is recorded");
+    assert_eq!((&rec.metadata, &rec.env), (&claim.metadata, &claim.env));
+    assert_eq!(r.get_sandbox(&claimed.id).await.unwrap(), rec);
     assert_eq!(
         r.claim_sandbox(&claimed.id, rec.version, &claim, TransitionCtx::default())
             .await

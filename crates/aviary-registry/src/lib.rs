@@ -249,6 +249,19 @@ pub trait Registry: Send + Sync {
         paused: bool,
     ) -> Result<SandboxRecord, RegistryError>;
 
+    /// Sets (or clears) when the sandbox expires; bumps `version`.
+    async fn set_expiry(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        expires_at: Option<OffsetDateTime>,
+    ) -> Result<SandboxRecord, RegistryError>;
+
+    /// The server secret named `name`: the stored one, or `candidate`
+    /// stored now when there is none yet (first writer wins, so every
+    /// replica sharing the registry gets the same value).
+    async fn server_secret(&self, name: &str, candidate: &str) -> Result<String, RegistryError>;
+
     /// Sets `last_active_at`; no version bump, no event.
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError>;
 
@@ -455,6 +468,8 @@ mod tests {
             tainted: true,
             user_managed: false,
             paused: false,
+            metadata: Default::default(),
+            env: Default::default(),
         };
         let json = serde_json::to_string(&rec).unwrap();
         let back: SandboxRecord = serde_json::from_str(&json).unwrap();

@@ -49,6 +49,7 @@ struct State {
     snapshots: BTreeMap<String, SnapshotRow>,
     pool_bounds: BTreeMap<String, PoolBoundsRecord>,
     node_registrations: BTreeMap<String, NodeRegistration>,
+    secrets: BTreeMap<String, String>,
 }
 
 struct SandboxRow {
@@ -191,6 +192,8 @@ impl Registry for MemoryRegistry {
             tainted: new.tainted,
             user_managed: new.user_managed,
             paused: false,
+            metadata: new.metadata,
+            env: new.env,
         };
         state.events.append(
             NewEvent {
@@ -325,6 +328,8 @@ impl Registry for MemoryRegistry {
         r.scope = claim.scope;
         r.expires_at = claim.expires_at.map(truncate);
         r.user_managed = claim.user_managed;
+        r.metadata = claim.metadata;
+        r.env = claim.env;
         r.state = SandboxState::Locking;
         r.version += 1;
         r.last_active_at = now;
@@ -373,6 +378,26 @@ impl Registry for MemoryRegistry {
         paused: bool,
     ) -> Result<SandboxRecord, RegistryError> {
         self.update_versioned(id, expected_version, |r| r.paused = paused)
+    }
+
+    async fn set_expiry(
+        &self,
+        id: &SandboxId,
+        expected_version: i64,
+        expires_at: Option<OffsetDateTime>,
+    ) -> Result<SandboxRecord, RegistryError> {
+        self.update_versioned(id, expected_version, |r| {
+            r.expires_at = expires_at.map(truncate)
+        })
+    }
+
+    async fn server_secret(&self, name: &str, candidate: &str) -> Result<String, RegistryError> {
+        let mut state = self.lock();
+        Ok(state
+            .secrets
+            .entry(name.to_owned())
+            .or_insert_with(|| candidate.to_owned())
+            .clone())
     }
 
     async fn touch(&self, id: &SandboxId, now: OffsetDateTime) -> Result<(), RegistryError> {

@@ -3,6 +3,7 @@
 use aviary_core::api;
 use aviary_core::{NetworkProfile, ResourceLimits, SandboxId, SandboxState, Scope};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use time::OffsetDateTime;
 
 /// One `sandbox_instance` row.
@@ -44,6 +45,12 @@ pub struct SandboxRecord {
     /// while the sandbox holds compute.
     #[serde(default)]
     pub paused: bool,
+    /// The owner's labels (shown, filterable).
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Default environment of every exec (never shown by the API).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 impl SandboxRecord {
@@ -69,6 +76,7 @@ impl SandboxRecord {
             tainted: self.tainted,
             user_managed: self.user_managed,
             paused: self.paused && self.state.is_live(),
+            metadata: self.metadata.clone(),
             version: self.version,
             lease_owner,
         }
@@ -89,6 +97,11 @@ pub struct SandboxClaim {
     /// destroyed, by the TTL sweep), as a cold create would have recorded.
     #[serde(default)]
     pub user_managed: bool,
+    /// The new owner's labels and default exec environment.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// Tenant of a pooled sandbox that nobody owns yet (no real tenant name is empty).
@@ -118,6 +131,10 @@ pub struct NewSandbox {
     /// Owned by the user: the platform only stops it (hibernates), never destroys it.
     #[serde(default)]
     pub user_managed: bool,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
 }
 
 /// An event to append. `tenant` is the tenant the event belongs to (`""`

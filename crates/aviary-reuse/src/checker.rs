@@ -1213,6 +1213,8 @@ mod tests {
             tainted: true,
             user_managed: false,
             paused: false,
+            metadata: Default::default(),
+            env: Default::default(),
         };
         let c = ReuseCandidate::from_record(&rec, None);
         assert!(!c.healthy);

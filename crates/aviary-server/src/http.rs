@@ -271,6 +271,11 @@ pub struct ListQuery {
     /// Include terminated sandboxes.
     #[serde(default)]
     all: bool,
+    /// Only sandboxes whose metadata has every pair: `k=v&k2=v2`, each key
+    /// and value form-urlencoded (so the whole value is encoded twice in
+    /// the URL, as the E2B and OpenSandbox SDKs send it).
+    #[serde(default)]
+    metadata: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -396,6 +401,10 @@ async fn list_sandboxes(
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
     let req = SandboxQuery {
         include_terminated: q.all,
+        metadata: match &q.metadata {
+            Some(m) => aviary_control::requests::parse_label_filter(m)?,
+            None => Default::default(),
+        },
     };
     Ok(Json(SandboxList {
         sandboxes: cp.list(&cx, req).await?,
@@ -892,6 +901,23 @@ async fn set_pool(
     Ok(Json(cp.set_pool(&cx, PoolUpdate { class, bounds }).await?))
 }
 
+/// Sets the sandbox's expiry to now + `ttl_s` (it may shorten it); fenced.
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/ttl", request_body = SetTtlBody, params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn set_ttl(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<SetTtlBody>,
+) -> Result<Json<Sandbox>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Header)?;
+    let req = aviary_control::requests::SetTtlRequest {
+        id,
+        ttl_s: body.ttl_s,
+    };
+    Ok(Json(cp.set_ttl(&cx, req).await?))
+}
+
 /// Freezes the sandbox's processes (cgroup freezer); fenced.
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")), responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
 async fn pause(
@@ -1304,7 +1330,7 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
@@ -1344,6 +1370,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             post(lease_acquire).put(lease_renew).delete(lease_release),
         )
         .route("/v1/sandboxes/{id}/events", get(sandbox_events))
+        .route("/v1/sandboxes/{id}/ttl", post(set_ttl))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/reset", post(reset))
