@@ -1597,7 +1597,8 @@ mod tests {
             if let Some(e) = l.strip_prefix("export ") {
                 let (name, value) = e.split_once('=').unwrap();
                 assert!(
-                    name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_'),
+                    name.bytes()
+                        .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'),
                     "{l}"
                 );
                 assert!(!value.contains(' '), "{l}");
