@@ -67,6 +67,8 @@ pub struct E2bError {
     /// The call changed (or may have changed) something: tell the SDK not
     /// to retry it.
     pub no_retry: bool,
+    /// `Retry-After` (seconds), for a rate-limited call.
+    pub retry_after_s: Option<u64>,
 }
 
 impl E2bError {
@@ -75,6 +77,7 @@ impl E2bError {
             status,
             message: message.into(),
             no_retry: false,
+            retry_after_s: None,
         }
     }
 
@@ -91,7 +94,10 @@ impl From<OpError> for E2bError {
         }
         let status = StatusCode::from_u16(e.code().http_status())
             .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        E2bError::new(status, e.public_message())
+        E2bError {
+            retry_after_s: e.retry_after_s(),
+            ..E2bError::new(status, e.public_message())
+        }
     }
 }
 
@@ -102,6 +108,10 @@ impl IntoResponse for E2bError {
         if self.no_retry {
             r.headers_mut()
                 .insert("should-retry", HeaderValue::from_static("false"));
+        }
+        if let Some(s) = self.retry_after_s {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }
@@ -135,11 +145,25 @@ impl FromRequestParts<E2bState> for ApiCaller {
             ),
             other => other.into(),
         })?;
+        let hash = aviary_control::ops::hash_key(key.unwrap_or_default());
+        st.settings
+            .charge(&format!("e2b key {hash}"))
+            .map_err(rate_limited)?;
         let mut cx = OpContext::new(caller);
         if let Some(id) = request_id(&parts.headers) {
             cx = cx.with_request_id(id);
         }
         Ok(ApiCaller(cx))
+    }
+}
+
+/// 429 with `Retry-After`, in E2B's shape (the SDK retries it).
+pub(crate) fn rate_limited(retry_after_s: u64) -> E2bError {
+    E2bError {
+        status: StatusCode::TOO_MANY_REQUESTS,
+        message: "too many requests for this key".into(),
+        no_retry: false,
+        retry_after_s: Some(retry_after_s),
     }
 }
 

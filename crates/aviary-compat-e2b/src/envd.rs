@@ -183,6 +183,15 @@ impl FromRequestParts<E2bState> for SandboxCall {
             })?;
         match fnd::authenticate_token(&st.cp, &id, token).await {
             Ok(mut cx) => {
+                if let Err(after) = st.settings.charge(&format!("e2b sandbox {id}")) {
+                    let mut r = refuse(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "too many requests for this sandbox",
+                    );
+                    r.headers_mut()
+                        .insert(header::RETRY_AFTER, HeaderValue::from(after));
+                    return Err(r);
+                }
                 if let Some(rid) = crate::api::request_id(h) {
                     cx = cx.with_request_id(rid);
                 }

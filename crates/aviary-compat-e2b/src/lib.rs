@@ -50,8 +50,11 @@ pub const ENVD_VERSION: &str = "0.5.7";
 /// E2B's `clientID`: a constant the SDK requires and ignores.
 pub const CLIENT_ID: &str = "aviary";
 
+/// A per-key request budget: `Err(retry_after_s)` when `key` is over it.
+pub type RateLimit = Arc<dyn Fn(&str) -> Result<(), u64> + Send + Sync>;
+
 /// The surface's own limits.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct E2bSettings {
     /// Largest JSON body of a control call or Connect request.
     pub max_json_bytes: usize,
@@ -59,6 +62,30 @@ pub struct E2bSettings {
     pub max_upload_bytes: u64,
     /// A request body that stalls longer than this between chunks is cut.
     pub body_read_timeout: Duration,
+    /// Charged once per authenticated call: per API key on the control
+    /// API, per sandbox on envd (`None`: unlimited).
+    pub rate_limit: Option<RateLimit>,
+}
+
+impl std::fmt::Debug for E2bSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2bSettings")
+            .field("max_json_bytes", &self.max_json_bytes)
+            .field("max_upload_bytes", &self.max_upload_bytes)
+            .field("body_read_timeout", &self.body_read_timeout)
+            .field("rate_limit", &self.rate_limit.is_some())
+            .finish()
+    }
+}
+
+impl E2bSettings {
+    /// Charges one call to `key`'s budget.
+    pub(crate) fn charge(&self, key: &str) -> Result<(), u64> {
+        match &self.rate_limit {
+            Some(limit) => limit(key),
+            None => Ok(()),
+        }
+    }
 }
 
 impl Default for E2bSettings {
@@ -67,6 +94,7 @@ impl Default for E2bSettings {
             max_json_bytes: 1 << 20,
             max_upload_bytes: 1 << 30,
             body_read_timeout: Duration::from_secs(30),
+            rate_limit: None,
         }
     }
 }

@@ -387,6 +387,11 @@ pub async fn start(
         max_json_bytes: server.max_json_bytes,
         max_upload_bytes: server.max_upload_bytes,
         body_read_timeout: Duration::from_millis(cp.cfg.settings.server.edge.body_read_timeout_ms),
+        // the same per-key budget as the v1 API's (its own buckets)
+        rate_limit: Some({
+            let limiter = edge::RateLimiter::from_settings(&cp.cfg.settings.server.edge);
+            Arc::new(move |key: &str| limiter.take(key, std::time::Instant::now()))
+        }),
     };
     // the E2B SDKs' API (E2B_API_URL=…/e2b) and envd (E2B_SANDBOX_URL=…/e2b/envd)
     let app = http::router(cp.clone(), server)

@@ -447,3 +447,33 @@ async fn e2b_surface_keeps_fencing_and_answers_in_e2b_shapes() {
         .unwrap();
     assert_eq!(r.status(), 502);
 }
+
+/// The E2B surface charges the same per-key budget as the v1 API: a key
+/// over it gets 429 with `Retry-After` in E2B's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2b_calls_are_rate_limited_per_key() {
+    let (ts, _dir) = common::start_edited(|cfg| {
+        let e = &mut cfg.control.settings.server.edge;
+        e.rate_limit_per_s = 0.2;
+        e.rate_limit_burst = 3;
+    })
+    .await;
+    let k = ts.client.create_key("e2b-busy", false).await.unwrap();
+    let http = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let r = http
+            .get(format!("{}/e2b/v2/sandboxes", ts.url()))
+            .header("x-api-key", &k.key)
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        if r.status() == 429 {
+            assert!(r.headers().contains_key("retry-after"));
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["code"], 429);
+        }
+    }
+    assert_eq!(statuses, vec![200, 200, 200, 429, 429]);
+}
