@@ -142,6 +142,8 @@ async fn python_sdk_sync_flow() {
         o["exit3"],
         serde_json::json!({"exit_code": 3, "stdout": "before-exit\n", "stderr": "bad\n"})
     );
+    assert_eq!(o["deadline"], "TimeoutException");
+    assert_eq!(o["deadline_left"], "0");
     // files and commands see one file system
     assert_eq!(o["write_path"], "/tmp/e2b/a.txt");
     assert_eq!(o["read_len"], 100000);

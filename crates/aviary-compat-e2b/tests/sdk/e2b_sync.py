@@ -12,8 +12,10 @@ import os
 import urllib.error
 import urllib.request
 
+import time
+
 from e2b import CommandExitException, Sandbox, SandboxQuery, SandboxState
-from e2b.exceptions import NotFoundException
+from e2b.exceptions import NotFoundException, TimeoutException
 
 RUN = os.environ["RUN"]
 OTHER_KEY = os.environ["OTHER_KEY"]
@@ -74,6 +76,22 @@ try:
         obs["exit3"] = "no exception"
     except CommandExitException as e:
         obs["exit3"] = {"exit_code": e.exit_code, "stdout": e.stdout, "stderr": e.stderr}
+
+    # the call's timeout is the process's lifetime: the server kills it
+    try:
+        sbx.commands.run("sleep 37; echo never", timeout=1)
+        obs["deadline"] = "no exception"
+    except TimeoutException:
+        obs["deadline"] = "TimeoutException"
+    except Exception as e:
+        obs["deadline"] = type(e).__name__ + ": " + str(e)
+    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -c '^sleep 37' || true"
+    for _ in range(100):  # converges as soon as envd has reaped the group
+        left = sbx.commands.run(count).stdout.strip()
+        if left == "0":
+            break
+        time.sleep(0.1)
+    obs["deadline_left"] = left
 
     # files
     info = sbx.files.write("/tmp/e2b/a.txt", "x" * 100000)
