@@ -418,6 +418,50 @@ async fn e2b_surface_keeps_fencing_and_answers_in_e2b_shapes() {
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["code"], code, "{body:?}: {status} {v}");
     }
+    // metadata aviary.session names Aviary's session scope: the session's
+    // second create gets its sandbox back
+    let create = |body: Value| async move {
+        let r = api(reqwest::Method::POST, "/v2/sandboxes")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        (status, r.json::<Value>().await.unwrap())
+    };
+    let session = serde_json::json!({"templateID": "base", "metadata": {"aviary.session": "s-e2b", "aviary.user": "u1"}});
+    let (s1, first) = create(session.clone()).await;
+    let (s2, second) = create(session).await;
+    assert_eq!((s1.as_u16(), s2.as_u16()), (201, 201));
+    assert_eq!(first["sandboxID"], second["sandboxID"]);
+    let sid = first["sandboxID"].as_str().unwrap().to_owned();
+    let native = ts.client.get_sandbox(&sid).await.unwrap();
+    assert_eq!(native.session_id.as_deref(), Some("s-e2b"));
+    assert_eq!(native.user_id.as_deref(), Some("u1"));
+    assert_eq!(native.metadata["aviary.session"], "s-e2b");
+    // an unknown template and options Aviary cannot honour are 400s naming them
+    let (status, body) = create(serde_json::json!({"templateID": "no-such-template"})).await;
+    assert_eq!(status.as_u16(), 400, "{body}");
+    assert_eq!(body["code"], 400);
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("no-such-template"),
+        "{body}"
+    );
+    let (status, body) =
+        create(serde_json::json!({"templateID": "base", "volumeMounts": [{"name": "v"}]})).await;
+    assert_eq!(status.as_u16(), 400, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("volumeMounts"),
+        "{body}"
+    );
+    let r = api(reqwest::Method::DELETE, &format!("/sandboxes/{sid}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
     // a bad key is 401 in E2B's shape
     let r = http
         .get(format!("{base}/v2/sandboxes"))
