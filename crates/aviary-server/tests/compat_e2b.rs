@@ -240,6 +240,9 @@ async fn python_sdk_async_flow() {
     assert_eq!(o["bg_killed"], true);
     assert_eq!(o["bg_wait"], -1);
     assert_eq!(o["bg_listed_after"], false);
+    assert_eq!(o["attached_stdout"], "after-attach\n");
+    assert_eq!(o["attached_exit"], 0);
+    assert_eq!(o["started_stdout"], "after-attach\n");
     assert_eq!(o["read"], "async data");
     assert_eq!(strs(&o["list"]), vec!["data.txt"]);
     assert_eq!(o["metadata"]["suite"], "async");

@@ -63,6 +63,19 @@ async def main():
             obs["bg_wait"] = e.exit_code
         obs["bg_listed_after"] = handle.pid in [p.pid for p in await sbx.commands.list()]
 
+        # attach to a running command: it prints only after the attached
+        # client exists (the go file is written after connect returns)
+        waiter = await sbx.commands.run(
+            "for i in $(seq 300); do [ -e /tmp/go2 ] && break; sleep 0.1; done; echo after-attach",
+            background=True,
+        )
+        attached = await sbx.commands.connect(waiter.pid)
+        await sbx.files.write("/tmp/go2", "go")
+        done = await attached.wait()
+        obs["attached_stdout"] = done.stdout
+        obs["attached_exit"] = done.exit_code
+        obs["started_stdout"] = (await waiter.wait()).stdout
+
         await sbx.files.write("/tmp/async/data.txt", "async data")
         obs["read"] = await sbx.files.read("/tmp/async/data.txt")
         obs["list"] = [e.name for e in await sbx.files.list("/tmp/async")]
