@@ -1167,6 +1167,28 @@ mod tests {
         assert_eq!(eos["error"]["code"], "deadline_exceeded");
     }
 
+    #[tokio::test]
+    async fn uploads_are_cut_at_the_limit() {
+        let chunks = |n: usize| {
+            futures_util::stream::iter(
+                (0..n).map(|_| Ok::<_, std::io::Error>(Bytes::from_static(b"0123456789"))),
+            )
+        };
+        let all: Vec<_> = limited(chunks(3), 30).collect().await;
+        assert!(all.iter().all(Result::is_ok));
+        let over: Vec<_> = limited(chunks(4), 30).collect().await;
+        let e = over[3].as_ref().unwrap_err();
+        assert!(e.to_string().contains("limit of 30 bytes"), "{e}");
+    }
+
+    #[test]
+    fn parents_and_names_of_sandbox_paths() {
+        assert_eq!(parent("/tmp/a/b.txt"), Some("/tmp/a"));
+        assert_eq!(parent("/a.txt"), None);
+        assert_eq!(base_name("/tmp/a/b.txt"), "b.txt");
+        assert_eq!(base_name("/tmp/a/"), "a");
+    }
+
     #[test]
     fn output_is_base64() {
         let (envs, last) = process_envelopes(ProcEvent::Stdout(Bytes::from_static(b"hi\n")));
