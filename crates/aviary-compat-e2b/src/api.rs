@@ -20,7 +20,7 @@
 //! non-idempotent call says `Should-Retry: false`, so the SDK's retry loop
 //! never creates (or kills) twice.
 
-use crate::{fnd, E2bState, CLIENT_ID, ENVD_VERSION};
+use crate::{fnd, Charge, E2bState, CLIENT_ID, ENVD_VERSION};
 use aviary_control::requests::SandboxRef;
 use aviary_control::{OpContext, OpError};
 use aviary_core::api::{CreateSandboxRequest, Sandbox};
@@ -138,16 +138,22 @@ impl FromRequestParts<E2bState> for ApiCaller {
             .get("x-api-key")
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
-        let caller = st.cp.authenticate(key).await.map_err(|e| match e {
-            OpError::Unauthorized => E2bError::new(
-                StatusCode::UNAUTHORIZED,
-                "missing or unknown API key (X-API-KEY must be an Aviary API key)",
-            ),
-            other => other.into(),
-        })?;
+        let caller = match st.cp.authenticate(key).await {
+            Ok(c) => c,
+            Err(OpError::Unauthorized) => {
+                st.settings
+                    .charge(Charge::FailedAuth, &parts.extensions)
+                    .map_err(rate_limited)?;
+                return Err(E2bError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "missing or unknown API key (X-API-KEY must be an Aviary API key)",
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let hash = aviary_control::ops::hash_key(key.unwrap_or_default());
         st.settings
-            .charge(&format!("e2b key {hash}"))
+            .charge(Charge::Key(&format!("e2b key {hash}")), &parts.extensions)
             .map_err(rate_limited)?;
         let mut cx = OpContext::new(caller);
         if let Some(id) = request_id(&parts.headers) {
@@ -161,7 +167,7 @@ impl FromRequestParts<E2bState> for ApiCaller {
 pub(crate) fn rate_limited(retry_after_s: u64) -> E2bError {
     E2bError {
         status: StatusCode::TOO_MANY_REQUESTS,
-        message: "too many requests for this key".into(),
+        message: "too many requests; retry later".into(),
         no_retry: false,
         retry_after_s: Some(retry_after_s),
     }

@@ -17,7 +17,7 @@
 
 use crate::connect::{self, Code, ConnectError};
 use crate::process::{ProcEvent, ProcessConfig, Selector};
-use crate::{fnd, E2bState};
+use crate::{fnd, Charge, E2bState};
 use aviary_control::requests::{FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxRef};
 use aviary_control::{OpContext, OpError};
 use aviary_core::api::{ExecRequest, FileInfo};
@@ -146,6 +146,14 @@ impl EnvdError {
 
 // ---- auth -----------------------------------------------------------------
 
+fn too_many(retry_after_s: u64) -> Response {
+    let body = serde_json::json!({"code": 429, "message": "too many requests; retry later"});
+    let mut r = (StatusCode::TOO_MANY_REQUESTS, Json(body)).into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+    r
+}
+
 /// The sandbox a call is for and the context it acts in.
 pub struct SandboxCall {
     pub id: String,
@@ -183,14 +191,9 @@ impl FromRequestParts<E2bState> for SandboxCall {
             })?;
         match fnd::authenticate_token(&st.cp, &id, token).await {
             Ok(mut cx) => {
-                if let Err(after) = st.settings.charge(&format!("e2b sandbox {id}")) {
-                    let mut r = refuse(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        "too many requests for this sandbox",
-                    );
-                    r.headers_mut()
-                        .insert(header::RETRY_AFTER, HeaderValue::from(after));
-                    return Err(r);
+                let key = format!("e2b sandbox {id}");
+                if let Err(after) = st.settings.charge(Charge::Key(&key), &parts.extensions) {
+                    return Err(too_many(after));
                 }
                 if let Some(rid) = crate::api::request_id(h) {
                     cx = cx.with_request_id(rid);
@@ -198,10 +201,15 @@ impl FromRequestParts<E2bState> for SandboxCall {
                 Ok(SandboxCall { id, cx })
             }
             Err(OpError::NotFound(_)) => Err(sandbox_not_found(&id, "")),
-            Err(OpError::Unauthorized) => Err(refuse(
-                StatusCode::UNAUTHORIZED,
-                "invalid access token for this sandbox",
-            )),
+            Err(OpError::Unauthorized) => {
+                if let Err(after) = st.settings.charge(Charge::FailedAuth, &parts.extensions) {
+                    return Err(too_many(after));
+                }
+                Err(refuse(
+                    StatusCode::UNAUTHORIZED,
+                    "invalid access token for this sandbox",
+                ))
+            }
             Err(e) => Err(EnvdError::op(&id, e).rest()),
         }
     }

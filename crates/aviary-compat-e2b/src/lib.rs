@@ -50,8 +50,20 @@ pub const ENVD_VERSION: &str = "0.5.7";
 /// E2B's `clientID`: a constant the SDK requires and ignores.
 pub const CLIENT_ID: &str = "aviary";
 
-/// A per-key request budget: `Err(retry_after_s)` when `key` is over it.
-pub type RateLimit = Arc<dyn Fn(&str) -> Result<(), u64> + Send + Sync>;
+/// What a call is charged to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Charge<'a> {
+    /// An authenticated caller's budget (an API key's, or a sandbox's).
+    Key(&'a str),
+    /// A call whose key or token was refused: charged to its client
+    /// (the server reads the address from the request's extensions), so
+    /// guessing is as limited as calling.
+    FailedAuth,
+}
+
+/// A request budget: `Err(retry_after_s)` when the charge is over it.
+pub type RateLimit =
+    Arc<dyn Fn(Charge<'_>, &axum::http::Extensions) -> Result<(), u64> + Send + Sync>;
 
 /// The surface's own limits.
 #[derive(Clone)]
@@ -79,10 +91,14 @@ impl std::fmt::Debug for E2bSettings {
 }
 
 impl E2bSettings {
-    /// Charges one call to `key`'s budget.
-    pub(crate) fn charge(&self, key: &str) -> Result<(), u64> {
+    /// Charges one call.
+    pub(crate) fn charge(
+        &self,
+        charge: Charge<'_>,
+        extensions: &axum::http::Extensions,
+    ) -> Result<(), u64> {
         match &self.rate_limit {
-            Some(limit) => limit(key),
+            Some(limit) => limit(charge, extensions),
             None => Ok(()),
         }
     }

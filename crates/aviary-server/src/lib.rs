@@ -387,10 +387,26 @@ pub async fn start(
         max_json_bytes: server.max_json_bytes,
         max_upload_bytes: server.max_upload_bytes,
         body_read_timeout: Duration::from_millis(cp.cfg.settings.server.edge.body_read_timeout_ms),
-        // the same per-key budget as the v1 API's (its own buckets)
+        // the v1 API's budgets (own buckets): per key, and per client
+        // address for refused keys and tokens
         rate_limit: Some({
             let limiter = edge::RateLimiter::from_settings(&cp.cfg.settings.server.edge);
-            Arc::new(move |key: &str| limiter.take(key, std::time::Instant::now()))
+            Arc::new(
+                move |charge: aviary_compat_e2b::Charge<'_>, ext: &axum::http::Extensions| {
+                    let now = std::time::Instant::now();
+                    match charge {
+                        aviary_compat_e2b::Charge::Key(key) => limiter.take(key, now),
+                        aviary_compat_e2b::Charge::FailedAuth => {
+                            match ext.get::<edge::ClientAddr>() {
+                                Some(a) => {
+                                    limiter.take(&format!("e2b unauthenticated {}", a.0.ip()), now)
+                                }
+                                None => Ok(()),
+                            }
+                        }
+                    }
+                },
+            )
         }),
     };
     // the E2B SDKs' API (E2B_API_URL=…/e2b) and envd (E2B_SANDBOX_URL=…/e2b/envd)

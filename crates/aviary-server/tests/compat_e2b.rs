@@ -525,4 +525,16 @@ async fn e2b_calls_are_rate_limited_per_key() {
         }
     }
     assert_eq!(statuses, vec![200, 200, 200, 429, 429]);
+    // guessing keys is limited per client address as well
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        let r = http
+            .get(format!("{}/e2b/v2/sandboxes", ts.url()))
+            .header("x-api-key", format!("guess-{i}"))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    assert_eq!(statuses, vec![401, 401, 401, 429, 429]);
 }
