@@ -64,6 +64,20 @@ enum Command {
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
+    /// List and delete snapshots (checkpoints).
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Print a shell completion script: `aviary completions bash > /etc/bash_completion.d/aviary`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff), or write one page per command into --dir.
+    Man {
+        /// Write aviary.1 and aviary-<command>.1 pages here instead of printing aviary.1.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// What the E2B (and OpenSandbox) SDKs need to use this server.
     #[command(subcommand)]
     Compat(CompatCmd),
@@ -239,6 +253,15 @@ enum SandboxCmd {
         /// Only sandboxes labelled KEY=VALUE (repeatable: all must match).
         #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
         metadata: Vec<(String, String)>,
+        /// Only sandboxes in this state (Idle, Leased, Running, Hibernating, Terminated, ...).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only sandboxes working for this end user.
+        #[arg(long)]
+        user: Option<String>,
+        /// Only sandboxes of this session.
+        #[arg(long)]
+        session: Option<String>,
     },
     /// Set when a sandbox expires: SECS seconds from now (may shorten its life).
     Ttl {
@@ -428,6 +451,26 @@ enum TemplateCmd {
         /// Replace a template of that name (without it, an existing name is refused).
         #[arg(long)]
         force: bool,
+    },
+    /// Remove template NAME (admin); refused while a sandbox, snapshot, pool or the default needs it.
+    Rm {
+        /// The template's name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum SnapshotCmd {
+    /// List your checkpoints (of one sandbox, or all of yours), oldest first.
+    Ls {
+        /// Only this sandbox's.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    /// Delete a checkpoint (its chunks go with the next GC); refused for the one a hibernated sandbox wakes from.
+    Rm {
+        /// The snapshot id (snap-…).
+        id: String,
     },
 }
 
@@ -626,8 +669,9 @@ impl From<ClientError> for Failure {
             ),
         };
         let message = match &e {
-            ClientError::Connect { url, .. } => format!(
-                "cannot reach the aviary server at {url} (is `aviary serve` running? AVIARY_URL selects another)"
+            ClientError::Connect { .. } => format!(
+                "{} (is `aviary serve` running there? AVIARY_URL selects another)",
+                error_chain(&e)
             ),
             ClientError::Api { code, message, .. } => format!("{message} [{}]", code.as_str()),
             other => error_chain(other),
@@ -662,10 +706,18 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Plan { intent } => plan(intent, json).await,
         Command::Template(c) => template(c, json).await,
         Command::Key(c) => key(c, json).await,
+        Command::Snapshot(c) => snapshot_cmd(c, json).await,
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
         Command::Compat(CompatCmd::Env) => compat_env(json).await,
+        Command::Completions { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "aviary", &mut script);
+            print_bytes(&script)
+        }
+        Command::Man { dir } => man_pages(dir),
     };
     match res {
         Ok(code) => code,
@@ -682,6 +734,40 @@ pub async fn run(cli: Cli) -> i32 {
             f.code
         }
     }
+}
+
+/// Writes generated text to stdout; a reader that went away (`| head`)
+/// is not an error.
+fn print_bytes(b: &[u8]) -> Result<i32, Failure> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(b).and_then(|()| out.flush()) {
+        Ok(()) => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(Failure::exit(
+            EXIT_IO_ERROR,
+            format!("writing to stdout: {e}"),
+        )),
+    }
+}
+
+/// The man page of `aviary` on stdout, or every command's page in `dir`
+/// (`aviary.1`, `aviary-sandbox.1`, `aviary-sandbox-create.1`, ...).
+fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
+    let cmd = <Cli as clap::CommandFactory>::command();
+    let io = |e: std::io::Error| Failure::exit(EXIT_IO_ERROR, format!("writing the man page: {e}"));
+    match dir {
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(cmd).render(&mut page).map_err(io)?;
+            return print_bytes(&page);
+        }
+        Some(dir) => {
+            std::fs::create_dir_all(&dir).map_err(io)?;
+            clap_mangen::generate_to(cmd, &dir).map_err(io)?;
+            eprintln!("man pages written to {}", dir.display());
+        }
+    }
+    Ok(0)
 }
 
 /// The lines `aviary compat env` prints for the server at `base`: one
@@ -1101,9 +1187,21 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 }
             }
         }
-        SandboxCmd::Ls { all, metadata } => {
+        SandboxCmd::Ls {
+            all,
+            metadata,
+            state,
+            user,
+            session,
+        } => {
             let l = c
-                .list_sandboxes_with(all, &metadata.into_iter().collect())
+                .list_sandboxes_with(&aviary_client::SandboxFilter {
+                    all,
+                    metadata: metadata.into_iter().collect(),
+                    state,
+                    user_id: user,
+                    session_id: session,
+                })
                 .await?;
             if json {
                 output::json(&l);
@@ -1278,9 +1376,33 @@ async fn events(a: EventsArgs, json: bool) -> Result<i32, Failure> {
     }
 }
 
+async fn snapshot_cmd(cmd: SnapshotCmd, json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    match cmd {
+        SnapshotCmd::Ls { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
+        SnapshotCmd::Rm { id } => {
+            let s = c.delete_snapshot(&id).await?;
+            if json {
+                output::json(&s);
+            } else {
+                println!("{id} deleted");
+            }
+        }
+    }
+    Ok(0)
+}
+
 async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
     let c = client()?;
     match cmd {
+        TemplateCmd::Rm { name } => {
+            c.remove_template(&name).await?;
+            if json {
+                output::json(&serde_json::json!({"removed": name}));
+            } else {
+                println!("{name} removed");
+            }
+        }
         TemplateCmd::Ls => {
             let l = c.templates().await?;
             if json {

@@ -501,6 +501,34 @@ fn template_import_from_a_docker_save_archive() {
         &["run", "--template", "mini", "--", "echo", "from-mini"],
     );
     assert_eq!(stdout(&o), "from-mini\n", "{o:?}");
+    // template rm: refused while a sandbox runs on it, then removed
+    let o = aviary(&s, &["--json", "sandbox", "create", "--template", "mini"]);
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let on_mini = v["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("1 sandbox"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["sandbox", "rm", &on_mini]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(!stdout(&aviary(&s, &["template", "ls"])).contains("mini"));
+    let o = aviary(&s, &["run", "--template", "mini", "--", "true"]);
+    assert_eq!(o.status.code(), Some(64), "unknown template: {o:?}");
+    let o = aviary(&s, &["template", "rm", "mini"]);
+    assert_eq!(o.status.code(), Some(66), "{o:?}");
+    let o = aviary(&s, &["template", "rm", "default"]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("default"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["template", "rm", "../etc"]);
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
 
     // garbage is refused with a clear error
     let junk = s._dir.path().join("junk.tar");
@@ -511,6 +539,281 @@ fn template_import_from_a_docker_save_archive() {
         String::from_utf8_lossy(&o.stderr).contains("invalid_archive"),
         "{o:?}"
     );
+}
+
+#[test]
+fn ls_filters_and_snapshot_rm() {
+    let s = serve();
+    let create = |args: &[&str]| {
+        let mut all = vec!["--json", "sandbox", "create"];
+        all.extend_from_slice(args);
+        let o = aviary(&s, &all);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let a = create(&["--user", "alice", "--session", "s1", "--scope", "session"]);
+    let b = create(&["--user", "bob", "--session", "s2", "--scope", "session"]);
+    let ls = |args: &[&str]| {
+        let mut all = vec!["--json", "sandbox", "ls"];
+        all.extend_from_slice(args);
+        let o = aviary(&s, &all);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let mut ids: Vec<String> = v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ls(&["--user", "alice"]), vec![a.clone()]);
+    assert_eq!(ls(&["--session", "s2"]), vec![b.clone()]);
+    assert!(ls(&["--user", "alice", "--session", "s2"]).is_empty());
+    let o = aviary(&s, &["sandbox", "ls", "--state", "Sleepy"]);
+    assert_eq!(
+        o.status.code(),
+        Some(64),
+        "an unknown state is refused: {o:?}"
+    );
+
+    // snapshots: take two of a, delete the older one
+    let snap = |id: &str| {
+        let o = aviary(&s, &["--json", "sandbox", "snapshot", id]);
+        assert!(o.status.success(), "{o:?}");
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let first = snap(&a);
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            &a,
+            "--",
+            "sh",
+            "-c",
+            "echo v2 > /workspace/f",
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let second = snap(&a);
+    let o = aviary(&s, &["snapshot", "rm", &first]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["snapshot", "ls", "--sandbox", &a]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let listed: Vec<&str> = v["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, vec![second.as_str()], "{v}");
+    let o = aviary(&s, &["snapshot", "rm", &first]);
+    assert_eq!(o.status.code(), Some(66), "gone: {o:?}");
+    // the later snapshot is whole without its parent: fork from it
+    let o = aviary(
+        &s,
+        &["--json", "sandbox", "fork", &a, "--snapshot", &second],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fork = v["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["sandbox", "exec", &fork, "--", "cat", "/workspace/f"]);
+    assert_eq!(stdout(&o), "v2\n", "{o:?}");
+    // a hibernated sandbox's wake snapshot is kept
+    let o = aviary(&s, &["--json", "sandbox", "hibernate", &b]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(ls(&["--state", "Hibernating"]), vec![b.clone()]);
+    let o = aviary(&s, &["--json", "snapshot", "ls", "--sandbox", &b]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let wake_from = v["snapshots"][0]["id"].as_str().unwrap().to_owned();
+    let o = aviary(&s, &["snapshot", "rm", &wake_from]);
+    assert_eq!(o.status.code(), Some(75), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("wake"), "{o:?}");
+    for id in [&a, &b, &fork] {
+        let o = aviary(&s, &["sandbox", "rm", id]);
+        assert!(o.status.success(), "{o:?}");
+    }
+    let o = aviary(&s, &["snapshot", "rm", &wake_from]);
+    assert!(o.status.success(), "after the sandbox is deleted: {o:?}");
+}
+
+/// Runs the built `aviary` with `args` and no server.
+fn aviary_local(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_aviary"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bash_completion_completes_commands_and_flags() {
+    let script = aviary_local(&["completions", "bash"]);
+    assert!(script.status.success(), "{script:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("aviary.bash");
+    std::fs::write(&path, &script.stdout).unwrap();
+    // what bash's completion machinery does on TAB: set COMP_WORDS/COMP_CWORD
+    // and call the registered function
+    let complete = |words: &str, cword: usize| {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "source {}; COMP_WORDS=({words}); COMP_CWORD={cword}; \
+                 _aviary aviary \"${{COMP_WORDS[$COMP_CWORD]}}\" \"${{COMP_WORDS[$COMP_CWORD-1]}}\"; \
+                 printf '%s\\n' \"${{COMPREPLY[@]}}\"",
+                path.display()
+            ))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    assert_eq!(complete("aviary sandbox cr", 2), "create\n");
+    let flags = complete("aviary sandbox create --me", 3);
+    assert_eq!(flags, "--metadata\n", "{flags}");
+    for shell in ["zsh", "fish", "elvish", "powershell"] {
+        let o = aviary_local(&["completions", shell]);
+        assert!(o.status.success() && !o.stdout.is_empty(), "{shell}: {o:?}");
+    }
+    let o = aviary_local(&["completions", "tcsh"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "an unknown shell is a usage error"
+    );
+}
+
+#[test]
+fn man_pages_render_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = aviary_local(&["man", "--dir", dir.path().to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let page = dir.path().join("aviary-sandbox-create.1");
+    let roff = std::fs::read_to_string(&page).unwrap();
+    assert!(roff.contains("metadata"), "{roff}");
+    assert!(dir.path().join("aviary-sandbox-ttl.1").is_file());
+    // the top page on stdout names the commands' pages
+    let top = aviary_local(&["man"]);
+    let top = String::from_utf8(top.stdout).unwrap();
+    assert!(top.starts_with(".ie"), "roff");
+    assert!(
+        top.contains("aviary\\-sandbox(1)"),
+        "no see-also of sandbox"
+    );
+    // and it is valid roff: man formats it without warnings
+    let man = Command::new("man")
+        .args(["--warnings", "-l", "-P", "cat"])
+        .arg(&page)
+        .env("MANWIDTH", "100")
+        .output();
+    match man {
+        Ok(o) => {
+            assert!(o.status.success(), "{o:?}");
+            let text = String::from_utf8_lossy(&o.stdout);
+            assert!(text.contains("--metadata"), "{text}");
+            assert!(
+                o.stderr.is_empty(),
+                "roff warnings: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        Err(e) => eprintln!("SKIP formatting check: `man` is not installed here ({e})"),
+    }
+}
+
+/// A TLS terminator in front of `backend` (127.0.0.1), with a certificate
+/// for `localhost` issued by a fresh CA; returns its port and the CA's PEM.
+fn tls_front(backend: u16) -> (u16, String) {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "aviary test CA");
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    // ring is the only crypto provider built in, so it is the default
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![leaf.der().clone(), ca.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into()),
+        )
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    return;
+                };
+                let acceptor = acceptor.clone();
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", backend)).await
+                    else {
+                        return;
+                    };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut up).await;
+                });
+            }
+        });
+    });
+    (port, ca.pem())
+}
+
+#[test]
+fn the_cli_speaks_https_and_checks_the_certificate() {
+    let s = serve();
+    let backend: u16 = s.url.rsplit(':').next().unwrap().parse().unwrap();
+    let (port, ca_pem) = tls_front(backend);
+    let ca_file = s._dir.path().join("ca.pem");
+    std::fs::write(&ca_file, ca_pem).unwrap();
+    let https = format!("https://localhost:{port}");
+    let run = |trust: Option<&Path>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_aviary"));
+        cmd.args(["run", "--", "echo", "over-tls"])
+            .env("AVIARY_URL", &https)
+            .env("AVIARY_DATA_DIR", &s.data);
+        match trust {
+            Some(f) => cmd.env("SSL_CERT_FILE", f),
+            // a trust store without our CA
+            None => cmd.env("SSL_CERT_FILE", "/dev/null"),
+        };
+        cmd.output().unwrap()
+    };
+    let o = run(Some(&ca_file));
+    assert_eq!(
+        (o.status.code(), stdout(&o).as_str()),
+        (Some(0), "over-tls\n"),
+        "{o:?}"
+    );
+    // an unknown issuer is refused, not silently accepted
+    let o = run(None);
+    assert_eq!(o.status.code(), Some(69), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("certificate"), "names the cause: {err}");
 }
 
 /// `aviary compat env` prints one `export NAME=value` a line for the

@@ -294,25 +294,51 @@ impl Client {
     }
 
     pub async fn list_sandboxes(&self, all: bool) -> Result<SandboxList, ClientError> {
-        self.list_sandboxes_with(all, &Default::default()).await
+        self.list_sandboxes_with(&SandboxFilter {
+            all,
+            ..Default::default()
+        })
+        .await
     }
 
-    /// `GET /v1/sandboxes`, only those whose metadata has every pair.
-    pub async fn list_sandboxes_with(
-        &self,
-        all: bool,
-        metadata: &std::collections::BTreeMap<String, String>,
-    ) -> Result<SandboxList, ClientError> {
-        let mut q = format!("?all={all}");
-        if !metadata.is_empty() {
-            let pairs: Vec<String> = metadata
+    /// `GET /v1/sandboxes` with filters.
+    pub async fn list_sandboxes_with(&self, f: &SandboxFilter) -> Result<SandboxList, ClientError> {
+        let mut q = format!("?all={}", f.all);
+        if !f.metadata.is_empty() {
+            let pairs: Vec<String> = f
+                .metadata
                 .iter()
                 .map(|(k, v)| format!("{}={}", urlencode(k), urlencode(v)))
                 .collect();
             q.push_str(&format!("&metadata={}", urlencode(&pairs.join("&"))));
         }
+        for (name, v) in [
+            ("state", &f.state),
+            ("user_id", &f.user_id),
+            ("session_id", &f.session_id),
+        ] {
+            if let Some(v) = v {
+                q.push_str(&format!("&{name}={}", urlencode(v)));
+            }
+        }
         self.json(self.req(Method::GET, &format!("/v1/sandboxes{q}")))
             .await
+    }
+
+    /// `DELETE /v1/snapshots/{id}`.
+    pub async fn delete_snapshot(&self, id: &str) -> Result<serde_json::Value, ClientError> {
+        self.json(self.req(Method::DELETE, &format!("/v1/snapshots/{}", urlencode(id))))
+            .await
+    }
+
+    /// `DELETE /v1/templates/{name}` (admin).
+    pub async fn remove_template(&self, name: &str) -> Result<(), ClientError> {
+        self.send(self.req(
+            Method::DELETE,
+            &format!("/v1/templates/{}", urlencode(name).replace('/', "%2F")),
+        ))
+        .await
+        .map(|_| ())
     }
 
     /// `POST /v1/sandboxes/{id}/ttl`: expire `ttl_s` seconds from now.
@@ -926,6 +952,19 @@ pub struct ApiKeyInfo {
 #[derive(serde::Deserialize)]
 struct KeyList {
     keys: Vec<ApiKeyInfo>,
+}
+
+/// Which sandboxes `list_sandboxes_with` asks for.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxFilter {
+    /// Terminated ones too.
+    pub all: bool,
+    /// Labels every listed sandbox has.
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// A state name as the API shows it (`Idle`, `Hibernating`, ...).
+    pub state: Option<String>,
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters and `/` pass).

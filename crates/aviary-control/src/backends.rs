@@ -154,6 +154,9 @@ pub trait TemplateCatalog: Send + Sync {
     /// Imports a `docker save` / OCI archive (an opaque path the caller
     /// spooled; the caller removes it afterwards).
     async fn import(&self, name: &str, archive: PathBuf) -> Result<TemplateRecord, OpError>;
+    /// Removes the name (and its tree when no other name shares it); the
+    /// caller has checked that nothing uses it.
+    async fn remove(&self, name: &str) -> Result<(), OpError>;
     /// The template `name`, built from `source` first when it is missing;
     /// `progress` hears what is being done.
     async fn prepare(

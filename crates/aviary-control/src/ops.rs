@@ -794,15 +794,26 @@ impl ControlPlane {
 
     pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
         crate::validate::labels(&req.metadata)?;
+        let include_terminated =
+            req.include_terminated || req.state == Some(SandboxState::Terminated);
         let recs = self
             .registry
-            .list_sandboxes(Some(&cx.caller.tenant), req.include_terminated)
+            .list_sandboxes(Some(&cx.caller.tenant), include_terminated)
             .await?;
         let mut out = Vec::with_capacity(recs.len());
         for r in recs.iter().filter(|r| {
             req.metadata
                 .iter()
                 .all(|(k, v)| r.metadata.get(k) == Some(v))
+                && req.state.is_none_or(|s| r.state == s)
+                && req
+                    .user_id
+                    .as_ref()
+                    .is_none_or(|u| r.user_id.as_ref() == Some(u))
+                && req
+                    .session_id
+                    .as_ref()
+                    .is_none_or(|u| r.session_id.as_ref() == Some(u))
         }) {
             out.push(self.view(r).await?);
         }
@@ -2175,6 +2186,67 @@ impl ControlPlane {
             .iter()
             .map(template_api)
             .collect())
+    }
+
+    /// Removes a template (admin). Refused while anything still needs it:
+    /// the default template, a configured warm pool, a sandbox that has not
+    /// ended (any tenant's, warm ones included), or a snapshot (it restores
+    /// onto that template). Its tree is deleted when no other name shares it.
+    pub async fn remove_template(&self, cx: &OpContext, name: &str) -> Result<(), OpError> {
+        cx.require_admin("removing templates")?;
+        crate::validate::template_name(name)?;
+        if self.templates.get(name).await?.is_none() {
+            return Err(OpError::NotFound(format!("template {name}")));
+        }
+        let in_use = |what: String| {
+            OpError::layer(
+                aviary_core::ErrorCode::Conflict,
+                format!("template {name:?} is in use: {what}"),
+                anyhow::anyhow!("template {name} in use"),
+            )
+        };
+        if name == self.cfg.default_template {
+            return Err(in_use("it is the server's default template".into()));
+        }
+        if self.pools.uses_template(name) {
+            return Err(in_use(
+                "a warm pool starts sandboxes from it (see [[pool]] in the configuration)".into(),
+            ));
+        }
+        let live = self
+            .registry
+            .list_sandboxes(None, false)
+            .await?
+            .into_iter()
+            .filter(|r| r.template == name)
+            .count();
+        if live > 0 {
+            return Err(in_use(format!(
+                "{live} sandbox(es) that have not ended run on it"
+            )));
+        }
+        let snapshots = self
+            .registry
+            .list_snapshots(&aviary_registry::SnapshotFilter::default())
+            .await?
+            .into_iter()
+            .filter(|s| s.template == name)
+            .count();
+        if snapshots > 0 {
+            return Err(in_use(format!(
+                "{snapshots} snapshot(s) restore onto it (delete them first: aviary snapshot rm)"
+            )));
+        }
+        self.templates.remove(name).await?;
+        self.record_event(
+            &cx.caller.tenant,
+            None,
+            None,
+            "template_removed",
+            cx.request_id(),
+            serde_json::json!({"template": name}),
+        )
+        .await
     }
 
     /// Imports an archive already spooled to `archive` (the caller removes it).

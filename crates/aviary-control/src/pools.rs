@@ -149,6 +149,11 @@ impl Pools {
         }
     }
 
+    /// Whether a configured pool starts sandboxes from `template`.
+    pub fn uses_template(&self, template: &str) -> bool {
+        self.pools.iter().any(|p| p.key().1 == template)
+    }
+
     pub fn find(&self, class: &str, template: &str, runtime: &str) -> Option<&Pool> {
         self.pools.iter().find(|p| {
             let (c, t, r) = p.key();

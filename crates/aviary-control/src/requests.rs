@@ -120,6 +120,11 @@ impl<R> std::fmt::Debug for FileUpload<R> {
 pub struct SandboxQuery {
     pub include_terminated: bool,
     pub metadata: BTreeMap<String, String>,
+    /// Only sandboxes in this state (`Terminated` implies `include_terminated`).
+    pub state: Option<aviary_core::SandboxState>,
+    /// Only sandboxes working for this end user / in this session.
+    pub user_id: Option<String>,
+    pub session_id: Option<String>,
 }
 
 impl SandboxQuery {

@@ -702,6 +702,56 @@ impl ControlPlane {
 }
 
 impl ControlPlane {
+    /// Deletes one of the caller's snapshots: its manifests and its row
+    /// (its chunks go with the next chunk GC once nothing references them).
+    /// Other snapshots stay readable (a manifest lists all its chunks). The
+    /// latest snapshot of a hibernated sandbox is what it wakes from: that
+    /// one is refused until the sandbox is woken or deleted.
+    pub async fn delete_snapshot(
+        &self,
+        cx: &OpContext,
+        id: &str,
+    ) -> Result<SandboxSnapshot, OpError> {
+        let snap = self.load_snapshot(&cx.caller.tenant, id).await?;
+        let sandbox: SandboxId = snap.sandbox_id.parse().map_err(OpError::internal)?;
+        if let Ok(rec) = self.registry.get_sandbox(&sandbox).await {
+            let latest = self.last_snapshot(&rec.tenant, &rec.id).await?;
+            if rec.state == SandboxState::Hibernating && latest.is_some_and(|l| l.id == snap.id) {
+                return Err(OpError::layer(
+                    aviary_core::ErrorCode::Conflict,
+                    format!(
+                        "snapshot {id} is what hibernated sandbox {} wakes from: wake or delete the sandbox first",
+                        rec.id
+                    ),
+                    anyhow::anyhow!("snapshot {id} in use"),
+                ));
+            }
+        }
+        let store = self.snapshots.store().clone();
+        for m in [&snap.workspace_manifest, &snap.upper_manifest] {
+            let mid: SnapshotId = m.parse().map_err(OpError::internal)?;
+            let (st, tenant) = (store.clone(), snap.tenant.clone());
+            off_thread(move || async move { st.delete_manifest(&tenant, &mid).await })
+                .await?
+                .or_else(|e| if e.is_not_found() { Ok(()) } else { Err(e) })
+                .map_err(OpError::from)?;
+        }
+        match self.registry.delete_snapshot(&snap.id).await {
+            Ok(()) | Err(aviary_registry::RegistryError::NotFound) => {}
+            Err(e) => return Err(e.into()),
+        }
+        self.record_event(
+            &cx.caller.tenant,
+            Some(&sandbox),
+            None,
+            "snapshot_deleted",
+            cx.request_id(),
+            serde_json::json!({"snapshot": snap.id}),
+        )
+        .await?;
+        Ok(snap)
+    }
+
     /// The unattended chunk GC (start-up and background): deletes chunks no
     /// snapshot references once they have been unreferenced for
     /// `chunk_gc_grace_s` — what a snapshot interrupted by a crash left behind.

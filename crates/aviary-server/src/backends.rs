@@ -87,6 +87,11 @@ impl aviary_control::TemplateCatalog for LocalTemplates {
         ))
     }
 
+    async fn remove(&self, name: &str) -> Result<(), OpError> {
+        let n = name.to_owned();
+        self.blocking(move |s| s.remove(&n)).await
+    }
+
     async fn prepare(
         &self,
         name: &str,

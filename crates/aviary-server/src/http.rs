@@ -276,6 +276,16 @@ pub struct ListQuery {
     /// the URL, as the E2B and OpenSandbox SDKs send it).
     #[serde(default)]
     metadata: Option<String>,
+    /// Only sandboxes in this state (e.g. `Idle`, `Hibernating`; `Terminated` lists ended ones).
+    #[serde(default)]
+    #[param(value_type = Option<String>)]
+    state: Option<aviary_core::SandboxState>,
+    /// Only sandboxes working for this end user.
+    #[serde(default)]
+    user_id: Option<String>,
+    /// Only sandboxes of this session.
+    #[serde(default)]
+    session_id: Option<String>,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -405,6 +415,9 @@ async fn list_sandboxes(
             Some(m) => aviary_control::requests::parse_label_filter(m)?,
             None => Default::default(),
         },
+        state: q.state,
+        user_id: q.user_id,
+        session_id: q.session_id,
     };
     Ok(Json(SandboxList {
         sandboxes: cp.list(&cx, req).await?,
@@ -1145,6 +1158,33 @@ async fn list_keys(
     Ok(Json(cp.list_keys(&cx).await?))
 }
 
+/// Removes a template (admin only); 409 while a sandbox, a snapshot, a pool
+/// or the server's default still needs it.
+#[utoipa::path(delete, path = "/v1/templates/{name}", responses((status = 204), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn remove_template(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    cp.remove_template(&cx, &name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Deletes one of the caller's snapshots (its chunks go with the next GC);
+/// 409 for the one a hibernated sandbox wakes from.
+#[utoipa::path(delete, path = "/v1/snapshots/{id}", responses((status = 200, body = aviary_control::snapshots::SandboxSnapshot), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)), security(("api_key" = [])))]
+async fn delete_snapshot(
+    State(cp): State<AppState>,
+    auth: Auth,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<aviary_control::snapshots::SandboxSnapshot>, ApiError> {
+    let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
+    Ok(Json(cp.delete_snapshot(&cx, &id).await?))
+}
+
 /// Revokes a key (admin only): from the next request on it is 401.
 #[utoipa::path(delete, path = "/v1/keys/{id}", responses((status = 200, body = aviary_control::keys::ApiKeyInfo), (status = 400, body = ErrorBody), (status = 403, body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn revoke_key(
@@ -1330,7 +1370,7 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, release, manifest, snapshot, snapshots, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots),
     components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
@@ -1348,7 +1388,10 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             "/v1/sandboxes/{id}/files",
             get(read_file).put(write_file).delete(remove_file),
         )
-        .route("/v1/templates/{name}", post(import_template))
+        .route(
+            "/v1/templates/{name}",
+            post(import_template).delete(remove_template),
+        )
         .layer(DefaultBodyLimit::disable());
     Router::new()
         .route("/healthz", get(healthz))
@@ -1381,6 +1424,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/sandboxes/{id}/hibernate", post(hibernate))
         .route("/v1/sandboxes/{id}/wake", post(wake))
         .route("/v1/snapshots", get(snapshots))
+        .route("/v1/snapshots/{id}", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/nodes", get(nodes).post(add_node))
         .route("/v1/events", get(events))

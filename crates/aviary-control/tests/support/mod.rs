@@ -81,6 +81,10 @@ impl TemplateCatalog for MemoryTemplates {
             .insert(name.to_owned(), t.clone());
         Ok(t)
     }
+    async fn remove(&self, name: &str) -> Result<(), OpError> {
+        self.templates.lock().unwrap().remove(name);
+        Ok(())
+    }
     async fn prepare(
         &self,
         name: &str,
