@@ -538,3 +538,88 @@ async fn e2b_calls_are_rate_limited_per_key() {
     }
     assert_eq!(statuses, vec![401, 401, 401, 429, 429]);
 }
+
+/// `autoPause: true` makes the sandbox user-managed: at its TTL the
+/// platform stops it (snapshot, hibernate) instead of destroying it; E2B
+/// lists it paused, and connect wakes it with its files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_pause_stops_at_the_ttl_and_connect_wakes_it() {
+    let ts = common::start().await;
+    let base = format!("{}/e2b", ts.url());
+    let http = reqwest::Client::new();
+    let created: Value = http
+        .post(format!("{base}/v2/sandboxes"))
+        .header("x-api-key", &ts.key)
+        .json(&serde_json::json!({"templateID": "base", "timeout": 2, "autoPause": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_owned();
+    let token = created["envdAccessToken"].as_str().unwrap().to_owned();
+    let files = |m: reqwest::Method| {
+        http.request(m, format!("{base}/envd/files?path=/home/user/keep.txt"))
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+    };
+    let r = files(reqwest::Method::POST)
+        .header("content-type", "application/octet-stream")
+        .body("kept through hibernation")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let written: Value = r.json().await.unwrap();
+    assert_eq!(written[0]["path"], "/home/user/keep.txt");
+    // the sweep stops it once its TTL passed (bounded wait for that pass)
+    let mut state = String::new();
+    for _ in 0..300 {
+        let d: Value = http
+            .get(format!("{base}/sandboxes/{id}"))
+            .header("x-api-key", &ts.key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        state = d["state"].as_str().unwrap_or_default().to_owned();
+        if state == "paused" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(state, "paused");
+    let native = ts.client.get_sandbox(&id).await.unwrap();
+    assert_eq!(native.state, aviary_core::SandboxState::Hibernating);
+    // not running: envd answers the proxy's 502
+    let r = http
+        .get(format!("{base}/envd/health"))
+        .header("e2b-sandbox-id", &id)
+        .header("x-access-token", &token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    // connect wakes it: 201, running, the file is there
+    let r = http
+        .post(format!("{base}/v2/sandboxes/{id}/connect"))
+        .header("x-api-key", &ts.key)
+        .json(&serde_json::json!({"timeout": 120}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let r = files(reqwest::Method::GET).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "kept through hibernation");
+    let r = http
+        .delete(format!("{base}/sandboxes/{id}"))
+        .header("x-api-key", &ts.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+}
