@@ -379,26 +379,47 @@ async fn upload_files(
     req: Request,
 ) -> Result<Vec<WriteInfo>, EnvdError> {
     let headers = req.headers().clone();
-    if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
-        if !enc.as_bytes().eq_ignore_ascii_case(b"identity") {
-            return Err(ConnectError::invalid(
-                "compressed uploads (Content-Encoding) are not supported; send the file as is",
-            )
-            .into());
+    let gzip = match headers
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.to_str().unwrap_or("?").trim().to_ascii_lowercase())
+    {
+        None => false,
+        Some(e) if e == "identity" => false,
+        Some(e) if e == "gzip" => true,
+        Some(e) => {
+            return Err(ConnectError::invalid(format!(
+                "Content-Encoding {e:?} is not supported (gzip or identity)"
+            ))
+            .into())
         }
-    }
+    };
     let target = q.path.as_deref().map(resolve).transpose()?;
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    if !ct.to_ascii_lowercase().starts_with("multipart/form-data") {
+    let multipart = ct.to_ascii_lowercase().starts_with("multipart/form-data");
+    if !multipart {
         let path = target.ok_or_else(|| ConnectError::invalid("?path= is required"))?;
         let body = req
             .into_body()
             .into_data_stream()
             .map_err(std::io::Error::other);
+        if gzip {
+            // the upload limit applies to what is written: decompressed
+            let inflated = async_compression::tokio::bufread::GzipDecoder::new(
+                tokio_util::io::StreamReader::new(body),
+            );
+            let inflated = tokio_util::io::ReaderStream::new(inflated);
+            return Ok(vec![write_one(st, call, &path, inflated).await?]);
+        }
         return Ok(vec![write_one(st, call, &path, body).await?]);
+    }
+    if gzip {
+        return Err(ConnectError::invalid(
+            "a gzip-compressed multipart form is not supported; compress octet-stream uploads only",
+        )
+        .into());
     }
     let boundary = multer::parse_boundary(ct)
         .map_err(|e| ConnectError::invalid(format!("bad multipart content type: {e}")))?;

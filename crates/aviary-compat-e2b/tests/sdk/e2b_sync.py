@@ -98,6 +98,9 @@ try:
     obs["write_path"] = info.path
     obs["read_len"] = len(sbx.files.read("/tmp/e2b/a.txt"))
     obs["wc"] = sbx.commands.run("wc -c < /tmp/e2b/a.txt").stdout.strip()
+    sbx.files.write("/tmp/e2b/gz/z.txt", "zipped " * 5000, gzip=True)
+    obs["gzip_wc"] = sbx.commands.run("wc -c < /tmp/e2b/gz/z.txt").stdout.strip()
+    sbx.files.remove("/tmp/e2b/gz")
     sbx.files.write("/tmp/e2b/b.bin", b"\x00\x01\xffbin")
     obs["read_bytes"] = list(sbx.files.read("/tmp/e2b/b.bin", format="bytes"))
     obs["list"] = sorted((e.name, e.type.value) for e in sbx.files.list("/tmp/e2b"))
