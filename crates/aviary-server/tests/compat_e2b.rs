@@ -311,6 +311,14 @@ async fn js_sdk_flow() {
     assert_eq!(o["list"], serde_json::json!([["a.txt", "file"]]));
     assert_eq!(o["wc"], "7");
     assert_eq!(o["info"]["suite"], "js");
+    let id = o["sandboxId"].as_str().unwrap().to_owned();
+    assert_eq!(strs(&o["listRun"]), vec![id.clone()]);
+    assert!(strs(&o["listOtherRun"]).is_empty());
+    assert_eq!(o["pause"], true);
+    assert_eq!(o["runningPaused"], false);
+    assert_eq!(strs(&o["listPaused"]), vec![id]);
+    assert_eq!(o["runningBack"], true);
+    assert_eq!(o["readBack"], "from js");
     assert_eq!(o["kill"], true);
     assert_eq!(o["running"], false);
     assert_all_killed(&flow).await;

@@ -33,6 +33,20 @@ try {
   obs.list = (await sbx.files.list('/tmp/js')).map((e) => [e.name, e.type])
   obs.wc = (await sbx.commands.run('wc -c < /tmp/js/a.txt')).stdout.trim()
   obs.info = (await sbx.getInfo()).metadata
+  const listed = async (query) => {
+    const ids = []
+    const paginator = Sandbox.list({ query, limit: 1 })
+    while (paginator.hasNext) ids.push(...(await paginator.nextItems()).map((s) => s.sandboxId))
+    return ids
+  }
+  obs.listRun = await listed({ metadata: { run: process.env.RUN, suite: 'js' } })
+  obs.listOtherRun = await listed({ metadata: { run: 'other-' + process.env.RUN } })
+  obs.pause = await sbx.pause()
+  obs.runningPaused = await sbx.isRunning()
+  obs.listPaused = await listed({ metadata: { run: process.env.RUN }, state: ['paused'] })
+  const back = await Sandbox.connect(sbx.sandboxId)
+  obs.runningBack = await back.isRunning()
+  obs.readBack = await back.files.read('/tmp/js/a.txt')
   obs.kill = await sbx.kill()
   obs.running = await sbx.isRunning()
 } finally {
