@@ -37,6 +37,21 @@ if ! "$osb_venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.
 fi
 export AVIARY_OSB_VENV=$osb_venv
 
+echo "== E2B SDKs (throwaway venv + npm dir: e2b, agentscope, e2b for node)"
+e2b_venv=${AVIARY_E2B_VENV:-/var/tmp/aviary-e2b-venv}
+if ! "$e2b_venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not (m.version("e2b") == "2.63.0" and m.version("agentscope") == "2.0.11"))' 2>/dev/null; then
+  python3 -m venv "$e2b_venv"
+  "$e2b_venv/bin/pip" install -q "e2b==2.63.0" "agentscope==2.0.11"
+fi
+export AVIARY_E2B_PYTHON=$e2b_venv/bin/python
+e2b_npm=${AVIARY_E2B_NPM:-/var/tmp/aviary-e2b-npm}
+if [[ $(node -p 'require(process.argv[1]).version' "$e2b_npm/node_modules/e2b/package.json" 2>/dev/null) != 2.51.0 ]]; then
+  mkdir -p "$e2b_npm"
+  (cd "$e2b_npm" && { [[ -f package.json ]] || npm init -y >/dev/null; } && npm install -q --no-audit --no-fund "e2b@2.51.0")
+fi
+export AVIARY_E2B_NODE=node
+export AVIARY_E2B_JS_MODULE=$e2b_npm/node_modules/e2b/dist/index.mjs
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

@@ -78,6 +78,16 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// What the E2B (and OpenSandbox) SDKs need to use this server.
+    #[command(subcommand)]
+    Compat(CompatCmd),
+}
+
+#[derive(Subcommand, Debug)]
+enum CompatCmd {
+    /// Print the shell exports that point the SDKs at the running server
+    /// (`eval "$(aviary compat env)"`); the key stays your Aviary key.
+    Env,
 }
 
 #[derive(Args, Debug)]
@@ -705,6 +715,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
+        Command::Compat(CompatCmd::Env) => compat_env(json).await,
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut script = Vec::new();
@@ -759,6 +770,38 @@ fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
             std::fs::create_dir_all(&dir).map_err(io)?;
             clap_mangen::generate_to(cmd, &dir).map_err(io)?;
             eprintln!("man pages written to {}", dir.display());
+        }
+    }
+    Ok(0)
+}
+
+/// The lines `aviary compat env` prints for the server at `base`: one
+/// `export NAME=value` (or `# comment`) a line. Each compatible surface adds
+/// its lines here.
+fn compat_env_lines(base: &str) -> Vec<String> {
+    vec![
+        "# E2B SDK (Python and JS): the API and envd of this server; E2B_API_KEY is your Aviary API key:".into(),
+        "#   export E2B_API_KEY=\"$AVIARY_API_KEY\"".into(),
+        format!("export E2B_API_URL={base}/e2b"),
+        format!("export E2B_SANDBOX_URL={base}/e2b/envd"),
+    ]
+}
+
+/// Prints the SDK exports for the running server (checked to answer first).
+async fn compat_env(json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    c.healthz().await?;
+    let lines = compat_env_lines(c.base_url());
+    if json {
+        let exports: serde_json::Map<String, serde_json::Value> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_owned(), serde_json::Value::String(v.to_owned())))
+            .collect();
+        output::json(&serde_json::json!({ "exports": exports }));
+    } else {
+        for l in lines {
+            println!("{l}");
         }
     }
     Ok(0)
@@ -1681,6 +1724,25 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn compat_env_prints_one_export_a_line_for_the_server() {
+        let lines = compat_env_lines("http://10.0.0.5:7400");
+        assert!(lines.contains(&"export E2B_API_URL=http://10.0.0.5:7400/e2b".to_owned()));
+        assert!(lines.contains(&"export E2B_SANDBOX_URL=http://10.0.0.5:7400/e2b/envd".to_owned()));
+        for l in &lines {
+            assert!(l.starts_with("export ") || l.starts_with('#'), "{l}");
+            if let Some(e) = l.strip_prefix("export ") {
+                let (name, value) = e.split_once('=').unwrap();
+                assert!(
+                    name.bytes()
+                        .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'),
+                    "{l}"
+                );
+                assert!(!value.contains(' '), "{l}");
+            }
+        }
+    }
 
     #[test]
     fn api_errors_exit_through_the_error_table() {

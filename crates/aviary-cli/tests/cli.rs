@@ -886,3 +886,39 @@ fn the_cli_speaks_https_and_checks_the_certificate() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("certificate"), "names the cause: {err}");
 }
+
+/// `aviary compat env` prints one `export NAME=value` a line for the
+/// running server, and the E2B API URL it prints answers E2B's list with
+/// the user's own key.
+#[test]
+fn compat_env_points_the_e2b_sdk_at_the_running_server() {
+    let s = serve();
+    let o = aviary(&s, &["compat", "env"]);
+    assert!(o.status.success(), "{o:?}");
+    let out = stdout(&o);
+    let exports: std::collections::HashMap<String, String> = out
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            let (name, value) = l
+                .strip_prefix("export ")
+                .and_then(|e| e.split_once('='))
+                .unwrap_or_else(|| panic!("not an export line: {l:?}"));
+            (name.to_owned(), value.to_owned())
+        })
+        .collect();
+    assert_eq!(exports["E2B_API_URL"], format!("{}/e2b", s.url));
+    assert_eq!(exports["E2B_SANDBOX_URL"], format!("{}/e2b/envd", s.url));
+    assert!(out.contains("E2B_API_KEY"), "{out}");
+    let key = std::fs::read_to_string(s.data.join("admin.key")).unwrap();
+    let list = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("X-API-KEY: {}", key.trim()))
+        .arg(format!("{}/v2/sandboxes", exports["E2B_API_URL"]))
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&list), "[]\n200");
+    let o = aviary(&s, &["--json", "compat", "env"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exports"]["E2B_API_URL"], format!("{}/e2b", s.url));
+}
