@@ -779,11 +779,17 @@ fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
 /// `export NAME=value` (or `# comment`) a line. Each compatible surface adds
 /// its lines here.
 fn compat_env_lines(base: &str) -> Vec<String> {
+    // OpenSandbox takes the address without its scheme, and the scheme apart
+    let (scheme, host) = base.split_once("://").unwrap_or(("http", base));
     vec![
         "# E2B SDK (Python and JS): the API and envd of this server; E2B_API_KEY is your Aviary API key:".into(),
         "#   export E2B_API_KEY=\"$AVIARY_API_KEY\"".into(),
         format!("export E2B_API_URL={base}/e2b"),
         format!("export E2B_SANDBOX_URL={base}/e2b/envd"),
+        "# OpenSandbox SDK (and AgentScope's OpenSandboxWorkspace): OPEN_SANDBOX_API_KEY is your Aviary API key:".into(),
+        "#   export OPEN_SANDBOX_API_KEY=\"$AVIARY_API_KEY\"".into(),
+        format!("export OPEN_SANDBOX_DOMAIN={host}/opensandbox"),
+        format!("export OPEN_SANDBOX_PROTOCOL={scheme}"),
     ]
 }
 
@@ -1730,6 +1736,10 @@ mod tests {
         let lines = compat_env_lines("http://10.0.0.5:7400");
         assert!(lines.contains(&"export E2B_API_URL=http://10.0.0.5:7400/e2b".to_owned()));
         assert!(lines.contains(&"export E2B_SANDBOX_URL=http://10.0.0.5:7400/e2b/envd".to_owned()));
+        assert!(lines.contains(&"export OPEN_SANDBOX_DOMAIN=10.0.0.5:7400/opensandbox".to_owned()));
+        assert!(lines.contains(&"export OPEN_SANDBOX_PROTOCOL=http".to_owned()));
+        let tls = compat_env_lines("https://aviary.example:443");
+        assert!(tls.contains(&"export OPEN_SANDBOX_PROTOCOL=https".to_owned()));
         for l in &lines {
             assert!(l.starts_with("export ") || l.starts_with('#'), "{l}");
             if let Some(e) = l.strip_prefix("export ") {

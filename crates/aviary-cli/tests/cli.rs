@@ -918,6 +918,25 @@ fn compat_env_points_the_e2b_sdk_at_the_running_server() {
         .output()
         .unwrap();
     assert_eq!(stdout(&list), "[]\n200");
+    // and the OpenSandbox lines reach its lifecycle API
+    let (scheme, host) = s.url.split_once("://").unwrap();
+    assert_eq!(exports["OPEN_SANDBOX_PROTOCOL"], scheme);
+    assert_eq!(
+        exports["OPEN_SANDBOX_DOMAIN"],
+        format!("{host}/opensandbox")
+    );
+    let list = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("OPEN-SANDBOX-API-KEY: {}", key.trim()))
+        .arg(format!(
+            "{}://{}/v1/sandboxes",
+            exports["OPEN_SANDBOX_PROTOCOL"], exports["OPEN_SANDBOX_DOMAIN"]
+        ))
+        .output()
+        .unwrap();
+    let body = stdout(&list);
+    assert!(body.ends_with("\n200"), "{body}");
+    assert!(body.contains("\"pagination\""), "{body}");
     let o = aviary(&s, &["--json", "compat", "env"]);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["exports"]["E2B_API_URL"], format!("{}/e2b", s.url));
