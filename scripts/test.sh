@@ -29,6 +29,16 @@ fi
 export AVIARY_OPENAPI_VALIDATOR=$venv/bin/openapi-spec-validator
 export AVIARY_SCHEMATHESIS=$venv/bin/schemathesis
 
+echo "== python SDK and MCP test venv (pinned pytest, mypy, httpx, the official mcp client)"
+sdk_venv=${AVIARY_SDK_VENV:-/var/tmp/aviary-sdk-venv}
+if [[ ! -x $sdk_venv/bin/pytest || ! -x $sdk_venv/bin/mypy ]] || ! "$sdk_venv/bin/python" -c 'import mcp, httpx' 2>/dev/null; then
+  python3 -m venv "$sdk_venv"
+  "$sdk_venv/bin/pip" install -q "httpx==0.28.1" "pytest==8.3.5" "mypy==1.15.0" "anyio==4.9.0" "mcp==1.26.0"
+fi
+# the SDK as a user installs it (pip install ./sdk/python), fresh each run
+"$sdk_venv/bin/pip" install -q --force-reinstall --no-deps ./sdk/python
+export AVIARY_SDK_VENV=$sdk_venv
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

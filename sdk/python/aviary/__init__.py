@@ -74,7 +74,6 @@ __all__ = [
     "SandboxInfo",
     "Snapshot",
     "Template",
-] + [
     "InvalidRequest",
     "PayloadTooLarge",
     "Unauthorized",

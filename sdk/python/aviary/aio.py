@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import asyncio
 from typing import Any, AsyncIterator, Dict, List, Mapping, Optional, Union
 
@@ -532,9 +533,13 @@ class AsyncFiles:
         return (await self.read(path)).decode(encoding)
 
     async def write(self, path: str, data: Union[bytes, str]) -> int:
-        """Writes a whole file (parents created); returns the bytes written."""
+        """Writes a whole file, making its missing parent directories;
+        returns the bytes written."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
         r = await self._send("PUT", "/files", params={"path": path}, content=raw)
+        if r.status_code == 404 and posixpath.dirname(path) not in ("", "/"):
+            await self.mkdir(posixpath.dirname(path))
+            r = await self._send("PUT", "/files", params={"path": path}, content=raw)
         return int(_wire.json_of(r)["bytes"])
 
     async def list(self, path: str, *, recursive: bool = False) -> List[FileInfo]:

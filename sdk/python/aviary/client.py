@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import threading
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -534,9 +535,13 @@ class Files:
         return self.read(path).decode(encoding)
 
     def write(self, path: str, data: Union[bytes, str]) -> int:
-        """Writes a whole file (parents created); returns the bytes written."""
+        """Writes a whole file, making its missing parent directories;
+        returns the bytes written."""
         raw = data.encode() if isinstance(data, str) else bytes(data)
         r = self._send("PUT", "/files", params={"path": path}, content=raw)
+        if r.status_code == 404 and posixpath.dirname(path) not in ("", "/"):
+            self.mkdir(posixpath.dirname(path))
+            r = self._send("PUT", "/files", params={"path": path}, content=raw)
         return int(_wire.json_of(r)["bytes"])
 
     def list(self, path: str, *, recursive: bool = False) -> List[FileInfo]:
