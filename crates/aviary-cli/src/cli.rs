@@ -64,6 +64,17 @@ enum Command {
     /// Manage API keys (admin).
     #[command(subcommand)]
     Key(KeyCmd),
+    /// Serve the Model Context Protocol (tools to plan, create, run, read and
+    /// write files, snapshot, fork, release and destroy sandboxes) on stdio,
+    /// or on streamable HTTP at http://ADDR/mcp with --http.
+    Mcp(McpArgs),
+}
+
+#[derive(Args, Debug)]
+struct McpArgs {
+    /// Serve streamable HTTP on this address (e.g. 127.0.0.1:7401) instead of stdio.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<SocketAddr>,
 }
 
 #[derive(Args, Debug)]
@@ -537,6 +548,13 @@ fn server_url(raw: &str) -> Result<String, Failure> {
 }
 
 fn client() -> Result<Client, Failure> {
+    let (url, key) = client_settings()?;
+    Ok(Client::new(&url, &key))
+}
+
+/// The server address and API key of the client commands (`AVIARY_URL`,
+/// `AVIARY_API_KEY`, else the admin key file).
+fn client_settings() -> Result<(String, String), Failure> {
     let url = server_url(
         &std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into()),
     )?;
@@ -557,7 +575,7 @@ fn client() -> Result<Client, Failure> {
                 })?
         }
     };
-    Ok(Client::new(&url, &key))
+    Ok((url, key))
 }
 
 /// A failed command: message for stderr and the exit code.
@@ -655,6 +673,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
+        Command::Mcp(a) => mcp(a).await,
     };
     match res {
         Ok(code) => code,
@@ -671,6 +690,23 @@ pub async fn run(cli: Cli) -> i32 {
             f.code
         }
     }
+}
+
+/// `aviary mcp`: stdout is the protocol's (on stdio), so logs go to stderr.
+async fn mcp(a: McpArgs) -> Result<i32, Failure> {
+    let (url, api_key) = client_settings()?;
+    let cfg = aviary_mcp::McpConfig { url, api_key };
+    let res = match a.http {
+        None => aviary_mcp::serve_stdio(cfg).await,
+        Some(addr) => {
+            aviary_mcp::serve_http(cfg, addr, |bound| {
+                eprintln!("aviary mcp: streamable HTTP on http://{bound}/mcp");
+            })
+            .await
+        }
+    };
+    res.map(|()| 0)
+        .map_err(|e| Failure::new(ErrorCode::Unavailable, format!("mcp server: {e:#}")))
 }
 
 /// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them

@@ -58,7 +58,11 @@ fn pytest(dir: &Path, tests: &str) -> Option<()> {
         .env_remove("AVIARY_DATA_DIR")
         .status()
         .unwrap();
-    assert!(status.success(), "pytest {tests} in {} failed", dir.display());
+    assert!(
+        status.success(),
+        "pytest {tests} in {} failed",
+        dir.display()
+    );
     Some(())
 }
 
