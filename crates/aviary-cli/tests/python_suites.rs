@@ -70,3 +70,11 @@ fn pytest(dir: &Path, tests: &str) -> Option<()> {
 fn python_sdk_suite() {
     pytest(&workspace_root().join("sdk/python"), "tests");
 }
+
+#[test]
+fn mcp_server_suite() {
+    pytest(
+        &workspace_root().join("crates/aviary-mcp/tests/python"),
+        ".",
+    );
+}
