@@ -66,15 +66,20 @@ fn pytest(dir: &Path, tests: &str) -> Option<()> {
     Some(())
 }
 
-#[test]
-fn python_sdk_suite() {
-    pytest(&workspace_root().join("sdk/python"), "tests");
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-#[test]
-fn mcp_server_suite() {
-    pytest(
-        &workspace_root().join("crates/aviary-mcp/tests/python"),
-        ".",
-    );
+    #[test]
+    fn python_sdk_suite() {
+        pytest(&workspace_root().join("sdk/python"), "tests");
+    }
+
+    #[test]
+    fn mcp_server_suite() {
+        pytest(
+            &workspace_root().join("crates/aviary-mcp/tests/python"),
+            ".",
+        );
+    }
 }

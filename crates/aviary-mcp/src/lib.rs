@@ -742,12 +742,22 @@ pub async fn serve_stdio(cfg: McpConfig) -> anyhow::Result<()> {
 
 /// Serves streamable HTTP at `http://ADDR/mcp` (one session, and one lease
 /// table, per MCP session id) until ctrl-c or SIGTERM; `on_ready` gets the
-/// bound address. Only loopback host names are accepted (DNS rebinding).
+/// bound address.
+///
+/// The endpoint has no authentication of its own: whoever reaches it acts
+/// with the configured API key. So only a loopback address is served, and
+/// only loopback `Host` names are accepted (DNS rebinding).
 pub async fn serve_http(
     cfg: McpConfig,
     addr: SocketAddr,
     on_ready: impl FnOnce(SocketAddr),
 ) -> anyhow::Result<()> {
+    if !addr.ip().is_loopback() {
+        anyhow::bail!(
+            "--http {addr}: the MCP endpoint acts with your API key and has no authentication \
+             of its own, so it serves loopback addresses only (127.0.0.1:PORT or [::1]:PORT)"
+        );
+    }
     use rmcp::transport::streamable_http_server::{
         session::local::LocalSessionManager, StreamableHttpServerConfig, StreamableHttpService,
     };

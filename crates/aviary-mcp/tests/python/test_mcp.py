@@ -192,6 +192,18 @@ def mcp_http(server: LiveServer) -> Any:
         proc.wait(timeout=30)
 
 
+def test_http_refuses_a_non_loopback_address(server: LiveServer) -> None:
+    out = subprocess.run(
+        [os.environ["AVIARY_BIN"], "mcp", "--http", "0.0.0.0:0"],
+        env=_env(server),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "loopback" in out.stderr, out.stderr
+
+
 async def test_http_sessions_are_fenced_from_each_other(server: LiveServer, mcp_http: str) -> None:
     sid = ""
     try:
