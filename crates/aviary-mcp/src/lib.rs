@@ -794,3 +794,62 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_ids_that_could_reach_another_route_are_refused() {
+        for bad in [
+            "",
+            "../../v1/keys",
+            "sbx-a/exec",
+            "sbx a",
+            "sbx-a?x=1",
+            "sbx-%2e%2e",
+            &"a".repeat(65),
+        ] {
+            let refused = check_id(bad).unwrap_err();
+            assert_eq!(refused.is_error, Some(true), "{bad:?}");
+        }
+        check_id("sbx-litpnpvuywco62ujs4hf").unwrap();
+    }
+
+    #[test]
+    fn output_is_cut_on_a_character_boundary() {
+        let s = "aé".repeat(10); // 'é' is two bytes
+                                 // byte 5 falls inside the second 'é': the cut steps back before it
+        assert_eq!(bounded(&s, 5), ("aéa".to_owned(), true));
+        assert_eq!(bounded(&s, 4), ("aéa".to_owned(), true));
+        assert_eq!(bounded("short", 64), ("short".to_owned(), false));
+    }
+
+    #[test]
+    fn the_task_context_sends_only_what_was_given() {
+        let ctx: TaskContext =
+            serde_json::from_value(json!({"task": "t", "languages": ["rust"]})).unwrap();
+        assert_eq!(
+            serde_json::to_value(&ctx).unwrap(),
+            json!({"task": "t", "languages": ["rust"]})
+        );
+        serde_json::from_value::<TaskContext>(json!({"task": "t", "gpu": true})).unwrap_err();
+    }
+
+    #[test]
+    fn api_errors_keep_their_code_and_reason() {
+        let e = ClientError::Api {
+            status: 403,
+            code: ErrorCode::Forbidden,
+            message: "policy denied the sandbox: no GPU [gpu_not_available]".into(),
+        };
+        let r = api_error(&e);
+        assert_eq!(r.is_error, Some(true));
+        let v = r.structured_content.unwrap();
+        assert_eq!(v["error"]["code"], "forbidden");
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("gpu_not_available"));
+    }
+}

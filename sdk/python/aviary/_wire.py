@@ -165,6 +165,27 @@ def exec_body(
     return body
 
 
+def lease_lifetime_s(acquired_at: str, expires_at: str, default: float = 60.0) -> float:
+    """Seconds a lease lives, from its RFC 3339 timestamps (``default`` when
+    they cannot be read)."""
+    from datetime import datetime
+
+    def parse(ts: str) -> datetime:
+        ts = ts.strip().replace("Z", "+00:00")
+        head, dot, rest = ts.partition(".")
+        if dot:  # fromisoformat before 3.11 takes at most 6 fraction digits
+            digits = "".join(ch for ch in rest if ch.isdigit())
+            zone = rest[len(digits):]
+            ts = f"{head}.{digits[:6].ljust(6, '0')}{zone}"
+        return datetime.fromisoformat(ts)
+
+    try:
+        life = (parse(expires_at) - parse(acquired_at)).total_seconds()
+    except ValueError:
+        return default
+    return life if life > 0 else default
+
+
 def label_filter(metadata: Optional[Mapping[str, str]]) -> Optional[str]:
     """The ``metadata`` query of ``GET /v1/sandboxes``: ``k=v&k2=v2``, each
     part form-encoded (httpx encodes the whole once more)."""

@@ -271,7 +271,7 @@ class AsyncLeaseHandle:
         return self.lease
 
     async def _renew_loop(self) -> None:
-        every = max(1.0, (self.ttl_s or 60) / 3)
+        every = max(0.5, self._lifetime() / 3)
         while True:
             await asyncio.sleep(every)
             try:
@@ -279,6 +279,13 @@ class AsyncLeaseHandle:
             except AviaryError as e:
                 self.renew_error = e
                 return
+
+    def _lifetime(self) -> float:
+        if self.ttl_s is not None:
+            return float(self.ttl_s)
+        if self.lease is not None:
+            return _wire.lease_lifetime_s(self.lease.acquired_at, self.lease.expires_at)
+        return 60.0
 
     def _stop_renewing(self) -> None:
         t, self._task = self._task, None

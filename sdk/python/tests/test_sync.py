@@ -165,9 +165,12 @@ def test_leases_carry_their_token_and_renew(env: LiveServer) -> None:
 
 def test_create_with_lease_then_release(env: LiveServer) -> None:
     label = _label()
-    sbx = Sandbox.create(lease_owner="agent-c", lease_ttl_s=30, scope="session", session_id=label)
+    sbx = Sandbox.create(lease_owner="agent-c", lease_ttl_s=3, scope="session", session_id=label)
     try:
         assert sbx.token is not None and sbx.held_lease is not None
+        # the lease taken at create is renewed in the background too (at a third of its 3 s)
+        time.sleep(8)
+        assert sbx.held_lease.renew_error is None
         assert sbx.run("echo ok").stdout == "ok\n"
         with Client() as c, pytest.raises(aviary.LeaseRequired):
             c.sandbox(sbx.id).run("true")
