@@ -75,6 +75,11 @@ struct McpArgs {
     /// Serve streamable HTTP on this address (e.g. 127.0.0.1:7401) instead of stdio.
     #[arg(long, value_name = "ADDR")]
     http: Option<SocketAddr>,
+    /// Lifetime of the leases the session holds on its sandboxes, seconds
+    /// (renewed every third of it while the session lasts).
+    #[arg(long, value_name = "SECS", default_value_t = aviary_mcp::DEFAULT_LEASE_TTL_S,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    lease_ttl: u64,
 }
 
 #[derive(Args, Debug)]
@@ -695,7 +700,11 @@ pub async fn run(cli: Cli) -> i32 {
 /// `aviary mcp`: stdout is the protocol's (on stdio), so logs go to stderr.
 async fn mcp(a: McpArgs) -> Result<i32, Failure> {
     let (url, api_key) = client_settings()?;
-    let cfg = aviary_mcp::McpConfig { url, api_key };
+    let cfg = aviary_mcp::McpConfig {
+        url,
+        api_key,
+        lease_ttl_s: a.lease_ttl,
+    };
     let res = match a.http {
         None => aviary_mcp::serve_stdio(cfg).await,
         Some(addr) => {

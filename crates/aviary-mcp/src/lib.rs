@@ -40,8 +40,8 @@ use rmcp::{schemars, tool, tool_handler, tool_router, RoleServer, ServerHandler,
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-/// Lease lifetime of the session's sandboxes; renewed every third of it.
-const LEASE_TTL_S: u64 = 60;
+/// Default lease lifetime of the session's sandboxes; renewed every third of it.
+pub const DEFAULT_LEASE_TTL_S: u64 = 60;
 /// Most bytes of stdout (and of stderr) a `run_command` result carries;
 /// the whole output went out as progress notifications.
 const MAX_OUTPUT_BYTES: usize = 64 * 1024;
@@ -53,6 +53,8 @@ const MAX_READ_BYTES: usize = 1024 * 1024;
 pub struct McpConfig {
     pub url: String,
     pub api_key: String,
+    /// Lifetime of the session's leases, seconds (renewed every third of it).
+    pub lease_ttl_s: u64,
 }
 
 impl std::fmt::Debug for McpConfig {
@@ -60,6 +62,7 @@ impl std::fmt::Debug for McpConfig {
         f.debug_struct("McpConfig")
             .field("url", &self.url)
             .field("api_key", &"<redacted>")
+            .field("lease_ttl_s", &self.lease_ttl_s)
             .finish()
     }
 }
@@ -67,6 +70,7 @@ impl std::fmt::Debug for McpConfig {
 /// The leases one MCP session holds.
 struct Session {
     owner: String,
+    lease_ttl_s: u64,
     client: Client,
     leases: Mutex<HashMap<String, LeaseToken>>,
 }
@@ -133,13 +137,13 @@ impl Drop for Session {
 
 /// Renews the session's leases until the session is gone; a lease the
 /// server no longer knows (destroyed, reset, expired) is dropped.
-async fn renew_loop(session: Weak<Session>) {
-    let every = Duration::from_secs(LEASE_TTL_S / 3);
+async fn renew_loop(session: Weak<Session>, lease_ttl_s: u64) {
+    let every = Duration::from_millis((lease_ttl_s * 1000 / 3).max(500));
     loop {
         tokio::time::sleep(every).await;
         let Some(s) = session.upgrade() else { return };
         for (id, token) in s.held() {
-            match s.client.renew_lease(&id, token, Some(LEASE_TTL_S)).await {
+            match s.client.renew_lease(&id, token, Some(s.lease_ttl_s)).await {
                 Ok(_) => {}
                 Err(e) if e.code().is_some() => {
                     tracing::info!(sandbox.id = %id, error = %e, "lease lost");
@@ -164,10 +168,11 @@ impl AviaryMcp {
     pub fn new(cfg: &McpConfig) -> Self {
         let session = Arc::new(Session {
             owner: aviary_core::new_id("mcp"),
+            lease_ttl_s: cfg.lease_ttl_s,
             client: Client::new(&cfg.url, &cfg.api_key),
             leases: Mutex::new(HashMap::new()),
         });
-        tokio::spawn(renew_loop(Arc::downgrade(&session)));
+        tokio::spawn(renew_loop(Arc::downgrade(&session), cfg.lease_ttl_s));
         AviaryMcp {
             session,
             tool_router: Self::tool_router(),
@@ -187,7 +192,7 @@ impl AviaryMcp {
     async fn take_lease(&self, id: &str) -> Result<LeaseToken, ClientError> {
         let lease = self
             .client()
-            .acquire_lease(id, &self.session.owner, Some(LEASE_TTL_S))
+            .acquire_lease(id, &self.session.owner, Some(self.session.lease_ttl_s))
             .await?;
         self.session.hold(id, lease.token);
         Ok(lease.token)
@@ -480,7 +485,7 @@ impl AviaryMcp {
             ttl_s: a.ttl_s,
             lease: Some(aviary_core::api::AcquireLeaseRequest {
                 owner: self.session.owner.clone(),
-                ttl_s: Some(LEASE_TTL_S),
+                ttl_s: Some(self.session.lease_ttl_s),
             }),
             metadata: a.metadata,
             env: a.env,

@@ -12,6 +12,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Dict, List, Optional
 
+import anyio
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -50,8 +51,8 @@ def _env(server: LiveServer) -> Dict[str, str]:
 
 
 @asynccontextmanager
-async def stdio_session(server: LiveServer) -> AsyncIterator[ClientSession]:
-    params = StdioServerParameters(command=os.environ["AVIARY_BIN"], args=["mcp"], env=_env(server))
+async def stdio_session(server: LiveServer, *extra: str) -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(command=os.environ["AVIARY_BIN"], args=["mcp", *extra], env=_env(server))
     async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
         await s.initialize()
         yield s
@@ -164,6 +165,23 @@ async def test_stdio_tools_create_run_files_snapshot_fork_release(server: LiveSe
                     c.sandbox(sid).destroy()
                 except aviary.AviaryError:
                     pass
+
+
+async def test_the_session_renews_its_leases(server: LiveServer) -> None:
+    sid = ""
+    try:
+        async with stdio_session(server, "--lease-ttl", "3") as s:
+            sid = data(await s.call_tool("create_sandbox", {}))["id"]
+            # three lease lifetimes later the session still holds the sandbox
+            await anyio.sleep(10)
+            assert data(await s.call_tool("run_command", {"sandbox_id": sid, "command": "echo still mine"}))["stdout"] == "still mine\n"
+            with sdk(server) as c:
+                with pytest.raises(aviary.LeaseRequired):
+                    c.sandbox(sid).run("true")
+    finally:
+        with sdk(server) as c:
+            if sid:
+                c.sandbox(sid).destroy()
 
 
 def _free_port() -> int:
