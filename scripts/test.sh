@@ -52,6 +52,16 @@ fi
 export AVIARY_E2B_NODE=node
 export AVIARY_E2B_JS_MODULE=$e2b_npm/node_modules/e2b/dist/index.mjs
 
+echo "== python SDK and MCP test venv (pinned pytest, mypy, httpx, the official mcp client)"
+sdk_venv=${AVIARY_SDK_VENV:-/var/tmp/aviary-sdk-venv}
+if [[ ! -x $sdk_venv/bin/pytest || ! -x $sdk_venv/bin/mypy ]] || ! "$sdk_venv/bin/python" -c 'import mcp, httpx' 2>/dev/null; then
+  python3 -m venv "$sdk_venv"
+  "$sdk_venv/bin/pip" install -q "httpx==0.28.1" "pytest==8.3.5" "mypy==1.15.0" "anyio==4.9.0" "mcp==1.26.0"
+fi
+# the SDK as a user installs it (pip install ./sdk/python), fresh each run
+"$sdk_venv/bin/pip" install -q --force-reinstall --no-deps ./sdk/python
+export AVIARY_SDK_VENV=$sdk_venv
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

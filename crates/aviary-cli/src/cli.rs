@@ -81,6 +81,10 @@ enum Command {
     /// What the E2B (and OpenSandbox) SDKs need to use this server.
     #[command(subcommand)]
     Compat(CompatCmd),
+    /// Serve the Model Context Protocol (tools to plan, create, run, read and
+    /// write files, snapshot, fork, release and destroy sandboxes) on stdio,
+    /// or on streamable HTTP at http://ADDR/mcp with --http.
+    Mcp(McpArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -88,6 +92,18 @@ enum CompatCmd {
     /// Print the shell exports that point the SDKs at the running server
     /// (`eval "$(aviary compat env)"`); the key stays your Aviary key.
     Env,
+}
+
+#[derive(Args, Debug)]
+struct McpArgs {
+    /// Serve streamable HTTP on this address (e.g. 127.0.0.1:7401) instead of stdio.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<SocketAddr>,
+    /// Lifetime of the leases the session holds on its sandboxes, seconds
+    /// (renewed every third of it while the session lasts).
+    #[arg(long, value_name = "SECS", default_value_t = aviary_mcp::DEFAULT_LEASE_TTL_S,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    lease_ttl: u64,
 }
 
 #[derive(Args, Debug)]
@@ -595,6 +611,13 @@ fn server_url(raw: &str) -> Result<String, Failure> {
 }
 
 fn client() -> Result<Client, Failure> {
+    let (url, key) = client_settings()?;
+    Ok(Client::new(&url, &key))
+}
+
+/// The server address and API key of the client commands (`AVIARY_URL`,
+/// `AVIARY_API_KEY`, else the admin key file).
+fn client_settings() -> Result<(String, String), Failure> {
     let url = server_url(
         &std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into()),
     )?;
@@ -615,7 +638,7 @@ fn client() -> Result<Client, Failure> {
                 })?
         }
     };
-    Ok(Client::new(&url, &key))
+    Ok((url, key))
 }
 
 /// A failed command: message for stderr and the exit code.
@@ -723,6 +746,7 @@ pub async fn run(cli: Cli) -> i32 {
             print_bytes(&script)
         }
         Command::Man { dir } => man_pages(dir),
+        Command::Mcp(a) => mcp(a).await,
     };
     match res {
         Ok(code) => code,
@@ -811,6 +835,27 @@ async fn compat_env(json: bool) -> Result<i32, Failure> {
         }
     }
     Ok(0)
+}
+
+/// `aviary mcp`: stdout is the protocol's (on stdio), so logs go to stderr.
+async fn mcp(a: McpArgs) -> Result<i32, Failure> {
+    let (url, api_key) = client_settings()?;
+    let cfg = aviary_mcp::McpConfig {
+        url,
+        api_key,
+        lease_ttl_s: a.lease_ttl,
+    };
+    let res = match a.http {
+        None => aviary_mcp::serve_stdio(cfg).await,
+        Some(addr) => {
+            aviary_mcp::serve_http(cfg, addr, |bound| {
+                eprintln!("aviary mcp: streamable HTTP on http://{bound}/mcp");
+            })
+            .await
+        }
+    };
+    res.map(|()| 0)
+        .map_err(|e| Failure::new(ErrorCode::Unavailable, format!("mcp server: {e:#}")))
 }
 
 /// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them
