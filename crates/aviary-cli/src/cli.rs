@@ -193,6 +193,10 @@ struct CreateArgs {
     /// Label KEY=VALUE kept with the sandbox (repeatable; `sandbox ls --metadata` filters on it).
     #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
     metadata: Vec<(String, String)>,
+    /// Default working directory of every exec in the sandbox (absolute; an
+    /// exec's --cwd wins; default: the template image's WorkingDir).
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
 }
 
 impl CreateArgs {
@@ -217,6 +221,7 @@ impl CreateArgs {
             runtime: self.runtime.clone(),
             metadata: self.metadata.iter().cloned().collect(),
             env: Default::default(),
+            workdir: self.workdir.clone(),
         })
     }
 }
