@@ -20,8 +20,8 @@
 //! non-idempotent call says `Should-Retry: false`, so the SDK's retry loop
 //! never creates (or kills) twice.
 
-use crate::{fnd, Charge, E2bState, CLIENT_ID, ENVD_VERSION};
-use aviary_control::requests::SandboxRef;
+use crate::{Charge, E2bState, CLIENT_ID, ENVD_VERSION};
+use aviary_control::requests::{SandboxQuery, SandboxRef, SetTtlRequest};
 use aviary_control::{OpContext, OpError};
 use aviary_core::api::{CreateSandboxRequest, Sandbox};
 use aviary_core::{SandboxState, Scope};
@@ -343,14 +343,14 @@ fn detail(st: &E2bState, s: &Sandbox, token: Option<String>) -> SandboxDetail {
         memory_mb: s.resources.memory_mb,
         disk_size_mb: s.resources.disk_mb,
         state: e2b_state(s).unwrap_or("running"),
-        metadata: fnd::metadata(s),
+        metadata: s.metadata.clone(),
         envd_access_token: token,
         domain: None,
     }
 }
 
 async fn sandbox_json(st: &E2bState, cx: &OpContext, s: &Sandbox) -> Result<SandboxJson, OpError> {
-    let token = fnd::access_token(&st.cp, cx, s.id.as_str()).await?;
+    let token = st.cp.sandbox_access_token(cx, s.id.as_str()).await?;
     Ok(SandboxJson {
         template_id: template_id(st, s),
         sandbox_id: s.id.to_string(),
@@ -419,7 +419,8 @@ pub fn create_request(
     };
     let metadata = body.metadata.unwrap_or_default();
     scope_from_metadata(&mut req, &metadata);
-    fnd::set_labels(&mut req, metadata, body.env_vars.unwrap_or_default());
+    req.metadata = metadata;
+    req.env = body.env_vars.unwrap_or_default();
     Ok(req)
 }
 
@@ -490,7 +491,7 @@ async fn get_sandbox(
     Path(id): Path<String>,
 ) -> Result<Json<SandboxDetail>, E2bError> {
     let s = visible(&st, &cx, &id).await?;
-    let token = fnd::access_token(&st.cp, &cx, &id).await?;
+    let token = st.cp.sandbox_access_token(&cx, &id).await?;
     Ok(Json(detail(&st, &s, Some(token))))
 }
 
@@ -585,7 +586,11 @@ async fn list_page(
     cx: &OpContext,
     f: &ListFilter,
 ) -> Result<(Vec<SandboxDetail>, Option<String>), E2bError> {
-    let mut all = st.cp.list(cx, fnd::query(&f.metadata)).await?;
+    let query = SandboxQuery {
+        metadata: f.metadata.clone(),
+        ..Default::default()
+    };
+    let mut all = st.cp.list(cx, query).await?;
     all.retain(|s| {
         e2b_state(s).is_some_and(|state| f.states.is_empty() || f.states.iter().any(|x| x == state))
             && f.started_after.is_none_or(|t| s.created_at >= t)
@@ -678,7 +683,14 @@ async fn set_timeout(
         )
         .no_retry());
     }
-    fnd::set_ttl(&st.cp, &cx, &id, timeout)
+    st.cp
+        .set_ttl(
+            &cx,
+            SetTtlRequest {
+                id: id.to_string(),
+                ttl_s: timeout,
+            },
+        )
         .await
         .map_err(|e| E2bError::from(e).no_retry())?;
     Ok(StatusCode::NO_CONTENT)
@@ -703,7 +715,14 @@ async fn pause(
         .map_err(|e| E2bError::from(e).no_retry())?;
     // a paused E2B sandbox waits for its connect: it is kept as long as
     // any sandbox may live (the server's longest TTL)
-    fnd::set_ttl(&st.cp, &cx, &id, st.cp.cfg.max_sandbox_ttl_s)
+    st.cp
+        .set_ttl(
+            &cx,
+            SetTtlRequest {
+                id: id.to_string(),
+                ttl_s: st.cp.cfg.max_sandbox_ttl_s,
+            },
+        )
         .await
         .map_err(|e| E2bError::from(e).no_retry())?;
     Ok(StatusCode::NO_CONTENT)
@@ -732,7 +751,15 @@ async fn bring_back(
     };
     let wanted = aviary_core::now() + time::Duration::seconds(timeout.min(i64::MAX as u64) as i64);
     let s = if resumed || s.expires_at.is_some_and(|t| t < wanted) {
-        fnd::set_ttl(&st.cp, cx, id, timeout).await?
+        st.cp
+            .set_ttl(
+                cx,
+                SetTtlRequest {
+                    id: id.to_string(),
+                    ttl_s: timeout,
+                },
+            )
+            .await?
     } else {
         s
     };

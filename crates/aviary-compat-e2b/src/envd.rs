@@ -17,7 +17,7 @@
 
 use crate::connect::{self, Code, ConnectError};
 use crate::process::{ProcEvent, ProcessConfig, Selector};
-use crate::{fnd, Charge, E2bState};
+use crate::{Charge, E2bState};
 use aviary_control::requests::{FileRequest, FileUpload, OnSandbox, RemoveFileRequest, SandboxRef};
 use aviary_control::{OpContext, OpError};
 use aviary_core::api::{ExecRequest, FileInfo};
@@ -189,7 +189,7 @@ impl FromRequestParts<E2bState> for SandboxCall {
                     "the X-Access-Token header (the sandbox's envdAccessToken) is required",
                 )
             })?;
-        match fnd::authenticate_token(&st.cp, &id, token).await {
+        match st.cp.authenticate_sandbox_token(&id, token).await {
             Ok(mut cx) => {
                 let key = format!("e2b sandbox {id}");
                 if let Err(after) = st.settings.charge(Charge::Key(&key), &parts.extensions) {

@@ -33,7 +33,6 @@
 pub mod api;
 pub mod connect;
 pub mod envd;
-mod fnd;
 pub mod process;
 
 use aviary_control::ControlPlane;
