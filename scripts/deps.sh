@@ -7,6 +7,9 @@ set -euo pipefail
 want=(crun runc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs)
 if [[ "${1:-}" == test || "${1:-}" == bench ]]; then
   want+=(docker.io procps)
+  # the E2B SDK tests: a Python venv and node/npm (the JS SDK)
+  command -v npm >/dev/null || want+=(nodejs npm)
+  python3 -c 'import venv, ensurepip' 2>/dev/null || want+=(python3-venv)
 fi
 
 missing=()

@@ -37,6 +37,31 @@ if ! "$osb_venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.
 fi
 export AVIARY_OSB_VENV=$osb_venv
 
+echo "== E2B SDKs (throwaway venv + npm dir: e2b, agentscope, e2b for node)"
+e2b_venv=${AVIARY_E2B_VENV:-/var/tmp/aviary-e2b-venv}
+if ! "$e2b_venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(not (m.version("e2b") == "2.63.0" and m.version("agentscope") == "2.0.11"))' 2>/dev/null; then
+  python3 -m venv "$e2b_venv"
+  "$e2b_venv/bin/pip" install -q "e2b==2.63.0" "agentscope==2.0.11"
+fi
+export AVIARY_E2B_PYTHON=$e2b_venv/bin/python
+e2b_npm=${AVIARY_E2B_NPM:-/var/tmp/aviary-e2b-npm}
+if [[ $(node -p 'require(process.argv[1]).version' "$e2b_npm/node_modules/e2b/package.json" 2>/dev/null) != 2.51.0 ]]; then
+  mkdir -p "$e2b_npm"
+  (cd "$e2b_npm" && { [[ -f package.json ]] || npm init -y >/dev/null; } && npm install -q --no-audit --no-fund "e2b@2.51.0")
+fi
+export AVIARY_E2B_NODE=node
+export AVIARY_E2B_JS_MODULE=$e2b_npm/node_modules/e2b/dist/index.mjs
+
+echo "== python SDK and MCP test venv (pinned pytest, mypy, httpx, the official mcp client)"
+sdk_venv=${AVIARY_SDK_VENV:-/var/tmp/aviary-sdk-venv}
+if [[ ! -x $sdk_venv/bin/pytest || ! -x $sdk_venv/bin/mypy ]] || ! "$sdk_venv/bin/python" -c 'import mcp, httpx' 2>/dev/null; then
+  python3 -m venv "$sdk_venv"
+  "$sdk_venv/bin/pip" install -q "httpx==0.28.1" "pytest==8.3.5" "mypy==1.15.0" "anyio==4.9.0" "mcp==1.26.0"
+fi
+# the SDK as a user installs it (pip install ./sdk/python), fresh each run
+"$sdk_venv/bin/pip" install -q --force-reinstall --no-deps ./sdk/python
+export AVIARY_SDK_VENV=$sdk_venv
+
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== static envd"

@@ -78,6 +78,32 @@ enum Command {
         #[arg(long)]
         dir: Option<PathBuf>,
     },
+    /// What the E2B (and OpenSandbox) SDKs need to use this server.
+    #[command(subcommand)]
+    Compat(CompatCmd),
+    /// Serve the Model Context Protocol (tools to plan, create, run, read and
+    /// write files, snapshot, fork, release and destroy sandboxes) on stdio,
+    /// or on streamable HTTP at http://ADDR/mcp with --http.
+    Mcp(McpArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum CompatCmd {
+    /// Print the shell exports that point the SDKs at the running server
+    /// (`eval "$(aviary compat env)"`); the key stays your Aviary key.
+    Env,
+}
+
+#[derive(Args, Debug)]
+struct McpArgs {
+    /// Serve streamable HTTP on this address (e.g. 127.0.0.1:7401) instead of stdio.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<SocketAddr>,
+    /// Lifetime of the leases the session holds on its sandboxes, seconds
+    /// (renewed every third of it while the session lasts).
+    #[arg(long, value_name = "SECS", default_value_t = aviary_mcp::DEFAULT_LEASE_TTL_S,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    lease_ttl: u64,
 }
 
 #[derive(Args, Debug)]
@@ -167,6 +193,10 @@ struct CreateArgs {
     /// Label KEY=VALUE kept with the sandbox (repeatable; `sandbox ls --metadata` filters on it).
     #[arg(long = "metadata", value_name = "KEY=VALUE", value_parser = parse_kv)]
     metadata: Vec<(String, String)>,
+    /// Default working directory of every exec in the sandbox (absolute; an
+    /// exec's --cwd wins; default: the template image's WorkingDir).
+    #[arg(long, value_name = "DIR")]
+    workdir: Option<String>,
 }
 
 impl CreateArgs {
@@ -191,6 +221,7 @@ impl CreateArgs {
             runtime: self.runtime.clone(),
             metadata: self.metadata.iter().cloned().collect(),
             env: Default::default(),
+            workdir: self.workdir.clone(),
         })
     }
 }
@@ -593,6 +624,13 @@ fn server_url(raw: &str) -> Result<String, Failure> {
 }
 
 fn client() -> Result<Client, Failure> {
+    let (url, key) = client_settings()?;
+    Ok(Client::new(&url, &key))
+}
+
+/// The server address and API key of the client commands (`AVIARY_URL`,
+/// `AVIARY_API_KEY`, else the admin key file).
+fn client_settings() -> Result<(String, String), Failure> {
     let url = server_url(
         &std::env::var("AVIARY_URL").unwrap_or_else(|_| "http://127.0.0.1:7400".into()),
     )?;
@@ -613,7 +651,7 @@ fn client() -> Result<Client, Failure> {
                 })?
         }
     };
-    Ok(Client::new(&url, &key))
+    Ok((url, key))
 }
 
 /// A failed command: message for stderr and the exit code.
@@ -713,6 +751,7 @@ pub async fn run(cli: Cli) -> i32 {
         Command::Pool(c) => pool(c, json).await,
         Command::Node(a) => node(a).await,
         Command::Nodes(c) => nodes(c, json).await,
+        Command::Compat(CompatCmd::Env) => compat_env(json).await,
         Command::Completions { shell } => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             let mut script = Vec::new();
@@ -720,6 +759,7 @@ pub async fn run(cli: Cli) -> i32 {
             print_bytes(&script)
         }
         Command::Man { dir } => man_pages(dir),
+        Command::Mcp(a) => mcp(a).await,
     };
     match res {
         Ok(code) => code,
@@ -770,6 +810,65 @@ fn man_pages(dir: Option<PathBuf>) -> Result<i32, Failure> {
         }
     }
     Ok(0)
+}
+
+/// The lines `aviary compat env` prints for the server at `base`: one
+/// `export NAME=value` (or `# comment`) a line. Each compatible surface adds
+/// its lines here.
+fn compat_env_lines(base: &str) -> Vec<String> {
+    // OpenSandbox takes the address without its scheme, and the scheme apart
+    let (scheme, host) = base.split_once("://").unwrap_or(("http", base));
+    vec![
+        "# E2B SDK (Python and JS): the API and envd of this server; E2B_API_KEY is your Aviary API key:".into(),
+        "#   export E2B_API_KEY=\"$AVIARY_API_KEY\"".into(),
+        format!("export E2B_API_URL={base}/e2b"),
+        format!("export E2B_SANDBOX_URL={base}/e2b/envd"),
+        "# OpenSandbox SDK (and AgentScope's OpenSandboxWorkspace): OPEN_SANDBOX_API_KEY is your Aviary API key:".into(),
+        "#   export OPEN_SANDBOX_API_KEY=\"$AVIARY_API_KEY\"".into(),
+        format!("export OPEN_SANDBOX_DOMAIN={host}/opensandbox"),
+        format!("export OPEN_SANDBOX_PROTOCOL={scheme}"),
+    ]
+}
+
+/// Prints the SDK exports for the running server (checked to answer first).
+async fn compat_env(json: bool) -> Result<i32, Failure> {
+    let c = client()?;
+    c.healthz().await?;
+    let lines = compat_env_lines(c.base_url());
+    if json {
+        let exports: serde_json::Map<String, serde_json::Value> = lines
+            .iter()
+            .filter_map(|l| l.strip_prefix("export ")?.split_once('='))
+            .map(|(k, v)| (k.to_owned(), serde_json::Value::String(v.to_owned())))
+            .collect();
+        output::json(&serde_json::json!({ "exports": exports }));
+    } else {
+        for l in lines {
+            println!("{l}");
+        }
+    }
+    Ok(0)
+}
+
+/// `aviary mcp`: stdout is the protocol's (on stdio), so logs go to stderr.
+async fn mcp(a: McpArgs) -> Result<i32, Failure> {
+    let (url, api_key) = client_settings()?;
+    let cfg = aviary_mcp::McpConfig {
+        url,
+        api_key,
+        lease_ttl_s: a.lease_ttl,
+    };
+    let res = match a.http {
+        None => aviary_mcp::serve_stdio(cfg).await,
+        Some(addr) => {
+            aviary_mcp::serve_http(cfg, addr, |bound| {
+                eprintln!("aviary mcp: streamable HTTP on http://{bound}/mcp");
+            })
+            .await
+        }
+    };
+    res.map(|()| 0)
+        .map_err(|e| Failure::new(ErrorCode::Unavailable, format!("mcp server: {e:#}")))
 }
 
 /// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them
@@ -1697,6 +1796,29 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn compat_env_prints_one_export_a_line_for_the_server() {
+        let lines = compat_env_lines("http://10.0.0.5:7400");
+        assert!(lines.contains(&"export E2B_API_URL=http://10.0.0.5:7400/e2b".to_owned()));
+        assert!(lines.contains(&"export E2B_SANDBOX_URL=http://10.0.0.5:7400/e2b/envd".to_owned()));
+        assert!(lines.contains(&"export OPEN_SANDBOX_DOMAIN=10.0.0.5:7400/opensandbox".to_owned()));
+        assert!(lines.contains(&"export OPEN_SANDBOX_PROTOCOL=http".to_owned()));
+        let tls = compat_env_lines("https://aviary.example:443");
+        assert!(tls.contains(&"export OPEN_SANDBOX_PROTOCOL=https".to_owned()));
+        for l in &lines {
+            assert!(l.starts_with("export ") || l.starts_with('#'), "{l}");
+            if let Some(e) = l.strip_prefix("export ") {
+                let (name, value) = e.split_once('=').unwrap();
+                assert!(
+                    name.bytes()
+                        .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'),
+                    "{l}"
+                );
+                assert!(!value.contains(' '), "{l}");
+            }
+        }
+    }
 
     #[test]
     fn api_errors_exit_through_the_error_table() {

@@ -455,6 +455,17 @@ fn template_import_from_a_docker_save_archive() {
     std::fs::copy("/bin/busybox", layer.join("bin/busybox")).unwrap();
     std::os::unix::fs::symlink("busybox", layer.join("bin/sh")).unwrap();
     std::os::unix::fs::symlink("busybox", layer.join("bin/echo")).unwrap();
+    std::os::unix::fs::symlink("busybox", layer.join("bin/id")).unwrap();
+    std::os::unix::fs::symlink("busybox", layer.join("bin/pwd")).unwrap();
+    // the image's WORKDIR exists in its layers, as `docker build` makes it
+    std::fs::create_dir_all(layer.join("srv/app")).unwrap();
+    std::fs::create_dir_all(layer.join("etc")).unwrap();
+    std::fs::write(
+        layer.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\napp:x:1234:5678:App:/srv/app:/bin/sh\n",
+    )
+    .unwrap();
+    std::fs::write(layer.join("etc/group"), "root:x:0:\napp:x:5678:\n").unwrap();
     let st = Command::new("tar")
         .arg("-C")
         .arg(&layer)
@@ -481,7 +492,7 @@ fn template_import_from_a_docker_save_archive() {
         .to_owned();
     std::fs::write(
         work.join("config.json"),
-        format!(r#"{{"architecture":"amd64","os":"linux","rootfs":{{"type":"layers","diff_ids":["sha256:{diff_id}"]}}}}"#),
+        format!(r#"{{"architecture":"amd64","os":"linux","config":{{"Env":["PATH=/bin","GREETING=from-image","MODE=image"],"WorkingDir":"/srv/app","User":"app"}},"rootfs":{{"type":"layers","diff_ids":["sha256:{diff_id}"]}}}}"#),
     )
     .unwrap();
     let archive = s._dir.path().join("mini.tar");
@@ -523,6 +534,92 @@ fn template_import_from_a_docker_save_archive() {
         &["run", "--template", "mini", "--", "echo", "from-mini"],
     );
     assert_eq!(stdout(&o), "from-mini\n", "{o:?}");
+    // the image config is honoured: Env (the create's own env wins),
+    // WorkingDir and User (resolved in the image's /etc/passwd)
+    let o = aviary(&s, &["--json", "template", "ls"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mini = v["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "mini")
+        .unwrap()
+        .clone();
+    assert_eq!(mini["defaults"]["working_dir"], "/srv/app", "{mini}");
+    assert_eq!(mini["defaults"]["user"], "app", "{mini}");
+    assert_eq!(mini["defaults"]["env"]["GREETING"], "from-image", "{mini}");
+    let o = aviary(
+        &s,
+        &[
+            "--json",
+            "sandbox",
+            "create",
+            "--template",
+            "mini",
+            "--env",
+            "MODE=create",
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["workdir"].as_str(), v["run_as"].as_str()),
+        (Some("/srv/app"), Some("app")),
+        "{v}"
+    );
+    let img = v["id"].as_str().unwrap().to_owned();
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            &img,
+            "--",
+            "sh",
+            "-c",
+            "echo $GREETING $MODE $HOME; pwd; id -u; id -g",
+        ],
+    );
+    assert_eq!(
+        stdout(&o),
+        "from-image create /srv/app\n/srv/app\n1234\n5678\n",
+        "{o:?}"
+    );
+    // an exec's own cwd still wins
+    let o = aviary(&s, &["sandbox", "exec", &img, "--cwd", "/", "--", "pwd"]);
+    assert_eq!(stdout(&o), "/\n", "{o:?}");
+    let o = aviary(&s, &["sandbox", "rm", &img]);
+    assert!(o.status.success(), "{o:?}");
+    // a create's own workdir wins over the image's; a relative one is refused
+    let o = aviary(
+        &s,
+        &[
+            "--json",
+            "sandbox",
+            "create",
+            "--template",
+            "mini",
+            "--workdir",
+            "/tmp",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{o:?}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["workdir"], "/tmp", "{v}");
+    let o = aviary(&s, &["sandbox", "rm", v["id"].as_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "create",
+            "--template",
+            "mini",
+            "--workdir",
+            "tmp",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(64), "{o:?}");
     // template rm: refused while a sandbox runs on it, then removed
     let o = aviary(&s, &["--json", "sandbox", "create", "--template", "mini"]);
     assert!(o.status.success(), "{o:?}");
@@ -907,4 +1004,59 @@ fn the_cli_speaks_https_and_checks_the_certificate() {
     assert_eq!(o.status.code(), Some(69), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("certificate"), "names the cause: {err}");
+}
+
+/// `aviary compat env` prints one `export NAME=value` a line for the
+/// running server, and the E2B API URL it prints answers E2B's list with
+/// the user's own key.
+#[test]
+fn compat_env_points_the_e2b_sdk_at_the_running_server() {
+    let s = serve();
+    let o = aviary(&s, &["compat", "env"]);
+    assert!(o.status.success(), "{o:?}");
+    let out = stdout(&o);
+    let exports: std::collections::HashMap<String, String> = out
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| {
+            let (name, value) = l
+                .strip_prefix("export ")
+                .and_then(|e| e.split_once('='))
+                .unwrap_or_else(|| panic!("not an export line: {l:?}"));
+            (name.to_owned(), value.to_owned())
+        })
+        .collect();
+    assert_eq!(exports["E2B_API_URL"], format!("{}/e2b", s.url));
+    assert_eq!(exports["E2B_SANDBOX_URL"], format!("{}/e2b/envd", s.url));
+    assert!(out.contains("E2B_API_KEY"), "{out}");
+    let key = std::fs::read_to_string(s.data.join("admin.key")).unwrap();
+    let list = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("X-API-KEY: {}", key.trim()))
+        .arg(format!("{}/v2/sandboxes", exports["E2B_API_URL"]))
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&list), "[]\n200");
+    // and the OpenSandbox lines reach its lifecycle API
+    let (scheme, host) = s.url.split_once("://").unwrap();
+    assert_eq!(exports["OPEN_SANDBOX_PROTOCOL"], scheme);
+    assert_eq!(
+        exports["OPEN_SANDBOX_DOMAIN"],
+        format!("{host}/opensandbox")
+    );
+    let list = Command::new("curl")
+        .args(["-s", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("OPEN-SANDBOX-API-KEY: {}", key.trim()))
+        .arg(format!(
+            "{}://{}/v1/sandboxes",
+            exports["OPEN_SANDBOX_PROTOCOL"], exports["OPEN_SANDBOX_DOMAIN"]
+        ))
+        .output()
+        .unwrap();
+    let body = stdout(&list);
+    assert!(body.ends_with("\n200"), "{body}");
+    assert!(body.contains("\"pagination\""), "{body}");
+    let o = aviary(&s, &["--json", "compat", "env"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["exports"]["E2B_API_URL"], format!("{}/e2b", s.url));
 }

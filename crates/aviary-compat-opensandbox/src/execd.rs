@@ -62,7 +62,9 @@ impl FromRequestParts<OsbState> for SandboxCaller {
             .get(EXECD_TOKEN_HEADER)
             .and_then(|v| v.to_str().ok())
             .ok_or(OpError::Unauthorized)?;
-        let cx = crate::foundation::authenticate_token(&st.cp, &id, token)
+        let cx = st
+            .cp
+            .authenticate_sandbox_token(&id, token)
             .await?
             .with_request_id(crate::request_id(&parts.headers));
         st.admit(&format!("sandbox-token {id}"))?;

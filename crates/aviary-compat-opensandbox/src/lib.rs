@@ -22,7 +22,6 @@
 pub mod error;
 pub mod events;
 pub mod execd;
-mod foundation;
 pub mod lifecycle;
 pub mod upload;
 

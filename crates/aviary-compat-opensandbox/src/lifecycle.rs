@@ -22,7 +22,6 @@
 //!   sandboxes are gone (`404`), as after an OpenSandbox delete.
 
 use crate::error::OsbError;
-use crate::foundation;
 use crate::OsbState;
 use aviary_control::requests::{SandboxQuery, SandboxRef};
 use aviary_control::{OpContext, OpError};
@@ -134,7 +133,7 @@ pub fn sandbox_json(sb: &Sandbox) -> Value {
         "image": {"uri": sb.template},
         "status": {"state": osb_state(sb), "reason": format!("aviary:{}", sb.state)},
         "entrypoint": IDLE_ENTRYPOINT,
-        "metadata": foundation::labels(sb),
+        "metadata": sb.metadata,
         "createdAt": rfc3339(sb.created_at),
         "expiresAt": expires,
     })
@@ -326,7 +325,9 @@ pub(crate) async fn create(
         user_managed: body.timeout.is_none(),
         ..Default::default()
     };
-    let req = foundation::with_labels(req, metadata, body.env.unwrap_or_default());
+    let mut req = req;
+    req.metadata = metadata;
+    req.env = body.env.unwrap_or_default();
     aviary_control::validate::create_request(&req)?;
     let created = st.cp.create(&cx, req).await?;
     let sb = created.sandbox;
@@ -416,7 +417,10 @@ impl ListFilter {
     /// Whether the sandbox passes the state and metadata filters.
     pub fn admits(&self, sb: &Sandbox) -> bool {
         (self.states.is_empty() || self.states.iter().any(|s| s == osb_state(sb)))
-            && foundation::matches_labels(sb, &self.metadata)
+            && self
+                .metadata
+                .iter()
+                .all(|(k, v)| sb.metadata.get(k) == Some(v))
     }
 }
 
@@ -552,7 +556,16 @@ pub(crate) async fn renew(
         }
         .into());
     }
-    let sb = foundation::set_ttl(&st.cp, &cx, &id, ttl_s).await?;
+    let sb = st
+        .cp
+        .set_ttl(
+            &cx,
+            aviary_control::requests::SetTtlRequest {
+                id: id.clone(),
+                ttl_s,
+            },
+        )
+        .await?;
     let expires = sb.expires_at.map(rfc3339);
     Ok(Json(json!({ "expiresAt": expires })))
 }
@@ -579,7 +592,7 @@ pub(crate) async fn endpoint(
         }
     };
     let host = request_host(&headers)?;
-    let token = foundation::access_token(&st.cp, &cx, sb.id.as_str()).await?;
+    let token = st.cp.sandbox_access_token(&cx, sb.id.as_str()).await?;
     Ok(Json(json!({
         "endpoint": format!("{host}{}/sandboxes/{}/{service}", st.settings.prefix, sb.id),
         "headers": { EXECD_TOKEN_HEADER.to_ascii_uppercase(): token },

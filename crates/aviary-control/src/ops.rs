@@ -926,6 +926,8 @@ impl ControlPlane {
             .unwrap_or_else(|| self.cfg.default_template.clone());
         valid_name("template", &template_name)?;
         let template = self.template_info(&template_name).await?;
+        // the image's environment counts against the same bounds
+        crate::validate::sandbox_env(&exec_env(&template, &req))?;
         let scope =
             aviary_reuse::effective_scope(req.scope.unwrap_or_default(), req.user_id.as_deref());
 
@@ -1033,7 +1035,12 @@ impl ControlPlane {
             tainted: false,
             user_managed: req.user_managed,
             metadata: req.metadata.clone(),
-            env: req.env.clone(),
+            env: exec_env(&template, &req),
+            run_as: template.defaults.user.clone(),
+            workdir: req
+                .workdir
+                .clone()
+                .or_else(|| template.defaults.working_dir.clone()),
         };
         let rec = self
             .registry
@@ -1220,7 +1227,12 @@ impl ControlPlane {
             expires_at: Some(expires_at),
             user_managed: req.user_managed,
             metadata: req.metadata.clone(),
-            env: req.env.clone(),
+            env: exec_env(template, req),
+            run_as: template.defaults.user.clone(),
+            workdir: req
+                .workdir
+                .clone()
+                .or_else(|| template.defaults.working_dir.clone()),
         };
         let Some(rec) = self.claim_pooled(pool, &claim, request_id).await? else {
             return Ok(None);
@@ -1686,6 +1698,7 @@ impl ControlPlane {
                 .collect(),
             stdin: req.stdin.as_ref().map(|s| s.as_bytes().to_vec()),
             timeout,
+            user: Default::default(),
         })
     }
 
@@ -1734,12 +1747,17 @@ impl ControlPlane {
                 }
             }
         }
-        // the sandbox's default environment, under the exec's own
+        // the sandbox's defaults (create, then the template's image config),
+        // under the exec's own
         for (k, v) in &rec.env {
             if !spec.env.iter().any(|(name, _)| name == k) {
                 spec.env.push((k.clone(), v.clone()));
             }
         }
+        if spec.cwd.is_none() {
+            spec.cwd = rec.workdir.clone();
+        }
+        spec.user = rec.run_as.clone();
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
         let stream = self
@@ -2501,7 +2519,19 @@ fn template_api(t: &TemplateRecord) -> Template {
         size_bytes: t.size_bytes,
         source: t.source.clone(),
         created_at: t.created_at,
+        defaults: t.defaults.clone(),
     }
+}
+
+/// A new sandbox's default exec environment: the template image's `Env`
+/// under the create's own `env`.
+fn exec_env(
+    template: &TemplateRecord,
+    req: &CreateSandboxRequest,
+) -> std::collections::BTreeMap<String, String> {
+    let mut env = template.defaults.env.clone();
+    env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env
 }
 
 fn new_api_key() -> String {

@@ -525,6 +525,8 @@ impl ControlPlane {
             user_managed: false,
             metadata: Default::default(),
             env: Default::default(),
+            run_as: Default::default(),
+            workdir: Default::default(),
         };
         let meta = serde_json::json!({"pool": {"class": class.name, "template": template.name}});
         let rec = self

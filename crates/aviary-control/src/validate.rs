@@ -67,6 +67,9 @@ pub fn create_request(req: &CreateSandboxRequest) -> Result<(), OpError> {
         }
     }
     labels(&req.metadata)?;
+    if let Some(dir) = &req.workdir {
+        crate::ops::check_sandbox_path(dir)?;
+    }
     sandbox_env(&req.env)
 }
 

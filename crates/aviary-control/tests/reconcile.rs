@@ -124,6 +124,8 @@ mod tests {
             user_managed: false,
             metadata: Default::default(),
             env: Default::default(),
+            run_as: Default::default(),
+            workdir: Default::default(),
         };
         let ctx = || TransitionCtx {
             request_id: None,
@@ -647,6 +649,8 @@ mod periodic {
             user_managed: false,
             metadata: Default::default(),
             env: Default::default(),
+            run_as: Default::default(),
+            workdir: Default::default(),
         };
         let row = p
             .registry

@@ -58,6 +58,26 @@ pub struct CreateSandboxRequest {
     /// `env` wins); never shown back.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Default working directory of every exec (absolute; an exec's own
+    /// `cwd` wins). Absent: the template's `WorkingDir`, else envd's default.
+    #[serde(default)]
+    pub workdir: Option<String>,
+}
+
+/// What an imported image's config asks of the processes run from it
+/// (`Env`, `WorkingDir`, `User` of a `docker save` / OCI image config).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ImageDefaults {
+    /// The image's environment; a create's `env` and an exec's own win.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// The default working directory of execs (absolute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub working_dir: Option<String>,
+    /// The user execs run as: `name`, `uid`, `name:group` or `uid:gid`,
+    /// resolved inside the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// A sandbox as the API shows it.
@@ -93,6 +113,12 @@ pub struct Sandbox {
     /// The labels given at create.
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// Default working directory of its execs, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// The user its execs run as (from the template's image config), if not root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<String>,
     /// Optimistic-concurrency version of the registry row.
     pub version: i64,
     /// The live lease, if any (its token is shown only in the acquire/create answer).
@@ -292,6 +318,9 @@ pub struct Template {
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
+    /// What the imported image's config asks of processes run from it.
+    #[serde(default)]
+    pub defaults: ImageDefaults,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]

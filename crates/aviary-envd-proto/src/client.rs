@@ -175,6 +175,8 @@ pub struct ExecSpec {
     pub stdin: Option<Vec<u8>>,
     /// Kills the whole process group when exceeded.
     pub timeout: Option<Duration>,
+    /// The sandbox user to run as (`name`, `uid`, `name:group`, `uid:gid`).
+    pub user: Option<String>,
 }
 
 /// How an exec ended.
@@ -575,6 +577,7 @@ impl EnvdClient {
                 .timeout
                 .map(|t| u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)),
             token,
+            user: spec.user,
         };
         let conn = self.connect(&req).await?;
         let Some(mut source) = stdin else {

@@ -272,6 +272,10 @@ pub enum Request {
         timeout_ms: Option<u64>,
         #[serde(default)]
         token: Option<u64>,
+        /// Run as this user of the sandbox (`name`, `uid`, `name:group`,
+        /// `uid:gid`); root when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
     },
     ReadFile {
         path: String,
@@ -521,6 +525,7 @@ mod tests {
             stdin: false,
             timeout_ms: Some(5),
             token: Some(3),
+            user: Default::default(),
         };
         let j = encode_json(&r).unwrap();
         let s = std::str::from_utf8(&j).unwrap();

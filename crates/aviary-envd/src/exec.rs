@@ -55,6 +55,9 @@ pub struct ExecRequest {
     pub timeout: Option<Duration>,
     /// The lease token the exec was sent with, checked again at the spawn.
     pub token: Option<u64>,
+    /// Run as this user (`name`, `uid`, `name:group`, `uid:gid`) instead
+    /// of root.
+    pub user: Option<String>,
 }
 
 /// State shared between the pump and the controller of one exec.
@@ -131,11 +134,21 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
     if let Some(cwd) = &req.cwd {
         check_cwd(cwd)?;
     }
+    let run_as = match req.user.as_deref() {
+        None => None,
+        Some(spec) => Some(crate::user::resolve(spec).map_err(bad)?),
+    };
+    let home = run_as.as_ref().map_or("/root", |u| u.home.as_str());
     let mut cmd = Command::new(argv0);
+    if let Some(u) = &run_as {
+        use std::os::unix::process::CommandExt;
+        // std drops the supplementary groups when it changes the uid as root
+        cmd.uid(u.uid).gid(u.gid);
+    }
     cmd.args(&req.argv[1..])
         .env_clear()
         .env("PATH", DEFAULT_PATH)
-        .env("HOME", "/root")
+        .env("HOME", home)
         .env("LANG", "C.UTF-8")
         .envs(req.env.iter().map(|(k, v)| (k, v)))
         .current_dir(

@@ -400,6 +400,7 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             stdin,
             timeout_ms,
             token,
+            user,
         } => {
             envd.check_token(token)?;
             exec::run(
@@ -412,6 +413,7 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
                     stdin,
                     timeout: timeout_ms.map(Duration::from_millis),
                     token,
+                    user,
                 },
             )?;
         }

@@ -513,6 +513,7 @@ async fn dispatch(inner: &Inner, conn: &mut Conn, req: Request) -> Result<(), Er
             stdin,
             timeout_ms,
             token,
+            user,
         } => {
             inner.check_token(token)?;
             check_exec(inner, &argv, cwd.as_deref(), &env)?;
@@ -528,6 +529,7 @@ async fn dispatch(inner: &Inner, conn: &mut Conn, req: Request) -> Result<(), Er
                 stdin,
                 timeout_ms,
                 token,
+                user,
             };
             let rules = {
                 // Checked again at the "spawn", as envd does under its fence gate.

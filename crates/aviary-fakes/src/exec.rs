@@ -25,6 +25,8 @@ pub struct ExecCall {
     pub stdin: Option<Vec<u8>>,
     pub timeout_ms: Option<u64>,
     pub token: Option<u64>,
+    /// The sandbox user it was asked to run as.
+    pub user: Option<String>,
 }
 
 /// How a scripted exec ends: its output (sent as one `Stdout` and one
@@ -131,6 +133,7 @@ mod tests {
             stdin: None,
             timeout_ms: None,
             token: None,
+            user: Default::default(),
         }
     }
 

@@ -18,7 +18,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted, user_managed, paused, labels_json, env_json";
+    expires_at, version, tainted, user_managed, paused, labels_json, env_json, workdir, run_as";
 
 fn col<'r, T>(row: &'r PgRow, name: &str) -> Result<T, RegistryError>
 where
@@ -87,6 +87,8 @@ fn sandbox_row(row: &PgRow) -> Result<SandboxRecord, RegistryError> {
         paused: col(row, "paused")?,
         metadata: string_map("labels", &col::<String>(row, "labels_json")?)?,
         env: string_map("env", &col::<String>(row, "env_json")?)?,
+        workdir: col(row, "workdir")?,
+        run_as: col(row, "run_as")?,
     })
 }
 
@@ -262,9 +264,9 @@ impl Registry for PostgresRegistry {
              scope, runtime_provider, runtime_instance_id, node_id, resource_class, cpu, \
              memory_mb, disk_mb, pids, template_id, template_digest, network_profile, state, \
              created_at, last_active_at, expires_at, version, tainted, user_managed, labels_json, \
-             env_json) \
+             env_json, workdir, run_as) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-             $18, $19, $19, $20, 0, $21, $22, $23, $24)",
+             $18, $19, $19, $20, 0, $21, $22, $23, $24, $25, $26)",
         )
         .bind(new.id.as_str())
         .bind(&new.tenant)
@@ -290,6 +292,8 @@ impl Registry for PostgresRegistry {
         .bind(new.user_managed)
         .bind(map_text(&new.metadata))
         .bind(map_text(&new.env))
+        .bind(&new.workdir)
+        .bind(&new.run_as)
         .execute(&mut *tx)
         .await
         .map_err(storage)?;
@@ -334,6 +338,8 @@ impl Registry for PostgresRegistry {
             paused: false,
             metadata: new.metadata.clone(),
             env: new.env.clone(),
+            workdir: new.workdir.clone(),
+            run_as: new.run_as.clone(),
         })
     }
 
@@ -510,7 +516,7 @@ impl Registry for PostgresRegistry {
             "UPDATE sandbox_instance SET tenant_id = $1, user_id = $2, session_id = $3, \
              agent = $4, scope = $5, expires_at = $6, user_managed = $7, state = $8, \
              version = version + 1, last_active_at = $9, pool_claimed_at = $9, \
-             labels_json = $11, env_json = $12 \
+             labels_json = $11, env_json = $12, workdir = $13, run_as = $14 \
              WHERE sandbox_id = $10 RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
@@ -525,6 +531,8 @@ impl Registry for PostgresRegistry {
         .bind(id.as_str())
         .bind(map_text(&claim.metadata))
         .bind(map_text(&claim.env))
+        .bind(&claim.workdir)
+        .bind(&claim.run_as)
         .fetch_one(&mut *tx)
         .await
         .map_err(storage)?;
@@ -720,6 +728,7 @@ impl Registry for PostgresRegistry {
                     size_bytes: to_u64(col(r, "size_bytes")?)?,
                     source: col(r, "source")?,
                     created_at: from_micros(col(r, "created_at")?)?,
+                    defaults: Default::default(),
                 })
             })
             .collect()

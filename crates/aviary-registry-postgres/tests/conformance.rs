@@ -653,6 +653,8 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
                 user_managed: false,
                 metadata: Default::default(),
                 env: Default::default(),
+                run_as: Default::default(),
+                workdir: Default::default(),
             };
             let v = rec.version;
             tokio::spawn(async move {

@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 const SANDBOX_COLUMNS: &str = "sandbox_id, tenant_id, user_id, session_id, agent, scope, \
     runtime_provider, runtime_instance_id, node_id, resource_class, cpu, memory_mb, disk_mb, \
     pids, template_id, template_digest, network_profile, state, created_at, last_active_at, \
-    expires_at, version, tainted, user_managed, paused, labels_json, env_json";
+    expires_at, version, tainted, user_managed, paused, labels_json, env_json, workdir, run_as";
 
 fn col<'r, T>(row: &'r SqliteRow, name: &str) -> Result<T, RegistryError>
 where
@@ -81,6 +81,8 @@ fn sandbox_row(row: &SqliteRow) -> Result<SandboxRecord, RegistryError> {
         paused: col(row, "paused")?,
         metadata: string_map("labels", &col::<String>(row, "labels_json")?)?,
         env: string_map("env", &col::<String>(row, "env_json")?)?,
+        workdir: col(row, "workdir")?,
+        run_as: col(row, "run_as")?,
     })
 }
 
@@ -245,8 +247,8 @@ impl Registry for SqliteRegistry {
              scope, runtime_provider, runtime_instance_id, node_id, resource_class, cpu, \
              memory_mb, disk_mb, pids, template_id, template_digest, network_profile, state, \
              created_at, last_active_at, expires_at, version, tainted, user_managed, labels_json, \
-             env_json) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+             env_json, workdir, run_as) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
         )
         .bind(new.id.as_str())
         .bind(&new.tenant)
@@ -273,6 +275,8 @@ impl Registry for SqliteRegistry {
         .bind(new.user_managed)
         .bind(map_text(&new.metadata))
         .bind(map_text(&new.env))
+        .bind(&new.workdir)
+        .bind(&new.run_as)
         .execute(&mut *tx)
         .await
         .map_err(storage)?;
@@ -317,6 +321,8 @@ impl Registry for SqliteRegistry {
             paused: false,
             metadata: new.metadata.clone(),
             env: new.env.clone(),
+            workdir: new.workdir.clone(),
+            run_as: new.run_as.clone(),
         })
     }
 
@@ -481,7 +487,8 @@ impl Registry for SqliteRegistry {
         let updated = sqlx::query(&format!(
             "UPDATE sandbox_instance SET tenant_id = ?, user_id = ?, session_id = ?, agent = ?, scope = ?, \
              expires_at = ?, user_managed = ?, state = ?, version = version + 1, last_active_at = ?, \
-             pool_claimed_at = ?, labels_json = ?, env_json = ? WHERE sandbox_id = ? \
+             pool_claimed_at = ?, labels_json = ?, env_json = ?, workdir = ?, run_as = ? \
+             WHERE sandbox_id = ? \
              RETURNING {SANDBOX_COLUMNS}"
         ))
         .bind(&claim.tenant)
@@ -496,6 +503,8 @@ impl Registry for SqliteRegistry {
         .bind(micros(now))
         .bind(map_text(&claim.metadata))
         .bind(map_text(&claim.env))
+        .bind(&claim.workdir)
+        .bind(&claim.run_as)
         .bind(id.as_str())
         .fetch_one(&mut *tx)
         .await
@@ -690,6 +699,7 @@ impl Registry for SqliteRegistry {
                     size_bytes: to_u64(col(r, "size_bytes")?)?,
                     source: col(r, "source")?,
                     created_at: from_micros(col(r, "created_at")?)?,
+                    defaults: Default::default(),
                 })
             })
             .collect()

@@ -343,6 +343,8 @@ async fn a_pooled_sandbox_is_claimed_exactly_once() {
         user_managed: false,
         metadata: Default::default(),
         env: Default::default(),
+        run_as: Default::default(),
+        workdir: Default::default(),
     };
     // 20 concurrent claimers, one winner
     let mut tasks = Vec::new();

@@ -94,6 +94,8 @@ pub fn sample_sandbox(tenant: &str) -> NewSandbox {
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
             .collect(),
+        run_as: Some("1000:1000".into()),
+        workdir: Some("/workspace/src".into()),
     }
 }
 
@@ -144,6 +146,7 @@ pub async fn insert_then_get<R: Registry>(r: &R) {
     assert_eq!(rec.expires_at, new.expires_at);
     assert!(!rec.tainted);
     assert_eq!((&rec.metadata, &rec.env), (&new.metadata, &new.env));
+    assert_eq!((&rec.workdir, &rec.run_as), (&new.workdir, &new.run_as));
     assert!(rec.created_at >= before, "created_at is now");
     assert_eq!(rec.last_active_at, rec.created_at);
     assert_eq!(r.get_sandbox(&new.id).await.unwrap(), rec, "get = insert");
@@ -773,6 +776,7 @@ pub async fn templates_upsert<R: Registry>(r: &R) {
         size_bytes: 123_456_789_012,
         source: "debootstrap".into(),
         created_at: datetime!(2030-02-03 4:05:06 UTC),
+        defaults: Default::default(),
     };
     r.upsert_template(&t).await.unwrap();
     t.digest = "sha256:bb".into();
@@ -1220,6 +1224,8 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
         user_managed: true,
         metadata: [("owner".to_owned(), "claimer".to_owned())].into(),
         env: [("CLAIMED".to_owned(), "1".to_owned())].into(),
+        run_as: Some("app".into()),
+        workdir: Some("/srv".into()),
     };
     let rec = r
         .claim_sandbox(
@@ -1234,6 +1240,7 @@ pub async fn pool_handouts_follow_claims<R: Registry>(r: &R) {
     assert_eq!(rec.version, claimed.version + 1);
     assert!(rec.user_managed, "the claim's user_managed is recorded");
     assert_eq!((&rec.metadata, &rec.env), (&claim.metadata, &claim.env));
+    assert_eq!((&rec.workdir, &rec.run_as), (&claim.workdir, &claim.run_as));
     assert_eq!(r.get_sandbox(&claimed.id).await.unwrap(), rec);
     assert_eq!(
         r.claim_sandbox(&claimed.id, rec.version, &claim, TransitionCtx::default())

@@ -489,6 +489,8 @@ mod tests {
             paused: false,
             metadata: Default::default(),
             env: Default::default(),
+            run_as: Default::default(),
+            workdir: Default::default(),
         };
         let json = serde_json::to_string(&rec).unwrap();
         let back: SandboxRecord = serde_json::from_str(&json).unwrap();

@@ -195,6 +195,8 @@ impl Registry for MemoryRegistry {
             paused: false,
             metadata: new.metadata,
             env: new.env,
+            workdir: new.workdir,
+            run_as: new.run_as,
         };
         state.events.append(
             NewEvent {
@@ -332,6 +334,8 @@ impl Registry for MemoryRegistry {
         r.user_managed = claim.user_managed;
         r.metadata = claim.metadata;
         r.env = claim.env;
+        r.workdir = claim.workdir;
+        r.run_as = claim.run_as;
         r.state = SandboxState::Locking;
         r.version += 1;
         r.last_active_at = now;

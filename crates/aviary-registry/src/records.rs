@@ -51,6 +51,12 @@ pub struct SandboxRecord {
     /// Default environment of every exec (never shown by the API).
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Default working directory of every exec.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// The user execs run as (resolved inside the sandbox); `None`: root.
+    #[serde(default)]
+    pub run_as: Option<String>,
 }
 
 impl SandboxRecord {
@@ -77,6 +83,8 @@ impl SandboxRecord {
             user_managed: self.user_managed,
             paused: self.paused && self.state.is_live(),
             metadata: self.metadata.clone(),
+            workdir: self.workdir.clone(),
+            run_as: self.run_as.clone(),
             version: self.version,
             lease_owner,
         }
@@ -102,6 +110,10 @@ pub struct SandboxClaim {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub workdir: Option<String>,
+    #[serde(default)]
+    pub run_as: Option<String>,
 }
 
 /// Tenant of a pooled sandbox that nobody owns yet (no real tenant name is empty).
@@ -135,6 +147,10 @@ pub struct NewSandbox {
     pub metadata: BTreeMap<String, String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub workdir: Option<String>,
+    #[serde(default)]
+    pub run_as: Option<String>,
 }
 
 /// An event to append. `tenant` is the tenant the event belongs to (`""`
@@ -174,6 +190,10 @@ pub struct TemplateRecord {
     pub source: String,
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// From the imported image's config (kept by the template store; the
+    /// registry's copy of a template does not carry it).
+    #[serde(default)]
+    pub defaults: api::ImageDefaults,
 }
 
 impl TemplateRecord {
@@ -184,6 +204,7 @@ impl TemplateRecord {
             size_bytes: self.size_bytes,
             source: self.source.clone(),
             created_at: self.created_at,
+            defaults: self.defaults.clone(),
         }
     }
 }

@@ -1215,6 +1215,8 @@ mod tests {
             paused: false,
             metadata: Default::default(),
             env: Default::default(),
+            run_as: Default::default(),
+            workdir: Default::default(),
         };
         let c = ReuseCandidate::from_record(&rec, None);
         assert!(!c.healthy);

@@ -34,6 +34,7 @@ fn record(t: TemplateInfo) -> TemplateRecord {
         size_bytes: t.size_bytes,
         source: t.source,
         created_at: t.created_at,
+        defaults: t.defaults,
     }
 }
 

@@ -383,7 +383,35 @@ pub async fn start(
     });
     let gc_task = tokio::spawn(collect_chunks(cp.clone(), leader));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let app = http::router(cp.clone(), server);
+    let e2b = aviary_compat_e2b::E2bSettings {
+        max_json_bytes: server.max_json_bytes,
+        max_upload_bytes: server.max_upload_bytes,
+        body_read_timeout: Duration::from_millis(cp.cfg.settings.server.edge.body_read_timeout_ms),
+        // the v1 API's budgets (own buckets): per key, and per client
+        // address for refused keys and tokens
+        rate_limit: Some({
+            let limiter = edge::RateLimiter::from_settings(&cp.cfg.settings.server.edge);
+            Arc::new(
+                move |charge: aviary_compat_e2b::Charge<'_>, ext: &axum::http::Extensions| {
+                    let now = std::time::Instant::now();
+                    match charge {
+                        aviary_compat_e2b::Charge::Key(key) => limiter.take(key, now),
+                        aviary_compat_e2b::Charge::FailedAuth => {
+                            match ext.get::<edge::ClientAddr>() {
+                                Some(a) => {
+                                    limiter.take(&format!("e2b unauthenticated {}", a.0.ip()), now)
+                                }
+                                None => Ok(()),
+                            }
+                        }
+                    }
+                },
+            )
+        }),
+    };
+    // the E2B SDKs' API (E2B_API_URL=…/e2b) and envd (E2B_SANDBOX_URL=…/e2b/envd)
+    let app = http::router(cp.clone(), server)
+        .nest_service("/e2b", aviary_compat_e2b::router(cp.clone(), e2b));
     let edge_cp = cp.clone();
     let task = tokio::spawn(async move {
         let res = edge::serve(listener, app, edge_cp, async move {

@@ -389,6 +389,7 @@ async fn lease_at_create_and_fencing_inside_envd() {
         env: vec![],
         stdin: None,
         timeout: None,
+        user: Default::default(),
     };
     let e = envd
         .exec_collect(spec.clone(), Some(lease.token.fence() + 1))

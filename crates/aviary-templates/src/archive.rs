@@ -13,6 +13,7 @@
 //! uncompressed stream must hash to its `diff_id` from the image config. A
 //! `docker save` archive must carry diff_ids for all layers.
 
+use aviary_core::api::ImageDefaults;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
@@ -241,7 +242,7 @@ fn diff_ids(config: &Value) -> Option<Vec<String>> {
         .collect()
 }
 
-fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
+fn docker_layers(outer: &Outer) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
     let manifest = outer.read_json("manifest.json", None)?;
     let images = manifest
         .as_array()
@@ -257,6 +258,7 @@ fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
     let diffs = diff_ids(&config).ok_or_else(|| {
         TemplateError::invalid(format!("{config_name}: no valid rootfs.diff_ids"))
     })?;
+    let defaults = image_defaults(&config, &config_name)?;
     let layers = image
         .get("Layers")
         .and_then(Value::as_array)
@@ -268,7 +270,7 @@ fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
             diffs.len()
         )));
     }
-    layers
+    let layers = layers
         .iter()
         .zip(diffs)
         .map(|(l, diff)| {
@@ -285,7 +287,78 @@ fn docker_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
                 diff_hex: Some(diff),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, TemplateError>>()?;
+    Ok((layers, defaults))
+}
+
+/// Largest environment an image may bring (names and values).
+const MAX_IMAGE_ENV_BYTES: usize = 32 * 1024;
+
+/// `config.Env`, `config.WorkingDir` and `config.User` of an image config
+/// (the same fields in Docker's and OCI's). An entry a sandbox could not
+/// honour is refused, naming it, rather than dropped.
+fn image_defaults(config: &Value, ctx: &str) -> Result<ImageDefaults, TemplateError> {
+    let Some(c) = config.get("config").filter(|c| !c.is_null()) else {
+        return Ok(ImageDefaults::default());
+    };
+    let bad = |what: String| TemplateError::invalid(format!("{ctx}: {what}"));
+    let mut out = ImageDefaults::default();
+    let mut size = 0;
+    for entry in c.get("Env").and_then(Value::as_array).into_iter().flatten() {
+        let entry = entry
+            .as_str()
+            .ok_or_else(|| bad("config.Env holds a non-string".into()))?;
+        let (k, v) = entry
+            .split_once('=')
+            .ok_or_else(|| bad(format!("config.Env entry {entry:?} is not NAME=VALUE")))?;
+        let b = k.as_bytes();
+        let name_ok = !b.is_empty()
+            && (b[0].is_ascii_alphabetic() || b[0] == b'_')
+            && b.iter().all(|c| c.is_ascii_alphanumeric() || *c == b'_');
+        if !name_ok || v.contains('\0') {
+            return Err(bad(format!(
+                "config.Env entry {entry:?} is not a usable variable"
+            )));
+        }
+        size += entry.len();
+        out.env.insert(k.to_owned(), v.to_owned());
+    }
+    if size > MAX_IMAGE_ENV_BYTES {
+        return Err(bad(format!(
+            "config.Env is {size} bytes; at most {MAX_IMAGE_ENV_BYTES}"
+        )));
+    }
+    if let Some(dir) = c
+        .get("WorkingDir")
+        .and_then(Value::as_str)
+        .filter(|d| !d.is_empty())
+    {
+        let clean = dir.starts_with('/')
+            && !dir.contains('\0')
+            && dir.split('/').all(|seg| seg != ".." && seg != ".");
+        if !clean || dir.len() > 4096 {
+            return Err(bad(format!(
+                "config.WorkingDir {dir:?} is not a clean absolute path"
+            )));
+        }
+        out.working_dir = Some(dir.to_owned());
+    }
+    if let Some(user) = c
+        .get("User")
+        .and_then(Value::as_str)
+        .filter(|u| !u.is_empty())
+    {
+        let ok = user.len() <= 64
+            && user
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b':'))
+            && user.matches(':').count() <= 1;
+        if !ok {
+            return Err(bad(format!("config.User {user:?} is not user[:group]")));
+        }
+        out.user = Some(user.to_owned());
+    }
+    Ok(out)
 }
 
 fn norm_member(name: &str) -> Result<String, TemplateError> {
@@ -332,7 +405,7 @@ fn is_index(media_type: &str) -> bool {
     media_type.ends_with("image.index.v1+json") || media_type.ends_with("manifest.list.v2+json")
 }
 
-fn oci_layers(outer: &Outer) -> Result<Vec<LayerRef>, TemplateError> {
+fn oci_layers(outer: &Outer) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
     let layout = outer.read_json("oci-layout", None)?;
     if layout.get("imageLayoutVersion").and_then(Value::as_str) != Some("1.0.0") {
         return Err(TemplateError::invalid(
@@ -373,7 +446,7 @@ fn manifest_layers(
     outer: &Outer,
     manifest: &Value,
     ctx: &str,
-) -> Result<Vec<LayerRef>, TemplateError> {
+) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
     let config_desc = manifest
         .get("config")
         .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing config")))?;
@@ -384,7 +457,8 @@ fn manifest_layers(
         .and_then(Value::as_array)
         .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing layers")))?;
     let diffs = diff_ids(&config).filter(|d| d.len() == layers.len());
-    layers
+    let defaults = image_defaults(&config, &format!("blobs/sha256/{config_hex}"))?;
+    let layers = layers
         .iter()
         .enumerate()
         .map(|(i, l)| {
@@ -399,7 +473,8 @@ fn manifest_layers(
                 diff_hex: diffs.as_ref().map(|d| d[i].clone()),
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, TemplateError>>()?;
+    Ok((layers, defaults))
 }
 
 /// Imports `archive` into the empty directory `rootfs`, using `scratch` (a
@@ -409,10 +484,10 @@ pub(crate) fn import_into(
     rootfs: &Path,
     scratch: &Path,
     budget: &Budget,
-) -> Result<ArchiveKind, TemplateError> {
+) -> Result<(ArchiveKind, ImageDefaults), TemplateError> {
     let outer_path = decompress_outer(archive, scratch, budget)?;
     let outer = Outer::index(&outer_path, budget.limits.max_entries)?;
-    let (kind, layers) = if outer.has("oci-layout") && outer.has("index.json") {
+    let (kind, (layers, defaults)) = if outer.has("oci-layout") && outer.has("index.json") {
         (ArchiveKind::OciLayout, oci_layers(&outer)?)
     } else if outer.has("manifest.json") {
         (ArchiveKind::DockerArchive, docker_layers(&outer)?)
@@ -433,7 +508,7 @@ pub(crate) fn import_into(
         );
     }
     extract::finish_dirs(rootfs, deferred)?;
-    Ok(kind)
+    Ok((kind, defaults))
 }
 
 fn apply_one(

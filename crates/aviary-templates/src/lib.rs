@@ -70,6 +70,8 @@ pub struct TemplateInfo {
     /// `debootstrap:bookworm`, `busybox`, `docker-archive` or `oci-layout`.
     pub source: String,
     pub created_at: OffsetDateTime,
+    /// What the imported image's config asks of processes run from it.
+    pub defaults: aviary_core::api::ImageDefaults,
 }
 
 impl TemplateInfo {
@@ -81,6 +83,7 @@ impl TemplateInfo {
             size_bytes: self.size_bytes,
             source: self.source.clone(),
             created_at: self.created_at,
+            defaults: Default::default(),
         }
     }
 }
@@ -94,6 +97,9 @@ struct NameRecord {
     source: String,
     #[serde(with = "time::serde::rfc3339")]
     created_at: OffsetDateTime,
+    /// From the imported image's config (empty for built templates).
+    #[serde(default)]
+    defaults: aviary_core::api::ImageDefaults,
 }
 
 /// A directory of templates. Cheap to clone; all methods block.
@@ -197,6 +203,7 @@ impl TemplateStore {
             size_bytes: rec.size_bytes,
             source: rec.source,
             created_at: rec.created_at,
+            defaults: rec.defaults,
         })
     }
 
@@ -247,7 +254,12 @@ impl TemplateStore {
             let rootfs = staging.join("rootfs");
             prepare::debootstrap(&rootfs, progress)?;
             progress("debootstrap: computing digest");
-            store.commit(&rootfs, DEFAULT_TEMPLATE, prepare::DEBOOTSTRAP_SOURCE)
+            store.commit(
+                &rootfs,
+                DEFAULT_TEMPLATE,
+                prepare::DEBOOTSTRAP_SOURCE,
+                Default::default(),
+            )
         })
     }
 
@@ -289,7 +301,7 @@ impl TemplateStore {
         let staging = Staging::create(&self.root.join("tmp"))?;
         let rootfs = staging.dir().join("rootfs");
         prepare::busybox(&rootfs)?;
-        self.commit(&rootfs, name, "busybox")
+        self.commit(&rootfs, name, "busybox", Default::default())
     }
 
     /// Imports a `docker save` tarball or an OCI image-layout tarball as
@@ -305,11 +317,11 @@ impl TemplateStore {
         let rootfs = staging.dir().join("rootfs");
         fs::create_dir(&rootfs).ctx(error::write_err, &rootfs)?;
         let budget = extract::Budget::new(self.limits);
-        let kind = archive::import_into(archive, &rootfs, staging.dir(), &budget)?;
+        let (kind, defaults) = archive::import_into(archive, &rootfs, staging.dir(), &budget)?;
         // The root directory's own metadata is the store's, not the image's.
         fs::set_permissions(&rootfs, fs::Permissions::from_mode(0o755))
             .ctx(error::write_err, &rootfs)?;
-        self.commit(&rootfs, name, kind.source())
+        self.commit(&rootfs, name, kind.source(), defaults)
     }
 
     /// Removes template `name`. Its rootfs is deleted when no other name
@@ -388,6 +400,7 @@ impl TemplateStore {
         rootfs: &Path,
         name: &str,
         source: &str,
+        defaults: aviary_core::api::ImageDefaults,
     ) -> Result<TemplateInfo, TemplateError> {
         let tree = digest_tree(rootfs)?;
         // Flush the tree's data before it becomes visible under its digest,
@@ -408,10 +421,12 @@ impl TemplateStore {
             size_bytes: tree.size_bytes,
             source: source.to_owned(),
             created_at: aviary_core::now(),
+            defaults,
         };
         let path = self.name_path(name);
         if let Some(old) = self.read_record(&path)? {
-            if old.digest == rec.digest && old.source == rec.source {
+            if old.digest == rec.digest && old.source == rec.source && old.defaults == rec.defaults
+            {
                 return self.info(old);
             }
         }

@@ -99,6 +99,10 @@ fn gz(l: Vec<u8>) -> Layer {
 }
 
 fn config_json(layers: &[Layer]) -> Vec<u8> {
+    config_json_with(layers, serde_json::json!({"Cmd": ["/bin/sh"]}))
+}
+
+fn config_json_with(layers: &[Layer], image_config: serde_json::Value) -> Vec<u8> {
     let diff_ids: Vec<String> = layers
         .iter()
         .map(|l| format!("sha256:{}", sha_hex(&l.plain)))
@@ -107,14 +111,17 @@ fn config_json(layers: &[Layer]) -> Vec<u8> {
         "architecture": "amd64",
         "os": "linux",
         "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        "config": {"Cmd": ["/bin/sh"]},
+        "config": image_config,
     }))
     .unwrap()
 }
 
 /// Legacy `docker save` layout: `<id>/layer.tar`, `<confighex>.json`, manifest.json.
 fn docker_archive(layers: &[Layer]) -> Vec<u8> {
-    let config = config_json(layers);
+    docker_archive_with(layers, config_json(layers))
+}
+
+fn docker_archive_with(layers: &[Layer], config: Vec<u8>) -> Vec<u8> {
     let config_name = format!("{}.json", sha_hex(&config));
     let mut members = vec![(config_name.clone(), config)];
     let mut names = Vec::new();
@@ -292,6 +299,56 @@ fn docker_archive_applies_layers_with_whiteouts() {
     );
     assert_eq!(store.get("img").unwrap().unwrap(), info);
     assert_eq!(count(&store.root().join("tmp")), 0);
+}
+
+#[test]
+fn image_config_env_workdir_and_user_are_kept_and_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = TemplateStore::open(dir.path().join("store")).unwrap();
+    let layers = [plain(base_layer())];
+    let with = |cfg: serde_json::Value| {
+        let name = format!("img-{}.tar", sha_hex(cfg.to_string().as_bytes()));
+        write_archive(
+            dir.path(),
+            &name,
+            &docker_archive_with(&layers, config_json_with(&layers, cfg)),
+        )
+    };
+    let archive = with(serde_json::json!({
+        "Env": ["PATH=/usr/bin:/bin", "LANG=C.UTF-8", "EMPTY="],
+        "WorkingDir": "/srv/app",
+        "User": "app:staff",
+        "Cmd": ["python3"],
+    }));
+    let info = store.import_archive("cfg", &archive).unwrap();
+    assert_eq!(info.defaults.env["PATH"], "/usr/bin:/bin");
+    assert_eq!(info.defaults.env["EMPTY"], "");
+    assert_eq!(info.defaults.working_dir.as_deref(), Some("/srv/app"));
+    assert_eq!(info.defaults.user.as_deref(), Some("app:staff"));
+    // kept with the name: read back after a reopen
+    let store = TemplateStore::open(dir.path().join("store")).unwrap();
+    assert_eq!(store.get("cfg").unwrap().unwrap().defaults, info.defaults);
+    // an image without a config section has no defaults
+    let bare = with(serde_json::Value::Null);
+    let info = store.import_archive("bare", &bare).unwrap();
+    assert_eq!(info.defaults, Default::default());
+    // what a sandbox could not honour is refused, naming it
+    for (cfg, names) in [
+        (serde_json::json!({"Env": ["NO_EQUALS"]}), "NO_EQUALS"),
+        (serde_json::json!({"Env": ["BAD-NAME=1"]}), "BAD-NAME"),
+        (
+            serde_json::json!({"WorkingDir": "relative/dir"}),
+            "relative/dir",
+        ),
+        (serde_json::json!({"WorkingDir": "/a/../b"}), "/a/../b"),
+        (serde_json::json!({"User": "a b"}), "a b"),
+        (serde_json::json!({"User": "a:b:c"}), "a:b:c"),
+    ] {
+        let e = store.import_archive("refused", &with(cfg)).unwrap_err();
+        assert!(matches!(e, TemplateError::InvalidArchive(_)), "{e:?}");
+        assert!(e.to_string().contains(names), "{e}");
+    }
+    assert!(store.get("refused").unwrap().is_none());
 }
 
 #[test]
@@ -679,7 +736,7 @@ fn concurrent_ensure_builds_once() {
                                 std::thread::sleep(std::time::Duration::from_millis(300));
                                 let rootfs = staging.join("rootfs");
                                 prepare::busybox(&rootfs)?;
-                                st.commit(&rootfs, "shared", "busybox")
+                                st.commit(&rootfs, "shared", "busybox", Default::default())
                             },
                         )
                         .unwrap()

@@ -62,6 +62,7 @@ pub fn template(name: &str) -> TemplateRecord {
         size_bytes: 1,
         source: "fake".into(),
         created_at: aviary_core::now(),
+        defaults: Default::default(),
     }
 }
 
