@@ -1,8 +1,14 @@
-//! Prometheus text metrics, kept as plain atomics: the hot paths only bump
-//! counters, `/metrics` formats them.
+//! The control plane's metrics on the `prometheus-client` crate: counters,
+//! gauges and per-route latency histograms in one registry, encoded as
+//! OpenMetrics text for `/metrics`. The hot paths only bump atomics.
 
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 
 /// What the reconciler did (`aviary_reconciler_actions_total{action=...}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -62,129 +68,301 @@ impl ReconcileAction {
         }
     }
 
+    #[cfg(test)]
     fn index(self) -> usize {
         self as usize
     }
 }
 
-#[derive(Default)]
+/// Labels of one pool's metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    pub class: String,
+    pub template: String,
+    pub runtime: String,
+}
+
+/// Labels of one HTTP request's latency: the matched route (a template such
+/// as `/v1/sandboxes/{id}/exec`, never a raw path) and the status class.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub method: String,
+    pub route: String,
+    pub status: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ActionLabels {
+    action: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LeaseLabels {
+    op: String,
+}
+
+/// What a lease operation did (`aviary_lease_operations_total{op=...}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseOp {
+    Acquired,
+    Renewed,
+    Released,
+}
+
+impl LeaseOp {
+    fn as_str(self) -> &'static str {
+        match self {
+            LeaseOp::Acquired => "acquired",
+            LeaseOp::Renewed => "renewed",
+            LeaseOp::Released => "released",
+        }
+    }
+}
+
+/// A label value as the text format needs it: `\\`, `"` and line feeds
+/// escaped (the client crate writes values verbatim, and a template or
+/// class name must not be able to break a line or forge a sample).
+fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
+
+fn request_histogram() -> Histogram {
+    // 0.5 ms .. ~16 s
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The control plane's metrics, on the Prometheus client crate: the hot
+/// paths bump counters or observe a histogram; `/metrics` encodes the
+/// registry (label values escaped by `escape_label`: the crate writes them verbatim).
 pub struct Metrics {
-    reconciler: [AtomicU64; ReconcileAction::ALL.len()],
-    reconcile_passes: AtomicU64,
-    creates: AtomicU64,
-    destroys: AtomicU64,
-    execs: AtomicU64,
-    connections_open: AtomicU64,
-    connections_refused: AtomicU64,
-    rate_limited: AtomicU64,
+    registry: Registry,
+    creates: Counter,
+    destroys: Counter,
+    execs: Counter,
+    connections_open: Gauge,
+    connections_refused: Counter,
+    rate_limited: Counter,
+    live: Gauge,
+    reconcile_passes: Counter,
+    reconciler: Family<ActionLabels, Counter>,
+    requests: HistogramFamily,
+    sandboxes: Family<StateLabels, Gauge>,
+    leases: Family<LeaseLabels, Counter>,
+    fence_refusals: Counter,
+    pool_hits: Family<PoolLabels, Counter>,
+    pool_misses: Family<PoolLabels, Counter>,
+    pool_handed_out: Family<PoolLabels, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("aviary");
+        macro_rules! reg {
+            ($name:expr, $help:expr, $metric:expr) => {{
+                let m = $metric;
+                registry.register($name, $help, m.clone());
+                m
+            }};
+        }
+        let m = Metrics {
+            creates: reg!("sandboxes_created", "Sandboxes created", Counter::default()),
+            destroys: reg!("sandboxes_destroyed", "Sandboxes destroyed", Counter::default()),
+            execs: reg!("execs", "Commands started", Counter::default()),
+            connections_open: reg!(
+                "http_connections_open",
+                "HTTP connections open now",
+                Gauge::default()
+            ),
+            connections_refused: reg!(
+                "http_connections_refused",
+                "HTTP connections refused at the connection cap",
+                Counter::default()
+            ),
+            rate_limited: reg!(
+                "http_rate_limited",
+                "Requests refused by the per-key rate limit",
+                Counter::default()
+            ),
+            live: reg!(
+                "sandboxes_live",
+                "Sandboxes with running compute on this server",
+                Gauge::default()
+            ),
+            reconcile_passes: reg!(
+                "reconciler_passes",
+                "Reconciler passes run to their end",
+                Counter::default()
+            ),
+            reconciler: reg!(
+                "reconciler_actions",
+                "What the reconciler did, by action",
+                Family::<ActionLabels, Counter>::default()
+            ),
+            requests: reg!(
+                "http_request_duration_seconds",
+                "HTTP request latency by method, matched route and status class",
+                HistogramFamily::new_with_constructor(request_histogram)
+            ),
+            sandboxes: reg!(
+                "sandboxes",
+                "Sandboxes in the registry by state (terminated ones not counted), as of the last scrape",
+                Family::<StateLabels, Gauge>::default()
+            ),
+            leases: reg!(
+                "lease_operations",
+                "Lease grants, renewals and releases",
+                Family::<LeaseLabels, Counter>::default()
+            ),
+            fence_refusals: reg!(
+                "fence_refusals",
+                "Writes refused for a missing, stale or foreign lease token",
+                Counter::default()
+            ),
+            pool_hits: reg!(
+                "pool_hits",
+                "Creates served from a warm pool",
+                Family::<PoolLabels, Counter>::default()
+            ),
+            pool_misses: reg!(
+                "pool_misses",
+                "Creates that found the matching pool empty",
+                Family::<PoolLabels, Counter>::default()
+            ),
+            pool_handed_out: reg!(
+                "pool_handed_out",
+                "Pooled sandboxes handed out that still hold compute (as of the last refill pass)",
+                Family::<PoolLabels, Gauge>::default()
+            ),
+            registry,
+        };
+        // every action is shown from the start, at 0
+        for action in ReconcileAction::ALL {
+            let _ = m.reconciler.get_or_create(&ActionLabels {
+                action: action.as_str().to_owned(),
+            });
+        }
+        m
+    }
 }
 
 impl Metrics {
     pub fn inc_create(&self) {
-        self.creates.fetch_add(1, Ordering::Relaxed);
+        self.creates.inc();
     }
     pub fn inc_destroy(&self) {
-        self.destroys.fetch_add(1, Ordering::Relaxed);
+        self.destroys.inc();
     }
     pub fn inc_exec(&self) {
-        self.execs.fetch_add(1, Ordering::Relaxed);
+        self.execs.inc();
     }
 
     /// A connection was accepted; pair with [`Metrics::connection_closed`].
     pub fn connection_opened(&self) {
-        self.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.connections_open.inc();
     }
     pub fn connection_closed(&self) {
-        self.connections_open.fetch_sub(1, Ordering::Relaxed);
+        self.connections_open.dec();
     }
     /// A connection was refused at the connection cap.
     pub fn inc_connection_refused(&self) {
-        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+        self.connections_refused.inc();
     }
     /// A request was refused by the per-key rate limit.
     pub fn inc_rate_limited(&self) {
-        self.rate_limited.fetch_add(1, Ordering::Relaxed);
+        self.rate_limited.inc();
     }
 
     /// One action of the reconciler.
     pub fn inc_reconcile(&self, action: ReconcileAction) {
-        self.reconciler[action.index()].fetch_add(1, Ordering::Relaxed);
+        self.reconciler
+            .get_or_create(&ActionLabels {
+                action: action.as_str().to_owned(),
+            })
+            .inc();
     }
     /// One reconciler pass ran to its end.
     pub fn inc_reconcile_pass(&self) {
-        self.reconcile_passes.fetch_add(1, Ordering::Relaxed);
+        self.reconcile_passes.inc();
     }
     /// How often the reconciler did `action` in this process.
     pub fn reconcile_count(&self, action: ReconcileAction) -> u64 {
-        self.reconciler[action.index()].load(Ordering::Relaxed)
+        self.reconciler
+            .get_or_create(&ActionLabels {
+                action: action.as_str().to_owned(),
+            })
+            .get()
     }
 
-    pub fn render(&self, live: usize) -> String {
-        let mut s = String::new();
-        for (name, help, kind, v) in [
-            (
-                "aviary_sandboxes_created_total",
-                "Sandboxes created.",
-                "counter",
-                self.creates.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_sandboxes_destroyed_total",
-                "Sandboxes destroyed.",
-                "counter",
-                self.destroys.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_execs_total",
-                "Commands started.",
-                "counter",
-                self.execs.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_http_connections_open",
-                "HTTP connections open now.",
-                "gauge",
-                self.connections_open.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_http_connections_refused_total",
-                "HTTP connections refused at the connection cap.",
-                "counter",
-                self.connections_refused.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_http_rate_limited_total",
-                "Requests refused by the per-key rate limit.",
-                "counter",
-                self.rate_limited.load(Ordering::Relaxed),
-            ),
-            (
-                "aviary_sandboxes_live",
-                "Sandboxes with running compute on this server.",
-                "gauge",
-                live as u64,
-            ),
-        ] {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
+    /// One lease operation that succeeded.
+    pub fn inc_lease(&self, op: LeaseOp) {
+        self.leases
+            .get_or_create(&LeaseLabels {
+                op: op.as_str().to_owned(),
+            })
+            .inc();
+    }
+    /// A write refused by the fence (missing, stale or foreign token).
+    pub fn inc_fence_refusal(&self) {
+        self.fence_refusals.inc();
+    }
+
+    /// One HTTP request's latency. `route` is the matched route template.
+    pub fn observe_request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        self.requests
+            .get_or_create(&RouteLabels {
+                method: escape_label(method),
+                route: escape_label(route),
+                status: format!("{}xx", status / 100),
+            })
+            .observe(seconds);
+    }
+
+    /// The counters and gauge of one pool (shared: they count in place).
+    pub fn pool_metrics(&self, labels: &PoolLabels) -> (Counter, Counter, Gauge) {
+        let labels = &PoolLabels {
+            class: escape_label(&labels.class),
+            template: escape_label(&labels.template),
+            runtime: escape_label(&labels.runtime),
+        };
+        (
+            self.pool_hits.get_or_create(labels).clone(),
+            self.pool_misses.get_or_create(labels).clone(),
+            self.pool_handed_out.get_or_create(labels).clone(),
+        )
+    }
+
+    /// The OpenMetrics text of everything, with the gauges that are read
+    /// at scrape time set first: `live` sandboxes with compute here, and
+    /// the registry's sandboxes by state.
+    pub fn render(&self, live: usize, by_state: &[(String, usize)]) -> String {
+        self.live.set(i64::try_from(live).unwrap_or(i64::MAX));
+        self.sandboxes.clear();
+        for (state, n) in by_state {
+            self.sandboxes
+                .get_or_create(&StateLabels {
+                    state: escape_label(state),
+                })
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
         }
-        let name = "aviary_reconciler_passes_total";
-        let _ = writeln!(
-            s,
-            "# HELP {name} Reconciler passes run to their end.\n# TYPE {name} counter\n{name} {}",
-            self.reconcile_passes.load(Ordering::Relaxed)
-        );
-        let name = "aviary_reconciler_actions_total";
-        let _ = writeln!(
-            s,
-            "# HELP {name} What the reconciler did, by action.\n# TYPE {name} counter"
-        );
-        for action in ReconcileAction::ALL {
-            let _ = writeln!(
-                s,
-                "{name}{{action=\"{}\"}} {}",
-                action.as_str(),
-                self.reconcile_count(action)
-            );
+        let mut s = String::new();
+        if encode(&mut s, &self.registry).is_err() {
+            s.clear();
         }
         s
     }
@@ -204,11 +382,52 @@ mod tests {
         m.inc_reconcile(ReconcileAction::Recovered);
         m.inc_reconcile(ReconcileAction::OrphanDestroyed);
         m.inc_reconcile_pass();
-        let text = m.render(0);
-        assert!(text.contains("# TYPE aviary_reconciler_actions_total counter\n"));
+        let text = m.render(0, &[]);
+        assert!(
+            text.contains("# TYPE aviary_reconciler_actions counter\n"),
+            "{text}"
+        );
         assert!(text.contains("aviary_reconciler_actions_total{action=\"recovered\"} 2\n"));
         assert!(text.contains("aviary_reconciler_actions_total{action=\"orphan_destroyed\"} 1\n"));
         assert!(text.contains("aviary_reconciler_actions_total{action=\"node_unhealthy\"} 0\n"));
         assert!(text.contains("aviary_reconciler_passes_total 1\n"));
+        assert!(text.ends_with("# EOF\n"), "OpenMetrics text");
+    }
+
+    #[test]
+    fn latency_states_leases_and_escaped_labels() {
+        let m = Metrics::default();
+        m.observe_request("GET", "/v1/sandboxes/{id}", 200, 0.002);
+        m.observe_request("GET", "/v1/sandboxes/{id}", 404, 0.001);
+        m.inc_lease(LeaseOp::Acquired);
+        m.inc_fence_refusal();
+        let (hits, _, handed) = m.pool_metrics(&PoolLabels {
+            class: "python-small".into(),
+            template: "tricky\"name\n".into(),
+            runtime: "crun".into(),
+        });
+        hits.inc();
+        handed.set(3);
+        let text = m.render(2, &[("Idle".into(), 5), ("Running".into(), 1)]);
+        assert!(text.contains(
+            "aviary_http_request_duration_seconds_count{method=\"GET\",route=\"/v1/sandboxes/{id}\",status=\"2xx\"} 1\n"
+        ), "{text}");
+        assert!(text.contains("status=\"4xx\""), "{text}");
+        assert!(
+            text.contains("aviary_sandboxes{state=\"Idle\"} 5\n"),
+            "{text}"
+        );
+        assert!(text.contains("aviary_sandboxes_live 2\n"), "{text}");
+        assert!(
+            text.contains("aviary_lease_operations_total{op=\"acquired\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.contains("aviary_fence_refusals_total 1\n"), "{text}");
+        // a label value cannot break the line format
+        assert!(text.contains("template=\"tricky\\\"name\\n\""), "{text}");
+        assert!(text.contains("aviary_pool_handed_out{"), "{text}");
+        // a state seen before and gone now is not shown
+        let text = m.render(0, &[("Idle".into(), 1)]);
+        assert!(!text.contains("state=\"Running\""), "{text}");
     }
 }

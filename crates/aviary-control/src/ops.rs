@@ -246,7 +246,8 @@ impl ControlPlane {
             &cfg.settings,
             runtimes.default_runtime().runtime.name(),
         )?;
-        let pools = crate::pools::Pools::new(&cfg.settings.pools);
+        let metrics = crate::metrics::Metrics::default();
+        let pools = crate::pools::Pools::new(&cfg.settings.pools, &metrics);
         let snapshots = aviary_snapshots::SnapshotService::new(chunks);
         let nodes = crate::nodes::Nodes::new(aviary_scheduler::SchedulerConfig {
             cpu_overcommit: cfg.settings.overcommit.cpu_ratio,
@@ -267,7 +268,7 @@ impl ControlPlane {
             locks,
             last_touch: StdMutex::new(HashMap::new()),
             ready_tx,
-            metrics: crate::metrics::Metrics::default(),
+            metrics,
             planning,
             pools,
             snapshots,
@@ -1591,6 +1592,9 @@ impl ControlPlane {
         r: Result<T, aviary_leases::LeaseError>,
     ) -> Result<T, OpError> {
         let r = r.map_err(OpError::from);
+        if matches!(r, Err(OpError::StaleToken | OpError::LeaseRequired)) {
+            self.metrics.inc_fence_refusal();
+        }
         if matches!(r, Err(OpError::StaleToken)) {
             self.taint_or_log(
                 id,
@@ -2121,6 +2125,7 @@ impl ControlPlane {
             )
             .await?;
         }
+        self.metrics.inc_lease(crate::metrics::LeaseOp::Acquired);
         Ok(lease)
     }
 
@@ -2137,7 +2142,9 @@ impl ControlPlane {
             .leases
             .renew(&rec.id, req.request.token, ttl, aviary_core::now())
             .await;
-        self.token_checked(&rec.id, renewed).await
+        let lease = self.token_checked(&rec.id, renewed).await?;
+        self.metrics.inc_lease(crate::metrics::LeaseOp::Renewed);
+        Ok(lease)
     }
 
     /// Releases the lease whose token the request names.
@@ -2166,6 +2173,7 @@ impl ControlPlane {
             serde_json::json!({"fence": req.token.fence()}),
         )
         .await?;
+        self.metrics.inc_lease(crate::metrics::LeaseOp::Released);
         Ok(())
     }
 
@@ -2452,6 +2460,16 @@ impl ControlPlane {
 
     /// Stops every background resource of the server; sandboxes keep running
     /// and are re-attached on the next start.
+    /// How many of the registry's sandboxes (every tenant's, ended ones
+    /// not counted) are in each state, for `/metrics`.
+    pub async fn sandbox_counts_by_state(&self) -> Result<Vec<(String, usize)>, OpError> {
+        let mut counts: std::collections::BTreeMap<&'static str, usize> = Default::default();
+        for r in self.registry.list_sandboxes(None, false).await? {
+            *counts.entry(r.state.as_str()).or_default() += 1;
+        }
+        Ok(counts.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
+    }
+
     pub fn live_count(&self) -> usize {
         self.live.lock().expect("live map poisoned").len()
     }

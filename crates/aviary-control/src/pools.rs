@@ -52,17 +52,16 @@ use aviary_registry::{
     FenceCheck, NewSandbox, PoolBoundsRecord, SandboxRecord, TransitionCtx, POOL_TENANT,
 };
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One pool: its configured settings (the bounds `pool set` stored in the
 /// registry override them, see `Pool::effective`) and its counters.
 pub struct Pool {
     pub settings: PoolSettings,
-    pub hits: AtomicU64,
-    pub misses: AtomicU64,
+    pub hits: prometheus_client::metrics::counter::Counter,
+    pub misses: prometheus_client::metrics::counter::Counter,
     /// Hand-outs that still hold compute, as of the last registry read (the
     /// refill pass or `GET /v1/pools`); for the metrics, which are sync.
-    handed_out: AtomicU64,
+    handed_out: prometheus_client::metrics::gauge::Gauge,
 }
 
 impl Pool {
@@ -133,14 +132,22 @@ pub struct SetPoolRequest {
 impl Pools {
     /// The configured pools (bounds set with `pool set` are read from the
     /// registry when they are used).
-    pub fn new(settings: &[PoolSettings]) -> Self {
+    pub fn new(settings: &[PoolSettings], metrics: &crate::metrics::Metrics) -> Self {
         let pools = settings
             .iter()
-            .map(|p| Pool {
-                settings: p.clone(),
-                hits: AtomicU64::new(0),
-                misses: AtomicU64::new(0),
-                handed_out: AtomicU64::new(0),
+            .map(|p| {
+                let (hits, misses, handed_out) =
+                    metrics.pool_metrics(&crate::metrics::PoolLabels {
+                        class: p.class.clone(),
+                        template: p.template.clone(),
+                        runtime: p.runtime.as_str().to_owned(),
+                    });
+                Pool {
+                    settings: p.clone(),
+                    hits,
+                    misses,
+                    handed_out,
+                }
             })
             .collect();
         Pools {
@@ -159,43 +166,6 @@ impl Pools {
             let (c, t, r) = p.key();
             c == class && t == template && r == runtime
         })
-    }
-
-    /// Prometheus lines for the pools.
-    pub fn render_metrics(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
-        for (name, help) in [
-            ("aviary_pool_hits_total", "Creates served from a warm pool."),
-            (
-                "aviary_pool_misses_total",
-                "Creates that found the matching pool empty.",
-            ),
-            (
-                "aviary_pool_handed_out",
-                "Pooled sandboxes handed out that still hold compute (as of the last refill pass).",
-            ),
-        ] {
-            let kind = if name.ends_with("_total") {
-                "counter"
-            } else {
-                "gauge"
-            };
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for p in &self.pools {
-                let (c, t, r) = p.key();
-                let v = match name {
-                    "aviary_pool_hits_total" => p.hits.load(Ordering::Relaxed),
-                    "aviary_pool_misses_total" => p.misses.load(Ordering::Relaxed),
-                    _ => p.handed_out.load(Ordering::Relaxed),
-                };
-                let _ = writeln!(
-                    out,
-                    "{name}{{class=\"{c}\",template=\"{t}\",runtime=\"{r}\"}} {v}"
-                );
-            }
-        }
-        out
     }
 }
 
@@ -249,7 +219,7 @@ impl ControlPlane {
                             .any(|n| counts_as_handed_out(r, n, &p.settings))
                     })
                     .count();
-                p.handed_out.store(n as u64, Ordering::Relaxed);
+                p.handed_out.set(i64::try_from(n).unwrap_or(i64::MAX));
                 u32::try_from(n).unwrap_or(u32::MAX)
             })
             .collect())
@@ -306,8 +276,8 @@ impl ControlPlane {
                 pool_max: s.pool_max,
                 buffer_min: s.buffer_min,
                 buffer_max: s.buffer_max,
-                hits: p.hits.load(Ordering::Relaxed),
-                misses: p.misses.load(Ordering::Relaxed),
+                hits: p.hits.get(),
+                misses: p.misses.get(),
             });
         }
         Ok(PoolList { pools: out })
@@ -385,7 +355,7 @@ impl ControlPlane {
             {
                 Ok(rec) => {
                     // the registry now counts it as handed out (claim_sandbox)
-                    pool.hits.fetch_add(1, Ordering::Relaxed);
+                    pool.hits.inc();
                     self.pools.refill.notify_one();
                     return Ok(Some(rec));
                 }
@@ -393,7 +363,7 @@ impl ControlPlane {
                 Err(e) => return Err(e.into()),
             }
         }
-        pool.misses.fetch_add(1, Ordering::Relaxed);
+        pool.misses.inc();
         self.pools.refill.notify_one();
         Ok(None)
     }

@@ -737,21 +737,13 @@ mod tests {
         // the first is past its quota check and the pool (a miss) and waits
         // for the placement; the second waits for the first's quota hold,
         // which ends only once the first's row exists
-        while p.cp.pools.pools[0]
-            .misses
-            .load(std::sync::atomic::Ordering::SeqCst)
-            < 1
-        {
+        while p.cp.pools.pools[0].misses.get() < 1 {
             tokio::task::yield_now().await;
         }
         // give the second every chance to get past its quota check too (it
         // would, and count a second miss, if the check did not wait for the
         // first's row); it must not
-        let misses = || {
-            p.cp.pools.pools[0]
-                .misses
-                .load(std::sync::atomic::Ordering::SeqCst)
-        };
+        let misses = || p.cp.pools.pools[0].misses.get();
         for _ in 0..10_000 {
             if misses() > 1 {
                 break;

@@ -763,7 +763,7 @@ mod periodic {
             .await
             .unwrap();
         assert_eq!(p.cp.metrics.reconcile_count(ReconcileAction::Recovered), 1);
-        let metrics = p.cp.metrics.render(p.cp.live_count());
+        let metrics = p.cp.metrics.render(p.cp.live_count(), &[]);
         assert!(
             metrics.contains("aviary_reconciler_actions_total{action=\"recovered\"} 1\n")
                 && metrics.contains("aviary_reconciler_actions_total{action=\"lost\"} 1\n")

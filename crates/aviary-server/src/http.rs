@@ -371,11 +371,39 @@ async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Respo
     if !is_token {
         require_admin(&cp.authenticate(Some(presented)).await?, "reading metrics")?;
     }
+    let by_state = cp.sandbox_counts_by_state().await?;
     Ok((
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        cp.metrics.render(cp.live_count()) + &cp.pools.render_metrics(),
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        cp.metrics.render(cp.live_count(), &by_state),
     )
         .into_response())
+}
+
+/// Records each matched request's latency (to the answer's head: a
+/// streamed body's lifetime is the client's) under its route template.
+async fn observe_latency(
+    State(cp): State<Arc<ControlPlane>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let method = req.method().as_str().to_owned();
+    let started = std::time::Instant::now();
+    let resp = next.run(req).await;
+    cp.metrics.observe_request(
+        &method,
+        &route,
+        resp.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    resp
 }
 
 /// Compares secrets in time independent of where they differ.
@@ -1514,6 +1542,10 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             post(import_template).delete(remove_template),
         )
         .route("/v1/sandboxes/{id}/exec/stdin", post(exec_piped))
+        .route_layer(axum::middleware::from_fn_with_state(
+            cp.cp.clone(),
+            observe_latency,
+        ))
         .layer(DefaultBodyLimit::disable());
     Router::new()
         .route("/healthz", get(healthz))
@@ -1559,6 +1591,10 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/pools", get(pools))
         .route("/v1/pools/{class}", axum::routing::put(set_pool))
         .route("/v1/allocations", get(allocations))
+        .route_layer(axum::middleware::from_fn_with_state(
+            cp.cp.clone(),
+            observe_latency,
+        ))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
         .nest(OPENSANDBOX_PREFIX, opensandbox)

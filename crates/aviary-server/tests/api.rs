@@ -762,6 +762,37 @@ async fn openapi_health_and_metrics() {
     );
     let m = ts.client.metrics().await.unwrap();
     assert!(m.contains("aviary_sandboxes_created_total"));
+
+    // real traffic shows up: a latency histogram per route template, the
+    // sandboxes by state, lease operations and a fence refusal
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let lease = c.acquire_lease(&id, "m", None).await.unwrap();
+    let refused = c.exec(&id, &shell("true")).await.unwrap_err();
+    assert_eq!(code(refused), ErrorCode::LeaseRequired);
+    c.release_lease(&id, lease.token).await.unwrap();
+    let m = ts.client.metrics().await.unwrap();
+    let line = |needle: &str| {
+        m.lines()
+            .find(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no line starting {needle:?} in\n{m}"))
+            .to_owned()
+    };
+    let count = |needle: &str| -> f64 { line(needle).rsplit(' ').next().unwrap().parse().unwrap() };
+    assert!(
+        count("aviary_http_request_duration_seconds_count{method=\"POST\",route=\"/v1/sandboxes\",status=\"2xx\"}") >= 1.0
+    );
+    assert!(
+        count("aviary_http_request_duration_seconds_count{method=\"POST\",route=\"/v1/sandboxes/{id}/exec\",status=\"4xx\"}") >= 1.0,
+        "the refused exec, under its route template (never the raw id)"
+    );
+    assert!(!m.contains(&id), "no sandbox id in a label");
+    assert!(count("aviary_sandboxes{state=\"Idle\"}") >= 1.0);
+    assert_eq!(count("aviary_lease_operations_total{op=\"acquired\"}"), 1.0);
+    assert_eq!(count("aviary_lease_operations_total{op=\"released\"}"), 1.0);
+    assert!(count("aviary_fence_refusals_total") >= 1.0);
+    assert!(m.ends_with("# EOF\n"));
+    c.delete_sandbox(&id, None).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,7 +25,7 @@ fn code(e: aviary_client::ClientError) -> ErrorCode {
 }
 
 fn gauge(ts: &common::TestServer, name: &str) -> u64 {
-    let text = ts.cp().metrics.render(0);
+    let text = ts.cp().metrics.render(0, &[]);
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{name} ")))
         .unwrap_or_else(|| panic!("no {name} in {text}"))
