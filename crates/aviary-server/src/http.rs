@@ -358,7 +358,7 @@ async fn readyz(State(cp): State<AppState>) -> Response {
 
 /// Prometheus metrics. Needs `Authorization: Bearer` with the metrics token
 /// (the variable named by `server.metrics_token_env`) or an admin API key.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain"), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (version 1.0.0)", content_type = "application/openmetrics-text"), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let presented = bearer(&headers).ok_or(OpError::Unauthorized)?;
     let is_token = cp
