@@ -683,16 +683,9 @@ async fn set_timeout(
         )
         .no_retry());
     }
-    st.cp
-        .set_ttl(
-            &cx,
-            SetTtlRequest {
-                id: id.to_string(),
-                ttl_s: timeout,
-            },
-        )
+    set_ttl(&st, &cx, &id, timeout)
         .await
-        .map_err(|e| E2bError::from(e).no_retry())?;
+        .map_err(E2bError::no_retry)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -715,17 +708,19 @@ async fn pause(
         .map_err(|e| E2bError::from(e).no_retry())?;
     // a paused E2B sandbox waits for its connect: it is kept as long as
     // any sandbox may live (the server's longest TTL)
-    st.cp
-        .set_ttl(
-            &cx,
-            SetTtlRequest {
-                id: id.to_string(),
-                ttl_s: st.cp.cfg.max_sandbox_ttl_s,
-            },
-        )
+    set_ttl(&st, &cx, &id, st.cp.cfg.max_sandbox_ttl_s)
         .await
-        .map_err(|e| E2bError::from(e).no_retry())?;
+        .map_err(E2bError::no_retry)?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// E2B's `timeout`: the sandbox now expires `ttl_s` from now.
+async fn set_ttl(st: &E2bState, cx: &OpContext, id: &str, ttl_s: u64) -> Result<Sandbox, E2bError> {
+    let req = SetTtlRequest {
+        id: id.to_owned(),
+        ttl_s,
+    };
+    Ok(st.cp.set_ttl(cx, req).await?)
 }
 
 /// Brings a paused (or hibernated) sandbox back with `timeout` as its new
@@ -751,15 +746,7 @@ async fn bring_back(
     };
     let wanted = aviary_core::now() + time::Duration::seconds(timeout.min(i64::MAX as u64) as i64);
     let s = if resumed || s.expires_at.is_some_and(|t| t < wanted) {
-        st.cp
-            .set_ttl(
-                cx,
-                SetTtlRequest {
-                    id: id.to_string(),
-                    ttl_s: timeout,
-                },
-            )
-            .await?
+        set_ttl(st, cx, id, timeout).await?
     } else {
         s
     };
