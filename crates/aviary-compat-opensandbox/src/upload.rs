@@ -101,21 +101,13 @@ pub fn mode_digits(bits: u32) -> u64 {
 
 /// An absolute path inside the sandbox, without `..` or NUL.
 pub fn check_path(path: &str) -> Result<(), OsbError> {
-    if !path.starts_with('/') {
-        return Err(OsbError::invalid(format!("path {path:?} must be absolute")));
-    }
-    if path.contains('\0') {
-        return Err(OsbError::invalid("path contains a NUL byte"));
-    }
-    if path.split('/').any(|c| c == "..") {
-        return Err(OsbError::invalid(format!(
-            "path {path:?} must not contain '..'"
-        )));
-    }
-    if path.len() > 4096 {
-        return Err(OsbError::invalid("path is longer than 4096 bytes"));
-    }
-    Ok(())
+    aviary_core::paths::check_client_path(path).map_err(|e| match e {
+        aviary_core::paths::ClientPathError::TooLong
+        | aviary_core::paths::ClientPathError::ContainsNul => {
+            OsbError::invalid(format!("path {e}"))
+        }
+        _ => OsbError::invalid(format!("path {path:?} {e}")),
+    })
 }
 
 /// A user or group name (or number) as `chown` takes it.

@@ -1137,22 +1137,6 @@ fn check_reconciler(
 /// Sandbox paths the platform owns (envd and its socket); never projected into.
 const PLATFORM_PATHS: [&str; 2] = ["/.aviary", "/run/aviary"];
 
-/// `path` without a trailing `/`, if it is absolute and has only normal
-/// components (no `.`, `..`, empty components or NUL) and is not `/`.
-fn normalize_sandbox_path(path: &str) -> Option<String> {
-    let trimmed = path.strip_suffix('/').unwrap_or(path);
-    let rest = trimmed.strip_prefix('/')?;
-    if rest.is_empty()
-        || path.contains('\0')
-        || rest
-            .split('/')
-            .any(|c| c.is_empty() || c == "." || c == "..")
-    {
-        return None;
-    }
-    Some(trimmed.to_owned())
-}
-
 fn check_projections(
     ck: &Checker<'_>,
     list: Vec<RawProjection>,
@@ -1203,7 +1187,7 @@ fn check_projections(
             },
         )?;
         let raw_sandbox = p.sandbox.get_ref();
-        let sandbox = normalize_sandbox_path(raw_sandbox).ok_or_else(|| {
+        let sandbox = aviary_core::paths::clean_absolute(raw_sandbox).ok_or_else(|| {
             ck.fail(
                 &p.sandbox.span(),
                 key("sandbox"),

@@ -210,18 +210,13 @@ fn valid_name(what: &str, s: &str) -> Result<(), OpError> {
 /// Validates a path given by a client: absolute, no NUL, bounded.
 /// (envd confines it again inside the sandbox; this is the early, clear error.)
 pub fn check_sandbox_path(p: &str) -> Result<(), OpError> {
-    if !p.starts_with('/') {
-        return Err(OpError::InvalidPath(format!("path {p:?} must be absolute")));
-    }
-    if p.len() > 4096 || p.contains('\0') {
-        return Err(OpError::InvalidPath("path too long or contains NUL".into()));
-    }
-    if p.split('/').any(|c| c == "..") {
-        return Err(OpError::InvalidPath(format!(
-            "path {p:?} must not contain '..'"
-        )));
-    }
-    Ok(())
+    aviary_core::paths::check_client_path(p).map_err(|e| match e {
+        aviary_core::paths::ClientPathError::TooLong
+        | aviary_core::paths::ClientPathError::ContainsNul => {
+            OpError::InvalidPath(format!("path {e}"))
+        }
+        _ => OpError::InvalidPath(format!("path {p:?} {e}")),
+    })
 }
 
 impl ControlPlane {

@@ -11,6 +11,7 @@
 pub mod api;
 mod error_code;
 mod ids;
+pub mod paths;
 mod resources;
 mod runtime_name;
 mod state;

@@ -199,25 +199,7 @@ impl Default for ProjectionPlanner {
     }
 }
 
-/// Validates and normalizes a sandbox path (no trailing slash).
-fn normalize_sandbox_path(path: &str) -> Option<String> {
-    if !path.starts_with('/') || path.contains('\0') {
-        return None;
-    }
-    let comps: Vec<&str> = path.split('/').skip(1).collect();
-    let trimmed: &[&str] = match comps.split_last() {
-        Some((&"", rest)) => rest,
-        _ => &comps,
-    };
-    if trimmed.is_empty()
-        || trimmed
-            .iter()
-            .any(|c| c.is_empty() || *c == "." || *c == "..")
-    {
-        return None;
-    }
-    Some(format!("/{}", trimmed.join("/")))
-}
+use aviary_core::paths::clean_absolute as normalize_sandbox_path;
 
 fn mode_of(meta: &std::fs::Metadata) -> u32 {
     if meta.permissions().mode() & 0o111 != 0 {

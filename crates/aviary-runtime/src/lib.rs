@@ -408,7 +408,7 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
 }
 
 fn is_clean_absolute(p: &str) -> bool {
-    p.starts_with('/') && !p.contains('\0') && p.split('/').all(|c| c != ".." && c != ".")
+    aviary_core::paths::clean_absolute(p).is_some()
 }
 
 fn is_reserved_target(p: &str) -> bool {

@@ -508,12 +508,7 @@ pub fn validate_manifest(m: &SnapshotManifest) -> Result<(), SnapshotError> {
                     "root entry must be the first entry and a directory".into(),
                 ));
             }
-        } else if e.path.starts_with('/')
-            || e.path.contains('\0')
-            || e.path
-                .split('/')
-                .any(|c| c.is_empty() || c == "." || c == "..")
-        {
+        } else if !aviary_core::paths::is_clean_relative(&e.path) {
             return Err(SnapshotError::PathEscape {
                 path: e.path.clone(),
             });

@@ -333,10 +333,7 @@ fn image_defaults(config: &Value, ctx: &str) -> Result<ImageDefaults, TemplateEr
         .and_then(Value::as_str)
         .filter(|d| !d.is_empty())
     {
-        let clean = dir.starts_with('/')
-            && !dir.contains('\0')
-            && dir.split('/').all(|seg| seg != ".." && seg != ".");
-        if !clean || dir.len() > 4096 {
+        if dir != "/" && aviary_core::paths::clean_absolute(dir).is_none() {
             return Err(bad(format!(
                 "config.WorkingDir {dir:?} is not a clean absolute path"
             )));
