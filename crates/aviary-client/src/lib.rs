@@ -65,89 +65,72 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// Server-sent events of one response, parsed by `sse-stream`.
+type SseEvents =
+    futures_util::stream::BoxStream<'static, Result<sse_stream::Sse, sse_stream::Error>>;
+
+fn sse_events(resp: reqwest::Response) -> SseEvents {
+    sse_stream::SseStream::from_bytes_stream(resp.bytes_stream()).boxed()
+}
+
+/// The next event of `events` that carries data (keep-alive comments and
+/// empty events are skipped); `None` when the stream ends.
+async fn next_data(events: &mut SseEvents) -> Result<Option<(String, String)>, ClientError> {
+    loop {
+        match events.next().await {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(ClientError::Protocol(format!("event stream: {e}"))),
+            Some(Ok(sse)) => {
+                if let Some(data) = sse.data.filter(|d| !d.is_empty()) {
+                    return Ok(Some((sse.event.unwrap_or_else(|| "message".into()), data)));
+                }
+            }
+        }
+    }
+}
+
 /// The result of a streaming exec, event by event.
 pub struct ExecStream {
-    body: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-    buf: Vec<u8>,
+    events: SseEvents,
 }
 
 impl ExecStream {
     /// Next event; `None` after the final `Exit` (or when the stream ends).
     /// `Stdout`/`Stderr` data is decoded from base64 into raw bytes.
     pub async fn next(&mut self) -> Result<Option<StreamItem>, ClientError> {
-        loop {
-            if let Some(pos) = find_frame_end(&self.buf) {
-                let frame: Vec<u8> = self.buf.drain(..pos.1).collect();
-                let text = String::from_utf8_lossy(&frame[..pos.0]).into_owned();
-                if let Some(item) = parse_sse_frame(&text)? {
-                    return Ok(Some(item));
-                }
-                continue;
-            }
-            match self.body.next().await {
-                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
-                Some(Err(e)) => return Err(ClientError::Transport(e)),
-                None => return Ok(None),
-            }
+        match next_data(&mut self.events).await? {
+            Some((_, data)) => decode_exec_event(&data).map(Some),
+            None => Ok(None),
         }
     }
 }
 
 /// The events a server pushes (`Client::follow_events`).
 pub struct EventStream {
-    body: futures_util::stream::BoxStream<'static, reqwest::Result<bytes::Bytes>>,
-    buf: Vec<u8>,
+    events: SseEvents,
 }
 
 impl EventStream {
     /// The next event; `None` when the server ends the stream. An `error`
     /// event (the sandbox was deleted, say) is returned as that error.
     pub async fn next(&mut self) -> Result<Option<Event>, ClientError> {
-        loop {
-            if let Some(pos) = find_frame_end(&self.buf) {
-                let frame: Vec<u8> = self.buf.drain(..pos.1).collect();
-                let text = String::from_utf8_lossy(&frame[..pos.0]).into_owned();
-                let (name, data) = sse_fields(&text);
-                if data.is_empty() {
-                    continue; // a keep-alive comment
-                }
-                if name == "error" {
-                    let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
-                    let code: ErrorCode =
-                        serde_json::from_value(v["code"].clone()).unwrap_or(ErrorCode::Internal);
-                    return Err(ClientError::Api {
-                        status: code.http_status(),
-                        code,
-                        message: v["message"].as_str().unwrap_or_default().to_owned(),
-                    });
-                }
-                return serde_json::from_str(&data)
-                    .map(Some)
-                    .map_err(|e| ClientError::Protocol(format!("bad event: {e}")));
-            }
-            match self.body.next().await {
-                Some(Ok(chunk)) => self.buf.extend_from_slice(&chunk),
-                Some(Err(e)) => return Err(ClientError::Transport(e)),
-                None => return Ok(None),
-            }
+        let Some((name, data)) = next_data(&mut self.events).await? else {
+            return Ok(None);
+        };
+        if name == "error" {
+            let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+            let code: ErrorCode =
+                serde_json::from_value(v["code"].clone()).unwrap_or(ErrorCode::Internal);
+            return Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message: v["message"].as_str().unwrap_or_default().to_owned(),
+            });
         }
+        serde_json::from_str(&data)
+            .map(Some)
+            .map_err(|e| ClientError::Protocol(format!("bad event: {e}")))
     }
-}
-
-/// The event name and the joined data lines of one SSE frame.
-fn sse_fields(frame: &str) -> (String, String) {
-    let (mut name, mut data) = (String::from("message"), String::new());
-    for line in frame.lines() {
-        if let Some(rest) = line.strip_prefix("event:") {
-            name = rest.trim().to_owned();
-        } else if let Some(rest) = line.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(rest.trim_start());
-        }
-    }
-    (name, data)
 }
 
 /// One decoded item of a streaming exec.
@@ -158,30 +141,12 @@ pub enum StreamItem {
     Exit(ExecResult),
 }
 
-/// (end of frame content, end of frame including the blank line)
-fn find_frame_end(buf: &[u8]) -> Option<(usize, usize)> {
-    buf.windows(2)
-        .position(|w| w == b"\n\n")
-        .map(|p| (p, p + 2))
-}
-
-fn parse_sse_frame(frame: &str) -> Result<Option<StreamItem>, ClientError> {
-    let mut data = String::new();
-    for line in frame.lines() {
-        if let Some(rest) = line.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(rest.trim_start());
-        }
-    }
-    if data.is_empty() {
-        return Ok(None); // comment / keep-alive
-    }
-    let ev: ExecEvent = serde_json::from_str(&data)
+/// One exec event's JSON `data`, with stdout/stderr decoded from base64.
+fn decode_exec_event(data: &str) -> Result<StreamItem, ClientError> {
+    let ev: ExecEvent = serde_json::from_str(data)
         .map_err(|e| ClientError::Protocol(format!("bad exec event: {e}")))?;
     let b64 = base64::engine::general_purpose::STANDARD;
-    Ok(Some(match ev {
+    Ok(match ev {
         ExecEvent::Stdout { data } => StreamItem::Stdout(
             b64.decode(data)
                 .map_err(|e| ClientError::Protocol(format!("bad base64: {e}")))?,
@@ -198,7 +163,7 @@ fn parse_sse_frame(frame: &str) -> Result<Option<StreamItem>, ClientError> {
                 message,
             })
         }
-    }))
+    })
 }
 
 fn token_header(rb: RequestBuilder, token: Option<LeaseToken>) -> RequestBuilder {
@@ -388,8 +353,7 @@ impl Client {
             )
             .await?;
         Ok(ExecStream {
-            body: resp.bytes_stream().boxed(),
-            buf: Vec::new(),
+            events: sse_events(resp),
         })
     }
 
@@ -423,8 +387,7 @@ impl Client {
             )
             .await?;
         Ok(ExecStream {
-            body: resp.bytes_stream().boxed(),
-            buf: Vec::new(),
+            events: sse_events(resp),
         })
     }
 
@@ -699,8 +662,7 @@ impl Client {
             )
             .await?;
         Ok(EventStream {
-            body: resp.bytes_stream().boxed(),
-            buf: Vec::new(),
+            events: sse_events(resp),
         })
     }
 
@@ -1028,18 +990,34 @@ pub fn urlencode(s: &str) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn sse_frames_decode() {
+    /// An exec stream split at awkward chunk boundaries, with a keep-alive
+    /// comment between the events, decodes into the same items.
+    #[tokio::test]
+    async fn sse_frames_decode_across_chunks() {
         let b64 = base64::engine::general_purpose::STANDARD;
-        let frame = format!(
-            "event: stdout\ndata: {{\"type\":\"stdout\",\"data\":\"{}\"}}",
+        let wire = format!(
+            "event: stdout\ndata: {{\"type\":\"stdout\",\"data\":\"{}\"}}\n\n: keep-alive\n\n\
+             event: exit\ndata: {{\"type\":\"exit\",\"result\":{{\"exit_code\":3,\"stdout\":\"\",\"stderr\":\"\",\"duration_ms\":1,\"timed_out\":false,\"oom_killed\":false}}}}\n\n",
             b64.encode(b"hi\n")
         );
-        match parse_sse_frame(&frame).unwrap().unwrap() {
+        let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = wire
+            .as_bytes()
+            .chunks(7)
+            .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+            .collect();
+        let mut stream = ExecStream {
+            events: sse_stream::SseStream::from_bytes_stream(futures_util::stream::iter(chunks))
+                .boxed(),
+        };
+        match stream.next().await.unwrap().unwrap() {
             StreamItem::Stdout(d) => assert_eq!(d, b"hi\n"),
             other => panic!("unexpected {other:?}"),
         }
-        assert!(parse_sse_frame(": keep-alive").unwrap().is_none());
+        match stream.next().await.unwrap().unwrap() {
+            StreamItem::Exit(r) => assert_eq!(r.exit_code, 3),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(stream.next().await.unwrap().is_none());
     }
 
     #[test]
