@@ -19,6 +19,7 @@ use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom};
 use std::path::Path;
 
+use oci_spec::image::{Descriptor, ImageConfiguration, ImageIndex, ImageManifest, OciLayout};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -191,10 +192,16 @@ impl Outer {
         Ok(data)
     }
 
-    fn read_json(&self, name: &str, hex: Option<&str>) -> Result<Value, TemplateError> {
+    /// A small JSON member, decoded into `T` (an `oci-spec` image type or
+    /// Docker's manifest list); a shape error names the member.
+    fn read_json<T: serde::de::DeserializeOwned>(
+        &self,
+        name: &str,
+        hex: Option<&str>,
+    ) -> Result<T, TemplateError> {
         let data = self.read_small(name, hex)?;
         serde_json::from_slice(&data)
-            .map_err(|e| TemplateError::invalid(format!("{name} is not valid JSON: {e}")))
+            .map_err(|e| TemplateError::invalid(format!("{name} is not a valid document: {e}")))
     }
 }
 
@@ -226,58 +233,52 @@ fn member_hex(member: &str) -> Option<String> {
     sha256_hex(&format!("sha256:{tail}")).ok()
 }
 
-fn str_field<'v>(v: &'v Value, key: &str, ctx: &str) -> Result<&'v str, TemplateError> {
-    v.get(key)
-        .and_then(Value::as_str)
-        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing string field {key:?}")))
+/// One image of Docker's `manifest.json` (`docker save`).
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct DockerImage {
+    config: String,
+    layers: Vec<String>,
 }
 
-fn diff_ids(config: &Value) -> Option<Vec<String>> {
+/// `rootfs.diff_ids` as digest hex, if every one is a valid sha256 digest.
+fn diff_ids(config: &ImageConfiguration) -> Option<Vec<String>> {
     config
-        .get("rootfs")?
-        .get("diff_ids")?
-        .as_array()?
+        .rootfs()
+        .diff_ids()
         .iter()
-        .map(|v| v.as_str().and_then(|s| sha256_hex(s).ok()))
+        .map(|d| sha256_hex(d).ok())
         .collect()
 }
 
 fn docker_layers(outer: &Outer) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
-    let manifest = outer.read_json("manifest.json", None)?;
-    let images = manifest
-        .as_array()
-        .ok_or_else(|| TemplateError::invalid("manifest.json is not an array"))?;
+    let images: Vec<DockerImage> = outer.read_json("manifest.json", None)?;
     let [image] = images.as_slice() else {
         return Err(TemplateError::invalid(format!(
             "manifest.json lists {} images; import exactly one",
             images.len()
         )));
     };
-    let config_name = norm_member(str_field(image, "Config", "manifest.json")?)?;
-    let config = outer.read_json(&config_name, member_hex(&config_name).as_deref())?;
+    let config_name = norm_member(&image.config)?;
+    let config: ImageConfiguration =
+        outer.read_json(&config_name, member_hex(&config_name).as_deref())?;
     let diffs = diff_ids(&config).ok_or_else(|| {
         TemplateError::invalid(format!("{config_name}: no valid rootfs.diff_ids"))
     })?;
     let defaults = image_defaults(&config, &config_name)?;
-    let layers = image
-        .get("Layers")
-        .and_then(Value::as_array)
-        .ok_or_else(|| TemplateError::invalid("manifest.json: missing Layers"))?;
-    if layers.len() != diffs.len() {
+    if image.layers.len() != diffs.len() {
         return Err(TemplateError::invalid(format!(
             "manifest lists {} layers but the config has {} diff_ids",
-            layers.len(),
+            image.layers.len(),
             diffs.len()
         )));
     }
-    let layers = layers
+    let layers = image
+        .layers
         .iter()
         .zip(diffs)
         .map(|(l, diff)| {
-            let member =
-                norm_member(l.as_str().ok_or_else(|| {
-                    TemplateError::invalid("manifest.json: layer is not a string")
-                })?)?;
+            let member = norm_member(l)?;
             Ok(LayerRef {
                 blob_hex: member
                     .starts_with("blobs/sha256/")
@@ -297,17 +298,14 @@ const MAX_IMAGE_ENV_BYTES: usize = 32 * 1024;
 /// `config.Env`, `config.WorkingDir` and `config.User` of an image config
 /// (the same fields in Docker's and OCI's). An entry a sandbox could not
 /// honour is refused, naming it, rather than dropped.
-fn image_defaults(config: &Value, ctx: &str) -> Result<ImageDefaults, TemplateError> {
-    let Some(c) = config.get("config").filter(|c| !c.is_null()) else {
+fn image_defaults(config: &ImageConfiguration, ctx: &str) -> Result<ImageDefaults, TemplateError> {
+    let Some(c) = config.config() else {
         return Ok(ImageDefaults::default());
     };
     let bad = |what: String| TemplateError::invalid(format!("{ctx}: {what}"));
     let mut out = ImageDefaults::default();
     let mut size = 0;
-    for entry in c.get("Env").and_then(Value::as_array).into_iter().flatten() {
-        let entry = entry
-            .as_str()
-            .ok_or_else(|| bad("config.Env holds a non-string".into()))?;
+    for entry in c.env().iter().flatten() {
         let (k, v) = entry
             .split_once('=')
             .ok_or_else(|| bad(format!("config.Env entry {entry:?} is not NAME=VALUE")))?;
@@ -328,11 +326,7 @@ fn image_defaults(config: &Value, ctx: &str) -> Result<ImageDefaults, TemplateEr
             "config.Env is {size} bytes; at most {MAX_IMAGE_ENV_BYTES}"
         )));
     }
-    if let Some(dir) = c
-        .get("WorkingDir")
-        .and_then(Value::as_str)
-        .filter(|d| !d.is_empty())
-    {
+    if let Some(dir) = c.working_dir().as_deref().filter(|d| !d.is_empty()) {
         if dir != "/" && aviary_core::paths::clean_absolute(dir).is_none() {
             return Err(bad(format!(
                 "config.WorkingDir {dir:?} is not a clean absolute path"
@@ -340,11 +334,7 @@ fn image_defaults(config: &Value, ctx: &str) -> Result<ImageDefaults, TemplateEr
         }
         out.working_dir = Some(dir.to_owned());
     }
-    if let Some(user) = c
-        .get("User")
-        .and_then(Value::as_str)
-        .filter(|u| !u.is_empty())
-    {
+    if let Some(user) = c.user().as_deref().filter(|u| !u.is_empty()) {
         let ok = user.len() <= 64
             && user
                 .bytes()
@@ -374,19 +364,20 @@ fn host_platform() -> (&'static str, &'static str) {
     ("linux", arch)
 }
 
-fn choose_descriptor<'v>(list: &'v [Value], ctx: &str) -> Result<&'v Value, TemplateError> {
+fn choose_descriptor<'d>(
+    list: &'d [Descriptor],
+    ctx: &str,
+) -> Result<&'d Descriptor, TemplateError> {
     if let [only] = list {
         return Ok(only);
     }
     let (os, arch) = host_platform();
-    let matching: Vec<&Value> = list
+    let matching: Vec<&Descriptor> = list
         .iter()
         .filter(|d| {
-            let p = d.get("platform");
-            p.and_then(|p| p.get("os")).and_then(Value::as_str) == Some(os)
-                && p.and_then(|p| p.get("architecture"))
-                    .and_then(Value::as_str)
-                    == Some(arch)
+            d.platform()
+                .as_ref()
+                .is_some_and(|p| p.os().to_string() == os && p.architecture().to_string() == arch)
         })
         .collect();
     match matching.as_slice() {
@@ -403,67 +394,63 @@ fn is_index(media_type: &str) -> bool {
 }
 
 fn oci_layers(outer: &Outer) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
-    let layout = outer.read_json("oci-layout", None)?;
-    if layout.get("imageLayoutVersion").and_then(Value::as_str) != Some("1.0.0") {
+    let layout: OciLayout = outer.read_json("oci-layout", None)?;
+    if layout.image_layout_version() != "1.0.0" {
         return Err(TemplateError::invalid(
             "oci-layout: unsupported imageLayoutVersion",
         ));
     }
-    let mut doc = outer.read_json("index.json", None)?;
+    let mut index: ImageIndex = outer.read_json("index.json", None)?;
     let mut ctx = "index.json".to_owned();
     // Follow nested indexes to one image manifest (bounded depth).
     for _ in 0..4 {
-        let list = doc
-            .get("manifests")
-            .and_then(Value::as_array)
-            .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing manifests")))?;
-        let desc = choose_descriptor(list, &ctx)?;
-        let hex = sha256_hex(str_field(desc, "digest", &ctx)?)?;
-        let media = desc.get("mediaType").and_then(Value::as_str).unwrap_or("");
+        let desc = choose_descriptor(index.manifests(), &ctx)?;
+        let hex = sha256_hex(&desc.digest().to_string())?;
         let member = format!("blobs/sha256/{hex}");
-        let next = outer.read_json(&member, Some(&hex))?;
+        let next: Value = outer.read_json(&member, Some(&hex))?;
         let next_media = next
             .get("mediaType")
             .and_then(Value::as_str)
-            .unwrap_or(media)
-            .to_owned();
+            .map(str::to_owned)
+            .unwrap_or_else(|| desc.media_type().to_string());
+        let decode = |e: serde_json::Error| {
+            TemplateError::invalid(format!("{member} is not a valid document: {e}"))
+        };
         if is_index(&next_media)
             || (next.get("manifests").is_some() && next.get("layers").is_none())
         {
-            doc = next;
+            index = serde_json::from_value(next).map_err(decode)?;
             ctx = member;
             continue;
         }
-        return manifest_layers(outer, &next, &member);
+        let manifest: ImageManifest = serde_json::from_value(next).map_err(decode)?;
+        return manifest_layers(outer, &manifest, &member);
     }
     Err(TemplateError::invalid("image indexes nested too deeply"))
 }
 
 fn manifest_layers(
     outer: &Outer,
-    manifest: &Value,
+    manifest: &ImageManifest,
     ctx: &str,
 ) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
-    let config_desc = manifest
-        .get("config")
-        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing config")))?;
-    let config_hex = sha256_hex(str_field(config_desc, "digest", ctx)?)?;
-    let config = outer.read_json(&format!("blobs/sha256/{config_hex}"), Some(&config_hex))?;
-    let layers = manifest
-        .get("layers")
-        .and_then(Value::as_array)
-        .ok_or_else(|| TemplateError::invalid(format!("{ctx}: missing layers")))?;
+    let config_hex = sha256_hex(&manifest.config().digest().to_string())?;
+    let config_name = format!("blobs/sha256/{config_hex}");
+    let config: ImageConfiguration = outer.read_json(&config_name, Some(&config_hex))?;
+    let layers = manifest.layers();
     let diffs = diff_ids(&config).filter(|d| d.len() == layers.len());
-    let defaults = image_defaults(&config, &format!("blobs/sha256/{config_hex}"))?;
+    let defaults = image_defaults(&config, &config_name)?;
     let layers = layers
         .iter()
         .enumerate()
         .map(|(i, l)| {
-            let media = l.get("mediaType").and_then(Value::as_str).unwrap_or("");
+            let media = l.media_type().to_string();
             if media.contains("encrypted") {
-                return Err(TemplateError::invalid(format!("encrypted layer ({media})")));
+                return Err(TemplateError::invalid(format!(
+                    "{ctx}: encrypted layer ({media})"
+                )));
             }
-            let hex = sha256_hex(str_field(l, "digest", ctx)?)?;
+            let hex = sha256_hex(&l.digest().to_string())?;
             Ok(LayerRef {
                 member: format!("blobs/sha256/{hex}"),
                 blob_hex: Some(hex),

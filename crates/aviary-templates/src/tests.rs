@@ -413,12 +413,11 @@ fn tampered_blob_or_diff_id_is_rejected_and_nothing_is_stored() {
     let config = config_json(&[plain(good.clone())]);
     let manifest = serde_json::to_vec(&serde_json::json!({
         "schemaVersion": 2,
-        "config": {"digest": format!("sha256:{}", sha_hex(&config))},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": format!("sha256:{hex}")}],
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": format!("sha256:{}", sha_hex(&config)), "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": format!("sha256:{hex}"), "size": good.len()}],
     }))
     .unwrap();
-    let index =
-        serde_json::json!({"manifests": [{"digest": format!("sha256:{}", sha_hex(&manifest))}]});
+    let index = serde_json::json!({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": format!("sha256:{}", sha_hex(&manifest)), "size": manifest.len()}]});
     let tar = outer_tar(&[
         (
             "oci-layout".into(),
