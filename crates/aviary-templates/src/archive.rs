@@ -405,7 +405,7 @@ fn oci_layers(outer: &Outer) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateE
     // Follow nested indexes to one image manifest (bounded depth).
     for _ in 0..4 {
         let desc = choose_descriptor(index.manifests(), &ctx)?;
-        let hex = sha256_hex(&desc.digest().to_string())?;
+        let hex = sha256_hex(desc.digest().as_ref())?;
         let member = format!("blobs/sha256/{hex}");
         let next: Value = outer.read_json(&member, Some(&hex))?;
         let next_media = next
@@ -434,7 +434,7 @@ fn manifest_layers(
     manifest: &ImageManifest,
     ctx: &str,
 ) -> Result<(Vec<LayerRef>, ImageDefaults), TemplateError> {
-    let config_hex = sha256_hex(&manifest.config().digest().to_string())?;
+    let config_hex = sha256_hex(manifest.config().digest().as_ref())?;
     let config_name = format!("blobs/sha256/{config_hex}");
     let config: ImageConfiguration = outer.read_json(&config_name, Some(&config_hex))?;
     let layers = manifest.layers();
@@ -450,7 +450,7 @@ fn manifest_layers(
                     "{ctx}: encrypted layer ({media})"
                 )));
             }
-            let hex = sha256_hex(&l.digest().to_string())?;
+            let hex = sha256_hex(l.digest().as_ref())?;
             Ok(LayerRef {
                 member: format!("blobs/sha256/{hex}"),
                 blob_hex: Some(hex),
