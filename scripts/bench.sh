@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots quota planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker quota planner pool leases replicas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots quota planner pool leases replicas "
+all_parts=" core snapshots chunker quota planner pool leases replicas "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -19,6 +19,9 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 cargo build --release --locked -p aviary-bench
 if want snapshots; then
   cargo build --release --locked -p aviary-snapshots --example snapshot_bench
+fi
+if want chunker; then
+  cargo build --release --locked -p aviary-snapshots --example chunker_bench
 fi
 AVIARY_ENVD=$(scripts/build-envd.sh)
 export AVIARY_ENVD
@@ -56,6 +59,12 @@ fi
 if want snapshots; then
   "$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$out"
   write_section snapshots "$measured" "$out"
+fi
+
+# chunker: the fastcdc crate (used) beside the former hand-written gear chunker
+if want chunker; then
+  "$CARGO_TARGET_DIR/release/examples/chunker_bench" --size-mib 256 | { echo '```'; cat; echo '```'; } | tee "$out"
+  write_section chunker "$measured 256 MiB of random bytes, median of 5:" "$out"
 fi
 
 # disk quotas: create/destroy with and without the per-sandbox disk, interleaved

