@@ -1,6 +1,7 @@
 //! Command-line definitions and their implementations.
 
 use crate::output;
+use crate::progress::Progress;
 use aviary_client::{Client, ClientError, StreamItem};
 use aviary_core::api::*;
 use aviary_core::{ErrorCode, LeaseToken, Scope};
@@ -1111,9 +1112,13 @@ async fn copy_in(
     src: &str,
     dst: &str,
     token: Option<LeaseToken>,
+    json: bool,
 ) -> Result<u64, Failure> {
     if src == "-" {
-        return Ok(c.upload_reader(id, tokio::io::stdin(), dst, token).await?);
+        let p = Progress::bytes(format!("stdin -> {dst}"), None, json);
+        return Ok(c
+            .upload_reader(id, p.wrap_read(tokio::io::stdin()), dst, token)
+            .await?);
     }
     let local = Path::new(src);
     let meta = std::fs::symlink_metadata(local)
@@ -1127,7 +1132,7 @@ async fn copy_in(
         _ => dst.to_owned(),
     };
     if meta.is_file() {
-        return Ok(c.upload(id, local, &target, token).await?);
+        return upload_file(c, id, local, &target, token, json).await;
     }
     if !meta.is_dir() {
         return Err(Failure::exit(
@@ -1136,6 +1141,7 @@ async fn copy_in(
         ));
     }
     let mut bytes = 0;
+    let progress = Progress::spinner(format!("{src} -> {target}"), json);
     let mut dirs = vec![(local.to_path_buf(), target)];
     while let Some((dir, remote)) = dirs.pop() {
         match c.mkdir(id, &remote, token).await {
@@ -1164,7 +1170,8 @@ async fn copy_in(
             if kind.is_dir() {
                 dirs.push((e.path(), child));
             } else if kind.is_file() {
-                bytes += c.upload(id, &e.path(), &child, token).await?;
+                progress.set_message(format!("{child} ({bytes} bytes so far)"));
+                bytes += upload_file(c, id, &e.path(), &child, token, json).await?;
             } else {
                 eprintln!(
                     "aviary: skipping {} (not a regular file or directory)",
@@ -1176,10 +1183,56 @@ async fn copy_in(
     Ok(bytes)
 }
 
+/// Uploads one local file, with a byte bar on a terminal.
+async fn upload_file(
+    c: &Client,
+    id: &str,
+    local: &Path,
+    remote: &str,
+    token: Option<LeaseToken>,
+    json: bool,
+) -> Result<u64, Failure> {
+    let file = tokio::fs::File::open(local)
+        .await
+        .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", local.display())))?;
+    let len = file
+        .metadata()
+        .await
+        .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", local.display())))?
+        .len();
+    let p = Progress::bytes(remote.to_owned(), Some(len), json);
+    Ok(
+        c.upload_sized(id, p.wrap_read(file), Some(len), remote, token)
+            .await?,
+    )
+}
+
+/// Downloads one sandbox file to `local` (created or truncated), with a
+/// byte bar on a terminal.
+async fn download_file(
+    c: &Client,
+    id: &str,
+    remote: &str,
+    size: u64,
+    local: &Path,
+    json: bool,
+) -> Result<u64, Failure> {
+    let file = tokio::fs::File::create(local)
+        .await
+        .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", local.display())))?;
+    let p = Progress::bytes(remote.to_owned(), Some(size), json);
+    let mut out = p.wrap_write(file);
+    let n = c.download_to(id, remote, &mut out).await?;
+    tokio::io::AsyncWriteExt::flush(&mut out)
+        .await
+        .map_err(|e| Failure::exit(EXIT_IO_ERROR, format!("{}: {e}", local.display())))?;
+    Ok(n)
+}
+
 /// `sandbox cp ID:/path DST`: a file, or a directory tree (made locally,
 /// symlinks skipped), into DST (inside it when it is a directory), or `-`
 /// (stdout). Returns the bytes copied.
-async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Failure> {
+async fn copy_out(c: &Client, id: &str, src: &str, dst: &str, json: bool) -> Result<u64, Failure> {
     if dst == "-" {
         let mut out = tokio::io::stdout();
         return Ok(c.download_to(id, src, &mut out).await?);
@@ -1195,9 +1248,10 @@ async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Fai
     };
     let st = c.stat(id, src).await?;
     if st.kind != "dir" {
-        return Ok(c.download(id, src, &local).await?);
+        return download_file(c, id, src, st.size, &local, json).await;
     }
     let mut bytes = 0;
+    let progress = Progress::spinner(format!("{src} -> {}", local.display()), json);
     let mut dirs = vec![(src.trim_end_matches('/').to_owned(), local)];
     while let Some((remote, dir)) = dirs.pop() {
         std::fs::create_dir_all(&dir)
@@ -1218,7 +1272,10 @@ async fn copy_out(c: &Client, id: &str, src: &str, dst: &str) -> Result<u64, Fai
             let child_local = dir.join(&e.name);
             match e.kind.as_str() {
                 "dir" => dirs.push((child_remote, child_local)),
-                "file" => bytes += c.download(id, &child_remote, &child_local).await?,
+                "file" => {
+                    progress.set_message(format!("{child_remote} ({bytes} bytes so far)"));
+                    bytes += download_file(c, id, &child_remote, e.size, &child_local, json).await?
+                }
                 _ => eprintln!("aviary: skipping {child_remote} ({})", e.kind),
             }
         }
@@ -1323,8 +1380,8 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             let req = exec_request(cmd, &exec, token);
             return stream_exec(&c, &id, &req, exec.interactive, json).await;
         }
-        SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json).await?,
-        SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json).await?,
+        SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json, None).await?,
+        SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json, None).await?,
         SandboxCmd::Reset { id, token, level } => {
             let s = c.reset(&id, level, token).await?;
             if json {
@@ -1341,9 +1398,12 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 println!("{} {} tainted", s.id, s.state);
             }
         }
-        SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json).await?,
+        SandboxCmd::Release { id, token } => action(&c, &id, "release", token, json, None).await?,
         SandboxCmd::Snapshot { id, token, label } => {
-            let s = c.snapshot_labelled(&id, &label, token).await?;
+            let s = {
+                let _p = Progress::spinner(format!("snapshotting {id}"), json);
+                c.snapshot_labelled(&id, &label, token).await?
+            };
             if json {
                 output::json(&s);
             } else {
@@ -1359,21 +1419,30 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             snapshot,
             token,
         } => {
-            let r = c.fork(&id, snapshot.as_deref(), token).await?;
+            let r = {
+                let _p = Progress::spinner(format!("forking {id}"), json);
+                c.fork(&id, snapshot.as_deref(), token).await?
+            };
             if json {
                 output::json(&r);
             } else {
                 println!("{}", r.sandbox.id);
             }
         }
-        SandboxCmd::Hibernate { id, token } => action(&c, &id, "hibernate", token, json).await?,
-        SandboxCmd::Wake { id } => action(&c, &id, "wake", None, json).await?,
+        SandboxCmd::Hibernate { id, token } => {
+            let p = Progress::spinner(format!("hibernating {id}"), json);
+            action(&c, &id, "hibernate", token, json, Some(p)).await?
+        }
+        SandboxCmd::Wake { id } => {
+            let p = Progress::spinner(format!("waking {id}"), json);
+            action(&c, &id, "wake", None, json, Some(p)).await?
+        }
         SandboxCmd::Snapshots { sandbox } => output::json(&c.snapshots(sandbox.as_deref()).await?),
         SandboxCmd::Manifest { id, refresh } => output::json(&c.manifest(&id, refresh).await?),
         SandboxCmd::Cp { src, dst, token } => {
             let n = match (parse_remote(&src), parse_remote(&dst)) {
-                (None, Some((id, path))) => copy_in(&c, id, &src, path, token).await?,
-                (Some((id, path)), None) => copy_out(&c, id, path, &dst).await?,
+                (None, Some((id, path))) => copy_in(&c, id, &src, path, token, json).await?,
+                (Some((id, path)), None) => copy_out(&c, id, path, &dst, json).await?,
                 _ => {
                     return Err(Failure::new(
                         ErrorCode::InvalidRequest,
@@ -1504,7 +1573,14 @@ async fn template(cmd: TemplateCmd, json: bool) -> Result<i32, Failure> {
             archive,
             force,
         } => {
-            let t = c.import_template_with(&name, &archive, force).await?;
+            let t = {
+                let size = std::fs::metadata(&archive).map(|m| m.len()).unwrap_or(0);
+                let _p = Progress::spinner(
+                    format!("importing {} ({size} bytes) as {name}", archive.display()),
+                    json,
+                );
+                c.import_template_with(&name, &archive, force).await?
+            };
             if json {
                 output::json(&t);
             } else {
@@ -1646,14 +1722,19 @@ async fn pool(cmd: PoolCmd, json: bool) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// A sandbox action (`POST /v1/sandboxes/{id}/{what}`), printing the
+/// sandbox; `progress` (if any) is cleared before the answer is printed.
 async fn action(
     c: &Client,
     id: &str,
     what: &str,
     token: Option<LeaseToken>,
     json: bool,
+    progress: Option<Progress>,
 ) -> Result<(), Failure> {
-    let s = c.sandbox_action(id, what, token).await?;
+    let s = c.sandbox_action(id, what, token).await;
+    drop(progress);
+    let s = s?;
     if json {
         output::json(&s);
     } else {

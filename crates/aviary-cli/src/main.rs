@@ -8,6 +8,7 @@
 
 mod cli;
 mod output;
+mod progress;
 
 use clap::Parser;
 

@@ -445,6 +445,78 @@ fn labels_env_and_ttl_through_the_cli() {
     }
 }
 
+/// Long work draws progress on a terminal (here a real pseudo-terminal made
+/// by script(1)) and nothing when piped, under `--json` or with
+/// `AVIARY_NO_PROGRESS=1`; the bytes arrive intact either way.
+#[test]
+fn cp_shows_progress_only_on_a_terminal() {
+    let s = serve();
+    let o = aviary(&s, &["--json", "sandbox", "create"]);
+    assert!(o.status.success(), "{o:?}");
+    let id = serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let big = s._dir.path().join("big.bin");
+    let data: Vec<u8> = (0..8u32 << 20).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&big, &data).unwrap();
+    let remote = format!("{id}:/workspace/big.bin");
+
+    // piped: stderr is the one summary line, nothing drawn
+    let o = aviary(&s, &["sandbox", "cp", big.to_str().unwrap(), &remote]);
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        format!("{} bytes copied\n", data.len())
+    );
+
+    // on a terminal: a byte bar naming the file
+    let on_tty = |extra_env: &str, args: &str| -> String {
+        let cmd = format!(
+            "{extra_env} AVIARY_URL={} AVIARY_DATA_DIR={} {BIN} {args}",
+            s.url,
+            s.data.display()
+        );
+        let o = Command::new("script")
+            .args(["-qec", &cmd, "/dev/null"])
+            .env_remove("AVIARY_API_KEY")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{o:?}");
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let up = on_tty("", &format!("sandbox cp {} {remote}", big.display()));
+    assert!(up.contains("/workspace/big.bin ["), "no bar drawn: {up:?}");
+    assert!(up.contains("MiB"), "{up:?}");
+    assert!(
+        up.contains(&format!("{} bytes copied", data.len())),
+        "{up:?}"
+    );
+    let back = s._dir.path().join("back.bin");
+    let down = on_tty("", &format!("sandbox cp {remote} {}", back.display()));
+    assert!(
+        down.contains("/workspace/big.bin ["),
+        "no bar drawn: {down:?}"
+    );
+    assert_eq!(std::fs::read(&back).unwrap(), data);
+
+    // off on request, and under --json (stdout stays one JSON document)
+    let quiet = on_tty(
+        "AVIARY_NO_PROGRESS=1",
+        &format!("sandbox cp {} {remote}", big.display()),
+    );
+    assert!(!quiet.contains("MiB"), "{quiet:?}");
+    let js = on_tty("", &format!("--json sandbox cp {} {remote}", big.display()));
+    assert!(!js.contains("MiB"), "{js:?}");
+    assert!(
+        js.contains("\"bytes\"") && js.contains(&data.len().to_string()),
+        "{js:?}"
+    );
+
+    let o = aviary(&s, &["sandbox", "rm", &id]);
+    assert!(o.status.success(), "{o:?}");
+}
+
 #[test]
 fn template_import_from_a_docker_save_archive() {
     let s = serve();

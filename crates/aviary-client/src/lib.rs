@@ -409,13 +409,7 @@ impl Client {
             .await
             .map_err(ClientError::Io)?;
         let len = file.metadata().await.map_err(ClientError::Io)?.len();
-        let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(file));
-        let rb = self
-            .req(Method::PUT, &Self::files_url(id, "", remote))
-            .header(reqwest::header::CONTENT_LENGTH, len)
-            .body(body);
-        let v: serde_json::Value = self.json(token_header(rb, token)).await?;
-        Ok(v["bytes"].as_u64().unwrap_or(len))
+        self.upload_sized(id, file, Some(len), remote, token).await
     }
 
     /// Uploads bytes held in memory.
@@ -445,12 +439,30 @@ impl Client {
     where
         R: tokio::io::AsyncRead + Send + 'static,
     {
+        self.upload_sized(id, reader, None, remote, token).await
+    }
+
+    /// Uploads `reader` as the file `remote`, streamed; with `len`, the
+    /// request declares it (`Content-Length`) and `reader` must yield exactly
+    /// that many bytes.
+    pub async fn upload_sized<R>(
+        &self,
+        id: &str,
+        reader: R,
+        len: Option<u64>,
+        remote: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<u64, ClientError>
+    where
+        R: tokio::io::AsyncRead + Send + 'static,
+    {
         let body = reqwest::Body::wrap_stream(tokio_util::io::ReaderStream::new(reader));
-        let rb = self
-            .req(Method::PUT, &Self::files_url(id, "", remote))
-            .body(body);
-        let v: serde_json::Value = self.json(token_header(rb, token)).await?;
-        Ok(v["bytes"].as_u64().unwrap_or(0))
+        let mut rb = self.req(Method::PUT, &Self::files_url(id, "", remote));
+        if let Some(len) = len {
+            rb = rb.header(reqwest::header::CONTENT_LENGTH, len);
+        }
+        let v: serde_json::Value = self.json(token_header(rb.body(body), token)).await?;
+        Ok(v["bytes"].as_u64().or(len).unwrap_or(0))
     }
 
     /// Streams the file `remote` into `out` (stdout, say).
