@@ -872,25 +872,6 @@ async fn mcp(a: McpArgs) -> Result<i32, Failure> {
         .map_err(|e| Failure::new(ErrorCode::Unavailable, format!("mcp server: {e:#}")))
 }
 
-/// Logs of `serve` and `node` on stderr: `AVIARY_LOG` filters them
-/// (`info` by default); `AVIARY_LOG_FORMAT=json` writes one JSON object a
-/// line; colours only when stderr is a terminal.
-fn init_logging() {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_env("AVIARY_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if std::env::var("AVIARY_LOG_FORMAT").as_deref() == Ok("json") {
-        builder.json().try_init()
-    } else {
-        builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init()
-    };
-}
-
 fn find_envd(explicit: Option<PathBuf>) -> PathBuf {
     if let Some(p) = explicit {
         return p;
@@ -911,7 +892,7 @@ fn find_envd(explicit: Option<PathBuf>) -> PathBuf {
 }
 
 async fn serve(a: ServeArgs) -> Result<i32, Failure> {
-    init_logging();
+    crate::telemetry::init();
     let mut settings = match &a.config {
         Some(p) => aviary_config::Config::load(p)
             .map_err(|e| Failure::exit(EXIT_CONFIG, format!("{e}")))?,
@@ -974,10 +955,13 @@ async fn serve(a: ServeArgs) -> Result<i32, Failure> {
     eprintln!(
         "aviary: shutting down (sandboxes keep running and are re-attached on the next start)"
     );
-    server
+    let stopped = server
         .stop()
         .await
-        .map_err(|e| Failure::new(ErrorCode::Internal, format!("{e:#}")))?;
+        .map_err(|e| Failure::new(ErrorCode::Internal, format!("{e:#}")));
+    // the exporter's flush blocks: off the async workers
+    let _ = tokio::task::spawn_blocking(crate::telemetry::shutdown).await;
+    stopped?;
     Ok(0)
 }
 
@@ -1744,7 +1728,7 @@ async fn action(
 }
 
 async fn node(a: NodeArgs) -> Result<i32, Failure> {
-    init_logging();
+    crate::telemetry::init();
     let fail = |e: String| Failure::new(ErrorCode::Internal, e);
     std::fs::create_dir_all(&a.data_dir)
         .map_err(|e| fail(format!("creating {}: {e}", a.data_dir.display())))?;

@@ -9,6 +9,7 @@
 mod cli;
 mod output;
 mod progress;
+mod telemetry;
 
 use clap::Parser;
 

@@ -56,6 +56,11 @@ fn free_port() -> u16 {
 }
 
 fn serve() -> Server {
+    serve_with(&[])
+}
+
+/// `aviary serve` with extra environment variables.
+fn serve_with(env: &[(&str, &str)]) -> Server {
     let dir = tempfile::Builder::new()
         .prefix("avc")
         .tempdir_in("/tmp")
@@ -75,6 +80,7 @@ fn serve() -> Server {
         .arg(&cache)
         .arg("--envd")
         .arg(envd())
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -443,6 +449,107 @@ fn labels_env_and_ttl_through_the_cli() {
         let o = aviary(&s, &["sandbox", "rm", id]);
         assert!(o.status.success(), "{o:?}");
     }
+}
+
+/// With an OTLP endpoint configured, every API request is exported as a
+/// span carrying its request id (here to a small OTLP/HTTP JSON receiver).
+#[test]
+fn requests_are_traced_over_otlp_when_configured() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let sink = bodies.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let (mut path, mut len) = (String::new(), 0usize);
+            let mut line = String::new();
+            while reader.read_line(&mut line).unwrap_or(0) > 0 && line != "\r\n" {
+                if path.is_empty() {
+                    path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+                line.clear();
+            }
+            let mut body = vec![0; len];
+            reader.read_exact(&mut body).unwrap();
+            sink.lock()
+                .unwrap()
+                .push(format!("{path} {}", String::from_utf8_lossy(&body)));
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+            );
+        }
+    });
+    let s = serve_with(&[
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ]);
+    let key = std::fs::read_to_string(s.data.join("admin.key")).unwrap();
+    let o = Command::new("curl")
+        .args(["-s", "-D", "-", "-o", "/dev/null"])
+        .args(["-H", &format!("authorization: Bearer {}", key.trim())])
+        .args(["-H", "x-request-id: req-otel-probe-1"])
+        .arg(format!("{}/v1/templates", s.url))
+        .output()
+        .unwrap();
+    let head = String::from_utf8_lossy(&o.stdout).to_ascii_lowercase();
+    assert!(head.contains("x-request-id: req-otel-probe-1"), "{head}");
+    let start = Instant::now();
+    let exported = loop {
+        let found = bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|b| b.contains("req-otel-probe-1"))
+            .cloned();
+        if let Some(b) = found {
+            break b;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no span with the request id exported: {:?}",
+            bodies.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(exported.starts_with("/v1/traces "), "{exported}");
+    let json: serde_json::Value =
+        serde_json::from_str(exported.trim_start_matches("/v1/traces ")).unwrap();
+    let span = json["resourceSpans"][0]["scopeSpans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["spans"].as_array().unwrap().iter())
+        .find(|sp| sp.to_string().contains("req-otel-probe-1"))
+        .unwrap()
+        .clone();
+    assert_eq!(span["name"], "http.request", "{span}");
+    let attr = |k: &str| {
+        span["attributes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["key"] == k)
+            .map(|a| a["value"].clone())
+    };
+    assert_eq!(
+        attr("aviary.request_id").unwrap()["stringValue"],
+        "req-otel-probe-1",
+        "{span}"
+    );
+    assert_eq!(attr("url.path").unwrap()["stringValue"], "/v1/templates");
+    assert!(
+        json["resourceSpans"][0]["resource"]
+            .to_string()
+            .contains("\"aviary\""),
+        "service name: {json}"
+    );
 }
 
 /// Long work draws progress on a terminal (here a real pseudo-terminal made

@@ -1604,6 +1604,19 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
             body_timeout,
         ))
         .layer(axum::Extension(limiter))
+        // one span per request, inside the request-id layers below so it
+        // names the id (exported when OpenTelemetry is configured)
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_response(
+                    |res: &axum::http::Response<_>,
+                     _latency: std::time::Duration,
+                     span: &tracing::Span| {
+                        span.record("http.response.status_code", res.status().as_u16());
+                    },
+                ),
+        )
         // every answer carries its request id: the client's (when it is a
         // usable one) or a new one, the same id the events record
         .layer(tower_http::request_id::PropagateRequestIdLayer::x_request_id())
@@ -1612,6 +1625,24 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         ))
         .layer(axum::middleware::map_request(drop_unusable_request_id))
         .with_state(cp)
+}
+
+/// The span of one request: method, path (never the query) and the request
+/// id (`aviary.request_id`), the status recorded when the answer is made.
+fn request_span<B>(req: &axum::http::Request<B>) -> tracing::Span {
+    let id = req
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    tracing::info_span!(
+        "http.request",
+        "otel.kind" = "server",
+        "http.request.method" = %req.method(),
+        "url.path" = %req.uri().path(),
+        "aviary.request_id" = %id,
+        "http.response.status_code" = tracing::field::Empty,
+    )
 }
 
 /// Makes the id of a request that came without a usable one.
