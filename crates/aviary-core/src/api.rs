@@ -12,20 +12,26 @@ use time::OffsetDateTime;
 pub struct CreateSandboxRequest {
     /// Template name; the default template when absent.
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
     pub template: Option<String>,
     /// Resource class; the default class when absent.
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub class: Option<String>,
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub user_id: Option<String>,
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub session_id: Option<String>,
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub agent: Option<String>,
     #[serde(default)]
     pub scope: Option<Scope>,
     /// Network profile by name (`none`, or one from the configuration).
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub network: Option<String>,
     /// Task context for the resource planner (DESIGN §7); the planner's
     /// recommendation goes through the policy guard. Ignored when `class` is set.
@@ -40,6 +46,7 @@ pub struct CreateSandboxRequest {
     pub lease: Option<AcquireLeaseRequest>,
     /// A saved sandbox state (snapshot id of this tenant) to start from.
     #[serde(default)]
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub from_snapshot: Option<String>,
     /// The caller manages this sandbox's life: the platform (TTL, idle
     /// timeout) only stops it — snapshot and hibernate — and never destroys it.
@@ -53,15 +60,40 @@ pub struct CreateSandboxRequest {
     /// Labels kept with the sandbox, shown by `get`/`ls` and filterable
     /// (keys 1-128 characters, values up to 1024, at most 64 pairs).
     #[serde(default)]
+    #[schema(schema_with = labels_schema)]
     pub metadata: BTreeMap<String, String>,
     /// Default environment of every exec in the sandbox (an exec's own
-    /// `env` wins); never shown back.
+    /// `env` wins); never shown back. Names `[A-Za-z_][A-Za-z0-9_]*`, at
+    /// most 128 variables and 32 KiB.
     #[serde(default)]
+    #[schema(schema_with = env_schema)]
     pub env: BTreeMap<String, String>,
-    /// Default working directory of every exec (absolute; an exec's own
-    /// `cwd` wins). Absent: the template's `WorkingDir`, else envd's default.
+    /// Default working directory of every exec (absolute, no `..`; an
+    /// exec's own `cwd` wins). Absent: the template's `WorkingDir`, else
+    /// envd's default.
     #[serde(default)]
+    #[schema(pattern = "^/", max_length = 4096)]
     pub workdir: Option<String>,
+}
+
+/// A string-to-string map of at most `max` entries, as the schema states it.
+fn bounded_map_schema(max: usize) -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .additional_properties(Some(ObjectBuilder::new().schema_type(Type::String)))
+        .max_properties(Some(max))
+        .build()
+}
+
+/// `metadata` of a create (see `aviary-control`'s `validate::MAX_LABELS`).
+fn labels_schema() -> utoipa::openapi::schema::Object {
+    bounded_map_schema(64)
+}
+
+/// `env` of a create (see `aviary-control`'s `validate::MAX_SANDBOX_ENV`).
+fn env_schema() -> utoipa::openapi::schema::Object {
+    bounded_map_schema(128)
 }
 
 /// What an imported image's config asks of the processes run from it
@@ -210,7 +242,9 @@ pub struct ExecRequest {
     /// Shell string, run with `/bin/sh -c`.
     #[serde(default)]
     pub shell: Option<String>,
+    /// Working directory (absolute, no `..`).
     #[serde(default)]
+    #[schema(pattern = "^/", max_length = 4096)]
     pub cwd: Option<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -332,6 +366,7 @@ pub struct TemplateList {
 #[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateKeyRequest {
+    #[schema(pattern = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
     pub tenant: String,
     #[serde(default)]
     pub admin: bool,

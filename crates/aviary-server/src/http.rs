@@ -292,7 +292,8 @@ pub struct ListQuery {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PathQuery {
-    /// Absolute path inside the sandbox.
+    /// Absolute path inside the sandbox (no `..` component, no NUL).
+    #[param(pattern = "^/", max_length = 4096)]
     path: String,
     /// Delete: a directory with its content. List: every entry below the
     /// directory (at most 10,000; `truncated` says when there were more).
@@ -416,7 +417,7 @@ async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandboxRequest,
-    responses((status = 201, body = CreateSandboxResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 503, body = ErrorBody)),
+    responses((status = 201, body = CreateSandboxResponse), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody, description = "`from_snapshot` names no snapshot of this tenant"), (status = 503, body = ErrorBody)),
     security(("api_key" = [])))]
 async fn create_sandbox(
     State(cp): State<AppState>,

@@ -154,3 +154,85 @@ async fn a_scope_bucket_is_a_lock_of_the_locks_backend() {
         .await
         .unwrap();
 }
+
+/// The constraints the OpenAPI document states on a create's and a key's
+/// fields (identifier patterns, absolute paths, bounded maps) are the ones
+/// the server enforces: every value the document's schema forbids is a 400
+/// that creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn documented_constraints_are_enforced() {
+    use utoipa::OpenApi;
+    let doc = serde_json::to_value(aviary_server::http::ApiDoc::openapi()).unwrap();
+    let props = &doc["components"]["schemas"]["CreateSandboxRequest"]["properties"];
+    // Option<String> fields are `type: [string, null]` with the pattern beside it
+    let patterned: Vec<(String, String)> = props
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter_map(|(k, v)| Some((k.clone(), v["pattern"].as_str()?.to_owned())))
+        .collect();
+    let names: Vec<&str> = patterned.iter().map(|(k, _)| k.as_str()).collect();
+    for f in [
+        "template",
+        "class",
+        "network",
+        "user_id",
+        "session_id",
+        "agent",
+        "from_snapshot",
+        "workdir",
+    ] {
+        assert!(names.contains(&f), "{f} has no pattern in {props}");
+    }
+    assert_eq!(props["metadata"]["maxProperties"], 64, "{props}");
+    assert_eq!(props["env"]["maxProperties"], 128, "{props}");
+
+    let ts = common::start().await;
+    let url = ts.url();
+    let http = reqwest::Client::new();
+    let post = |path: &str, body: serde_json::Value| {
+        http.post(format!("{url}{path}"))
+            .bearer_auth(&ts.key)
+            .json(&body)
+            .send()
+    };
+    let before = ts
+        .client
+        .list_sandboxes(true)
+        .await
+        .unwrap()
+        .sandboxes
+        .len();
+    // "../evil" breaks every identifier pattern and the absolute-path one
+    for (field, _) in &patterned {
+        let r = post(
+            "/v1/sandboxes",
+            serde_json::json!({ field.as_str(): "../evil" }),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 400, "{field}: {:?}", r.text().await);
+    }
+    let many = |n: usize| -> serde_json::Map<String, serde_json::Value> {
+        (0..n).map(|i| (format!("K{i}"), "v".into())).collect()
+    };
+    for (field, n) in [("metadata", 65), ("env", 129)] {
+        let r = post("/v1/sandboxes", serde_json::json!({ field: many(n) }))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{field}: {:?}", r.text().await);
+    }
+    let r = post("/v1/keys", serde_json::json!({"tenant": "../evil"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400, "{:?}", r.text().await);
+    let after = ts
+        .client
+        .list_sandboxes(true)
+        .await
+        .unwrap()
+        .sandboxes
+        .len();
+    assert_eq!(before, after, "a refused create made a sandbox");
+    ts.cleanup().await;
+}
