@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker quota planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker history quota planner pool leases replicas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker quota planner pool leases replicas "
+all_parts=" core snapshots chunker history quota planner pool leases replicas "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -22,6 +22,9 @@ if want snapshots; then
 fi
 if want chunker; then
   cargo build --release --locked -p aviary-snapshots --example chunker_bench
+fi
+if want history; then
+  cargo build --release --locked -p aviary-registry-sqlite --example history_bench
 fi
 AVIARY_ENVD=$(scripts/build-envd.sh)
 export AVIARY_ENVD
@@ -65,6 +68,12 @@ fi
 if want chunker; then
   "$CARGO_TARGET_DIR/release/examples/chunker_bench" --size-mib 256 | { echo '```'; cat; echo '```'; } | tee "$out"
   write_section chunker "$measured 256 MiB of random bytes, median of 5:" "$out"
+fi
+
+# registry history: a create's live listing with 100k terminated sandboxes, with and without the live index
+if want history; then
+  "$CARGO_TARGET_DIR/release/examples/history_bench" 100000 | tee "$out"
+  write_section history "$measured Median of 300 listings of a tenant's 20 live sandboxes:" "$out"
 fi
 
 # disk quotas: create/destroy with and without the per-sandbox disk, interleaved

@@ -63,6 +63,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "reuse state",
         include_str!("../migrations/0004_reuse_state.sql"),
     ),
+    (
+        5,
+        "live_index",
+        include_str!("../migrations/0005_live_index.sql"),
+    ),
 ];
 
 /// The schema version this build brings a database to.

@@ -367,8 +367,9 @@ impl Registry for PostgresRegistry {
             q.push(" AND tenant_id = ").push_bind(t);
         }
         if !include_terminated {
-            q.push(" AND state <> ")
-                .push_bind(SandboxState::Terminated.as_str());
+            // a literal, so the live-rows partial index applies (migration
+            // `live_index`): the cost stays with the live rows, not history
+            q.push(" AND state <> 'Terminated'");
         }
         q.push(" ORDER BY created_at, seq");
         let rows = q.build().fetch_all(&self.pool).await.map_err(storage)?;

@@ -49,6 +49,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("../migrations/0007_paused.sql"),
     include_str!("../migrations/0008_labels_env_secrets.sql"),
     include_str!("../migrations/0009_reuse_state.sql"),
+    include_str!("../migrations/0010_live_index.sql"),
 ];
 
 /// How long a writer from another process waits for the write lock.

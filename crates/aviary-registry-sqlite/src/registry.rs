@@ -184,6 +184,22 @@ where
     Ok(())
 }
 
+/// The query of [`Registry::list_sandboxes`] (`?` = the tenant, when
+/// `by_tenant`). Live rows are selected with the state as a literal, so
+/// SQLite proves the query implies the live-rows partial indexes (migration
+/// 10) and never walks the terminated history.
+pub(crate) fn list_sandboxes_sql(by_tenant: bool, include_terminated: bool) -> String {
+    let mut sql = format!("SELECT {SANDBOX_COLUMNS} FROM sandbox_instance WHERE 1 = 1");
+    if by_tenant {
+        sql.push_str(" AND tenant_id = ?");
+    }
+    if !include_terminated {
+        sql.push_str(" AND state <> 'Terminated'");
+    }
+    sql.push_str(" ORDER BY created_at, rowid");
+    sql
+}
+
 impl SqliteRegistry {
     async fn exists(&self, id: &SandboxId) -> Result<bool, RegistryError> {
         let found: Option<i64> =
@@ -343,18 +359,12 @@ impl Registry for SqliteRegistry {
         tenant: Option<&str>,
         include_terminated: bool,
     ) -> Result<Vec<SandboxRecord>, RegistryError> {
-        let mut q = QueryBuilder::<Sqlite>::new(format!(
-            "SELECT {SANDBOX_COLUMNS} FROM sandbox_instance WHERE 1 = 1"
-        ));
+        let sql = list_sandboxes_sql(tenant.is_some(), include_terminated);
+        let mut q = sqlx::query(&sql);
         if let Some(t) = tenant {
-            q.push(" AND tenant_id = ").push_bind(t);
+            q = q.bind(t);
         }
-        if !include_terminated {
-            q.push(" AND state <> ")
-                .push_bind(SandboxState::Terminated.as_str());
-        }
-        q.push(" ORDER BY created_at, rowid");
-        let rows = q.build().fetch_all(&self.reader).await.map_err(storage)?;
+        let rows = q.fetch_all(&self.reader).await.map_err(storage)?;
         rows.iter().map(sandbox_row).collect()
     }
 

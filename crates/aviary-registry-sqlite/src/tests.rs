@@ -518,3 +518,75 @@ async fn sandboxes_from_before_schema_6_are_no_pool_handouts() {
         .unwrap()
         .is_empty());
 }
+
+/// The live listings a create reads (quota by tenant, pool claims, the
+/// scheduler's view) are answered from the live-rows partial indexes, so
+/// their cost does not grow with the terminated history: SQLite's own query
+/// plan names the index, and the listing is right over a history of
+/// terminated rows.
+#[tokio::test]
+async fn live_listings_use_the_live_index_not_the_history() {
+    let db = FileDb::new();
+    let reg = SqliteRegistry::open(&db.path).await.unwrap();
+    for (by_tenant, index) in [
+        (true, "sandbox_instance_live_by_tenant"),
+        (false, "sandbox_instance_live"),
+    ] {
+        let sql = crate::registry::list_sandboxes_sql(by_tenant, false);
+        let explain = format!("EXPLAIN QUERY PLAN {sql}");
+        let mut q = sqlx::query(&explain);
+        if by_tenant {
+            q = q.bind("acme");
+        }
+        let plan: Vec<String> = q
+            .fetch_all(&reg.reader)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| sqlx::Row::get::<String, _>(r, "detail"))
+            .collect();
+        assert!(
+            plan.iter().any(|d| d.contains(index)),
+            "by_tenant={by_tenant}: {plan:?}"
+        );
+        assert!(
+            !plan.iter().any(|d| d.contains("TEMP B-TREE")),
+            "the index gives the order: {plan:?}"
+        );
+    }
+    // a history of terminated rows, and live rows of two tenants
+    let mut live = Vec::new();
+    for i in 0..40 {
+        let tenant = if i % 2 == 0 { "acme" } else { "other" };
+        let rec = reg
+            .insert_sandbox(&sample_sandbox(tenant), TransitionCtx::default())
+            .await
+            .unwrap();
+        if i % 4 == 0 && tenant == "acme" {
+            live.push(rec.id);
+        } else if tenant == "acme" {
+            reg.transition(
+                &rec.id,
+                rec.version,
+                &[SandboxState::Terminated],
+                FenceCheck::Skip,
+                TransitionCtx::default(),
+            )
+            .await
+            .unwrap();
+        }
+    }
+    let listed: Vec<SandboxId> = reg
+        .list_sandboxes(Some("acme"), false)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(listed, live, "live rows of the tenant, oldest first");
+    assert_eq!(
+        reg.list_sandboxes(Some("acme"), true).await.unwrap().len(),
+        20
+    );
+    assert_eq!(reg.list_sandboxes(None, false).await.unwrap().len(), 30);
+}

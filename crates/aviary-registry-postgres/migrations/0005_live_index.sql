@@ -1,0 +1,8 @@
+-- Live sandboxes, without the terminated history: the quota check, the pool
+-- claim and the scheduler read them on every create, so their cost must not
+-- grow with the number of sandboxes that ever existed. Queries name the state
+-- as a literal so the planner can match these partial indexes.
+CREATE INDEX sandbox_instance_live_by_tenant ON sandbox_instance (tenant_id, created_at, seq)
+    WHERE state <> 'Terminated';
+CREATE INDEX sandbox_instance_live ON sandbox_instance (created_at, seq)
+    WHERE state <> 'Terminated';
