@@ -933,6 +933,16 @@ impl Client {
             .map_err(ClientError::Transport)
     }
 
+    /// The proxy URL and port token of one port of a sandbox.
+    pub async fn port_endpoint(
+        &self,
+        id: &str,
+        port: u16,
+    ) -> Result<aviary_core::api::PortEndpoint, ClientError> {
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes/{id}/endpoints/{port}")))
+            .await
+    }
+
     /// A raw request, for tests that send deliberately bad input.
     pub async fn raw(
         &self,

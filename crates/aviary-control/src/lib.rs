@@ -68,6 +68,7 @@ pub mod nodes;
 pub mod ops;
 pub mod planning;
 pub mod pools;
+pub mod ports;
 pub mod projection;
 pub mod reconciler;
 pub mod requests;

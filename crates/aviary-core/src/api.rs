@@ -343,3 +343,19 @@ pub struct CreatedKey {
     pub admin: bool,
     pub key: String,
 }
+
+/// How to reach one port of a sandbox through the control plane
+/// (`GET /v1/sandboxes/{id}/endpoints/{port}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PortEndpoint {
+    pub port: u16,
+    /// The proxy URL; send the API key, or `token` in the `header` header.
+    pub url: String,
+    /// The URL for a browser: carries the token once, which the answer
+    /// turns into a cookie scoped to this port.
+    pub browser_url: String,
+    /// The header that carries `token`.
+    pub header: String,
+    /// The port token: opens this port of this sandbox only.
+    pub token: String,
+}

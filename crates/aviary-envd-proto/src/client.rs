@@ -62,6 +62,9 @@ pub enum EnvdError {
     /// The call's token is not the sandbox's current fence.
     #[error("stale token")]
     StaleToken,
+    /// Nothing accepts connections on the port a tunnel asked for.
+    #[error("port unreachable: {0}")]
+    PortUnreachable(String),
     #[error("permission denied: {0}")]
     PermissionDenied(String),
     /// The path is a FIFO, socket or device where a regular file is required.
@@ -107,6 +110,7 @@ impl EnvdError {
             EnvdError::InvalidPath(_) => C::InvalidPath,
             EnvdError::LeaseRequired => C::LeaseRequired,
             EnvdError::StaleToken => C::StaleToken,
+            EnvdError::PortUnreachable(_) => C::PortUnreachable,
             // refusals for the caller's input or the sandbox's contents
             EnvdError::BadRequest(_)
             | EnvdError::AlreadyExists(_)
@@ -142,6 +146,7 @@ impl EnvdError {
             ErrorCode::BadRequest => EnvdError::BadRequest(m),
             ErrorCode::Busy => EnvdError::Busy,
             ErrorCode::Internal => EnvdError::Remote(m),
+            ErrorCode::PortUnreachable => EnvdError::PortUnreachable(m),
         }
     }
 
@@ -757,6 +762,24 @@ impl EnvdClient {
     }
 }
 
+impl EnvdClient {
+    /// Opens a byte tunnel to `127.0.0.1:port` inside the sandbox (fenced by
+    /// `token` like every mutating call). The answer is an
+    /// `AsyncRead + AsyncWrite` stream: bytes written go to the port,
+    /// `shutdown` half-closes towards it, bytes read come from it, EOF when
+    /// it closed its side. Dropping the stream closes the tunnel. Nothing
+    /// listening is [`EnvdError::PortUnreachable`].
+    pub async fn connect_port(
+        &self,
+        port: u16,
+        token: Option<u64>,
+    ) -> Result<crate::port_stream::PortStream, EnvdError> {
+        let mut conn = self.connect(&Request::Connect { port, token }).await?;
+        expect_ok(read_response(&mut conn).await?)?;
+        Ok(crate::port_stream::PortStream::new(conn))
+    }
+}
+
 /// Connects to the envd socket at `path`: never through a symlink, and (when
 /// `expected_pid` is set) only to a socket whose listener is that process.
 async fn connect_unix(path: &Path, expected_pid: Option<u32>) -> Result<UnixStream, EnvdError> {
@@ -851,7 +874,7 @@ async fn write_raw_frame<W: AsyncWrite + Unpin>(
 
 /// One connection to envd, over either transport.
 #[derive(Debug)]
-enum Conn {
+pub(crate) enum Conn {
     Unix(UnixStream),
     Tcp(TcpStream),
 }

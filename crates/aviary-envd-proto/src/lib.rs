@@ -30,6 +30,11 @@
 //! - `read_file`: `Request` → `Response::Opened` `Data`* `End` (or `Error` at any point).
 //! - `write_file`: `Request` `Data`* `End` → `Response::Written` or `Error`.
 //! - `list_dir`: `Request` → `Data`* (each a JSON array of [`FileStat`]) `Response::Listed`.
+//! - `connect` (a port tunnel, fenced): `Request` → `Response::Ok | Error`;
+//!   after `Ok` the connection is a byte tunnel to `127.0.0.1:port` in the
+//!   sandbox: `Data`* both ways, `End` for a half-close of that direction.
+//!   envd ends the tunnel (closes the connection) when the fence moves, on
+//!   `kill_all`, and after [`TUNNEL_IDLE_TIMEOUT_S`] without a byte either way.
 //!
 //! **Invariants.** Decoding never panics and never allocates more than
 //! [`MAX_DATA_FRAME`] for one frame: the header is checked (known kind, length
@@ -44,10 +49,14 @@ use serde::{Deserialize, Serialize};
 #[cfg(feature = "client")]
 mod client;
 #[cfg(feature = "client")]
+mod port_stream;
+#[cfg(feature = "client")]
 pub use client::{
     EnvdClient, EnvdError, ExecEvent, ExecOutput, ExecSpec, ExecStream, ExitInfo, FileReader,
     StdinSource,
 };
+#[cfg(feature = "client")]
+pub use port_stream::PortStream;
 
 /// Protocol version reported by `health`; bump on incompatible changes.
 /// The `PATH` envd gives a command whose request sets none.
@@ -66,6 +75,8 @@ pub const CHUNK_SIZE: usize = 64 * 1024;
 pub const MAX_PATH_LEN: usize = 4096;
 /// Longest accepted path component, in bytes.
 pub const MAX_NAME_LEN: usize = 255;
+/// A port tunnel with no byte in either direction for this long is closed.
+pub const TUNNEL_IDLE_TIMEOUT_S: u64 = 300;
 
 /// The kind byte of a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +318,13 @@ pub enum Request {
         #[serde(default)]
         token: Option<u64>,
     },
+    /// Opens a byte tunnel to `127.0.0.1:port` inside the sandbox (fenced:
+    /// the tunnel is the caller's hand on whatever listens there).
+    Connect {
+        port: u16,
+        #[serde(default)]
+        token: Option<u64>,
+    },
 }
 
 /// Successful answers (the final frame, except `Opened`, which precedes file data).
@@ -395,6 +413,8 @@ pub enum ErrorCode {
     Busy,
     /// Anything else (I/O failure inside the sandbox, spawn failure, ...).
     Internal,
+    /// Nothing accepts connections on the requested port in the sandbox.
+    PortUnreachable,
 }
 
 /// Payload of an `Error` frame.

@@ -42,6 +42,7 @@ mod reaper;
 mod server;
 mod sweep;
 mod sys;
+mod tunnel;
 mod user;
 
 use std::os::unix::fs::FileTypeExt;

@@ -96,6 +96,8 @@ pub struct Envd {
     fence: Mutex<Fence>,
     fence_gate: RwLock<()>,
     running_groups: Mutex<HashSet<i32>>,
+    /// Open port tunnels, closed when the fence moves ([`crate::tunnel`]).
+    pub tunnels: crate::tunnel::Tunnels,
     connections: AtomicUsize,
     control_connections: AtomicUsize,
 }
@@ -119,6 +121,7 @@ impl Envd {
             fence: Mutex::new(Fence::default()),
             fence_gate: RwLock::new(()),
             running_groups: Mutex::new(HashSet::new()),
+            tunnels: Default::default(),
             connections: AtomicUsize::new(0),
             control_connections: AtomicUsize::new(0),
         }
@@ -177,6 +180,7 @@ impl Envd {
             }
         }
         let swept = if before.current != token || !before.swept {
+            self.tunnels.close_all();
             sweep::end_all_processes(self)
         } else {
             Ok(())
@@ -202,6 +206,7 @@ impl Envd {
     /// Ends every process but envd, the fence unchanged (a level-1 reset).
     pub fn kill_all(&self) -> Result<(), ErrorBody> {
         let _gate = self.fence_gate.write().unwrap_or_else(|p| p.into_inner());
+        self.tunnels.close_all();
         sweep::end_all_processes(self).map_err(|left| {
             fail(
                 ErrorCode::Internal,
@@ -451,6 +456,7 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             envd.fenced(token, || envd.fs.remove(&path, recursive))?;
             send_response(conn, &Response::Ok);
         }
+        Request::Connect { port, token } => crate::tunnel::run(envd, conn, port, token)?,
     }
     Ok(())
 }
