@@ -69,6 +69,7 @@ pub mod ops;
 pub mod planning;
 pub mod pools;
 pub mod ports;
+pub mod procs;
 pub mod projection;
 pub mod reconciler;
 pub mod requests;

@@ -778,6 +778,105 @@ impl EnvdClient {
         expect_ok(read_response(&mut conn).await?)?;
         Ok(crate::port_stream::PortStream::new(conn))
     }
+
+    /// The sandbox's processes (as envd sees them in its PID namespace).
+    pub async fn list_processes(&self) -> Result<Vec<crate::ProcessInfo>, EnvdError> {
+        let mut conn = self.connect(&Request::ListProcesses).await?;
+        let mut procs = Vec::new();
+        loop {
+            let (kind, payload) = read_frame(&mut conn).await?;
+            match kind {
+                FrameKind::Data => {
+                    let chunk: Vec<crate::ProcessInfo> =
+                        decode_json(&payload).map_err(EnvdError::Protocol)?;
+                    procs.extend(chunk);
+                    if procs.len() > crate::MAX_LISTED_PROCESSES {
+                        return Err(EnvdError::unexpected(kind));
+                    }
+                }
+                FrameKind::Response => {
+                    return match decode_json(&payload).map_err(EnvdError::Protocol)? {
+                        Response::Listed { .. } => Ok(procs),
+                        _ => Err(EnvdError::unexpected(kind)),
+                    }
+                }
+                FrameKind::Error => return Err(error_from_payload(&payload)),
+                other => return Err(EnvdError::unexpected(other)),
+            }
+        }
+    }
+
+    /// Sends signal number `signal` to process `pid` (fenced).
+    pub async fn signal(&self, pid: i32, signal: i32, token: Option<u64>) -> Result<(), EnvdError> {
+        expect_ok(self.call(&Request::Signal { pid, signal, token }).await?)
+    }
+
+    /// Starts a background command (stdin closed); answers its handle and pid.
+    pub async fn spawn(&self, spec: ExecSpec, token: Option<u64>) -> Result<(u64, i32), EnvdError> {
+        let req = Request::Spawn {
+            argv: spec.argv,
+            cwd: spec.cwd,
+            env: spec.env,
+            token,
+            user: spec.user,
+        };
+        match self.call(&req).await? {
+            Response::Spawned { handle, pid } => Ok((handle, pid)),
+            _ => Err(EnvdError::unexpected(FrameKind::Response)),
+        }
+    }
+
+    /// The output envd kept of a background command and its state now.
+    /// At most twice the ring size arrives (more is a protocol error).
+    pub async fn output(
+        &self,
+        handle: u64,
+    ) -> Result<(Vec<u8>, Vec<u8>, crate::BackgroundInfo), EnvdError> {
+        let mut conn = self
+            .connect(&Request::Output {
+                handle,
+                follow: false,
+            })
+            .await?;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        loop {
+            let (kind, payload) = read_frame(&mut conn).await?;
+            match kind {
+                FrameKind::Stdout => out.extend_from_slice(&payload),
+                FrameKind::Stderr => err.extend_from_slice(&payload),
+                FrameKind::Response => {
+                    return match decode_json(&payload).map_err(EnvdError::Protocol)? {
+                        Response::Background(info) => Ok((out, err, info)),
+                        _ => Err(EnvdError::unexpected(kind)),
+                    }
+                }
+                FrameKind::Error => return Err(error_from_payload(&payload)),
+                other => return Err(EnvdError::unexpected(other)),
+            }
+            if out.len() > crate::BACKGROUND_RING_BYTES * 2
+                || err.len() > crate::BACKGROUND_RING_BYTES * 2
+            {
+                return Err(EnvdError::unexpected(kind));
+            }
+        }
+    }
+
+    /// Follows a background command: the kept output, new output as it
+    /// comes, then its exit, as an [`ExecStream`] (dropping it stops
+    /// following; the command runs on).
+    pub async fn follow_output(&self, handle: u64) -> Result<ExecStream, EnvdError> {
+        let conn = self
+            .connect(&Request::Output {
+                handle,
+                follow: true,
+            })
+            .await?;
+        Ok(ExecStream {
+            conn,
+            stdin_writer: None,
+            finished: false,
+        })
+    }
 }
 
 /// Connects to the envd socket at `path`: never through a symlink, and (when

@@ -38,6 +38,7 @@
 
 mod exec;
 mod files;
+mod procs;
 mod reaper;
 mod server;
 mod sweep;

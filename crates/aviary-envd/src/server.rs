@@ -98,6 +98,8 @@ pub struct Envd {
     running_groups: Mutex<HashSet<i32>>,
     /// Open port tunnels, closed when the fence moves ([`crate::tunnel`]).
     pub tunnels: crate::tunnel::Tunnels,
+    /// Background commands and their kept output ([`crate::procs`]).
+    pub background: crate::procs::Background,
     connections: AtomicUsize,
     control_connections: AtomicUsize,
 }
@@ -122,6 +124,7 @@ impl Envd {
             fence_gate: RwLock::new(()),
             running_groups: Mutex::new(HashSet::new()),
             tunnels: Default::default(),
+            background: Default::default(),
             connections: AtomicUsize::new(0),
             control_connections: AtomicUsize::new(0),
         }
@@ -181,6 +184,7 @@ impl Envd {
         }
         let swept = if before.current != token || !before.swept {
             self.tunnels.close_all();
+            self.background.clear();
             sweep::end_all_processes(self)
         } else {
             Ok(())
@@ -457,6 +461,32 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             send_response(conn, &Response::Ok);
         }
         Request::Connect { port, token } => crate::tunnel::run(envd, conn, port, token)?,
+        Request::ListProcesses => crate::procs::send_list(conn, &crate::procs::list()?),
+        Request::Signal { pid, signal, token } => {
+            crate::procs::signal(envd, pid, signal, token)?;
+            send_response(conn, &Response::Ok);
+        }
+        Request::Spawn {
+            argv,
+            cwd,
+            env,
+            token,
+            user,
+        } => {
+            envd.check_token(token)?;
+            let (handle, pid) = crate::procs::spawn(
+                envd,
+                crate::procs::SpawnRequest {
+                    argv,
+                    cwd,
+                    env,
+                    token,
+                    user,
+                },
+            )?;
+            send_response(conn, &Response::Spawned { handle, pid });
+        }
+        Request::Output { handle, follow } => crate::procs::output(envd, conn, handle, follow)?,
     }
     Ok(())
 }

@@ -429,6 +429,7 @@ fn method(req: &Request) -> (&'static str, Option<u64>) {
         Request::Stat { .. } => ("stat", None),
         Request::Mkdir { token, .. } => ("mkdir", *token),
         Request::Remove { token, .. } => ("remove", *token),
+        Request::Connect { token, .. } => ("connect", *token),
     }
 }
 
@@ -540,6 +541,14 @@ async fn dispatch(inner: &Inner, conn: &mut Conn, req: Request) -> Result<(), Er
             };
             let reply = exec::answer(&rules, &call);
             send_exec_reply(conn, &reply).await;
+        }
+        Request::Connect { port, token } => {
+            // fenced like envd's; the fake sandbox runs no servers
+            inner.check_token(token)?;
+            return Err(fail(
+                ErrorCode::PortUnreachable,
+                format!("nothing listens on port {port} in the fake sandbox"),
+            ));
         }
         Request::ReadFile { path } => {
             let data = inner.state().tree.read(&path)?;

@@ -2,6 +2,8 @@
 //! (debootstrap template, no network) runs a small python3 HTTP + WebSocket
 //! echo server; the real server proxies to it over envd's port tunnel.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_core::ErrorCode;
