@@ -37,10 +37,12 @@ pub fn signal_number(name: Option<&str>) -> Result<i32, OpError> {
         "USR2" => libc_signal::USR2,
         "STOP" => libc_signal::STOP,
         "CONT" => libc_signal::CONT,
-        _ => return Err(OpError::InvalidRequest(format!(
+        _ => {
+            return Err(OpError::InvalidRequest(format!(
             "signal must be one of TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP, CONT, not {:?}",
             name.chars().take(16).collect::<String>()
-        ))),
+        )))
+        }
     })
 }
 
