@@ -124,6 +124,44 @@ async fn proxy(
     req: Request,
 ) -> Result<Response, ApiError> {
     let target = PortRequest::parse(p.id, &p.port)?;
+    let prefix = format!("/v1/sandboxes/{}/ports/{}", target.id, target.port);
+    proxy_to(st, target, prefix, req).await
+}
+
+/// Host-based routing, as E2B's `sandbox.get_host(port)` spells a port:
+/// a request whose `Host` is `{port}-{sandbox id}.{any domain}` goes to
+/// that port whatever its path (wildcard DNS for the domain points at this
+/// server). Same credentials as the path form.
+pub async fn by_host(
+    State(st): State<AppState>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match host_target(req.headers()) {
+        Some(target) => proxy_to(st, target, String::new(), req)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        None => next.run(req).await,
+    }
+}
+
+/// `{port}-{sandbox id}.` at the start of the `Host` header.
+fn host_target(h: &HeaderMap) -> Option<PortRequest> {
+    let host = h.get(header::HOST)?.to_str().ok()?;
+    let (label, _domain) = host.split_once('.')?;
+    let (port, id) = label.split_once('-')?;
+    if !id.starts_with("sbx-") || port.is_empty() || port.len() > 5 {
+        return None;
+    }
+    PortRequest::parse(id, port).ok()
+}
+
+async fn proxy_to(
+    st: AppState,
+    target: PortRequest,
+    prefix: String,
+    req: Request,
+) -> Result<Response, ApiError> {
     let (mut parts, body) = req.into_parts();
     let (cx, set_cookie) = context(&st, &mut parts, &target).await?;
     let max = st.server.max_upload_bytes;
@@ -139,7 +177,6 @@ async fn proxy(
         ))
         .into());
     }
-    let prefix = format!("/v1/sandboxes/{}/ports/{}", target.id, target.port);
     let upgrade = wants_upgrade(&parts.headers);
     let client_upgrade = parts.extensions.remove::<hyper::upgrade::OnUpgrade>();
     let out = forwarded_request(&parts, &prefix, upgrade, body, max)?;
@@ -399,6 +436,29 @@ fn clean_answer_headers(h: &mut HeaderMap, switching: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_port_dash_sandbox_hosts_are_routed_by_host() {
+        let t = |h: &'static str| {
+            let mut m = HeaderMap::new();
+            m.insert(header::HOST, HeaderValue::from_static(h));
+            host_target(&m).map(|t| (t.port, t.id))
+        };
+        assert_eq!(
+            t("8000-sbx-abc.aviary.test:7400"),
+            Some((8000, "sbx-abc".to_owned()))
+        );
+        for not in [
+            "127.0.0.1:7400",
+            "localhost",
+            "0-sbx-abc.x",
+            "99999-sbx-abc.x",
+            "8000-abc.x",
+            "8000-sbx-abc",
+        ] {
+            assert_eq!(t(not), None, "{not}");
+        }
+    }
 
     #[test]
     fn hop_by_hop_and_connection_named_headers_are_dropped() {

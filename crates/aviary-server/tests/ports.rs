@@ -268,6 +268,27 @@ async fn ports_reach_a_server_in_a_sandbox_without_network() {
         .unwrap();
     assert_eq!(r.text().await.unwrap(), "GET /c auth=None cookie=a=b");
 
+    // host-based routing (E2B's get_host form): `{port}-{id}.{domain}`
+    let r = http
+        .get(format!("{base}/by/host?q=1"))
+        .header("host", format!("{PORT}-{id}.aviary.test"))
+        .header(&ep.header, &ep.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(
+        r.text().await.unwrap(),
+        "GET /by/host?q=1 auth=None cookie=None"
+    );
+    let r = http
+        .get(format!("{base}/"))
+        .header("host", format!("{PORT}-{id}.aviary.test"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(error_code(r).await.0, StatusCode::UNAUTHORIZED);
+
     // refused: no credential, a wrong key, a wrong token, another port's token
     let r = http.get(port_url(&base, &id, "/")).send().await.unwrap();
     assert_eq!(error_code(r).await.0, StatusCode::UNAUTHORIZED);
