@@ -122,6 +122,7 @@ pub(crate) struct HandlePath {
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct OutputQuery {
     /// Stream (server-sent events, as exec/stream) until the command exits.
