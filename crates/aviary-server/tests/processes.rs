@@ -47,6 +47,37 @@ async fn processes_list_signal_and_background_commands() {
     let p = list.processes.iter().find(|p| p.pid == pid).unwrap();
     assert_eq!((p.uid, p.user.as_deref()), (0, Some("root")));
 
+    // argv is the sandbox's text: bounded (64 arguments of at most 256 bytes)
+    let r = c
+        .exec(
+            &id,
+            &shell(
+                "x=$(head -c 1000 /dev/zero | tr '\\0' x); set --; \
+                 for i in $(seq 100); do set -- \"$@\" \"$x\"; done; \
+                 sh -c 'sleep 432; true' \"$@\" >/dev/null 2>&1 &",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, 0);
+    let mut wide = None;
+    for _ in 0..100 {
+        let list = c.list_processes(&id).await.unwrap();
+        wide = list
+            .processes
+            .into_iter()
+            .find(|p| p.argv.get(2).map(String::as_str) == Some("sleep 432; true"));
+        if wide.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let wide = wide.expect("the shell with a long argv is listed");
+    assert!(wide.truncated, "{wide:?}");
+    assert_eq!(wide.argv.len(), 64);
+    assert!(wide.argv.iter().all(|a| a.len() <= 256));
+    assert_eq!(wide.argv[3].len(), 256);
+
     // refused: envd, a signal envd does not send, a pid that is not there
     assert_eq!(
         code(c.signal_process(&id, 1, None, None).await.unwrap_err()),
