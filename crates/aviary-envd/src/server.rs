@@ -19,6 +19,11 @@
 //!   gate* for reading. `set_fence` holds the gate for writing across the sweep
 //!   and the move, so no work authorised by an old token starts or lands after
 //!   the fence moved.
+//! - Port tunnels ([`crate::tunnel`]) and background commands
+//!   ([`crate::procs`]) are fenced the same way; a fence move also closes every
+//!   tunnel and forgets every background handle before the sweep, so the old
+//!   holder keeps no way into the sandbox and the new one reads none of its
+//!   output.
 //!
 //! Lanes: [`MAX_CONNECTIONS`] general connections, plus [`CONTROL_LANE`]
 //! reserved ones that serve only `health`, `set_fence` and `kill_all`; and one
