@@ -390,8 +390,11 @@ fn forwarded_request(
         headers.insert("x-forwarded-host", host.clone());
     }
     headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
-    if let Ok(v) = HeaderValue::from_str(prefix) {
-        headers.insert("x-forwarded-prefix", v);
+    match HeaderValue::from_str(prefix) {
+        Ok(v) if !prefix.is_empty() => {
+            headers.insert("x-forwarded-prefix", v);
+        }
+        _ => {}
     }
     let limited = http_body_util::Limited::new(body, usize::try_from(max).unwrap_or(usize::MAX));
     let mut out = axum::http::Request::builder()
