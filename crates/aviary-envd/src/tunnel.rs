@@ -109,7 +109,16 @@ pub fn run(
             .and_then(|t| Ok((t, conn.try_clone()?)))
             .map_err(|e| fail(ErrorCode::Internal, format!("clone tunnel sockets: {e}")))?;
         let id = envd.tunnels.next.fetch_add(1, Ordering::Relaxed);
-        envd.tunnels.map().insert(id, clones);
+        let mut open = envd.tunnels.map();
+        // checked again with the map held: the bound is strict under races
+        if open.len() >= MAX_TUNNELS {
+            return Err(fail(
+                ErrorCode::Busy,
+                format!("envd keeps at most {MAX_TUNNELS} port tunnels open"),
+            ));
+        }
+        open.insert(id, clones);
+        drop(open);
         (id, tcp)
     };
     let result = pump(conn, tcp);
