@@ -317,11 +317,50 @@ enum SandboxCmd {
         /// Lease token (required while the sandbox is leased).
         #[arg(long)]
         token: Option<LeaseToken>,
+        /// Run in the background: print its handle at once (read it with `sandbox logs`).
+        #[arg(short = 'd', long, conflicts_with_all = ["interactive", "timeout"])]
+        detach: bool,
         #[command(flatten)]
         exec: ExecOpts,
         /// The command and its arguments, after `--`.
         #[arg(required = true, last = true)]
         cmd: Vec<String>,
+    },
+    /// List the processes of a sandbox (pid 1 is its envd).
+    Ps {
+        /// The sandbox id (sbx-…).
+        id: String,
+    },
+    /// Send a signal to one process of a sandbox.
+    Kill {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// The process id inside the sandbox (as `sandbox ps` shows it).
+        pid: i32,
+        /// TERM, KILL, INT, HUP, QUIT, USR1, USR2, STOP or CONT.
+        #[arg(long, short, default_value = "TERM")]
+        signal: String,
+        /// The lease token FENCE.SECRET, needed while the sandbox is leased.
+        #[arg(long)]
+        token: Option<LeaseToken>,
+    },
+    /// The output of a background command (`sandbox exec -d`); exits with its
+    /// exit code once it ended.
+    Logs {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// The handle `sandbox exec -d` printed.
+        handle: u64,
+        /// Follow new output until the command exits.
+        #[arg(long, short)]
+        follow: bool,
+    },
+    /// The URL of a port inside a sandbox, proxied by the server (no network needed).
+    Port {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// The port a server listens on inside the sandbox (127.0.0.1 there).
+        port: u16,
     },
     /// Freeze every process of a sandbox (cgroup freezer).
     Pause {
@@ -1006,6 +1045,62 @@ fn exec_request(cmd: Vec<String>, opts: &ExecOpts, token: Option<LeaseToken>) ->
     }
 }
 
+/// Prints a background command's output (or follows it to its exit); the
+/// exit code is the command's once it ended, 0 while it runs.
+async fn background_logs(
+    c: &Client,
+    id: &str,
+    handle: u64,
+    follow: bool,
+    json: bool,
+) -> Result<i32, Failure> {
+    if !follow {
+        let o = c.background_output(id, handle).await?;
+        if json {
+            output::json(&o);
+        } else {
+            let _ = std::io::stdout().write_all(o.stdout.as_bytes());
+            let _ = std::io::stderr().write_all(o.stderr.as_bytes());
+            if o.stdout_dropped + o.stderr_dropped > 0 {
+                eprintln!(
+                    "aviary: {} earlier bytes of output were not kept",
+                    o.stdout_dropped + o.stderr_dropped
+                );
+            }
+        }
+        return Ok(o.exit_code.unwrap_or(0));
+    }
+    let mut s = c.follow_background(id, handle).await?;
+    let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
+    let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
+    while let Some(item) = s.next().await? {
+        match item {
+            StreamItem::Stdout(d) if json => got_out.extend_from_slice(&d),
+            StreamItem::Stderr(d) if json => got_err.extend_from_slice(&d),
+            StreamItem::Stdout(d) => {
+                let _ = out.write_all(&d);
+                let _ = out.flush();
+            }
+            StreamItem::Stderr(d) => {
+                let _ = err.write_all(&d);
+                let _ = err.flush();
+            }
+            StreamItem::Exit(mut r) => {
+                if json {
+                    r.stdout = String::from_utf8_lossy(&got_out).into_owned();
+                    r.stderr = String::from_utf8_lossy(&got_err).into_owned();
+                    output::json(&r);
+                }
+                return Ok(r.exit_code);
+            }
+        }
+    }
+    Err(Failure::new(
+        ErrorCode::Internal,
+        "the output stream ended without an exit status".into(),
+    ))
+}
+
 /// Streams a command's output live; returns its exit status as an exit code.
 /// Under `--json` the output is collected instead and printed once, in the
 /// one JSON document (the exit result with `stdout`/`stderr`, and `sandbox`).
@@ -1358,11 +1453,64 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Exec {
             id,
             token,
+            detach,
             exec,
             cmd,
         } => {
             let req = exec_request(cmd, &exec, token);
+            if detach {
+                let started = c.start_background(&id, &req).await?;
+                if json {
+                    output::json(&started);
+                } else {
+                    println!("{}", started.handle);
+                    eprintln!(
+                        "pid {}; read its output with `aviary sandbox logs {id} {}`",
+                        started.pid, started.handle
+                    );
+                }
+                return Ok(0);
+            }
             return stream_exec(&c, &id, &req, exec.interactive, json).await;
+        }
+        SandboxCmd::Ps { id } => {
+            let list = c.list_processes(&id).await?;
+            if json {
+                output::json(&list);
+            } else {
+                output::process_table(&list.processes);
+            }
+        }
+        SandboxCmd::Kill {
+            id,
+            pid,
+            signal,
+            token,
+        } => {
+            c.signal_process(&id, pid, Some(&signal), token).await?;
+            if json {
+                output::json(&serde_json::json!({"sandbox": id, "pid": pid, "signal": signal}));
+            }
+        }
+        SandboxCmd::Logs { id, handle, follow } => {
+            return background_logs(&c, &id, handle, follow, json).await;
+        }
+        SandboxCmd::Port { id, port } => {
+            let ep = c.port_endpoint(&id, port).await?;
+            if json {
+                output::json(&ep);
+            } else {
+                println!("{}", ep.url);
+                eprintln!(
+                    "with the API key: curl -H \"Authorization: Bearer $AVIARY_API_KEY\" {}",
+                    ep.url
+                );
+                eprintln!(
+                    "without it:       curl -H \"{}: {}\" {}",
+                    ep.header, ep.token, ep.url
+                );
+                eprintln!("in a browser:     {}", ep.browser_url);
+            }
         }
         SandboxCmd::Pause { id, token } => action(&c, &id, "pause", token, json, None).await?,
         SandboxCmd::Resume { id, token } => action(&c, &id, "resume", token, json, None).await?,

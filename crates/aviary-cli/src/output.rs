@@ -143,3 +143,32 @@ pub fn key_table(keys: &[aviary_client::ApiKeyInfo]) {
         }),
     );
 }
+
+/// `sandbox ps`: one row per process (argv is the sandbox's text: shown, cut).
+pub fn process_table(list: &[aviary_core::api::ProcessEntry]) {
+    table(
+        ["PID", "PPID", "USER", "STAT", "COMMAND"],
+        list.iter().map(|p| {
+            let mut cmd: String = p
+                .argv
+                .join(" ")
+                .chars()
+                .map(|c| if c.is_control() { '?' } else { c })
+                .take(120)
+                .collect();
+            if p.truncated {
+                cmd.push_str(" …");
+            }
+            [
+                p.pid.to_string(),
+                p.ppid.to_string(),
+                p.user
+                    .as_deref()
+                    .map(|u| u.chars().filter(|c| !c.is_control()).take(32).collect())
+                    .unwrap_or_else(|| p.uid.to_string()),
+                p.state.clone(),
+                cmd,
+            ]
+        }),
+    );
+}

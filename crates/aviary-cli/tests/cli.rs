@@ -1011,6 +1011,123 @@ fn exec_i_streams_stdin_bytes() {
     assert!(o.status.success(), "{o:?}");
 }
 
+/// A raw HTTP/1.1 GET with one extra header; the status code and body.
+fn http_get(url: &str, header: (&str, &str)) -> (u16, String) {
+    use std::io::{Read as _, Write as _};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (addr, path) = rest.split_at(rest.find('/').unwrap());
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{}: {}\r\nConnection: close\r\n\r\n",
+        header.0, header.1
+    )
+    .unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn ps_kill_background_logs_and_port_urls() {
+    let s = serve();
+    let o = aviary(&s, &["sandbox", "create"]);
+    let id = stdout(&o).trim().to_owned();
+    // exec -d prints a handle at once; ps shows the process; kill ends it
+    let o = aviary(&s, &["sandbox", "exec", "-d", &id, "--", "sleep", "500"]);
+    assert!(o.status.success(), "{o:?}");
+    let handle = stdout(&o).trim().to_owned();
+    assert!(handle.parse::<u64>().is_ok(), "{o:?}");
+    let o = aviary(&s, &["sandbox", "ps", &id]);
+    let ps = stdout(&o);
+    assert!(ps.starts_with("PID"), "{ps}");
+    let line = ps.lines().find(|l| l.ends_with("sleep 500")).expect(&ps);
+    let pid = line.split_whitespace().next().unwrap().to_owned();
+    let o = aviary(&s, &["sandbox", "kill", &id, &pid, "--signal", "KILL"]);
+    assert!(o.status.success(), "{o:?}");
+    // logs -f follows to the exit and exits with its code (128 + 9)
+    let o = aviary(&s, &["sandbox", "logs", "-f", &id, &handle]);
+    assert_eq!(o.status.code(), Some(137), "{o:?}");
+    // a background command's output, read by a later command
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            "-d",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "echo hi; echo oops >&2; sleep 1; echo bye; exit 3",
+        ],
+    );
+    let handle = stdout(&o).trim().to_owned();
+    let o = aviary(&s, &["sandbox", "logs", "--follow", &id, &handle]);
+    assert_eq!(
+        (
+            o.status.code(),
+            stdout(&o).as_str(),
+            String::from_utf8_lossy(&o.stderr).as_ref()
+        ),
+        (Some(3), "hi\nbye\n", "oops\n"),
+        "{o:?}"
+    );
+    let o = aviary(&s, &["--json", "sandbox", "logs", &id, &handle]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (v["running"].as_bool(), v["exit_code"].as_i64()),
+        (Some(false), Some(3)),
+        "{v}"
+    );
+    // a server in the sandbox, reached through the port URL the CLI prints
+    let o = aviary(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            "-d",
+            &id,
+            "--",
+            "python3",
+            "-m",
+            "http.server",
+            "8000",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            "/etc",
+        ],
+    );
+    assert!(o.status.success(), "{o:?}");
+    let o = aviary(&s, &["--json", "sandbox", "port", &id, "8000"]);
+    let ep: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let url = format!("{}hostname", ep["url"].as_str().unwrap());
+    let o = aviary(&s, &["sandbox", "port", &id, "8000"]);
+    assert_eq!(stdout(&o).trim(), ep["url"].as_str().unwrap(), "{o:?}");
+    let header = (
+        ep["header"].as_str().unwrap(),
+        ep["token"].as_str().unwrap(),
+    );
+    let mut answer = http_get(&url, header);
+    for _ in 0..100 {
+        if answer.0 != 502 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        answer = http_get(&url, header);
+    }
+    let o = aviary(&s, &["sandbox", "exec", &id, "--", "cat", "/etc/hostname"]);
+    assert_eq!(answer, (200, stdout(&o)));
+    let o = aviary(&s, &["sandbox", "rm", &id]);
+    assert!(o.status.success(), "{o:?}");
+}
+
 /// Runs the built `aviary` with `args` and no server.
 fn aviary_local(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_aviary"))

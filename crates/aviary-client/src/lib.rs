@@ -907,6 +907,93 @@ impl Client {
             .map_err(ClientError::Transport)
     }
 
+    /// The sandbox's processes (pid 1 is its envd).
+    pub async fn list_processes(
+        &self,
+        id: &str,
+    ) -> Result<aviary_core::api::ProcessList, ClientError> {
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes/{id}/processes")))
+            .await
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, ...; `None` = TERM) to one process.
+    pub async fn signal_process(
+        &self,
+        id: &str,
+        pid: i32,
+        signal: Option<&str>,
+        token: Option<LeaseToken>,
+    ) -> Result<(), ClientError> {
+        let body = aviary_core::api::SignalRequest {
+            signal: signal.map(str::to_owned),
+        };
+        self.send(token_header(
+            self.req(
+                Method::POST,
+                &format!("/v1/sandboxes/{id}/processes/{pid}/signal"),
+            )
+            .json(&body),
+            token,
+        ))
+        .await
+        .map(|_| ())
+    }
+
+    /// Starts a background command; answers its handle at once.
+    pub async fn start_background(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+    ) -> Result<aviary_core::api::BackgroundStarted, ClientError> {
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/processes"))
+                .json(req),
+        )
+        .await
+    }
+
+    /// What the sandbox kept of a background command's output, and its state.
+    pub async fn background_output(
+        &self,
+        id: &str,
+        handle: u64,
+    ) -> Result<aviary_core::api::BackgroundOutput, ClientError> {
+        self.json(self.req(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/processes/{handle}/output"),
+        ))
+        .await
+    }
+
+    /// Follows a background command: its kept output, new output, then its
+    /// exit (events as `exec_stream`'s).
+    pub async fn follow_background(
+        &self,
+        id: &str,
+        handle: u64,
+    ) -> Result<ExecStream, ClientError> {
+        let resp = self
+            .send(self.req(
+                Method::GET,
+                &format!("/v1/sandboxes/{id}/processes/{handle}/output?follow=true"),
+            ))
+            .await?;
+        Ok(ExecStream {
+            body: resp.bytes_stream().boxed(),
+            buf: Vec::new(),
+        })
+    }
+
+    /// The proxy URL and port token of one port of a sandbox.
+    pub async fn port_endpoint(
+        &self,
+        id: &str,
+        port: u16,
+    ) -> Result<aviary_core::api::PortEndpoint, ClientError> {
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes/{id}/endpoints/{port}")))
+            .await
+    }
+
     /// A raw request, for tests that send deliberately bad input.
     pub async fn raw(
         &self,

@@ -109,9 +109,10 @@ impl EnvdError {
             }
             ErrorCode::Conflict => Code::Aborted,
             ErrorCode::PayloadTooLarge | ErrorCode::RateLimited => Code::ResourceExhausted,
-            ErrorCode::Unavailable | ErrorCode::Busy | ErrorCode::CapacityExhausted => {
-                Code::Unavailable
-            }
+            ErrorCode::Unavailable
+            | ErrorCode::Busy
+            | ErrorCode::CapacityExhausted
+            | ErrorCode::PortUnreachable => Code::Unavailable,
             ErrorCode::InvalidArchive | ErrorCode::Internal => Code::Internal,
         };
         EnvdError::Rpc(ConnectError::new(code, message))

@@ -42,6 +42,8 @@ use time::OffsetDateTime;
 pub const API_KEY_HEADER: &str = "open-sandbox-api-key";
 /// The header the endpoints hand out for execd; execd checks it.
 pub const EXECD_TOKEN_HEADER: &str = "x-execd-access-token";
+/// The header the native port proxy takes a port token in.
+pub const PORT_TOKEN_HEADER: &str = "x-aviary-port-token";
 /// execd's port in OpenSandbox.
 pub const EXECD_PORT: u16 = 44772;
 /// The egress sidecar's port in OpenSandbox.
@@ -572,7 +574,9 @@ pub(crate) async fn renew(
 
 /// `GET /v1/sandboxes/{id}/endpoints/{port}`: where execd (44772) and
 /// the egress sidecar (18080) of the sandbox answer, on this server under
-/// the surface's prefix, with the header execd checks.
+/// the surface's prefix, with the header execd checks; any other port is
+/// the native port proxy (`/v1/sandboxes/{id}/ports/{port}`, which reaches
+/// `127.0.0.1:port` in the sandbox) with that port's token header.
 pub(crate) async fn endpoint(
     State(st): State<OsbState>,
     ApiCaller(cx): ApiCaller,
@@ -584,11 +588,13 @@ pub(crate) async fn endpoint(
         Ok(EXECD_PORT) => "execd",
         Ok(EGRESS_PORT) => "egress",
         _ => {
-            return Err(OpError::NotFound(format!(
-                "endpoint for port {port} (Aviary serves execd on {EXECD_PORT} and the \
-                 egress endpoint {EGRESS_PORT}; sandbox ports are not exposed)"
-            ))
-            .into())
+            let target = aviary_control::ports::PortRequest::parse(sb.id.as_str(), &port)?;
+            let host = request_host(&headers)?;
+            let token = st.cp.port_token(&cx, &target).await?;
+            return Ok(Json(json!({
+                "endpoint": format!("{host}/v1/sandboxes/{}/ports/{}", sb.id, target.port),
+                "headers": { PORT_TOKEN_HEADER.to_ascii_uppercase(): token },
+            })));
         }
     };
     let host = request_host(&headers)?;

@@ -26,7 +26,7 @@ const KEY_NAME: &str = "sandbox-access-token-v1";
 const CONTEXT: &[u8] = b"aviary sandbox access token v1\0";
 
 impl ControlPlane {
-    async fn access_key(&self) -> Result<&[u8], OpError> {
+    pub(crate) async fn access_key(&self) -> Result<&[u8], OpError> {
         let key = self
             .access_key
             .get_or_try_init(|| async {

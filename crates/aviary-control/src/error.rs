@@ -149,7 +149,8 @@ impl OpError {
             | ErrorCode::Conflict
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
-            | ErrorCode::RateLimited) => OpError::Coded { code, message },
+            | ErrorCode::RateLimited
+            | ErrorCode::PortUnreachable) => OpError::Coded { code, message },
         }
     }
 
@@ -242,7 +243,8 @@ impl From<EnvdError> for OpError {
     fn from(e: EnvdError) -> Self {
         let message = match &e {
             EnvdError::NotFound(p) => format!("path {p} not found"),
-            EnvdError::InvalidPath(m)
+            EnvdError::PortUnreachable(m)
+            | EnvdError::InvalidPath(m)
             | EnvdError::BadRequest(m)
             | EnvdError::PermissionDenied(m) => m.clone(),
             EnvdError::NoSpace(m) => format!("sandbox disk is full: {m}"),

@@ -68,6 +68,8 @@ pub mod nodes;
 pub mod ops;
 pub mod planning;
 pub mod pools;
+pub mod ports;
+pub mod procs;
 pub mod projection;
 pub mod reconciler;
 pub mod requests;

@@ -1655,7 +1655,7 @@ impl ControlPlane {
 
     // ---- exec -------------------------------------------------------------
 
-    fn exec_spec(req: &ExecRequest) -> Result<ExecSpec, OpError> {
+    pub(crate) fn exec_spec(req: &ExecRequest) -> Result<ExecSpec, OpError> {
         let argv = match (&req.cmd, &req.shell) {
             (Some(cmd), None) if !cmd.is_empty() => cmd.clone(),
             (None, Some(sh)) => vec!["/bin/sh".into(), "-c".into(), sh.clone()],

@@ -378,3 +378,77 @@ pub struct CreatedKey {
     pub admin: bool,
     pub key: String,
 }
+
+/// How to reach one port of a sandbox through the control plane
+/// (`GET /v1/sandboxes/{id}/endpoints/{port}`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PortEndpoint {
+    pub port: u16,
+    /// The proxy URL; send the API key, or `token` in the `header` header.
+    pub url: String,
+    /// The URL for a browser: carries the token once, which the answer
+    /// turns into a cookie scoped to this port.
+    pub browser_url: String,
+    /// The header that carries `token`.
+    pub header: String,
+    /// The port token: opens this port of this sandbox only.
+    pub token: String,
+}
+
+/// One process of a sandbox (`GET /v1/sandboxes/{id}/processes`). Every
+/// field was written by the sandbox: text to show, nothing more.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ProcessEntry {
+    pub pid: i32,
+    pub ppid: i32,
+    pub uid: u32,
+    /// The uid's name in the sandbox's `/etc/passwd`.
+    pub user: Option<String>,
+    /// `R`, `S`, `D`, `Z`, `T`, ...
+    pub state: String,
+    /// At most 64 arguments of at most 256 bytes each.
+    pub argv: Vec<String>,
+    /// Whether `argv` was cut.
+    pub truncated: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ProcessList {
+    pub processes: Vec<ProcessEntry>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal`
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SignalRequest {
+    /// `TERM` (default), `KILL`, `INT`, `HUP`, `QUIT`, `USR1`, `USR2`, `STOP`, `CONT`
+    /// (a `SIG` prefix is accepted).
+    #[serde(default)]
+    #[schema(max_length = 16)]
+    pub signal: Option<String>,
+}
+
+/// A started background command (`POST /v1/sandboxes/{id}/processes`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BackgroundStarted {
+    /// What `processes/{handle}/output` takes.
+    pub handle: u64,
+    pub pid: i32,
+}
+
+/// What envd kept of a background command
+/// (`GET /v1/sandboxes/{id}/processes/{handle}/output`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct BackgroundOutput {
+    pub handle: u64,
+    pub pid: i32,
+    pub running: bool,
+    /// Once it exited: its code (`128 + signal` when killed by one).
+    pub exit_code: Option<i32>,
+    /// The newest 1 MiB of each stream (lossy UTF-8).
+    pub stdout: String,
+    pub stderr: String,
+    /// Bytes that fell out of the kept window before this read.
+    pub stdout_dropped: u64,
+    pub stderr_dropped: u64,
+}

@@ -48,11 +48,14 @@ pub enum ErrorCode {
     PermissionDenied,
     /// Anything else; details are in the server log, never in the body.
     Internal,
+    /// Nothing accepts connections on the sandbox port a proxied request
+    /// asked for (502).
+    PortUnreachable,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 19] = [
+    pub const ALL: [ErrorCode; 20] = [
         ErrorCode::InvalidRequest,
         ErrorCode::PayloadTooLarge,
         ErrorCode::Unauthorized,
@@ -72,6 +75,7 @@ impl ErrorCode {
         ErrorCode::SandboxLost,
         ErrorCode::PermissionDenied,
         ErrorCode::Internal,
+        ErrorCode::PortUnreachable,
     ];
 
     /// The HTTP status of an answer with this code.
@@ -91,6 +95,7 @@ impl ErrorCode {
             ErrorCode::RateLimited => 429,
             ErrorCode::Unavailable | ErrorCode::CapacityExhausted | ErrorCode::Busy => 503,
             ErrorCode::Internal => 500,
+            ErrorCode::PortUnreachable => 502,
         }
     }
 
@@ -122,6 +127,7 @@ impl ErrorCode {
             ErrorCode::SandboxLost => "sandbox_lost",
             ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
+            ErrorCode::PortUnreachable => "port_unreachable",
         }
     }
 
@@ -142,7 +148,9 @@ impl ErrorCode {
             | ErrorCode::RateLimited
             | ErrorCode::Busy
             | ErrorCode::SandboxLost => 75,
-            ErrorCode::Unavailable | ErrorCode::CapacityExhausted => 69,
+            ErrorCode::Unavailable | ErrorCode::CapacityExhausted | ErrorCode::PortUnreachable => {
+                69
+            }
             ErrorCode::Internal => 70,
         }
     }
@@ -191,6 +199,7 @@ mod tests {
             ErrorCode::SandboxLost => 16,
             ErrorCode::PermissionDenied => 17,
             ErrorCode::Internal => 18,
+            ErrorCode::PortUnreachable => 19,
         }
     }
 

@@ -62,6 +62,9 @@ pub enum EnvdError {
     /// The call's token is not the sandbox's current fence.
     #[error("stale token")]
     StaleToken,
+    /// Nothing accepts connections on the port a tunnel asked for.
+    #[error("port unreachable: {0}")]
+    PortUnreachable(String),
     #[error("permission denied: {0}")]
     PermissionDenied(String),
     /// The path is a FIFO, socket or device where a regular file is required.
@@ -107,6 +110,7 @@ impl EnvdError {
             EnvdError::InvalidPath(_) => C::InvalidPath,
             EnvdError::LeaseRequired => C::LeaseRequired,
             EnvdError::StaleToken => C::StaleToken,
+            EnvdError::PortUnreachable(_) => C::PortUnreachable,
             // refusals for the caller's input or the sandbox's contents
             EnvdError::BadRequest(_)
             | EnvdError::AlreadyExists(_)
@@ -142,6 +146,7 @@ impl EnvdError {
             ErrorCode::BadRequest => EnvdError::BadRequest(m),
             ErrorCode::Busy => EnvdError::Busy,
             ErrorCode::Internal => EnvdError::Remote(m),
+            ErrorCode::PortUnreachable => EnvdError::PortUnreachable(m),
         }
     }
 
@@ -757,6 +762,123 @@ impl EnvdClient {
     }
 }
 
+impl EnvdClient {
+    /// Opens a byte tunnel to `127.0.0.1:port` inside the sandbox (fenced by
+    /// `token` like every mutating call). The answer is an
+    /// `AsyncRead + AsyncWrite` stream: bytes written go to the port,
+    /// `shutdown` half-closes towards it, bytes read come from it, EOF when
+    /// it closed its side. Dropping the stream closes the tunnel. Nothing
+    /// listening is [`EnvdError::PortUnreachable`].
+    pub async fn connect_port(
+        &self,
+        port: u16,
+        token: Option<u64>,
+    ) -> Result<crate::port_stream::PortStream, EnvdError> {
+        let mut conn = self.connect(&Request::Connect { port, token }).await?;
+        expect_ok(read_response(&mut conn).await?)?;
+        Ok(crate::port_stream::PortStream::new(conn))
+    }
+
+    /// The sandbox's processes (as envd sees them in its PID namespace).
+    pub async fn list_processes(&self) -> Result<Vec<crate::ProcessInfo>, EnvdError> {
+        let mut conn = self.connect(&Request::ListProcesses).await?;
+        let mut procs = Vec::new();
+        loop {
+            let (kind, payload) = read_frame(&mut conn).await?;
+            match kind {
+                FrameKind::Data => {
+                    let chunk: Vec<crate::ProcessInfo> =
+                        decode_json(&payload).map_err(EnvdError::Protocol)?;
+                    procs.extend(chunk);
+                    if procs.len() > crate::MAX_LISTED_PROCESSES {
+                        return Err(EnvdError::unexpected(kind));
+                    }
+                }
+                FrameKind::Response => {
+                    return match decode_json(&payload).map_err(EnvdError::Protocol)? {
+                        Response::Listed { .. } => Ok(procs),
+                        _ => Err(EnvdError::unexpected(kind)),
+                    }
+                }
+                FrameKind::Error => return Err(error_from_payload(&payload)),
+                other => return Err(EnvdError::unexpected(other)),
+            }
+        }
+    }
+
+    /// Sends signal number `signal` to process `pid` (fenced).
+    pub async fn signal(&self, pid: i32, signal: i32, token: Option<u64>) -> Result<(), EnvdError> {
+        expect_ok(self.call(&Request::Signal { pid, signal, token }).await?)
+    }
+
+    /// Starts a background command (stdin closed); answers its handle and pid.
+    pub async fn spawn(&self, spec: ExecSpec, token: Option<u64>) -> Result<(u64, i32), EnvdError> {
+        let req = Request::Spawn {
+            argv: spec.argv,
+            cwd: spec.cwd,
+            env: spec.env,
+            token,
+            user: spec.user,
+        };
+        match self.call(&req).await? {
+            Response::Spawned { handle, pid } => Ok((handle, pid)),
+            _ => Err(EnvdError::unexpected(FrameKind::Response)),
+        }
+    }
+
+    /// The output envd kept of a background command and its state now.
+    /// At most twice the ring size arrives (more is a protocol error).
+    pub async fn output(
+        &self,
+        handle: u64,
+    ) -> Result<(Vec<u8>, Vec<u8>, crate::BackgroundInfo), EnvdError> {
+        let mut conn = self
+            .connect(&Request::Output {
+                handle,
+                follow: false,
+            })
+            .await?;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        loop {
+            let (kind, payload) = read_frame(&mut conn).await?;
+            match kind {
+                FrameKind::Stdout => out.extend_from_slice(&payload),
+                FrameKind::Stderr => err.extend_from_slice(&payload),
+                FrameKind::Response => {
+                    return match decode_json(&payload).map_err(EnvdError::Protocol)? {
+                        Response::Background(info) => Ok((out, err, info)),
+                        _ => Err(EnvdError::unexpected(kind)),
+                    }
+                }
+                FrameKind::Error => return Err(error_from_payload(&payload)),
+                other => return Err(EnvdError::unexpected(other)),
+            }
+            if out.len() > crate::BACKGROUND_RING_BYTES * 2
+                || err.len() > crate::BACKGROUND_RING_BYTES * 2
+            {
+                return Err(EnvdError::unexpected(kind));
+            }
+        }
+    }
+
+    /// Follows a background command: the kept output, new output as it
+    /// comes, then its exit, as an [`ExecStream`] (dropping it stops
+    /// following; the command runs on).
+    pub async fn follow_output(&self, handle: u64) -> Result<ExecStream, EnvdError> {
+        let conn = self
+            .connect(&Request::Output {
+                handle,
+                follow: true,
+            })
+            .await?;
+        Ok(ExecStream {
+            conn,
+            stdin_writer: None,
+            finished: false,
+        })
+    }
+}
+
 /// Connects to the envd socket at `path`: never through a symlink, and (when
 /// `expected_pid` is set) only to a socket whose listener is that process.
 async fn connect_unix(path: &Path, expected_pid: Option<u32>) -> Result<UnixStream, EnvdError> {
@@ -851,7 +973,7 @@ async fn write_raw_frame<W: AsyncWrite + Unpin>(
 
 /// One connection to envd, over either transport.
 #[derive(Debug)]
-enum Conn {
+pub(crate) enum Conn {
     Unix(UnixStream),
     Tcp(TcpStream),
 }

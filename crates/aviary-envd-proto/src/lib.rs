@@ -30,6 +30,20 @@
 //! - `read_file`: `Request` → `Response::Opened` `Data`* `End` (or `Error` at any point).
 //! - `write_file`: `Request` `Data`* `End` → `Response::Written` or `Error`.
 //! - `list_dir`: `Request` → `Data`* (each a JSON array of [`FileStat`]) `Response::Listed`.
+//! - `connect` (a port tunnel, fenced): `Request` → `Response::Ok | Error`;
+//!   after `Ok` the connection is a byte tunnel to `127.0.0.1:port` in the
+//!   sandbox: `Data`* both ways, `End` for a half-close of that direction.
+//!   envd ends the tunnel (closes the connection) when the fence moves, on
+//!   `kill_all`, and after [`TUNNEL_IDLE_TIMEOUT_S`] without a byte either way.
+//! - `list_processes`: `Request` → `Data`* (JSON arrays of [`ProcessInfo`]) `Response::Listed`.
+//! - `signal` (fenced): `Request` → `Response::Ok | Error`.
+//! - `spawn` (a background command, fenced): `Request` → `Response::Spawned | Error`;
+//!   envd keeps the last [`BACKGROUND_RING_BYTES`] of each output stream and the
+//!   exit of at most [`MAX_BACKGROUND`] handles (the oldest finished one makes
+//!   room); a fence move forgets them all (and the sweep ends their processes).
+//! - `output`: `Request` → `Stdout|Stderr`* (what the rings hold, then, with
+//!   `follow`, new output as it comes) then, with `follow`, `Response::Exit` at
+//!   the exit, else `Response::Background` at once; or `Error`.
 //!
 //! **Invariants.** Decoding never panics and never allocates more than
 //! [`MAX_DATA_FRAME`] for one frame: the header is checked (known kind, length
@@ -44,10 +58,14 @@ use serde::{Deserialize, Serialize};
 #[cfg(feature = "client")]
 mod client;
 #[cfg(feature = "client")]
+mod port_stream;
+#[cfg(feature = "client")]
 pub use client::{
     EnvdClient, EnvdError, ExecEvent, ExecOutput, ExecSpec, ExecStream, ExitInfo, FileReader,
     StdinSource,
 };
+#[cfg(feature = "client")]
+pub use port_stream::PortStream;
 
 /// Protocol version reported by `health`; bump on incompatible changes.
 /// The `PATH` envd gives a command whose request sets none.
@@ -66,6 +84,18 @@ pub const CHUNK_SIZE: usize = 64 * 1024;
 pub const MAX_PATH_LEN: usize = 4096;
 /// Longest accepted path component, in bytes.
 pub const MAX_NAME_LEN: usize = 255;
+/// A port tunnel with no byte in either direction for this long is closed.
+pub const TUNNEL_IDLE_TIMEOUT_S: u64 = 300;
+/// Output kept per stream of a background command (the newest bytes).
+pub const BACKGROUND_RING_BYTES: usize = 1024 * 1024;
+/// Background command handles envd keeps.
+pub const MAX_BACKGROUND: usize = 32;
+/// Longest argument envd reports in a process listing, in bytes.
+pub const MAX_LISTED_ARG: usize = 256;
+/// Most arguments envd reports per process in a listing.
+pub const MAX_LISTED_ARGS: usize = 64;
+/// Most processes envd reports in a listing.
+pub const MAX_LISTED_PROCESSES: usize = 4096;
 
 /// The kind byte of a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +337,40 @@ pub enum Request {
         #[serde(default)]
         token: Option<u64>,
     },
+    /// Opens a byte tunnel to `127.0.0.1:port` inside the sandbox (fenced:
+    /// the tunnel is the caller's hand on whatever listens there).
+    Connect {
+        port: u16,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    /// The sandbox's processes, read from `/proc` in envd's PID namespace.
+    ListProcesses,
+    /// Sends `signal` to process `pid` (fenced; envd and pid 1 refused).
+    Signal {
+        pid: i32,
+        signal: i32,
+        #[serde(default)]
+        token: Option<u64>,
+    },
+    /// Starts a background command (stdin closed) and answers its handle.
+    Spawn {
+        argv: Vec<String>,
+        #[serde(default)]
+        cwd: Option<String>,
+        #[serde(default)]
+        env: Vec<(String, String)>,
+        #[serde(default)]
+        token: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
+    },
+    /// The kept output of a background command; with `follow`, until it exits.
+    Output {
+        handle: u64,
+        #[serde(default)]
+        follow: bool,
+    },
 }
 
 /// Successful answers (the final frame, except `Opened`, which precedes file data).
@@ -320,6 +384,38 @@ pub enum Response {
     Opened { size: u64 },
     Written { bytes: u64 },
     Listed { count: u64 },
+    Spawned { handle: u64, pid: i32 },
+    Background(BackgroundInfo),
+}
+
+/// A background command's state (`output` without `follow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackgroundInfo {
+    pub handle: u64,
+    pub pid: i32,
+    /// Set once it exited.
+    pub exit: Option<ExitWire>,
+    /// Bytes of each stream that fell out of the ring before this read.
+    pub stdout_dropped: u64,
+    pub stderr_dropped: u64,
+}
+
+/// One process of a sandbox, as envd read it from `/proc` (all of it written
+/// by the sandbox: bounded, and never more than text to show).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    pub pid: i32,
+    pub ppid: i32,
+    pub uid: u32,
+    /// The uid's name in the sandbox's `/etc/passwd`, if any.
+    pub user: Option<String>,
+    /// `/proc/PID/stat`'s state letter (`R`, `S`, `Z`, ...).
+    pub state: String,
+    /// Arguments (lossy UTF-8), each at most [`MAX_LISTED_ARG`] bytes, at
+    /// most [`MAX_LISTED_ARGS`] of them; empty for kernel-less zombies.
+    pub argv: Vec<String>,
+    /// Whether `argv` was cut.
+    pub truncated: bool,
 }
 
 /// envd's health report.
@@ -395,6 +491,8 @@ pub enum ErrorCode {
     Busy,
     /// Anything else (I/O failure inside the sandbox, spawn failure, ...).
     Internal,
+    /// Nothing accepts connections on the requested port in the sandbox.
+    PortUnreachable,
 }
 
 /// Payload of an `Error` frame.

@@ -38,10 +38,12 @@
 
 mod exec;
 mod files;
+mod procs;
 mod reaper;
 mod server;
 mod sweep;
 mod sys;
+mod tunnel;
 mod user;
 
 use std::os::unix::fs::FileTypeExt;

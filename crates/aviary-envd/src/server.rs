@@ -19,6 +19,11 @@
 //!   gate* for reading. `set_fence` holds the gate for writing across the sweep
 //!   and the move, so no work authorised by an old token starts or lands after
 //!   the fence moved.
+//! - Port tunnels ([`crate::tunnel`]) and background commands
+//!   ([`crate::procs`]) are fenced the same way; a fence move also closes every
+//!   tunnel and forgets every background handle before the sweep, so the old
+//!   holder keeps no way into the sandbox and the new one reads none of its
+//!   output.
 //!
 //! Lanes: [`MAX_CONNECTIONS`] general connections, plus [`CONTROL_LANE`]
 //! reserved ones that serve only `health`, `set_fence` and `kill_all`; and one
@@ -96,6 +101,10 @@ pub struct Envd {
     fence: Mutex<Fence>,
     fence_gate: RwLock<()>,
     running_groups: Mutex<HashSet<i32>>,
+    /// Open port tunnels, closed when the fence moves ([`crate::tunnel`]).
+    pub tunnels: crate::tunnel::Tunnels,
+    /// Background commands and their kept output ([`crate::procs`]).
+    pub background: crate::procs::Background,
     connections: AtomicUsize,
     control_connections: AtomicUsize,
 }
@@ -119,6 +128,8 @@ impl Envd {
             fence: Mutex::new(Fence::default()),
             fence_gate: RwLock::new(()),
             running_groups: Mutex::new(HashSet::new()),
+            tunnels: Default::default(),
+            background: Default::default(),
             connections: AtomicUsize::new(0),
             control_connections: AtomicUsize::new(0),
         }
@@ -177,6 +188,8 @@ impl Envd {
             }
         }
         let swept = if before.current != token || !before.swept {
+            self.tunnels.close_all();
+            self.background.clear();
             sweep::end_all_processes(self)
         } else {
             Ok(())
@@ -202,6 +215,7 @@ impl Envd {
     /// Ends every process but envd, the fence unchanged (a level-1 reset).
     pub fn kill_all(&self) -> Result<(), ErrorBody> {
         let _gate = self.fence_gate.write().unwrap_or_else(|p| p.into_inner());
+        self.tunnels.close_all();
         sweep::end_all_processes(self).map_err(|left| {
             fail(
                 ErrorCode::Internal,
@@ -451,6 +465,33 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
             envd.fenced(token, || envd.fs.remove(&path, recursive))?;
             send_response(conn, &Response::Ok);
         }
+        Request::Connect { port, token } => crate::tunnel::run(envd, conn, port, token)?,
+        Request::ListProcesses => crate::procs::send_list(conn, &crate::procs::list()?),
+        Request::Signal { pid, signal, token } => {
+            crate::procs::signal(envd, pid, signal, token)?;
+            send_response(conn, &Response::Ok);
+        }
+        Request::Spawn {
+            argv,
+            cwd,
+            env,
+            token,
+            user,
+        } => {
+            envd.check_token(token)?;
+            let (handle, pid) = crate::procs::spawn(
+                envd,
+                crate::procs::SpawnRequest {
+                    argv,
+                    cwd,
+                    env,
+                    token,
+                    user,
+                },
+            )?;
+            send_response(conn, &Response::Spawned { handle, pid });
+        }
+        Request::Output { handle, follow } => crate::procs::output(envd, conn, handle, follow)?,
     }
     Ok(())
 }

@@ -1458,4 +1458,105 @@ mod e2e {
         // The failed write left no temporary file behind.
         assert_eq!(c.list_dir("/small").await.unwrap().len(), 0);
     }
+
+    #[tokio::test]
+    async fn port_tunnels_carry_bytes_half_close_and_end_when_the_fence_moves() {
+        use tokio::io::AsyncWriteExt;
+        let d = Daemon::start(&["--trust-all-peers"]).await;
+        let c = d.client();
+        // a server that answers once its request ended (it needs the half-close)
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            s.write_all(b"got:").unwrap();
+            s.write_all(&got).unwrap();
+        });
+        let mut t = c.connect_port(port, None).await.unwrap();
+        let big: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+        t.write_all(&big).await.unwrap();
+        t.shutdown().await.unwrap();
+        let mut back = Vec::new();
+        t.read_to_end(&mut back).await.unwrap();
+        server.join().unwrap();
+        assert_eq!(&back[..4], b"got:");
+        assert!(back[4..] == big[..], "{} bytes came back", back.len());
+
+        // nothing listening; port 0
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed_port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let e = c.connect_port(closed_port, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::PortUnreachable(_)), "{e:?}");
+        let e = c.connect_port(0, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::BadRequest(_)), "{e:?}");
+
+        // fenced: a token is needed while leased, and a fence move ends the tunnel
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let holder = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            // keeps the connection open until the tunnel is closed from envd's side
+            let mut sink = Vec::new();
+            let _ = s.read_to_end(&mut sink);
+        });
+        c.set_fence(Some(5)).await.unwrap();
+        let e = c.connect_port(port, None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::LeaseRequired), "{e:?}");
+        let e = c.connect_port(port, Some(4)).await.unwrap_err();
+        assert!(matches!(e, EnvdError::StaleToken), "{e:?}");
+        let mut t = c.connect_port(port, Some(5)).await.unwrap();
+        t.write_all(b"ping").await.unwrap();
+        t.flush().await.unwrap();
+        c.set_fence(Some(6)).await.unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(
+            t.read_to_end(&mut rest).await.unwrap(),
+            0,
+            "the old tunnel ended"
+        );
+        holder.join().unwrap();
+    }
+
+    #[tokio::test]
+    async fn background_commands_keep_output_for_later_readers() {
+        let d = Daemon::start(&["--trust-all-peers"]).await;
+        let c = d.client();
+        let (handle, pid) = c
+            .spawn(sh("echo one; echo two >&2; sleep 0.3; echo three"), None)
+            .await
+            .unwrap();
+        assert!(handle > 0 && pid > 0);
+        // follow from another connection: everything, then the exit
+        let mut f = c.follow_output(handle).await.unwrap();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let exit = loop {
+            match f.next().await.unwrap() {
+                ExecEvent::Stdout(b) => out.extend(b),
+                ExecEvent::Stderr(b) => err.extend(b),
+                ExecEvent::Exit(e) => break e,
+            }
+        };
+        assert_eq!(
+            (out.as_slice(), err.as_slice(), exit.exit_code),
+            (&b"one\nthree\n"[..], &b"two\n"[..], 0)
+        );
+        // and again, without follow: the kept output and the exit
+        let (out, err, info) = c.output(handle).await.unwrap();
+        assert_eq!(
+            (out.as_slice(), err.as_slice()),
+            (&b"one\nthree\n"[..], &b"two\n"[..])
+        );
+        assert_eq!((info.pid, info.exit.map(|e| e.exit_code)), (pid, Some(0)));
+        let e = c.output(handle + 100).await.unwrap_err();
+        assert!(matches!(e, EnvdError::NotFound(_)), "{e:?}");
+        // a fence move forgets every handle
+        c.set_fence(Some(1)).await.unwrap();
+        let e = c.output(handle).await.unwrap_err();
+        assert!(matches!(e, EnvdError::NotFound(_)), "{e:?}");
+        let e = c.spawn(sh("true"), None).await.unwrap_err();
+        assert!(matches!(e, EnvdError::LeaseRequired), "{e:?}");
+    }
 }

@@ -429,6 +429,11 @@ fn method(req: &Request) -> (&'static str, Option<u64>) {
         Request::Stat { .. } => ("stat", None),
         Request::Mkdir { token, .. } => ("mkdir", *token),
         Request::Remove { token, .. } => ("remove", *token),
+        Request::Connect { token, .. } => ("connect", *token),
+        Request::ListProcesses => ("list_processes", None),
+        Request::Signal { token, .. } => ("signal", *token),
+        Request::Spawn { token, .. } => ("spawn", *token),
+        Request::Output { .. } => ("output", None),
     }
 }
 
@@ -540,6 +545,36 @@ async fn dispatch(inner: &Inner, conn: &mut Conn, req: Request) -> Result<(), Er
             };
             let reply = exec::answer(&rules, &call);
             send_exec_reply(conn, &reply).await;
+        }
+        // The fake sandbox has no processes of its own: an empty listing,
+        // no pid to signal, no background commands (fenced like envd's).
+        Request::ListProcesses => {
+            send_response(conn, &Response::Listed { count: 0 }).await;
+        }
+        Request::Signal { pid, token, .. } => {
+            inner.check_token(token)?;
+            return Err(fail(ErrorCode::NotFound, format!("process {pid}")));
+        }
+        Request::Spawn { token, .. } => {
+            inner.check_token(token)?;
+            return Err(fail(
+                ErrorCode::BadRequest,
+                "the fake envd runs no background commands",
+            ));
+        }
+        Request::Output { handle, .. } => {
+            return Err(fail(
+                ErrorCode::NotFound,
+                format!("background command {handle}"),
+            ));
+        }
+        Request::Connect { port, token } => {
+            // fenced like envd's; the fake sandbox runs no servers
+            inner.check_token(token)?;
+            return Err(fail(
+                ErrorCode::PortUnreachable,
+                format!("nothing listens on port {port} in the fake sandbox"),
+            ));
         }
         Request::ReadFile { path } => {
             let data = inner.state().tree.read(&path)?;

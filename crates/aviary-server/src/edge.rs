@@ -98,6 +98,8 @@ pub async fn serve(
                     },
                 )),
             );
+            // upgrades (WebSockets through the port proxy) take the connection over
+            let conn = conn.with_upgrades();
             tokio::pin!(conn);
             tokio::select! {
                 res = conn.as_mut() => {

@@ -212,7 +212,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     }
 }
 
-fn request_id(headers: &HeaderMap) -> String {
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
     usable_request_id(headers.get("x-request-id").and_then(|v| v.to_str().ok()))
         .map(str::to_owned)
         .unwrap_or_else(|| aviary_core::new_id("req"))
@@ -247,7 +247,7 @@ fn op_context(
         .with_token(token))
 }
 
-fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, ApiError> {
+pub(crate) fn header_token(headers: &HeaderMap) -> Result<Option<LeaseToken>, ApiError> {
     match headers.get(LEASE_TOKEN_HEADER) {
         None => Ok(None),
         Some(v) => v
@@ -1503,7 +1503,9 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream, exec_piped,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots),
+          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
+          crate::ports::endpoint, crate::ports::proxy_doc, crate::ports::proxy_post_doc,
+          crate::procs::list_processes, crate::procs::start_background, crate::procs::signal, crate::procs::output),
     components(schemas(ExecEvent, Event)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
@@ -1592,15 +1594,21 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/pools", get(pools))
         .route("/v1/pools/{class}", axum::routing::put(set_pool))
         .route("/v1/allocations", get(allocations))
+        .merge(crate::procs::router())
         .route_layer(axum::middleware::from_fn_with_state(
             cp.cp.clone(),
             observe_latency,
         ))
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
+        .merge(crate::ports::router())
         .nest(OPENSANDBOX_PREFIX, opensandbox)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            cp.clone(),
+            crate::ports::by_host,
+        ))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             body_timeout,
         ))

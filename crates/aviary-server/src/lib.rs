@@ -22,6 +22,8 @@ pub mod edge;
 pub mod error;
 pub mod http;
 pub mod leader;
+pub mod ports;
+pub mod procs;
 mod side_files;
 
 // The control plane's modules, where callers of the server found them.

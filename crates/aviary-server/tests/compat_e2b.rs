@@ -240,6 +240,17 @@ async fn python_sdk_async_flow() {
     assert_eq!(o["bg_killed"], true);
     assert_eq!(o["bg_wait"], -1);
     assert_eq!(o["bg_listed_after"], false);
+    // get_host(port) names the port; that Host reaches it through the proxy
+    assert!(
+        o["host"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("8123-{id}.")),
+        "{}",
+        o["host"]
+    );
+    assert_eq!(o["host_get"][0], 200, "{}", o["host_get"]);
+    assert_eq!(o["host_get"][1], o["hostname"]);
     assert_eq!(o["attached_stdout"], "after-attach\n");
     assert_eq!(o["attached_exit"], 0);
     assert_eq!(o["started_stdout"], "after-attach\n");

@@ -182,6 +182,22 @@ async fn opensandbox_sdk_async_flow() {
         "{}",
         r["endpoint"]
     );
+    // get_endpoint(port) of a server in the sandbox: the native port proxy
+    assert!(
+        r["app_endpoint"].as_str().unwrap().ends_with(&format!(
+            "/v1/sandboxes/{}/ports/8123",
+            r["id"].as_str().unwrap()
+        )),
+        "{}",
+        r["app_endpoint"]
+    );
+    assert_eq!(r["app_get"][0], 200, "{}", r["app_get"]);
+    // python's text is the hostname line; the SDK's stdout messages drop newlines
+    assert_eq!(
+        r["app_get"][1].as_str().unwrap().trim(),
+        r["app_hostname"].as_str().unwrap().trim()
+    );
+    assert_eq!(r["app_no_token"], 401);
     let adv = &r["adversarial"];
     assert_eq!(adv["execd_no_token"], 401);
     assert_eq!(adv["execd_wrong_token"], 401);

@@ -124,6 +124,55 @@ async fn sandboxes_are_placed_on_node_agents_and_work_there() {
         c.read_file(&id, "/workspace/x").await.unwrap(),
         b"over the network"
     );
+    // ports and background commands through the agent: envd's tunnel and
+    // its output rings are reached over the node's upgraded connection
+    c.mkdir(&id, "/workspace/www", None).await.unwrap();
+    c.write_file(
+        &id,
+        "/workspace/www/index.html",
+        b"served remotely".to_vec(),
+        None,
+    )
+    .await
+    .unwrap();
+    let bg = c
+        .start_background(
+            &id,
+            &common::shell("echo serving; exec httpd -f -p 127.0.0.1:8080 -h /workspace/www"),
+        )
+        .await
+        .unwrap();
+    let ps = c.list_processes(&id).await.unwrap();
+    assert!(ps.processes.iter().any(|p| p.pid == bg.pid), "{ps:?}");
+    let url = format!("{}/v1/sandboxes/{id}/ports/8080/index.html", ts.url());
+    let http = reqwest::Client::new();
+    let mut got = None;
+    for _ in 0..100 {
+        let r = http.get(&url).bearer_auth(&ts.key).send().await.unwrap();
+        if r.status() != reqwest::StatusCode::BAD_GATEWAY {
+            got = Some((r.status(), r.text().await.unwrap()));
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        got,
+        Some((reqwest::StatusCode::OK, "served remotely".to_owned()))
+    );
+    c.signal_process(&id, bg.pid, Some("TERM"), None)
+        .await
+        .unwrap();
+    let mut follow = c.follow_background(&id, bg.handle).await.unwrap();
+    let mut out = Vec::new();
+    let mut exit = None;
+    while let Some(item) = follow.next().await.unwrap() {
+        match item {
+            aviary_client::StreamItem::Stdout(d) => out.extend(d),
+            aviary_client::StreamItem::Exit(r) => exit = Some(r.exit_code),
+            aviary_client::StreamItem::Stderr(_) => {}
+        }
+    }
+    assert_eq!((out.as_slice(), exit), (&b"serving\n"[..], Some(128 + 15)));
     c.sandbox_action(&id, "pause", None).await.unwrap();
     c.sandbox_action(&id, "resume", None).await.unwrap();
     // the agent snapshots its own layers; the chunks land in this store

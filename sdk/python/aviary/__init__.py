@@ -29,6 +29,7 @@ from .errors import (  # one class per stable error code
     SandboxLost,
     PermissionDenied,
     Internal,
+    PortUnreachable,
 )
 from .errors import ERRORS_BY_CODE, AviaryError, ApiError, ProtocolError, TransportError
 from .models import (
@@ -38,6 +39,7 @@ from .models import (
     FileInfo,
     Lease,
     Plan,
+    PortEndpoint,
     PolicyView,
     ResourceIntent,
     ResourceLimits,
@@ -62,6 +64,8 @@ __all__ = [
     "ProtocolError",
     "TransportError",
     "ERRORS_BY_CODE",
+    "PortEndpoint",
+    "PortUnreachable",
     "Decision",
     "Event",
     "ExecResult",

@@ -27,6 +27,7 @@ from .models import (
     FileInfo,
     Lease,
     Plan,
+    PortEndpoint,
     SandboxInfo,
     Snapshot,
     Template,
@@ -435,6 +436,16 @@ class AsyncSandbox:
 
     async def wake(self) -> SandboxInfo:
         return self._update(await self._call("POST", "/wake"))
+
+    async def port_endpoint(self, port: int) -> PortEndpoint:
+        """The proxy URL of ``port`` inside the sandbox and its port token."""
+        return PortEndpoint.from_json(
+            await self._client._json("GET", sandbox_path(self.id, f"/endpoints/{int(port)}"))
+        )
+
+    async def port_url(self, port: int) -> str:
+        """The URL through which the server proxies to ``port`` in the sandbox."""
+        return (await self.port_endpoint(port)).url
 
     async def set_ttl(self, ttl_s: int) -> SandboxInfo:
         """The sandbox now expires ``ttl_s`` seconds from now."""

@@ -26,6 +26,7 @@ from .models import (
     FileInfo,
     Lease,
     Plan,
+    PortEndpoint,
     SandboxInfo,
     Snapshot,
     Template,
@@ -437,6 +438,16 @@ class Sandbox:
 
     def wake(self) -> SandboxInfo:
         return self._update(self._call("POST", "/wake"))
+
+    def port_endpoint(self, port: int) -> PortEndpoint:
+        """The proxy URL of ``port`` inside the sandbox and its port token
+        (send it in ``header``, or open ``browser_url`` in a browser)."""
+        return PortEndpoint.from_json(self._client._json("GET", sandbox_path(self.id, f"/endpoints/{int(port)}")))
+
+    def port_url(self, port: int) -> str:
+        """The URL through which the server proxies HTTP (and WebSockets) to
+        ``port`` inside the sandbox; it takes this client's API key."""
+        return self.port_endpoint(port).url
 
     def set_ttl(self, ttl_s: int) -> SandboxInfo:
         """The sandbox now expires ``ttl_s`` seconds from now."""

@@ -163,6 +163,12 @@ class Internal(ApiError):
     code = "internal"
 
 
+class PortUnreachable(ApiError):
+    """Nothing listens on the sandbox port a proxied request asked for (502)."""
+
+    code = "port_unreachable"
+
+
 #: Every stable error code and its class.
 ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
     cls.code: cls
@@ -186,6 +192,7 @@ ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
         SandboxLost,
         PermissionDenied,
         Internal,
+        PortUnreachable,
     )
 }
 

@@ -220,6 +220,18 @@ class Template(Model):
     created_at: str
 
 
+@dataclass
+class PortEndpoint(Model):
+    """How to reach one port of a sandbox through the server's proxy."""
+
+    SCHEMA: ClassVar[str] = "PortEndpoint"
+    port: int
+    url: str
+    browser_url: str
+    header: str
+    token: str
+
+
 #: Every model, for the schema check.
 MODELS: List[Type[Model]] = [
     ResourceLimits,
@@ -234,4 +246,5 @@ MODELS: List[Type[Model]] = [
     ResourceIntent,
     Plan,
     Template,
+    PortEndpoint,
 ]

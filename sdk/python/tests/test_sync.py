@@ -275,3 +275,15 @@ def test_errors_are_classes_by_code(env: LiveServer) -> None:
         assert "no-such-template" in bad.value.message
     with Client(url="http://127.0.0.1:1") as dead, pytest.raises(aviary.TransportError):
         dead.list()
+
+
+def test_port_url_reaches_the_proxy(env: LiveServer) -> None:
+    with Sandbox.create(ttl_s=300) as sbx:
+        url = sbx.port_url(8000)
+        assert url.endswith(f"/v1/sandboxes/{sbx.id}/ports/8000/")
+        ep = sbx.port_endpoint(8000)
+        assert ep.url == url and ep.port == 8000 and len(ep.token) == 64
+        # nothing listens there yet: the proxy says so with its own code
+        r = httpx.get(url, headers={ep.header: ep.token})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "port_unreachable"
+        assert aviary.ERRORS_BY_CODE["port_unreachable"] is aviary.PortUnreachable

@@ -8,6 +8,8 @@ it creates.
 import asyncio
 import json
 import os
+import urllib.error
+import urllib.request
 
 from e2b import AsyncSandbox, CommandExitException, SandboxQuery, SandboxState
 
@@ -62,6 +64,30 @@ async def main():
         except CommandExitException as e:
             obs["bg_wait"] = e.exit_code
         obs["bg_listed_after"] = handle.pid in [p.pid for p in await sbx.commands.list()]
+
+        # sandbox.get_host(port): Aviary routes `{port}-{id}.{domain}` hosts to
+        # the port (wildcard DNS would point the domain here; the Host header
+        # stands in for it), with the API key as credential
+        await sbx.commands.run(
+            "python3 -m http.server 8123 --bind 127.0.0.1 --directory /etc", background=True)
+        host = sbx.get_host(8123)
+        obs["host"] = host
+        server = os.environ["E2B_API_URL"].rsplit("/e2b", 1)[0]
+        got = None
+        for _ in range(100):
+            req = urllib.request.Request(f"{server}/hostname", headers={
+                "Host": host, "Authorization": "Bearer " + os.environ["E2B_API_KEY"]})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    got = [r.status, r.read().decode()]
+                break
+            except urllib.error.HTTPError as e:
+                got = [e.code, e.read().decode()]
+                if e.code != 502:
+                    break
+            await asyncio.sleep(0.1)
+        obs["host_get"] = got
+        obs["hostname"] = (await sbx.commands.run("cat /etc/hostname")).stdout
 
         # attach to a running command: it prints only after the attached
         # client exists (the go file is written after connect returns)

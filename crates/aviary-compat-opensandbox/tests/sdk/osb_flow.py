@@ -163,6 +163,23 @@ async def run_async():
         obs["endpoint"] = endpoint.endpoint
         obs["adversarial"] = adversarial(sbx.id, endpoint.endpoint, dict(endpoint.headers or {}))
 
+        # a server inside the sandbox, reached through get_endpoint(port)
+        await sbx.commands.run(
+            "nohup python3 -m http.server 8123 --bind 127.0.0.1 --directory /etc >/dev/null 2>&1 &")
+        app = await sbx.get_endpoint(8123)
+        obs["app_endpoint"] = app.endpoint
+        got = None
+        for _ in range(100):
+            r = httpx.get(f"http://{app.endpoint}/hostname", headers=dict(app.headers or {}), timeout=30)
+            got = [r.status_code, r.text]
+            if r.status_code != 502:
+                break
+            await asyncio.sleep(0.1)
+        obs["app_get"] = got
+        obs["app_hostname"] = "".join(
+            m.text for m in (await sbx.commands.run("cat /etc/hostname")).logs.stdout)
+        obs["app_no_token"] = httpx.get(f"http://{app.endpoint}/hostname", timeout=30).status_code
+
         await sbx.pause()
         states = []
         for _ in range(90):
