@@ -171,6 +171,8 @@ pub struct OciRuntime {
     /// cgroup2 mount crun must not see on hybrid hosts.
     hide_for_crun: Vec<PathBuf>,
     disks: quota::SandboxDisks,
+    /// The node's egress proxy; without one `allowlist` is refused.
+    egress: Option<Arc<dyn aviary_runtime::EgressGateway>>,
 }
 
 /// Where a sandbox's staged layers ([`Snapshottable::stage_layers`]) wait
@@ -202,6 +204,11 @@ impl SandboxDirs {
     }
     fn workspace(&self) -> PathBuf {
         self.root.join("workspace")
+    }
+    /// Holds the sandbox's egress socket only; the one host dir of an
+    /// `allowlist` sandbox that it mounts besides its workspace.
+    fn egress(&self) -> PathBuf {
+        self.root.join("egress")
     }
     fn bundle(&self) -> PathBuf {
         self.root.join("bundle")
@@ -302,7 +309,16 @@ impl OciRuntime {
             program,
             spawner,
             hide_for_crun,
+            egress: None,
         })
+    }
+
+    /// Enforces the `allowlist` network profile through `gateway`: each such
+    /// sandbox gets `<sandbox>/egress/proxy.sock`, served by the gateway and
+    /// bind-mounted read-only at [`aviary_core::egress::EGRESS_DIR_IN_SANDBOX`].
+    pub fn with_egress(mut self, gateway: Arc<dyn aviary_runtime::EgressGateway>) -> Self {
+        self.egress = Some(gateway);
+        self
     }
 
     pub fn config(&self) -> &OciConfig {
@@ -593,6 +609,7 @@ impl OciRuntime {
         // and handed to PID 1 as fd 3; envd calls listen() itself (see
         // `aviary_runtime::ENVD_LISTEN_FD`). The sandbox never sees the path.
         let envd_socket = bind_envd_socket(&control)?;
+        let spec = &self.with_egress_socket(spec, dirs)?;
         let inputs = config::BundleInputs {
             rootfs: &rootfs,
             workspace_dir: &workspace,
@@ -666,6 +683,39 @@ impl OciRuntime {
     }
 }
 
+impl OciRuntime {
+    /// `spec` plus the bind of its own egress socket's dir, when it has the
+    /// `allowlist` profile (the gateway serves the socket from now on).
+    fn with_egress_socket(
+        &self,
+        spec: &SandboxSpec,
+        dirs: &SandboxDirs,
+    ) -> Result<SandboxSpec, RuntimeError> {
+        let mut spec = spec.clone();
+        let Some(policy) = &spec.egress else {
+            return Ok(spec);
+        };
+        let gateway = self.egress.as_ref().ok_or_else(|| RuntimeError::Unsupported {
+            what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
+        })?;
+        let dir = dirs.egress();
+        make_dir(&dir, 0o755)?;
+        let socket = dir.join(aviary_core::egress::EGRESS_SOCKET_NAME);
+        gateway
+            .attach(&spec.id, policy, &socket)
+            .map_err(|source| RuntimeError::CreateDir {
+                path: socket.clone(),
+                source,
+            })?;
+        spec.binds.push(aviary_runtime::BindMount {
+            host: dir,
+            sandbox: aviary_core::egress::EGRESS_DIR_IN_SANDBOX.into(),
+            read_only: true,
+        });
+        Ok(spec)
+    }
+}
+
 /// A unix stream socket bound (not listening) at `<control>/envd.sock`,
 /// close-on-exec in this process. The control dir is host-only and mode 0700.
 fn bind_envd_socket(control: &Path) -> Result<std::os::fd::OwnedFd, RuntimeError> {
@@ -719,6 +769,11 @@ impl Runtime for OciRuntime {
     #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         validate_spec(spec)?;
+        if spec.egress.is_some() && self.egress.is_none() {
+            return Err(RuntimeError::Unsupported {
+                what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
+            });
+        }
         let template = self.template_rootfs(&spec.template)?;
         let dirs = self.dirs(&spec.id);
         if self.runtime_knows(&spec.id) {
@@ -761,6 +816,9 @@ impl Runtime for OciRuntime {
     #[instrument(skip_all, fields(sandbox.id = %id, runtime = self.config.binary.name()))]
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let dirs = self.dirs(id);
+        if let Some(gateway) = &self.egress {
+            gateway.detach(id);
+        }
         let mut errors: Vec<RuntimeError> = Vec::new();
         if self.runtime_knows(id) {
             // A frozen sandbox cannot die; thaw first (no-op otherwise).

@@ -61,6 +61,22 @@ pub struct BindMount {
     pub read_only: bool,
 }
 
+/// The node's egress proxy as a runtime sees it (`allowlist` profile,
+/// implemented by `aviary-egress`): the runtime makes a directory that only
+/// this sandbox mounts, asks for the sandbox's own socket in it, and
+/// detaches on destroy.
+pub trait EgressGateway: Send + Sync {
+    /// Serves `policy` for sandbox `id` on a new socket at `socket`.
+    fn attach(
+        &self,
+        id: &SandboxId,
+        policy: &aviary_core::egress::EgressPolicy,
+        socket: &std::path::Path,
+    ) -> std::io::Result<()>;
+    /// Stops serving `id` (no-op when not attached).
+    fn detach(&self, id: &SandboxId);
+}
+
 /// Which template a sandbox starts from. The runtime resolves it to a root
 /// file system on its own host (a template's digest names the same tree on
 /// every node); the caller never names a host path.
@@ -91,9 +107,14 @@ pub struct SandboxSpec {
     /// The read-only lower layer, shared by many sandboxes; never modified.
     pub template: TemplateRef,
     pub resources: ResourceLimits,
-    /// Only [`NetworkProfile::None`] (loopback only) is supported today;
-    /// other profiles fail with [`RuntimeError::Unsupported`].
+    /// [`NetworkProfile::None`]: loopback only. [`NetworkProfile::Allowlist`]
+    /// needs `egress` and a runtime with an [`EgressGateway`]; a runtime
+    /// that cannot enforce a profile fails with [`RuntimeError::Unsupported`].
     pub network: NetworkProfile,
+    /// The egress rules of an `allowlist` sandbox (its profile, resolved by
+    /// the control plane from `aviary.toml`); `None` for the other profiles.
+    #[serde(default)]
+    pub egress: Option<aviary_core::egress::EgressPolicy>,
     pub hostname: String,
     /// argv of PID 1 inside the sandbox (the control plane passes its envd).
     pub init: Vec<String>,
@@ -356,10 +377,19 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
             spec.template.digest
         ));
     }
-    if spec.network != NetworkProfile::None {
-        return Err(RuntimeError::Unsupported {
-            what: format!("network profile {:?}", spec.network.as_str()),
-        });
+    match (spec.network, &spec.egress) {
+        (NetworkProfile::None, None) | (NetworkProfile::Allowlist, Some(_)) => {}
+        (NetworkProfile::Allowlist, None) => {
+            return invalid("network profile \"allowlist\" without egress rules".into())
+        }
+        (NetworkProfile::None, Some(_)) => {
+            return invalid("egress rules given for network profile \"none\"".into())
+        }
+        (NetworkProfile::Open, _) => {
+            return Err(RuntimeError::Unsupported {
+                what: format!("network profile {:?}", spec.network.as_str()),
+            })
+        }
     }
     if spec.init.is_empty() || spec.init[0].is_empty() {
         return invalid("init argv is empty".into());
@@ -431,6 +461,7 @@ mod tests {
             },
             resources: ResourceLimits::default(),
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx".into(),
             init: vec!["/bin/sh".into()],
             env: vec!["A=b".into()],
