@@ -700,9 +700,24 @@ fn check_profiles(
         };
         let mut limits = aviary_core::egress::EgressLimits::default();
         for (field, value, slot, min) in [
-            ("max_connections", &p.max_connections, &mut limits.max_connections, 1),
-            ("idle_timeout_s", &p.idle_timeout_s, &mut limits.idle_timeout_s, 1),
-            ("max_header_bytes", &p.max_header_bytes, &mut limits.max_header_bytes, 1024),
+            (
+                "max_connections",
+                &p.max_connections,
+                &mut limits.max_connections,
+                1,
+            ),
+            (
+                "idle_timeout_s",
+                &p.idle_timeout_s,
+                &mut limits.idle_timeout_s,
+                1,
+            ),
+            (
+                "max_header_bytes",
+                &p.max_header_bytes,
+                &mut limits.max_header_bytes,
+                1024,
+            ),
         ] {
             if let Some(v) = value {
                 egress_only(&v.span(), field)?;
@@ -710,7 +725,11 @@ fn check_profiles(
                     *v.get_ref() >= min && *v.get_ref() <= 1 << 20,
                     &v.span(),
                     || key(field),
-                    || format!("network profile {name:?}: {field} must be between {min} and 1048576"),
+                    || {
+                        format!(
+                            "network profile {name:?}: {field} must be between {min} and 1048576"
+                        )
+                    },
                 )?;
                 *slot = *v.get_ref();
             }

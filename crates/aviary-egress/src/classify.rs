@@ -59,7 +59,8 @@ pub fn parse_host(raw: &str) -> Result<Host, &'static str> {
 fn valid_label(l: &str) -> bool {
     !l.is_empty()
         && l.len() <= 63
-        && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        && l.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         && !l.starts_with('-')
         && !l.ends_with('-')
 }
@@ -121,7 +122,11 @@ fn forbidden_v4(ip: Ipv4Addr) -> Option<&'static str> {
     let o = ip.octets();
     let n = u32::from(ip);
     let within = |base: [u8; 4], bits: u32| {
-        let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+        let mask = if bits == 0 {
+            0
+        } else {
+            u32::MAX << (32 - bits)
+        };
         n & mask == u32::from(Ipv4Addr::from(base)) & mask
     };
     if ip == Ipv4Addr::new(169, 254, 169, 254) {
@@ -160,9 +165,8 @@ fn forbidden_v6(ip: Ipv6Addr) -> Option<&'static str> {
     if ip.is_loopback() {
         return Some("loopback (::1)");
     }
-    let embedded = |hi: u16, lo: u16| {
-        Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8)
-    };
+    let embedded =
+        |hi: u16, lo: u16| Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8);
     // IPv4-compatible (::a.b.c.d, deprecated): never a real route
     if s[..6].iter().all(|&x| x == 0) {
         return Some("IPv4-compatible IPv6 (::/96)");
@@ -214,7 +218,11 @@ mod tests {
         ] {
             let a = ip(s);
             assert!(forbidden(a).is_some(), "{s} -> {a} passed");
-            assert!(forbidden(a).unwrap().contains("loopback"), "{s}: {:?}", forbidden(a));
+            assert!(
+                forbidden(a).unwrap().contains("loopback"),
+                "{s}: {:?}",
+                forbidden(a)
+            );
         }
     }
 
@@ -287,10 +295,24 @@ mod tests {
         // numeric-looking hosts that are not addresses are refused, never
         // handed to a resolver that might read them differently
         for bad in [
-            "", "256.0.0.1", "1.2.3.4.5", "0x", "99999999999", "a..b", "-a.org", "a b",
-            "ex%41mple.org", "[::1%eth0]", "[1.2.3.4]", "1.2.3.0x1g",
+            "",
+            "256.0.0.1",
+            "1.2.3.4.5",
+            "0x",
+            "99999999999",
+            "a..b",
+            "-a.org",
+            "a b",
+            "ex%41mple.org",
+            "[::1%eth0]",
+            "[1.2.3.4]",
+            "1.2.3.0x1g",
         ] {
-            assert!(parse_host(bad).is_err(), "{bad:?} accepted: {:?}", parse_host(bad));
+            assert!(
+                parse_host(bad).is_err(),
+                "{bad:?} accepted: {:?}",
+                parse_host(bad)
+            );
         }
     }
 }

@@ -17,9 +17,11 @@ pub enum Verdict {
 /// A name matches a pattern: exactly, or below a `*.` pattern's suffix.
 pub fn matches(pattern: &str, name: &str) -> bool {
     match pattern.strip_prefix("*.") {
-        Some(suffix) => name.len() > suffix.len() + 1
-            && name.ends_with(suffix)
-            && name.as_bytes()[name.len() - suffix.len() - 1] == b'.',
+        Some(suffix) => {
+            name.len() > suffix.len() + 1
+                && name.ends_with(suffix)
+                && name.as_bytes()[name.len() - suffix.len() - 1] == b'.'
+        }
         None => pattern == name,
     }
 }
@@ -106,11 +108,17 @@ mod tests {
             panic!("deny rule ignored")
         };
         assert!(r.contains("deny rule"), "{r}");
-        assert!(matches!(judge(&p, "x.bad.example.org", "GET"), Verdict::Deny(_)));
+        assert!(matches!(
+            judge(&p, "x.bad.example.org", "GET"),
+            Verdict::Deny(_)
+        ));
         let Verdict::Deny(r) = judge(&p, "example.org", "GET") else {
             panic!("apex matched a wildcard")
         };
         assert!(r.contains("not on the allow list"), "{r}");
-        assert!(matches!(judge(&p, "pypi.org.evil.com", "GET"), Verdict::Deny(_)));
+        assert!(matches!(
+            judge(&p, "pypi.org.evil.com", "GET"),
+            Verdict::Deny(_)
+        ));
     }
 }

@@ -14,7 +14,9 @@ async fn origin() -> std::net::SocketAddr {
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((mut s, _)) = l.accept().await else { return };
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 1024];
@@ -99,7 +101,10 @@ async fn allows_named_hosts_and_refuses_the_rest_with_denials() {
     )
     .await;
     assert!(r.starts_with("HTTP/1.1 200"), "{r}");
-    assert!(r.contains("origin saw: GET /simple/?q=1 HTTP/1.1 | Host: pkgs.test"), "{r}");
+    assert!(
+        r.contains("origin saw: GET /simple/?q=1 HTTP/1.1 | Host: pkgs.test"),
+        "{r}"
+    );
 
     // CONNECT, then a request through the tunnel
     let mut s = UnixStream::connect(&sock).await.unwrap();
@@ -118,12 +123,21 @@ async fn allows_named_hosts_and_refuses_the_rest_with_denials() {
 
     // refusals: each a 403 and one denial
     for (req, want) in [
-        ("GET http://other.test/ HTTP/1.1\r\n\r\n", "not on the allow list"),
-        ("POST http://pkgs.test/upload HTTP/1.1\r\nContent-Length: 0\r\n\r\n", "method POST"),
+        (
+            "GET http://other.test/ HTTP/1.1\r\n\r\n",
+            "not on the allow list",
+        ),
+        (
+            "POST http://pkgs.test/upload HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+            "method POST",
+        ),
         ("CONNECT 169.254.169.254:80 HTTP/1.1\r\n\r\n", "metadata"),
         ("GET http://2130706433:8080/ HTTP/1.1\r\n\r\n", "loopback"),
         ("GET http://0x0a000001/ HTTP/1.1\r\n\r\n", "private"),
-        ("CONNECT [::ffff:127.0.0.1]:443 HTTP/1.1\r\n\r\n", "loopback"),
+        (
+            "CONNECT [::ffff:127.0.0.1]:443 HTTP/1.1\r\n\r\n",
+            "loopback",
+        ),
         ("GET http://1.1.1.1/ HTTP/1.1\r\n\r\n", "IP literal"),
         // an allowed name whose DNS answer is loopback: no override, refused
         ("GET http://localhost/ HTTP/1.1\r\n\r\n", "always denied"),
@@ -140,15 +154,24 @@ async fn allows_named_hosts_and_refuses_the_rest_with_denials() {
         assert!(r.starts_with("HTTP/1.1 403"), "{r}");
         denials.recv().await.unwrap()
     };
-    assert_eq!((d.host.as_str(), d.port, d.method.as_str()), ("10.0.0.1", 443, "CONNECT"));
+    assert_eq!(
+        (d.host.as_str(), d.port, d.method.as_str()),
+        ("10.0.0.1", 443, "CONNECT")
+    );
 
     // bounds: an oversized head is 431, https in absolute form is 400
-    let big = format!("GET http://pkgs.test/ HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(4096));
+    let big = format!(
+        "GET http://pkgs.test/ HTTP/1.1\r\nX: {}\r\n\r\n",
+        "a".repeat(4096)
+    );
     let r = exchange(&sock, big.as_bytes()).await;
     assert!(r.starts_with("HTTP/1.1 431"), "{r}");
     let r = exchange(&sock, b"GET https://pkgs.test/ HTTP/1.1\r\n\r\n").await;
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
-    assert!(denials.try_recv().is_err(), "malformed requests are not denials");
+    assert!(
+        denials.try_recv().is_err(),
+        "malformed requests are not denials"
+    );
 
     // detached: the socket no longer answers
     proxy.detach(&id);
@@ -180,7 +203,9 @@ async fn connections_per_sandbox_are_bounded() {
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut s = UnixStream::connect(&sock).await.unwrap();
-        s.write_all(b"GET http://pkgs.test/ HTTP/1.1\r\n").await.unwrap();
+        s.write_all(b"GET http://pkgs.test/ HTTP/1.1\r\n")
+            .await
+            .unwrap();
         held.push(s);
     }
     // the third is refused once the first two are being served

@@ -695,9 +695,12 @@ impl OciRuntime {
         let Some(policy) = &spec.egress else {
             return Ok(spec);
         };
-        let gateway = self.egress.as_ref().ok_or_else(|| RuntimeError::Unsupported {
-            what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
-        })?;
+        let gateway = self
+            .egress
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Unsupported {
+                what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
+            })?;
         let dir = dirs.egress();
         make_dir(&dir, 0o755)?;
         let socket = dir.join(aviary_core::egress::EGRESS_SOCKET_NAME);

@@ -177,31 +177,81 @@ async fn network_profiles_are_enforced_by_the_node() {
     )
     .await;
     assert_eq!(r.exit_code, 0, "{r:?}");
-    assert!(r.stdout.contains("origin saw: GET /simple/pip/ HTTP/1.1"), "{r:?}");
+    assert!(
+        r.stdout.contains("origin saw: GET /simple/pip/ HTTP/1.1"),
+        "{r:?}"
+    );
     let out = raw(
         client,
         &a,
         "CONNECT pkgs.test:443 HTTP/1.1\\r\\nHost: pkgs.test:443\\r\\n\\r\\nGET /tunnelled HTTP/1.1\\r\\nHost: pkgs.test\\r\\n\\r\\n",
     )
     .await;
-    assert!(out.starts_with("HTTP/1.1 200 Connection established"), "{out}");
+    assert!(
+        out.starts_with("HTTP/1.1 200 Connection established"),
+        "{out}"
+    );
     assert!(out.contains("origin saw: GET /tunnelled HTTP/1.1"), "{out}");
-    let out = raw(client, &a, "GET http://files.pkgs.test/f.whl HTTP/1.1\\r\\n\\r\\n").await;
+    let out = raw(
+        client,
+        &a,
+        "GET http://files.pkgs.test/f.whl HTTP/1.1\\r\\n\\r\\n",
+    )
+    .await;
     assert!(out.contains("origin saw: GET /f.whl"), "{out}");
     assert!(denials(client, &a_id).await.is_empty());
-    assert!(!client.get_sandbox(&a_id).await.unwrap().tainted, "allowed egress tainted");
+    assert!(
+        !client.get_sandbox(&a_id).await.unwrap().tainted,
+        "allowed egress tainted"
+    );
 
     // --- refusals: 403 from the proxy, one event each, the sandbox tainted
     let refused = [
-        ("GET http://other.test/ HTTP/1.1\\r\\n\\r\\n", "other.test", "not on the allow list"),
-        ("GET http://blocked.pkgs.test/ HTTP/1.1\\r\\n\\r\\n", "blocked.pkgs.test", "deny rule"),
-        ("POST http://pkgs.test/upload HTTP/1.1\\r\\nContent-Length: 0\\r\\n\\r\\n", "pkgs.test", "method POST"),
-        ("CONNECT 169.254.169.254:80 HTTP/1.1\\r\\n\\r\\n", "169.254.169.254", "metadata"),
-        ("GET http://10.0.0.1/ HTTP/1.1\\r\\n\\r\\n", "10.0.0.1", "private"),
-        (&format!("GET http://0x7f000001:{port}/ HTTP/1.1\\r\\n\\r\\n"), "0x7f000001", "loopback"),
-        (&format!("GET http://2130706433:{port}/ HTTP/1.1\\r\\n\\r\\n"), "2130706433", "loopback"),
-        (&format!("CONNECT [::ffff:127.0.0.1]:{port} HTTP/1.1\\r\\n\\r\\n"), "[::ffff:127.0.0.1]", "loopback"),
-        ("GET http://0xa9fea9fe/latest/meta-data/ HTTP/1.1\\r\\n\\r\\n", "0xa9fea9fe", "metadata"),
+        (
+            "GET http://other.test/ HTTP/1.1\\r\\n\\r\\n",
+            "other.test",
+            "not on the allow list",
+        ),
+        (
+            "GET http://blocked.pkgs.test/ HTTP/1.1\\r\\n\\r\\n",
+            "blocked.pkgs.test",
+            "deny rule",
+        ),
+        (
+            "POST http://pkgs.test/upload HTTP/1.1\\r\\nContent-Length: 0\\r\\n\\r\\n",
+            "pkgs.test",
+            "method POST",
+        ),
+        (
+            "CONNECT 169.254.169.254:80 HTTP/1.1\\r\\n\\r\\n",
+            "169.254.169.254",
+            "metadata",
+        ),
+        (
+            "GET http://10.0.0.1/ HTTP/1.1\\r\\n\\r\\n",
+            "10.0.0.1",
+            "private",
+        ),
+        (
+            &format!("GET http://0x7f000001:{port}/ HTTP/1.1\\r\\n\\r\\n"),
+            "0x7f000001",
+            "loopback",
+        ),
+        (
+            &format!("GET http://2130706433:{port}/ HTTP/1.1\\r\\n\\r\\n"),
+            "2130706433",
+            "loopback",
+        ),
+        (
+            &format!("CONNECT [::ffff:127.0.0.1]:{port} HTTP/1.1\\r\\n\\r\\n"),
+            "[::ffff:127.0.0.1]",
+            "loopback",
+        ),
+        (
+            "GET http://0xa9fea9fe/latest/meta-data/ HTTP/1.1\\r\\n\\r\\n",
+            "0xa9fea9fe",
+            "metadata",
+        ),
     ];
     for (req, _, _) in &refused {
         let out = raw(client, &a, req).await;
@@ -245,7 +295,11 @@ async fn network_profiles_are_enforced_by_the_node() {
         .runtime_state_dir()
         .join(&a_id)
         .join("egress/proxy.sock");
-    assert!(a_socket.exists(), "{} missing on the host", a_socket.display());
+    assert!(
+        a_socket.exists(),
+        "{} missing on the host",
+        a_socket.display()
+    );
     let r = run(
         client,
         &c,
@@ -284,7 +338,11 @@ async fn network_profiles_are_enforced_by_the_node() {
         assert!(r.stdout.starts_with("refused"), "{host}:{p}: {r:?}");
     }
     let r = run(client, &b, "cat /proc/net/route | wc -l; ls /sys/class/net").await;
-    assert_eq!(r.stdout.split_whitespace().collect::<Vec<_>>(), ["1", "lo"], "{r:?}");
+    assert_eq!(
+        r.stdout.split_whitespace().collect::<Vec<_>>(),
+        ["1", "lo"],
+        "{r:?}"
+    );
 
     // --- open: refused with a clear error (no enforcement on this node yet)
     let e = client.create_sandbox(&create("open")).await.unwrap_err();
