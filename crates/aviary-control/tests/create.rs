@@ -13,8 +13,8 @@ mod tests {
     use aviary_control::requests::{AllocationQuery, SandboxQuery, SandboxRef};
     use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest};
     use aviary_core::{ErrorCode, SandboxState};
-    use aviary_runtime::RuntimeError;
     use aviary_registry::Registry as _;
+    use aviary_runtime::RuntimeError;
 
     fn with_class(class: &str) -> CreateSandboxRequest {
         CreateSandboxRequest {
