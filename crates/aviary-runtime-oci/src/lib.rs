@@ -316,9 +316,44 @@ impl OciRuntime {
     /// Enforces the `allowlist` network profile through `gateway`: each such
     /// sandbox gets `<sandbox>/egress/proxy.sock`, served by the gateway and
     /// bind-mounted read-only at [`aviary_core::egress::EGRESS_DIR_IN_SANDBOX`].
+    ///
+    /// Sandboxes of this state dir that already have a socket (a restarted
+    /// server) are attached again with the rules recorded at their create
+    /// (`control/egress.json`, host-only), so their egress keeps working.
     pub fn with_egress(mut self, gateway: Arc<dyn aviary_runtime::EgressGateway>) -> Self {
+        self.reattach_egress(gateway.as_ref());
         self.egress = Some(gateway);
         self
+    }
+
+    fn reattach_egress(&self, gateway: &dyn aviary_runtime::EgressGateway) {
+        let Ok(entries) = std::fs::read_dir(&self.config.state_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(id) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<SandboxId>().ok())
+            else {
+                continue;
+            };
+            let dirs = self.dirs(&id);
+            let Ok(json) = std::fs::read(dirs.control().join(EGRESS_RECORD)) else {
+                continue;
+            };
+            let policy = match serde_json::from_slice(&json) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(sandbox.id = %id, error = %e, "unreadable egress record: egress stays closed");
+                    continue;
+                }
+            };
+            let socket = dirs.egress().join(aviary_core::egress::EGRESS_SOCKET_NAME);
+            if let Err(e) = gateway.attach(&id, &policy, &socket) {
+                tracing::warn!(sandbox.id = %id, error = %e, "re-attaching egress failed: egress stays closed");
+            }
+        }
     }
 
     pub fn config(&self) -> &OciConfig {
@@ -683,6 +718,9 @@ impl OciRuntime {
     }
 }
 
+/// The egress rules of an `allowlist` sandbox, in its host-only control dir.
+const EGRESS_RECORD: &str = "egress.json";
+
 impl OciRuntime {
     /// `spec` plus the bind of its own egress socket's dir, when it has the
     /// `allowlist` profile (the gateway serves the socket from now on).
@@ -710,6 +748,15 @@ impl OciRuntime {
                 path: socket.clone(),
                 source,
             })?;
+        // kept host-only, for a restarted server to serve the same rules
+        let record = dirs.control().join(EGRESS_RECORD);
+        let json = serde_json::to_vec(policy).map_err(|e| RuntimeError::BuildConfig {
+            source: Box::new(e),
+        })?;
+        std::fs::write(&record, json).map_err(|source| RuntimeError::WriteFile {
+            path: record,
+            source,
+        })?;
         spec.binds.push(aviary_runtime::BindMount {
             host: dir,
             sandbox: aviary_core::egress::EGRESS_DIR_IN_SANDBOX.into(),

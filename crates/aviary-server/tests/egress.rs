@@ -126,14 +126,15 @@ async fn install_scripts(client: &Client, c: &CreateSandboxResponse) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn network_profiles_are_enforced_by_the_node() {
-    let origin = origin();
-    let dir = tempfile::Builder::new()
-        .prefix("avt")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let mut cfg = common::config(&dir.path().join("d"), "default");
+/// A server config (debootstrap default template) with the allowlist
+/// profile `pkgs`: `pkgs.test` (GET, HEAD, CONNECT) and `*.pkgs.test`
+/// allowed, `blocked.pkgs.test` denied, the names pointed at `origin` by the
+/// operator's override; every class may use it.
+fn config_with_pkgs(
+    data: &std::path::Path,
+    origin: std::net::SocketAddr,
+) -> aviary_server::config::ServerConfig {
+    let mut cfg = common::config(data, "default");
     let mut prof = NetworkProfileDef::plain(
         "pkgs",
         NetworkProfile::Allowlist,
@@ -152,6 +153,80 @@ async fn network_profiles_are_enforced_by_the_node() {
     for c in &mut cfg.control.settings.classes {
         c.network_profiles.push("pkgs".into());
     }
+    cfg
+}
+
+async fn wait_denials(client: &Client, id: &str, n: usize) -> Vec<serde_json::Value> {
+    let mut events = Vec::new();
+    for _ in 0..200 {
+        events = denials(client, id).await;
+        if events.len() >= n {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn allowlist_egress_survives_a_server_restart() {
+    let origin = origin();
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let data = dir.path().join("d");
+    let mut ts = common::start_cfg(config_with_pkgs(&data, origin)).await;
+    let a = ts
+        .client
+        .create_sandbox(&CreateSandboxRequest {
+            network: Some("pkgs".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = a.sandbox.id.as_str().to_owned();
+    install_scripts(&ts.client, &a).await;
+    let out = raw(
+        &ts.client,
+        &a,
+        "GET http://pkgs.test/before HTTP/1.1\\r\\n\\r\\n",
+    )
+    .await;
+    assert!(out.contains("origin saw: GET /before"), "{out}");
+    ts.stop().await;
+
+    // a new server on the same data dir serves the surviving sandbox again
+    let ts = common::start_cfg(config_with_pkgs(&data, origin)).await;
+    let client = &ts.client;
+    let state = client.get_sandbox(&id).await.unwrap().state;
+    assert!(!state.is_terminal(), "{state:?}");
+    let out = raw(
+        client,
+        &a,
+        "GET http://pkgs.test/after HTTP/1.1\\r\\n\\r\\n",
+    )
+    .await;
+    assert!(out.contains("origin saw: GET /after"), "{out}");
+    let out = raw(client, &a, "GET http://other.test/ HTTP/1.1\\r\\n\\r\\n").await;
+    assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+    let events = wait_denials(client, &id, 1).await;
+    assert_eq!(events.len(), 1, "{events:#?}");
+    assert_eq!(events[0]["host"], "other.test");
+    client
+        .delete_sandbox(&id, a.lease.as_ref().map(|l| l.token))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn network_profiles_are_enforced_by_the_node() {
+    let origin = origin();
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let cfg = config_with_pkgs(&dir.path().join("d"), origin);
     let ts = common::start_cfg(cfg).await;
     let client = &ts.client;
     let port = origin.port();
@@ -259,14 +334,7 @@ async fn network_profiles_are_enforced_by_the_node() {
         assert!(!out.contains("origin saw"), "{req}: {out}");
     }
     // events are written by a background task: wait for all of them
-    let mut events = Vec::new();
-    for _ in 0..200 {
-        events = denials(client, &a_id).await;
-        if events.len() >= refused.len() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let events = wait_denials(client, &a_id, refused.len()).await;
     assert_eq!(events.len(), refused.len(), "{events:#?}");
     for (e, (req, host, why)) in events.iter().zip(&refused) {
         assert_eq!(e["sandbox"], a_id.as_str(), "{e}");
@@ -314,14 +382,7 @@ async fn network_profiles_are_enforced_by_the_node() {
     assert_eq!(r.stdout.lines().nth(1), Some("0"), "{r:?}");
     let out = raw(client, &c, "GET http://other.test/ HTTP/1.1\\r\\n\\r\\n").await;
     assert!(out.starts_with("HTTP/1.1 403"), "{out}");
-    let mut c_events = Vec::new();
-    for _ in 0..200 {
-        c_events = denials(client, &c_id).await;
-        if !c_events.is_empty() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let c_events = wait_denials(client, &c_id, 1).await;
     assert_eq!(c_events.len(), 1, "{c_events:#?}");
     assert_eq!(c_events[0]["sandbox"], c_id.as_str());
     assert_eq!(denials(client, &a_id).await.len(), refused.len());
