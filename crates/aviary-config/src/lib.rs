@@ -95,6 +95,10 @@ pub struct ServerSettings {
     pub default_class: String,
     /// The HTTP edge's limits against floods and slow clients.
     pub edge: EdgeSettings,
+    /// Enforce the `open` network profile on this node (NAT through
+    /// `slirp4netns`, always-denied ranges refused by a firewall in the
+    /// sandbox's namespace). Off: `open` creates are refused by the node.
+    pub open_network: bool,
 }
 
 /// The HTTP edge's limits (keys of `[server]`). Every value is positive.
@@ -470,6 +474,7 @@ pub(crate) fn default_server() -> ServerSettings {
         default_template: "default".into(),
         default_class: "python-small".into(),
         edge: default_edge(),
+        open_network: false,
     }
 }
 

@@ -53,6 +53,7 @@ struct RawServer {
     rate_limit_per_s: Option<Spanned<f64>>,
     rate_limit_burst: Option<Spanned<u32>>,
     metrics_token_env: Option<Spanned<String>>,
+    open_network: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -421,6 +422,9 @@ fn check_server(
     let mut s = crate::default_server();
     let mut class_span = DEFAULTED;
     if let Some(raw) = raw {
+        if let Some(open) = raw.open_network {
+            s.open_network = open;
+        }
         if let Some(dir) = raw.data_dir {
             ck.check(
                 !dir.get_ref().trim().is_empty(),

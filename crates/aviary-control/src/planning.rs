@@ -345,11 +345,15 @@ impl ControlPlane {
             Ok(a) => a,
             Err(d) => return Err(self.denied(cx, &recommended, d).await),
         };
-        // `allowlist` is enforced by the node's egress proxy (a node without
-        // one refuses the create); `open` has no enforcement yet
-        if approval.network_kind == NetworkProfile::Open {
+        // the node enforces the profile (`allowlist`: its egress proxy;
+        // `open`: its NAT stack) or the create is refused before compute
+        let enforced = self
+            .runtimes
+            .get(approval.runtime.as_str())
+            .is_none_or(|r| r.runtime.enforces_network(approval.network_kind));
+        if !enforced {
             return Err(OpError::InvalidRequest(format!(
-                "network profile {:?} ({}) is allowed but not available on this node: use an \"allowlist\" profile or \"none\"",
+                "network profile {:?} ({}) is allowed but not available on this node: it cannot enforce it",
                 approval.network_profile,
                 approval.network_kind.as_str()
             )));

@@ -406,6 +406,12 @@ impl Runtime for FakeRuntime {
         &self.name
     }
 
+    /// `none` and `allowlist` (the fake records the rules it is given); no
+    /// NAT, so never `open`.
+    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        profile != aviary_core::NetworkProfile::Open
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         self.creates.fetch_add(1, Ordering::SeqCst);
         let hold = self.state().create_holds.pop_front();

@@ -43,6 +43,7 @@
 pub mod config;
 mod host;
 pub mod idmap;
+mod open_net;
 pub mod quota;
 pub mod seccomp;
 mod spawn;
@@ -173,6 +174,8 @@ pub struct OciRuntime {
     disks: quota::SandboxDisks,
     /// The node's egress proxy; without one `allowlist` is refused.
     egress: Option<Arc<dyn aviary_runtime::EgressGateway>>,
+    /// `slirp4netns`, for the `open` profile; without it `open` is refused.
+    open_network: Option<PathBuf>,
 }
 
 /// Where a sandbox's staged layers ([`Snapshottable::stage_layers`]) wait
@@ -310,7 +313,15 @@ impl OciRuntime {
             spawner,
             hide_for_crun,
             egress: None,
+            open_network: None,
         })
+    }
+
+    /// Enforces the `open` network profile with `slirp4netns` at `slirp`
+    /// (see [`open_net`]).
+    pub fn with_open_network(mut self, slirp: impl Into<PathBuf>) -> Self {
+        self.open_network = Some(slirp.into());
+        self
     }
 
     /// Enforces the `allowlist` network profile through `gateway`: each such
@@ -707,6 +718,10 @@ impl OciRuntime {
             .map_err(|_| RuntimeError::ParseState {
                 detail: format!("pid file holds {:?}", pid_text.trim()),
             })?;
+        if let (aviary_core::NetworkProfile::Open, Some(slirp)) = (spec.network, &self.open_network)
+        {
+            self.attach_open_network(slirp, dirs, init_pid).await?;
+        }
         Ok(SandboxHandle {
             id: spec.id.clone(),
             runtime: self.config.binary.name().to_string(),
@@ -816,9 +831,22 @@ impl Runtime for OciRuntime {
         self.config.binary.name()
     }
 
+    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        match profile {
+            aviary_core::NetworkProfile::None => true,
+            aviary_core::NetworkProfile::Allowlist => self.egress.is_some(),
+            aviary_core::NetworkProfile::Open => self.open_network.is_some(),
+        }
+    }
+
     #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         validate_spec(spec)?;
+        if spec.network == aviary_core::NetworkProfile::Open && self.open_network.is_none() {
+            return Err(RuntimeError::Unsupported {
+                what: "network profile \"open\" (slirp4netns is not installed on this node)".into(),
+            });
+        }
         if spec.egress.is_some() && self.egress.is_none() {
             return Err(RuntimeError::Unsupported {
                 what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
@@ -869,6 +897,7 @@ impl Runtime for OciRuntime {
         if let Some(gateway) = &self.egress {
             gateway.detach(id);
         }
+        open_net::detach_open_network(&dirs);
         let mut errors: Vec<RuntimeError> = Vec::new();
         if self.runtime_knows(id) {
             // A frozen sandbox cannot die; thaw first (no-op otherwise).

@@ -108,8 +108,9 @@ pub struct SandboxSpec {
     pub template: TemplateRef,
     pub resources: ResourceLimits,
     /// [`NetworkProfile::None`]: loopback only. [`NetworkProfile::Allowlist`]
-    /// needs `egress` and a runtime with an [`EgressGateway`]; a runtime
-    /// that cannot enforce a profile fails with [`RuntimeError::Unsupported`].
+    /// needs `egress` and a runtime with an [`EgressGateway`];
+    /// [`NetworkProfile::Open`] a runtime with a NAT stack. A runtime that
+    /// cannot enforce a profile fails with [`RuntimeError::Unsupported`].
     pub network: NetworkProfile,
     /// The egress rules of an `allowlist` sandbox (its profile, resolved by
     /// the control plane from `aviary.toml`); `None` for the other profiles.
@@ -191,6 +192,12 @@ pub struct ResourceUsage {
 pub trait Runtime: Send + Sync {
     /// Stable backend name, recorded in the registry (`"crun"`, `"runc"`, ...).
     fn name(&self) -> &str;
+    /// Whether this runtime enforces network profile `profile` (a create
+    /// with one it does not is refused with [`RuntimeError::Unsupported`]).
+    /// Every runtime gives `none`; the others need the node's means.
+    fn enforces_network(&self, profile: NetworkProfile) -> bool {
+        profile == NetworkProfile::None
+    }
     /// Starts a sandbox; returns once its PID 1 has started. On failure nothing
     /// is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
@@ -378,17 +385,16 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
         ));
     }
     match (spec.network, &spec.egress) {
-        (NetworkProfile::None, None) | (NetworkProfile::Allowlist, Some(_)) => {}
+        (NetworkProfile::None | NetworkProfile::Open, None)
+        | (NetworkProfile::Allowlist, Some(_)) => {}
         (NetworkProfile::Allowlist, None) => {
             return invalid("network profile \"allowlist\" without egress rules".into())
         }
-        (NetworkProfile::None, Some(_)) => {
-            return invalid("egress rules given for network profile \"none\"".into())
-        }
-        (NetworkProfile::Open, _) => {
-            return Err(RuntimeError::Unsupported {
-                what: format!("network profile {:?}", spec.network.as_str()),
-            })
+        (other, Some(_)) => {
+            return invalid(format!(
+                "egress rules given for network profile {:?}",
+                other.as_str()
+            ))
         }
     }
     if spec.init.is_empty() || spec.init[0].is_empty() {

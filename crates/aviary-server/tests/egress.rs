@@ -417,3 +417,138 @@ async fn network_profiles_are_enforced_by_the_node() {
     }
     assert!(!a_socket.exists(), "the proxy socket outlived its sandbox");
 }
+
+/// Packets the `open` firewall in `pid`'s network namespace refused, by
+/// destination range (from the host: iptables' own counters).
+fn rejected(pid: &str) -> BTreeMap<String, u64> {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(["iptables", "-w", "-L", "OUTPUT", "-v", "-n", "-x"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("REJECT"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // pkts bytes target prot opt in out source destination
+            (f[8].to_owned(), f[0].parse().unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn open_is_nat_through_slirp_with_the_denied_ranges_refused() {
+    let have = |p: &str| {
+        std::env::var_os("PATH")
+            .iter()
+            .flat_map(std::env::split_paths)
+            .any(|d| d.join(p).is_file())
+    };
+    if !have("slirp4netns") || !have("iptables-restore") || !have("nsenter") {
+        eprintln!("SKIP open_is_nat_through_slirp: slirp4netns/iptables/nsenter not installed (scripts/deps.sh installs them)");
+        return;
+    }
+    let origin = origin();
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let mut cfg = config_with_pkgs(&dir.path().join("d"), origin);
+    cfg.control.settings.server.open_network = true;
+    let ts = common::start_cfg(cfg).await;
+    let client = &ts.client;
+    let o = client
+        .create_sandbox(&CreateSandboxRequest {
+            network: Some("open".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = o.sandbox.id.as_str().to_owned();
+    assert_eq!(o.sandbox.network_profile, NetworkProfile::Open);
+    install_scripts(client, &o).await;
+    // a real interface and a default route, and no proxy env
+    let r = run(client, &o, "ls /sys/class/net; awk 'NR>1 && $2==\"00000000\" {print \"default\", $1}' /proc/net/route; env | grep -ci _proxy").await;
+    let words: Vec<&str> = r.stdout.split_whitespace().collect();
+    assert!(words.contains(&"tap0"), "{r:?}");
+    assert!(r.stdout.contains("default tap0"), "{r:?}");
+    assert_eq!(words.last(), Some(&"0"), "{r:?}");
+    let pid = std::fs::read_to_string(
+        ts.server_cfg()
+            .runtime_state_dir()
+            .join(&id)
+            .join("init.pid"),
+    )
+    .unwrap()
+    .trim()
+    .to_owned();
+    let slirp_pid = std::fs::read_to_string(
+        ts.server_cfg()
+            .runtime_state_dir()
+            .join(&id)
+            .join("control/slirp4netns.pid"),
+    )
+    .unwrap()
+    .trim()
+    .to_owned();
+    let before = rejected(&pid);
+    assert!(before.values().all(|n| *n == 0), "{before:?}");
+
+    // the always-denied ranges: refused by the firewall in its namespace
+    for (host, p, range) in [
+        ("10.0.2.2", origin.port(), "10.0.0.0/8"), // slirp's gateway = the host's loopback
+        ("169.254.169.254", 80, "169.254.0.0/16"),
+        ("10.0.0.1", 80, "10.0.0.0/8"),
+        ("192.168.1.1", 80, "192.168.0.0/16"),
+        ("100.64.0.1", 80, "100.64.0.0/10"),
+        ("192.0.2.2", origin.port(), "192.0.2.0/24"),
+    ] {
+        let seen = rejected(&pid)[range];
+        let r = run(client, &o, &format!("python3 /tmp/direct.py {host} {p}")).await;
+        assert!(r.stdout.starts_with("refused"), "{host}:{p}: {r:?}");
+        assert!(
+            rejected(&pid)[range] > seen,
+            "{host} not refused by the {range} rule"
+        );
+    }
+    // its own loopback is its own: the host's services are not there
+    let r = run(
+        client,
+        &o,
+        &format!("python3 /tmp/direct.py 127.0.0.1 {}", origin.port()),
+    )
+    .await;
+    assert!(r.stdout.starts_with("refused"), "{r:?}");
+    // a public address leaves through slirp's NAT (no firewall rule fires;
+    // this host has no internet, so the connection itself fails beyond it)
+    let seen: u64 = rejected(&pid).values().sum();
+    let tx = |r: &ExecResult| r.stdout.trim().parse::<u64>().unwrap();
+    let tx_before = tx(&run(client, &o, "cat /sys/class/net/tap0/statistics/tx_packets").await);
+    let _ = run(client, &o, "python3 /tmp/direct.py 1.1.1.1 80").await;
+    let tx_after = tx(&run(client, &o, "cat /sys/class/net/tap0/statistics/tx_packets").await);
+    assert_eq!(
+        rejected(&pid).values().sum::<u64>(),
+        seen,
+        "a public address was refused"
+    );
+    assert!(tx_after > tx_before, "nothing left through tap0");
+    // the sandbox cannot change its firewall (no CAP_NET_ADMIN)
+    let r = run(client, &o, "cat /proc/self/status | grep CapEff").await;
+    let caps = u64::from_str_radix(r.stdout.split_whitespace().nth(1).unwrap(), 16).unwrap();
+    assert_eq!(caps & (1 << 12), 0, "CAP_NET_ADMIN inside: {r:?}");
+
+    client
+        .delete_sandbox(&id, o.lease.as_ref().map(|l| l.token))
+        .await
+        .unwrap();
+    assert!(
+        !std::path::Path::new(&format!("/proc/{slirp_pid}/cmdline")).exists()
+            || !std::fs::read(format!("/proc/{slirp_pid}/cmdline"))
+                .unwrap_or_default()
+                .starts_with(b"slirp4netns"),
+        "slirp4netns outlived its sandbox"
+    );
+}
