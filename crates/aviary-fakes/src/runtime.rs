@@ -421,6 +421,11 @@ impl Runtime for FakeRuntime {
         }
         self.reachable()?;
         validate_spec(spec)?;
+        if !self.enforces_network(spec.network) {
+            return Err(RuntimeError::Unsupported {
+                what: format!("network profile {:?}", spec.network.as_str()),
+            });
+        }
         let handle = {
             let mut s = self.state();
             self.create_locked(&mut s, spec)?

@@ -485,12 +485,27 @@ mod tests {
     }
 
     #[test]
-    fn other_network_profiles_are_unsupported() {
+    fn network_profiles_and_their_rules_must_agree() {
         let mut s = spec();
         s.network = NetworkProfile::Open;
+        validate_spec(&s).unwrap();
+        s.network = NetworkProfile::Allowlist;
         assert!(matches!(
             validate_spec(&s).unwrap_err(),
-            RuntimeError::Unsupported { .. }
+            RuntimeError::InvalidSpec { .. }
+        ));
+        s.egress = Some(aviary_core::egress::EgressPolicy {
+            profile: "p".into(),
+            allow: vec![],
+            deny: vec![],
+            resolve: Default::default(),
+            limits: Default::default(),
+        });
+        validate_spec(&s).unwrap();
+        s.network = NetworkProfile::None;
+        assert!(matches!(
+            validate_spec(&s).unwrap_err(),
+            RuntimeError::InvalidSpec { .. }
         ));
     }
 
