@@ -213,8 +213,8 @@ fn is_slirp_for(p: u32, init_pid: &str) -> bool {
     };
     let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
     args.first().is_some_and(|a| a.ends_with(b"slirp4netns"))
-        && args.iter().any(|a| *a == init_pid.as_bytes())
-        && args.iter().any(|a| *a == b"tap0")
+        && args.contains(&init_pid.as_bytes())
+        && args.contains(&&b"tap0"[..])
 }
 
 /// Ends the sandbox's slirp4netns (no-op without one).
