@@ -68,6 +68,45 @@ pub(crate) struct SandboxCtx {
     pub policy: EgressPolicy,
     pub connections: Arc<Semaphore>,
     pub denials: mpsc::Sender<EgressDenial>,
+    pub reports: Mutex<ReportBudget>,
+}
+
+/// How many denials of one sandbox are reported one by one per
+/// [`REPORT_WINDOW`]; the rest are counted and named in the next report
+/// (a sandbox hammering the proxy cannot flood the event log).
+pub const REPORTS_PER_WINDOW: u32 = 60;
+pub const REPORT_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The per-sandbox report budget.
+pub(crate) struct ReportBudget {
+    window_start: std::time::Instant,
+    reported: u32,
+    suppressed: u64,
+}
+
+impl ReportBudget {
+    fn new() -> Self {
+        ReportBudget {
+            window_start: std::time::Instant::now(),
+            reported: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(n)`: report this denial, with `n` unreported ones before it;
+    /// `None`: count it only.
+    pub(crate) fn take(&mut self) -> Option<u64> {
+        if self.window_start.elapsed() >= REPORT_WINDOW {
+            self.window_start = std::time::Instant::now();
+            self.reported = 0;
+        }
+        if self.reported >= REPORTS_PER_WINDOW {
+            self.suppressed += 1;
+            return None;
+        }
+        self.reported += 1;
+        Some(std::mem::take(&mut self.suppressed))
+    }
 }
 
 impl EgressProxy {
@@ -111,6 +150,7 @@ impl EgressProxy {
             policy: policy.clone(),
             connections: Arc::new(Semaphore::new(policy.limits.max_connections as usize)),
             denials: self.inner.denials.clone(),
+            reports: Mutex::new(ReportBudget::new()),
         });
         let handle = self.inner.handle.clone();
         let listener = {

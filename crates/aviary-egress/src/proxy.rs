@@ -327,16 +327,25 @@ async fn respond_refusal(
             );
             let method: String = method.chars().take(32).collect();
             tracing::info!(sandbox.id = %ctx.id, host = %host, port, method = %method, reason = %reason, "egress denied");
-            let d = EgressDenial {
-                sandbox: ctx.id.clone(),
-                profile: ctx.policy.profile.clone(),
-                host,
-                port,
-                method,
-                reason: reason.clone(),
-            };
-            if ctx.denials.try_send(d).is_err() {
-                tracing::warn!(sandbox.id = %ctx.id, "egress denial queue full: event dropped");
+            let budget = ctx.reports.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(unreported) = budget {
+                let mut text = reason.clone();
+                if unreported > 0 {
+                    text.push_str(&format!(
+                        " (and {unreported} earlier denials over the report budget)"
+                    ));
+                }
+                let d = EgressDenial {
+                    sandbox: ctx.id.clone(),
+                    profile: ctx.policy.profile.clone(),
+                    host,
+                    port,
+                    method,
+                    reason: text,
+                };
+                if ctx.denials.try_send(d).is_err() {
+                    tracing::warn!(sandbox.id = %ctx.id, "egress denial queue full: event dropped");
+                }
             }
             respond(client, 403, &reason).await
         }

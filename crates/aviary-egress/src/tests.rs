@@ -221,3 +221,17 @@ async fn connections_per_sandbox_are_bounded() {
     drop(held);
     proxy.detach(&id);
 }
+
+#[test]
+fn denial_reports_have_a_budget_and_name_what_they_skipped() {
+    let mut b = ReportBudget::new();
+    for _ in 0..REPORTS_PER_WINDOW {
+        assert_eq!(b.take(), Some(0));
+    }
+    assert_eq!(b.take(), None);
+    assert_eq!(b.take(), None);
+    // a new window reports again, naming the two it skipped
+    b.window_start -= REPORT_WINDOW;
+    assert_eq!(b.take(), Some(2));
+    assert_eq!(b.take(), Some(0));
+}
