@@ -107,6 +107,7 @@ pub(crate) async fn serve(ctx: &SandboxCtx, mut client: UnixStream) {
     }
     // plain HTTP: one request, its body exactly, then the answer
     let mut body_len: u64 = 0;
+    let mut seen_length = false;
     let mut out = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
     for h in req.headers.iter() {
         let name = h.name.to_ascii_lowercase();
@@ -115,9 +116,18 @@ pub(crate) async fn serve(ctx: &SandboxCtx, mut client: UnixStream) {
             return;
         }
         if name == "content-length" {
+            // one length only: two could make the origin read the body as a
+            // second request (one the method limit never judged)
+            if seen_length {
+                let _ = respond(&mut client, 400, "more than one content-length").await;
+                return;
+            }
+            seen_length = true;
             match std::str::from_utf8(h.value)
                 .ok()
-                .and_then(|v| v.trim().parse().ok())
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse().ok())
             {
                 Some(n) => body_len = n,
                 None => {

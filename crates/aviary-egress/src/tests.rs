@@ -168,6 +168,22 @@ async fn allows_named_hosts_and_refuses_the_rest_with_denials() {
     assert!(r.starts_with("HTTP/1.1 431"), "{r}");
     let r = exchange(&sock, b"GET https://pkgs.test/ HTTP/1.1\r\n\r\n").await;
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    // no smuggling a second request past the method limit in the body
+    let smuggle = b"GET http://pkgs.test/ HTTP/1.1\r\nContent-Length: 0\r\nContent-Length: 44\r\n\r\nPOST /upload HTTP/1.1\r\nHost: pkgs.test\r\n\r\n";
+    let r = exchange(&sock, smuggle).await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    let r = exchange(
+        &sock,
+        b"GET http://pkgs.test/ HTTP/1.1\r\nContent-Length: +4\r\n\r\nabcd",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
+    let r = exchange(
+        &sock,
+        b"GET http://pkgs.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    )
+    .await;
+    assert!(r.starts_with("HTTP/1.1 411"), "{r}");
     assert!(
         denials.try_recv().is_err(),
         "malformed requests are not denials"
