@@ -656,6 +656,7 @@ impl OciRuntime {
         // `aviary_runtime::ENVD_LISTEN_FD`). The sandbox never sees the path.
         let envd_socket = bind_envd_socket(&control)?;
         let spec = &self.with_egress_socket(spec, dirs)?;
+        let spec = &open_net::with_resolver(spec, &dirs.root)?;
         let inputs = config::BundleInputs {
             rootfs: &rootfs,
             workspace_dir: &workspace,
@@ -1137,7 +1138,7 @@ fn remove_tree(dir: &Path) -> Result<(), RuntimeError> {
 }
 
 /// Makes `dir` (not its parents) with mode `mode`.
-fn make_dir(dir: &Path, mode: u32) -> Result<(), RuntimeError> {
+pub(crate) fn make_dir(dir: &Path, mode: u32) -> Result<(), RuntimeError> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .mode(mode)

@@ -217,6 +217,34 @@ fn is_slirp_for(p: u32, init_pid: &str) -> bool {
         && args.contains(&&b"tap0"[..])
 }
 
+/// `spec` plus, for `open`, a read-only `/etc/resolv.conf` naming slirp's
+/// DNS forwarder (the template's resolver is the host's, which the firewall
+/// refuses); written to `<sandbox>/net/`, which holds nothing else.
+pub(crate) fn with_resolver(
+    spec: &aviary_runtime::SandboxSpec,
+    root: &Path,
+) -> Result<aviary_runtime::SandboxSpec, RuntimeError> {
+    let mut spec = spec.clone();
+    if spec.network != aviary_core::NetworkProfile::Open {
+        return Ok(spec);
+    }
+    let dir = root.join("net");
+    crate::make_dir(&dir, 0o755)?;
+    let file = dir.join("resolv.conf");
+    std::fs::write(&file, format!("nameserver {SLIRP_DNS}\n")).map_err(|source| {
+        RuntimeError::WriteFile {
+            path: file.clone(),
+            source,
+        }
+    })?;
+    spec.binds.push(aviary_runtime::BindMount {
+        host: file,
+        sandbox: "/etc/resolv.conf".into(),
+        read_only: true,
+    });
+    Ok(spec)
+}
+
 /// Ends the sandbox's slirp4netns (no-op without one).
 pub(crate) fn detach_open_network(dirs: &SandboxDirs) {
     let Ok(text) = std::fs::read_to_string(dirs.control().join(PID_FILE)) else {

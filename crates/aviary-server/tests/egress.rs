@@ -476,6 +476,9 @@ async fn open_is_nat_through_slirp_with_the_denied_ranges_refused() {
     assert!(words.contains(&"tap0"), "{r:?}");
     assert!(r.stdout.contains("default tap0"), "{r:?}");
     assert_eq!(words.last(), Some(&"0"), "{r:?}");
+    // names resolve through slirp's forwarder, the one private address allowed
+    let r = run(client, &o, "cat /etc/resolv.conf").await;
+    assert_eq!(r.stdout.trim(), "nameserver 10.0.2.3", "{r:?}");
     let pid = std::fs::read_to_string(
         ts.server_cfg()
             .runtime_state_dir()
@@ -494,6 +497,10 @@ async fn open_is_nat_through_slirp_with_the_denied_ranges_refused() {
     .unwrap()
     .trim()
     .to_owned();
+    // a DNS query to the forwarder passes the firewall (no answer needed:
+    // this host has no upstream resolver)
+    let r = run(client, &o, "python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.sendto(b'\\x12\\x34\\x01\\x00\\x00\\x01\\x00\\x00\\x00\\x00\\x00\\x00\\x04test\\x00\\x00\\x01\\x00\\x01', ('10.0.2.3', 53)); print('sent')\"").await;
+    assert_eq!(r.stdout.trim(), "sent", "{r:?}");
     let before = rejected(&pid);
     assert!(before.values().all(|n| *n == 0), "{before:?}");
 
