@@ -169,7 +169,7 @@ async fn wait_denials(client: &Client, id: &str, n: usize) -> Vec<serde_json::Va
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn allowlist_egress_survives_a_server_restart() {
+async fn allowlist_egress_survives_a_server_restart_and_new_compute() {
     let origin = origin();
     let dir = tempfile::Builder::new()
         .prefix("avt")
@@ -213,10 +213,34 @@ async fn allowlist_egress_survives_a_server_restart() {
     let events = wait_denials(client, &id, 1).await;
     assert_eq!(events.len(), 1, "{events:#?}");
     assert_eq!(events[0]["host"], "other.test");
+
+    // new compute (hibernate, then wake) gets the same rules from the record
     client
-        .delete_sandbox(&id, a.lease.as_ref().map(|l| l.token))
+        .sandbox_action(&id, "release", a.lease.as_ref().map(|l| l.token))
         .await
         .unwrap();
+    let h = client.sandbox_action(&id, "hibernate", None).await.unwrap();
+    assert_eq!(h.state, aviary_core::SandboxState::Hibernating);
+    let w = client.sandbox_action(&id, "wake", None).await.unwrap();
+    assert!(!w.state.is_terminal(), "{:?}", w.state);
+    let mut unleased = a.clone();
+    unleased.lease = None;
+    install_scripts(client, &unleased).await;
+    let out = raw(
+        client,
+        &unleased,
+        "GET http://pkgs.test/woken HTTP/1.1\\r\\n\\r\\n",
+    )
+    .await;
+    assert!(out.contains("origin saw: GET /woken"), "{out}");
+    let out = raw(
+        client,
+        &unleased,
+        "GET http://10.0.0.1/ HTTP/1.1\\r\\n\\r\\n",
+    )
+    .await;
+    assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+    client.delete_sandbox(&id, None).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
