@@ -4,7 +4,7 @@
 #   scripts/deps.sh test       plus what the test suite and benchmarks use
 set -euo pipefail
 
-want=(crun runc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs)
+want=(crun runc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs slirp4netns iptables)
 if [[ "${1:-}" == test || "${1:-}" == bench ]]; then
   want+=(docker.io procps)
   # the E2B SDK tests: a Python venv and node/npm (the JS SDK)

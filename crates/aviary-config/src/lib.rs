@@ -95,6 +95,10 @@ pub struct ServerSettings {
     pub default_class: String,
     /// The HTTP edge's limits against floods and slow clients.
     pub edge: EdgeSettings,
+    /// Enforce the `open` network profile on this node (NAT through
+    /// `slirp4netns`, always-denied ranges refused by a firewall in the
+    /// sandbox's namespace). Off: `open` creates are refused by the node.
+    pub open_network: bool,
 }
 
 /// The HTTP edge's limits (keys of `[server]`). Every value is positive.
@@ -181,6 +185,50 @@ pub struct NetworkProfileDef {
     /// For `allowlist`: the domains egress may reach (`example.org` exactly,
     /// `*.example.org` any subdomain). Empty for the other kinds.
     pub allow: Vec<String>,
+    /// For `allowlist`: domains never reached, even when allowed.
+    pub deny: Vec<String>,
+    /// For `allowlist`: method limits by allow entry (e.g. `"pypi.org" =
+    /// ["GET", "HEAD"]`); an entry without one admits any method.
+    pub methods: std::collections::BTreeMap<String, Vec<String>>,
+    /// For `allowlist`: the operator's own name overrides (`"host" =
+    /// "ip"` or `"ip:port"`), trusted as given (they may name loopback).
+    pub resolve: std::collections::BTreeMap<String, String>,
+    /// For `allowlist`: per-sandbox bounds of the egress proxy.
+    pub limits: aviary_core::egress::EgressLimits,
+}
+
+impl NetworkProfileDef {
+    /// What the node's egress proxy enforces for a sandbox of this profile
+    /// (`None` unless the kind is `allowlist`).
+    pub fn egress_policy(&self) -> Option<aviary_core::egress::EgressPolicy> {
+        (self.kind == NetworkProfile::Allowlist).then(|| aviary_core::egress::EgressPolicy {
+            profile: self.name.clone(),
+            allow: self
+                .allow
+                .iter()
+                .map(|d| aviary_core::egress::EgressRule {
+                    domain: d.clone(),
+                    methods: self.methods.get(d).cloned(),
+                })
+                .collect(),
+            deny: self.deny.clone(),
+            resolve: self.resolve.clone(),
+            limits: self.limits,
+        })
+    }
+
+    /// A profile of `kind` with nothing but its name and allow list.
+    pub fn plain(name: &str, kind: NetworkProfile, allow: &[&str]) -> Self {
+        NetworkProfileDef {
+            name: name.into(),
+            kind,
+            allow: allow.iter().map(|d| (*d).to_owned()).collect(),
+            deny: vec![],
+            methods: Default::default(),
+            resolve: Default::default(),
+            limits: Default::default(),
+        }
+    }
 }
 
 /// A tenant's list of allowed names, or `"*"` for everything configured.
@@ -426,6 +474,7 @@ pub(crate) fn default_server() -> ServerSettings {
         default_template: "default".into(),
         default_class: "python-small".into(),
         edge: default_edge(),
+        open_network: false,
     }
 }
 
@@ -459,21 +508,13 @@ pub(crate) fn default_classes() -> Vec<ResourceClass> {
 
 pub(crate) fn default_network_profiles() -> Vec<NetworkProfileDef> {
     vec![
-        NetworkProfileDef {
-            name: "none".into(),
-            kind: NetworkProfile::None,
-            allow: vec![],
-        },
-        NetworkProfileDef {
-            name: "pypi-readonly".into(),
-            kind: NetworkProfile::Allowlist,
-            allow: vec!["pypi.org".into(), "files.pythonhosted.org".into()],
-        },
-        NetworkProfileDef {
-            name: "open".into(),
-            kind: NetworkProfile::Open,
-            allow: vec![],
-        },
+        NetworkProfileDef::plain("none", NetworkProfile::None, &[]),
+        NetworkProfileDef::plain(
+            "pypi-readonly",
+            NetworkProfile::Allowlist,
+            &["pypi.org", "files.pythonhosted.org"],
+        ),
+        NetworkProfileDef::plain("open", NetworkProfile::Open, &[]),
     ]
 }
 

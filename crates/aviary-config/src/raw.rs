@@ -53,6 +53,7 @@ struct RawServer {
     rate_limit_per_s: Option<Spanned<f64>>,
     rate_limit_burst: Option<Spanned<u32>>,
     metrics_token_env: Option<Spanned<String>>,
+    open_network: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -76,6 +77,13 @@ struct RawNetworkProfile {
     kind: Spanned<NetworkProfile>,
     #[serde(default)]
     allow: Vec<Spanned<String>>,
+    #[serde(default)]
+    deny: Vec<Spanned<String>>,
+    methods: Option<Spanned<std::collections::BTreeMap<String, Vec<String>>>>,
+    resolve: Option<Spanned<std::collections::BTreeMap<String, String>>>,
+    max_connections: Option<Spanned<u32>>,
+    idle_timeout_s: Option<Spanned<u32>>,
+    max_header_bytes: Option<Spanned<u32>>,
 }
 
 #[derive(Deserialize)]
@@ -414,6 +422,9 @@ fn check_server(
     let mut s = crate::default_server();
     let mut class_span = DEFAULTED;
     if let Some(raw) = raw {
+        if let Some(open) = raw.open_network {
+            s.open_network = open;
+        }
         if let Some(dir) = raw.data_dir {
             ck.check(
                 !dir.get_ref().trim().is_empty(),
@@ -618,10 +629,123 @@ fn check_profiles(
                 },
             )?;
         }
+        let allow: Vec<String> = p.allow.into_iter().map(Spanned::into_inner).collect();
+        let egress_only = |span: &Range<usize>, field: &str| {
+            ck.check(
+                kind == NetworkProfile::Allowlist,
+                span,
+                || key(field),
+                || format!("network profile {name:?}: {field} is only for kind \"allowlist\""),
+            )
+        };
+        for d in &p.deny {
+            egress_only(&d.span(), "deny")?;
+            ck.check(
+                valid_domain(d.get_ref()),
+                &d.span(),
+                || key("deny"),
+                || {
+                    format!(
+                        "network profile {name:?}: deny entry {:?} is not a domain (lowercase example.org or *.example.org)",
+                        d.get_ref()
+                    )
+                },
+            )?;
+        }
+        let methods = match p.methods {
+            None => Default::default(),
+            Some(m) => {
+                egress_only(&m.span(), "methods")?;
+                let span = m.span();
+                let m = m.into_inner();
+                for (domain, list) in &m {
+                    ck.check(
+                        allow.contains(domain),
+                        &span,
+                        || key("methods"),
+                        || format!("network profile {name:?}: methods names {domain:?}, which is not in allow"),
+                    )?;
+                    ck.check(
+                        !list.is_empty()
+                            && list.iter().all(|x| {
+                                !x.is_empty() && x.len() <= 16 && x.bytes().all(|b| b.is_ascii_uppercase())
+                            }),
+                        &span,
+                        || key("methods"),
+                        || format!("network profile {name:?}: methods for {domain:?} must be a non-empty list of upper-case methods (GET, HEAD, CONNECT, ...)"),
+                    )?;
+                }
+                m
+            }
+        };
+        let resolve = match p.resolve {
+            None => Default::default(),
+            Some(r) => {
+                egress_only(&r.span(), "resolve")?;
+                let span = r.span();
+                let r = r.into_inner();
+                for (host, to) in &r {
+                    ck.check(
+                        valid_domain(host) && !host.starts_with("*."),
+                        &span,
+                        || key("resolve"),
+                        || format!("network profile {name:?}: resolve key {host:?} is not a domain name"),
+                    )?;
+                    ck.check(
+                        to.parse::<std::net::SocketAddr>().is_ok()
+                            || to.parse::<std::net::IpAddr>().is_ok(),
+                        &span,
+                        || key("resolve"),
+                        || format!("network profile {name:?}: resolve {host:?} = {to:?} is not an IP address or ip:port"),
+                    )?;
+                }
+                r
+            }
+        };
+        let mut limits = aviary_core::egress::EgressLimits::default();
+        for (field, value, slot, min) in [
+            (
+                "max_connections",
+                &p.max_connections,
+                &mut limits.max_connections,
+                1,
+            ),
+            (
+                "idle_timeout_s",
+                &p.idle_timeout_s,
+                &mut limits.idle_timeout_s,
+                1,
+            ),
+            (
+                "max_header_bytes",
+                &p.max_header_bytes,
+                &mut limits.max_header_bytes,
+                1024,
+            ),
+        ] {
+            if let Some(v) = value {
+                egress_only(&v.span(), field)?;
+                ck.check(
+                    *v.get_ref() >= min && *v.get_ref() <= 1 << 20,
+                    &v.span(),
+                    || key(field),
+                    || {
+                        format!(
+                            "network profile {name:?}: {field} must be between {min} and 1048576"
+                        )
+                    },
+                )?;
+                *slot = *v.get_ref();
+            }
+        }
         out.push(NetworkProfileDef {
             name,
             kind,
-            allow: p.allow.into_iter().map(Spanned::into_inner).collect(),
+            allow,
+            deny: p.deny.into_iter().map(Spanned::into_inner).collect(),
+            methods,
+            resolve,
+            limits,
         });
     }
     Ok(out)

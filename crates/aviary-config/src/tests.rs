@@ -596,6 +596,112 @@ fn network_profile_rules() {
 }
 
 #[test]
+fn allowlist_profiles_carry_egress_rules() {
+    let rules = "allow = [\"pypi.org\", \"*.pythonhosted.org\"]\ndeny = [\"evil.pythonhosted.org\"]\nmethods = { \"pypi.org\" = [\"GET\", \"HEAD\"] }\nresolve = { \"pypi.org\" = \"127.0.0.1:8080\", \"x.pythonhosted.org\" = \"10.1.2.3\" }\nmax_connections = 8\nidle_timeout_s = 30\nmax_header_bytes = 4096";
+    let text = edit("allow = [\"pypi.org\", \"*.pythonhosted.org\"]", rules);
+    let c = Config::from_str(&text, ORIGIN).unwrap();
+    let p = c.network_profile("pypi").unwrap().egress_policy().unwrap();
+    assert_eq!(p.profile, "pypi");
+    assert_eq!(p.deny, ["evil.pythonhosted.org"]);
+    assert_eq!(p.allow[0].domain, "pypi.org");
+    assert_eq!(
+        p.allow[0].methods.as_deref(),
+        Some(&["GET".to_owned(), "HEAD".to_owned()][..])
+    );
+    assert_eq!(p.allow[1].methods, None);
+    assert_eq!(p.resolve["pypi.org"], "127.0.0.1:8080");
+    assert_eq!(
+        (
+            p.limits.max_connections,
+            p.limits.idle_timeout_s,
+            p.limits.max_header_bytes
+        ),
+        (8, 30, 4096)
+    );
+    assert_eq!(c.network_profile("none").unwrap().egress_policy(), None);
+    // defaults when no limits are given
+    let c = Config::from_str(BASE, ORIGIN).unwrap();
+    let p = c.network_profile("pypi").unwrap().egress_policy().unwrap();
+    assert_eq!(p.limits, aviary_core::egress::EgressLimits::default());
+
+    for (from, to, needle, key, message) in [
+        (
+            "kind = \"none\"",
+            "kind = \"none\"\ndeny = [\"x.org\"]",
+            "deny =",
+            "network_profile[0].deny",
+            "only for kind \"allowlist\"",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\ndeny = [\"Evil.org\"]",
+            "deny =",
+            "network_profile[1].deny",
+            "is not a domain",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nmethods = { \"other.org\" = [\"GET\"] }",
+            "methods =",
+            "network_profile[1].methods",
+            "not in allow",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nmethods = { \"pypi.org\" = [\"get\"] }",
+            "methods =",
+            "network_profile[1].methods",
+            "upper-case",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nmethods = { \"pypi.org\" = [] }",
+            "methods =",
+            "network_profile[1].methods",
+            "non-empty",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nresolve = { \"pypi.org\" = \"localhost\" }",
+            "resolve =",
+            "network_profile[1].resolve",
+            "not an IP address",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nresolve = { \"*.pypi.org\" = \"1.2.3.4\" }",
+            "resolve =",
+            "network_profile[1].resolve",
+            "not a domain name",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nmax_connections = 0",
+            "max_connections",
+            "network_profile[1].max_connections",
+            "between 1 and",
+        ),
+        (
+            "allow = [\"pypi.org\", \"*.pythonhosted.org\"]",
+            "allow = [\"pypi.org\"]\nmax_header_bytes = 100",
+            "max_header_bytes",
+            "network_profile[1].max_header_bytes",
+            "between 1024 and",
+        ),
+        (
+            "kind = \"none\"",
+            "kind = \"none\"\nidle_timeout_s = 5",
+            "idle_timeout_s",
+            "network_profile[0].idle_timeout_s",
+            "only for kind \"allowlist\"",
+        ),
+    ] {
+        let text = edit(from, to);
+        expect_error(&text, line_of(&text, needle), key, message);
+    }
+}
+
+#[test]
 fn planner_and_llm_rules() {
     let llm = "\n[planner]\nhistory_window = 20\n\n[planner.llm]\nbase_url = \"http://127.0.0.1:9/v1/\"\nmodel = \"m\"\napi_key = \"sk-secret\"\ntimeout_ms = 250\n";
     let c = Config::from_str(&format!("{BASE}{llm}"), ORIGIN).unwrap();

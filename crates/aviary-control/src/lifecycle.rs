@@ -272,7 +272,13 @@ impl ControlPlane {
         let restored = async {
             let template = self.template_info(&rec.template).await?;
             self.stage_seed(&clean, &rec).await?;
-            let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+            let spec = self.sandbox_spec(
+                &rec.id,
+                &template,
+                rec.resources,
+                rec.network_profile,
+                self.egress_of(&rec)?,
+            );
             let (rec, live) = self.provision(&spec, rec.clone(), None).await?;
             self.finish_lock(rec, &live, &[], None, request_id).await
         }

@@ -1031,7 +1031,7 @@ impl ControlPlane {
             tainted: false,
             user_managed: req.user_managed,
             metadata: req.metadata.clone(),
-            env: exec_env(&template, &req),
+            env: network_env(exec_env(&template, &req), &approved),
             run_as: template.defaults.user.clone(),
             workdir: req
                 .workdir
@@ -1081,7 +1081,8 @@ impl ControlPlane {
         allocation.sandbox_id = Some(id.clone());
         let allocation_id = Some(self.registry.insert_allocation(&allocation).await?);
 
-        let spec = self.sandbox_spec(&id, &template, resources, network);
+        let egress = self.egress_named(network, Some(&approved.network_name))?;
+        let spec = self.sandbox_spec(&id, &template, resources, network, egress);
         if let Some(snap) = &seed {
             if let Err(e) = self.stage_seed(snap, &rec).await {
                 self.fail_sandbox(&id, request_id, &e).await;
@@ -1142,6 +1143,7 @@ impl ControlPlane {
         template: &TemplateRecord,
         resources: aviary_core::ResourceLimits,
         network: aviary_core::NetworkProfile,
+        egress: Option<aviary_core::egress::EgressPolicy>,
     ) -> SandboxSpec {
         SandboxSpec {
             id: id.clone(),
@@ -1151,6 +1153,7 @@ impl ControlPlane {
             },
             resources,
             network,
+            egress,
             hostname: "sandbox".into(),
             init: vec![
                 ENVD_IN_SANDBOX.into(),
@@ -2538,6 +2541,69 @@ fn template_api(t: &TemplateRecord) -> Template {
 
 /// A new sandbox's default exec environment: the template image's `Env`
 /// under the create's own `env`.
+/// The sandbox's default env with its network profile's entries: the
+/// profile's name (read back by [`ControlPlane::egress_of`]; the caller's
+/// own value of it never survives) and, for `allowlist`, the proxy envd
+/// serves on the sandbox's own loopback.
+fn network_env(
+    mut env: std::collections::BTreeMap<String, String>,
+    approved: &crate::planning::Approved,
+) -> std::collections::BTreeMap<String, String> {
+    use aviary_core::egress::{EGRESS_PROXY_PORT, NETWORK_PROFILE_ENV};
+    env.insert(NETWORK_PROFILE_ENV.into(), approved.network_name.clone());
+    if approved.network == aviary_core::NetworkProfile::Allowlist {
+        let proxy = format!("http://127.0.0.1:{EGRESS_PROXY_PORT}");
+        for k in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            env.insert(k.into(), proxy.clone());
+        }
+        for k in ["NO_PROXY", "no_proxy"] {
+            env.insert(k.into(), "localhost,127.0.0.1".into());
+        }
+    }
+    env
+}
+
+impl ControlPlane {
+    /// The egress rules of a sandbox of profile `kind` named `name` (from
+    /// the configuration as it is now). `None` unless `allowlist`.
+    pub(crate) fn egress_named(
+        &self,
+        kind: aviary_core::NetworkProfile,
+        name: Option<&str>,
+    ) -> Result<Option<aviary_core::egress::EgressPolicy>, OpError> {
+        if kind != aviary_core::NetworkProfile::Allowlist {
+            return Ok(None);
+        }
+        let name = name.ok_or_else(|| {
+            OpError::InvalidRequest("allowlist sandbox without a recorded network profile".into())
+        })?;
+        self.cfg
+            .settings
+            .network_profile(name)
+            .and_then(|p| p.egress_policy())
+            .map(Some)
+            .ok_or_else(|| {
+                OpError::InvalidRequest(format!(
+                    "network profile {name:?} is no longer an allowlist profile in the configuration"
+                ))
+            })
+    }
+
+    /// The egress rules of an existing sandbox (new compute for it: wake,
+    /// reset, restore), by the profile name recorded at its create.
+    pub(crate) fn egress_of(
+        &self,
+        rec: &SandboxRecord,
+    ) -> Result<Option<aviary_core::egress::EgressPolicy>, OpError> {
+        self.egress_named(
+            rec.network_profile,
+            rec.env
+                .get(aviary_core::egress::NETWORK_PROFILE_ENV)
+                .map(String::as_str),
+        )
+    }
+}
+
 fn exec_env(
     template: &TemplateRecord,
     req: &CreateSandboxRequest,

@@ -76,6 +76,9 @@ pub struct Approved {
     pub class: String,
     pub limits: ResourceLimits,
     pub network: NetworkProfile,
+    /// The approved `[[network_profile]]` by name (its rules reach the node
+    /// in the sandbox's spec).
+    pub network_name: String,
     /// The runtime the guard approved (one of the class's runtimes); the
     /// sandbox runs on it, on whichever node offers it.
     pub runtime: String,
@@ -342,9 +345,15 @@ impl ControlPlane {
             Ok(a) => a,
             Err(d) => return Err(self.denied(cx, &recommended, d).await),
         };
-        if approval.network_kind != NetworkProfile::None {
+        // the node enforces the profile (`allowlist`: its egress proxy;
+        // `open`: its NAT stack) or the create is refused before compute
+        let enforced = self
+            .runtimes
+            .get(approval.runtime.as_str())
+            .is_none_or(|r| r.runtime.enforces_network(approval.network_kind));
+        if !enforced {
             return Err(OpError::InvalidRequest(format!(
-                "network profile {:?} ({}) is allowed but not available on this node: sandboxes here get loopback only (profile \"none\")",
+                "network profile {:?} ({}) is allowed but not available on this node: it cannot enforce it",
                 approval.network_profile,
                 approval.network_kind.as_str()
             )));
@@ -356,6 +365,7 @@ impl ControlPlane {
             class: approval.class.clone(),
             limits: approval.limits,
             network: approval.network_kind,
+            network_name: approval.network_profile.clone(),
             runtime: approval.runtime.as_str().to_owned(),
             reason: reason_text.clone(),
             allocation: AllocationRecord {

@@ -534,6 +534,7 @@ impl ControlPlane {
             template,
             class.limits(),
             aviary_core::NetworkProfile::None,
+            None,
         );
         match self.provision(&spec, rec, None).await {
             Ok((rec, _live)) => {

@@ -678,7 +678,13 @@ impl ControlPlane {
             if let Some(snap) = &snap {
                 self.stage_seed(snap, &rec).await?;
             }
-            let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+            let spec = self.sandbox_spec(
+                &rec.id,
+                &template,
+                rec.resources,
+                rec.network_profile,
+                self.egress_of(&rec)?,
+            );
             let (rec, live) = self.provision(&spec, rec, None).await?;
             self.finish_lock(rec, &live, &[SandboxState::Locking], None, None)
                 .await

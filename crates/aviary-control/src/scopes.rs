@@ -148,6 +148,13 @@ impl ControlPlane {
                     )
                     .as_deref()
                         == Ok(bucket)
+                        // egress rules differ between profiles of one
+                        // kind: only the very profile is reused
+                        && r.env
+                            .get(aviary_core::egress::NETWORK_PROFILE_ENV)
+                            .map_or(r.network_profile == aviary_core::NetworkProfile::None, |n| {
+                                *n == stage.approved.network_name
+                            })
                 })
                 .collect();
             let busy = rows.iter().any(|r| r.state == SandboxState::Leased);

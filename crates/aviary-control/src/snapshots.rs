@@ -539,7 +539,13 @@ impl ControlPlane {
         let woken = async {
             let template = self.template_info(&rec.template).await?;
             self.stage_seed(&snap, &rec).await?;
-            let spec = self.sandbox_spec(&rec.id, &template, rec.resources, rec.network_profile);
+            let spec = self.sandbox_spec(
+                &rec.id,
+                &template,
+                rec.resources,
+                rec.network_profile,
+                self.egress_of(&rec)?,
+            );
             let (rec, live) = self.provision(&spec, rec.clone(), None).await?;
             self.finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
                 .await

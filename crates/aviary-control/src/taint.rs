@@ -20,8 +20,8 @@
 //!   may have left the next one's in a broken state;
 //! - `operator`: `POST /v1/sandboxes/{id}/taint {"reason": …}` (CLI
 //!   `aviary sandbox taint ID --reason …`);
-//! - `egress_denied`: the network layer's hook ([`ControlPlane::egress_denied`]);
-//!   network profiles that enforce egress come with issue 11, which calls it.
+//! - `egress_denied`: the network layer's hook ([`ControlPlane::egress_denied`]),
+//!   called for every refusal of the node's egress proxy (`allowlist`).
 //!
 //! Clearing: a level-1 reset keeps the mark (the processes and files it
 //! leaves are the same sandbox's); a level-2 reset (new compute from the
@@ -179,11 +179,34 @@ impl ControlPlane {
     }
 
     /// The network layer's hook: something inside the sandbox tried egress
-    /// (or another action) its network profile or policy denies. Network
-    /// profiles that enforce egress arrive with issue 11; its proxy calls
-    /// this with the sandbox and what was denied.
-    pub async fn egress_denied(&self, id: &SandboxId, what: &str) -> Result<bool, OpError> {
-        self.taint(id, TaintCause::EgressDenied, what, None).await
+    /// its network profile denies (the node's egress proxy reports it). One
+    /// `egress_denied` event (sandbox, profile, host, port, method, reason),
+    /// then the sandbox is tainted. `Ok(false)` when the sandbox is gone.
+    pub async fn egress_denied(
+        &self,
+        denial: &aviary_core::egress::EgressDenial,
+    ) -> Result<bool, OpError> {
+        let rec = match self.registry.get_sandbox(&denial.sandbox).await {
+            Ok(r) => r,
+            Err(RegistryError::NotFound) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        self.event(
+            &rec,
+            "egress_denied",
+            None,
+            serde_json::json!({
+                "sandbox": denial.sandbox, "profile": denial.profile, "host": denial.host,
+                "port": denial.port, "method": denial.method, "reason": denial.reason,
+            }),
+        )
+        .await?;
+        let what = format!(
+            "{} {}:{}: {}",
+            denial.method, denial.host, denial.port, denial.reason
+        );
+        self.taint(&denial.sandbox, TaintCause::EgressDenied, &what, None)
+            .await
     }
 
     /// `POST /v1/sandboxes/{id}/taint`: an operator (any caller of the

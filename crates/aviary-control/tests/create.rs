@@ -13,6 +13,7 @@ mod tests {
     use aviary_control::requests::{AllocationQuery, SandboxQuery, SandboxRef};
     use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest};
     use aviary_core::{ErrorCode, SandboxState};
+    use aviary_registry::Registry as _;
     use aviary_runtime::RuntimeError;
 
     fn with_class(class: &str) -> CreateSandboxRequest {
@@ -356,6 +357,43 @@ mod tests {
         // the policy allowed it: no denial is recorded
         assert!(denials(&p, &alice).await.is_empty());
         assert_eq!(p.runtime.create_calls(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_allowlist_profile_reaches_the_runtime_with_its_rules_and_proxy_env() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let mut env = std::collections::BTreeMap::new();
+        // the caller cannot name another profile for later compute
+        env.insert("AVIARY_NETWORK_PROFILE".to_owned(), "open".to_owned());
+        let req = CreateSandboxRequest {
+            network: Some("pypi-readonly".into()),
+            env,
+            ..Default::default()
+        };
+        let created = p.cp.create(&alice, req).await.unwrap();
+        assert_eq!(
+            created.sandbox.network_profile,
+            aviary_core::NetworkProfile::Allowlist
+        );
+        let spec = p.runtime.created_specs().pop().unwrap();
+        let egress = spec.egress.expect("allowlist spec without rules");
+        assert_eq!(egress.profile, "pypi-readonly");
+        let domains: Vec<_> = egress.allow.iter().map(|r| r.domain.as_str()).collect();
+        assert_eq!(domains, ["pypi.org", "files.pythonhosted.org"]);
+        let rec = p.registry.get_sandbox(&created.sandbox.id).await.unwrap();
+        assert_eq!(rec.env["AVIARY_NETWORK_PROFILE"], "pypi-readonly");
+        assert_eq!(rec.env["HTTPS_PROXY"], "http://127.0.0.1:3128");
+        assert_eq!(rec.env["no_proxy"], "localhost,127.0.0.1");
+        // a `none` sandbox gets no rules and no proxy
+        let plain =
+            p.cp.create(&alice, CreateSandboxRequest::default())
+                .await
+                .unwrap();
+        let spec = p.runtime.created_specs().pop().unwrap();
+        assert_eq!(spec.egress, None);
+        let rec = p.registry.get_sandbox(&plain.sandbox.id).await.unwrap();
+        assert!(!rec.env.contains_key("HTTP_PROXY"), "{:?}", rec.env);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -150,17 +150,28 @@ mod tests {
         let alice = tenant("alice");
         let a = p.cp.create(&alice, in_session("s4")).await.unwrap();
         let id = a.sandbox.id.clone();
-        assert!(p.cp.egress_denied(&id, "tcp pypi.org:443").await.unwrap());
+        let denial = |sandbox: &SandboxId| aviary_core::egress::EgressDenial {
+            sandbox: sandbox.clone(),
+            profile: "pypi-readonly".into(),
+            host: "evil.org".into(),
+            port: 443,
+            method: "CONNECT".into(),
+            reason: "domain is not on the allow list".into(),
+        };
+        assert!(p.cp.egress_denied(&denial(&id)).await.unwrap());
         let t = taints(&p, &id).await;
         assert_eq!(
             t,
-            vec![("egress_denied".to_owned(), "tcp pypi.org:443".to_owned())]
+            vec![(
+                "egress_denied".to_owned(),
+                "CONNECT evil.org:443: domain is not on the allow list".to_owned()
+            )]
         );
         not_reused(&p, "s4", &id).await;
         // a sandbox that is gone has nothing left to protect
         assert!(!p
             .cp
-            .egress_denied(&SandboxId::generate(), "tcp x:1")
+            .egress_denied(&denial(&SandboxId::generate()))
             .await
             .unwrap());
     }

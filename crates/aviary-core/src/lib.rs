@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod egress;
 mod error_code;
 mod ids;
 pub mod paths;

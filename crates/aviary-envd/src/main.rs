@@ -36,6 +36,7 @@
 //! is built static by `scripts/build-envd.sh`.
 #![deny(unsafe_code)]
 
+mod egress;
 mod exec;
 mod files;
 mod procs;
@@ -199,6 +200,8 @@ fn main() {
         }
     };
     let envd = Arc::new(Envd::new(args.root, fs, pid1, args.trust_all_peers));
+    // the `allowlist` profile's in-sandbox end (only when its socket is mounted)
+    egress::start();
 
     let sig_envd = Arc::clone(&envd);
     let spawned = std::thread::Builder::new()

@@ -406,6 +406,12 @@ impl Runtime for FakeRuntime {
         &self.name
     }
 
+    /// `none` and `allowlist` (the fake records the rules it is given); no
+    /// NAT, so never `open`.
+    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        profile != aviary_core::NetworkProfile::Open
+    }
+
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         self.creates.fetch_add(1, Ordering::SeqCst);
         let hold = self.state().create_holds.pop_front();
@@ -415,6 +421,11 @@ impl Runtime for FakeRuntime {
         }
         self.reachable()?;
         validate_spec(spec)?;
+        if !self.enforces_network(spec.network) {
+            return Err(RuntimeError::Unsupported {
+                what: format!("network profile {:?}", spec.network.as_str()),
+            });
+        }
         let handle = {
             let mut s = self.state();
             self.create_locked(&mut s, spec)?

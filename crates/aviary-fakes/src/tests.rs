@@ -283,6 +283,7 @@ fn spec() -> SandboxSpec {
         },
         resources: ResourceLimits::default(),
         network: NetworkProfile::None,
+        egress: None,
         hostname: "sbx".into(),
         init: vec!["/.aviary/envd".into()],
         env: vec![],

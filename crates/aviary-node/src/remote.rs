@@ -490,6 +490,7 @@ mod tests {
             },
             resources: ResourceLimits::default(),
             network: NetworkProfile::None,
+            egress: None,
             hostname: "h".into(),
             init: vec!["/bin/sh".into()],
             env: vec![],

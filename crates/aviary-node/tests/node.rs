@@ -207,6 +207,7 @@ mod node {
                 pids: 64,
             },
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx-node".into(),
             init: vec![ENVD_IN_SANDBOX.into(), "--listen-fd".into(), "3".into()],
             env: vec!["PATH=/bin:/usr/bin".into()],

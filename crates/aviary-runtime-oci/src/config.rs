@@ -355,6 +355,7 @@ mod tests {
                 pids: 64,
             },
             network: NetworkProfile::None,
+            egress: None,
             hostname: "box".into(),
             init: vec!["/.aviary/envd".into()],
             env: vec!["A=1".into()],

@@ -43,6 +43,7 @@
 pub mod config;
 mod host;
 pub mod idmap;
+mod open_net;
 pub mod quota;
 pub mod seccomp;
 mod spawn;
@@ -171,6 +172,10 @@ pub struct OciRuntime {
     /// cgroup2 mount crun must not see on hybrid hosts.
     hide_for_crun: Vec<PathBuf>,
     disks: quota::SandboxDisks,
+    /// The node's egress proxy; without one `allowlist` is refused.
+    egress: Option<Arc<dyn aviary_runtime::EgressGateway>>,
+    /// `slirp4netns`, for the `open` profile; without it `open` is refused.
+    open_network: Option<PathBuf>,
 }
 
 /// Where a sandbox's staged layers ([`Snapshottable::stage_layers`]) wait
@@ -202,6 +207,11 @@ impl SandboxDirs {
     }
     fn workspace(&self) -> PathBuf {
         self.root.join("workspace")
+    }
+    /// Holds the sandbox's egress socket only; the one host dir of an
+    /// `allowlist` sandbox that it mounts besides its workspace.
+    fn egress(&self) -> PathBuf {
+        self.root.join("egress")
     }
     fn bundle(&self) -> PathBuf {
         self.root.join("bundle")
@@ -302,7 +312,59 @@ impl OciRuntime {
             program,
             spawner,
             hide_for_crun,
+            egress: None,
+            open_network: None,
         })
+    }
+
+    /// Enforces the `open` network profile with `slirp4netns` at `slirp`
+    /// (see [`open_net`]).
+    pub fn with_open_network(mut self, slirp: impl Into<PathBuf>) -> Self {
+        self.open_network = Some(slirp.into());
+        self
+    }
+
+    /// Enforces the `allowlist` network profile through `gateway`: each such
+    /// sandbox gets `<sandbox>/egress/proxy.sock`, served by the gateway and
+    /// bind-mounted read-only at [`aviary_core::egress::EGRESS_DIR_IN_SANDBOX`].
+    ///
+    /// Sandboxes of this state dir that already have a socket (a restarted
+    /// server) are attached again with the rules recorded at their create
+    /// (`control/egress.json`, host-only), so their egress keeps working.
+    pub fn with_egress(mut self, gateway: Arc<dyn aviary_runtime::EgressGateway>) -> Self {
+        self.reattach_egress(gateway.as_ref());
+        self.egress = Some(gateway);
+        self
+    }
+
+    fn reattach_egress(&self, gateway: &dyn aviary_runtime::EgressGateway) {
+        let Ok(entries) = std::fs::read_dir(&self.config.state_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let Some(id) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<SandboxId>().ok())
+            else {
+                continue;
+            };
+            let dirs = self.dirs(&id);
+            let Ok(json) = std::fs::read(dirs.control().join(EGRESS_RECORD)) else {
+                continue;
+            };
+            let policy = match serde_json::from_slice(&json) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(sandbox.id = %id, error = %e, "unreadable egress record: egress stays closed");
+                    continue;
+                }
+            };
+            let socket = dirs.egress().join(aviary_core::egress::EGRESS_SOCKET_NAME);
+            if let Err(e) = gateway.attach(&id, &policy, &socket) {
+                tracing::warn!(sandbox.id = %id, error = %e, "re-attaching egress failed: egress stays closed");
+            }
+        }
     }
 
     pub fn config(&self) -> &OciConfig {
@@ -593,6 +655,8 @@ impl OciRuntime {
         // and handed to PID 1 as fd 3; envd calls listen() itself (see
         // `aviary_runtime::ENVD_LISTEN_FD`). The sandbox never sees the path.
         let envd_socket = bind_envd_socket(&control)?;
+        let spec = &self.with_egress_socket(spec, dirs)?;
+        let spec = &open_net::with_resolver(spec, &dirs.root)?;
         let inputs = config::BundleInputs {
             rootfs: &rootfs,
             workspace_dir: &workspace,
@@ -655,6 +719,10 @@ impl OciRuntime {
             .map_err(|_| RuntimeError::ParseState {
                 detail: format!("pid file holds {:?}", pid_text.trim()),
             })?;
+        if let (aviary_core::NetworkProfile::Open, Some(slirp)) = (spec.network, &self.open_network)
+        {
+            self.attach_open_network(slirp, dirs, init_pid).await?;
+        }
         Ok(SandboxHandle {
             id: spec.id.clone(),
             runtime: self.config.binary.name().to_string(),
@@ -663,6 +731,54 @@ impl OciRuntime {
             workspace_dir: workspace,
             init_pid,
         })
+    }
+}
+
+/// The egress rules of an `allowlist` sandbox, in its host-only control dir.
+const EGRESS_RECORD: &str = "egress.json";
+
+impl OciRuntime {
+    /// `spec` plus the bind of its own egress socket's dir, when it has the
+    /// `allowlist` profile (the gateway serves the socket from now on).
+    fn with_egress_socket(
+        &self,
+        spec: &SandboxSpec,
+        dirs: &SandboxDirs,
+    ) -> Result<SandboxSpec, RuntimeError> {
+        let mut spec = spec.clone();
+        let Some(policy) = &spec.egress else {
+            return Ok(spec);
+        };
+        let gateway = self
+            .egress
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Unsupported {
+                what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
+            })?;
+        let dir = dirs.egress();
+        make_dir(&dir, 0o755)?;
+        let socket = dir.join(aviary_core::egress::EGRESS_SOCKET_NAME);
+        gateway
+            .attach(&spec.id, policy, &socket)
+            .map_err(|source| RuntimeError::CreateDir {
+                path: socket.clone(),
+                source,
+            })?;
+        // kept host-only, for a restarted server to serve the same rules
+        let record = dirs.control().join(EGRESS_RECORD);
+        let json = serde_json::to_vec(policy).map_err(|e| RuntimeError::BuildConfig {
+            source: Box::new(e),
+        })?;
+        std::fs::write(&record, json).map_err(|source| RuntimeError::WriteFile {
+            path: record,
+            source,
+        })?;
+        spec.binds.push(aviary_runtime::BindMount {
+            host: dir,
+            sandbox: aviary_core::egress::EGRESS_DIR_IN_SANDBOX.into(),
+            read_only: true,
+        });
+        Ok(spec)
     }
 }
 
@@ -716,9 +832,27 @@ impl Runtime for OciRuntime {
         self.config.binary.name()
     }
 
+    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        match profile {
+            aviary_core::NetworkProfile::None => true,
+            aviary_core::NetworkProfile::Allowlist => self.egress.is_some(),
+            aviary_core::NetworkProfile::Open => self.open_network.is_some(),
+        }
+    }
+
     #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
         validate_spec(spec)?;
+        if spec.network == aviary_core::NetworkProfile::Open && self.open_network.is_none() {
+            return Err(RuntimeError::Unsupported {
+                what: "network profile \"open\" (slirp4netns is not installed on this node)".into(),
+            });
+        }
+        if spec.egress.is_some() && self.egress.is_none() {
+            return Err(RuntimeError::Unsupported {
+                what: "network profile \"allowlist\" (this node runs no egress proxy)".into(),
+            });
+        }
         let template = self.template_rootfs(&spec.template)?;
         let dirs = self.dirs(&spec.id);
         if self.runtime_knows(&spec.id) {
@@ -761,6 +895,10 @@ impl Runtime for OciRuntime {
     #[instrument(skip_all, fields(sandbox.id = %id, runtime = self.config.binary.name()))]
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let dirs = self.dirs(id);
+        if let Some(gateway) = &self.egress {
+            gateway.detach(id);
+        }
+        open_net::detach_open_network(&dirs);
         let mut errors: Vec<RuntimeError> = Vec::new();
         if self.runtime_knows(id) {
             // A frozen sandbox cannot die; thaw first (no-op otherwise).
@@ -1000,7 +1138,7 @@ fn remove_tree(dir: &Path) -> Result<(), RuntimeError> {
 }
 
 /// Makes `dir` (not its parents) with mode `mode`.
-fn make_dir(dir: &Path, mode: u32) -> Result<(), RuntimeError> {
+pub(crate) fn make_dir(dir: &Path, mode: u32) -> Result<(), RuntimeError> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .mode(mode)

@@ -37,6 +37,7 @@ mod oci {
                 pids: 64,
             },
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx-test".into(),
             init: vec![
                 "/bin/sh".into(),

@@ -48,6 +48,7 @@ mod quota {
                 pids: 64,
             },
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx-quota".into(),
             init: vec![
                 "/bin/sh".into(),

@@ -61,6 +61,7 @@ mod userns {
                 pids: 64,
             },
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx-userns".into(),
             init: vec![
                 "/bin/sh".into(),

@@ -119,24 +119,40 @@ pub async fn check_unknown_ids(rt: &dyn Runtime) {
     rt.destroy(&id).await.expect("destroy of unknown id");
 }
 
-/// Network profiles other than `none` are refused with `Unsupported`, and
-/// leave nothing behind; a template the runtime does not have and a missing
-/// init binary fail cleanly.
+/// Network profiles the runtime does not enforce
+/// ([`Runtime::enforces_network`]) are refused with `Unsupported`, and leave
+/// nothing behind; a template the runtime does not have and a missing init
+/// binary fail cleanly.
 pub async fn check_refusals(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
-    let mut spec = make_spec();
-    spec.network = NetworkProfile::Open;
-    let err = rt
-        .create(&spec)
-        .await
-        .expect_err("create with open network");
-    assert!(
-        matches!(err, RuntimeError::Unsupported { .. }),
-        "got {err:?}"
-    );
-    assert_eq!(
-        rt.status(&spec.id).await.expect("status"),
-        RuntimeStatus::NotFound
-    );
+    assert!(rt.enforces_network(NetworkProfile::None));
+    for profile in [NetworkProfile::Allowlist, NetworkProfile::Open] {
+        if rt.enforces_network(profile) {
+            continue;
+        }
+        let mut spec = make_spec();
+        spec.network = profile;
+        if profile == NetworkProfile::Allowlist {
+            spec.egress = Some(aviary_core::egress::EgressPolicy {
+                profile: "conformance".into(),
+                allow: vec![],
+                deny: vec![],
+                resolve: Default::default(),
+                limits: Default::default(),
+            });
+        }
+        let err = rt
+            .create(&spec)
+            .await
+            .expect_err("create with a network profile the runtime does not enforce");
+        assert!(
+            matches!(err, RuntimeError::Unsupported { .. }),
+            "{profile:?}: got {err:?}"
+        );
+        assert_eq!(
+            rt.status(&spec.id).await.expect("status"),
+            RuntimeStatus::NotFound
+        );
+    }
 
     let mut spec = make_spec();
     spec.template.digest = format!("sha256:{}", "0".repeat(64));

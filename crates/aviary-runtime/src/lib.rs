@@ -61,6 +61,22 @@ pub struct BindMount {
     pub read_only: bool,
 }
 
+/// The node's egress proxy as a runtime sees it (`allowlist` profile,
+/// implemented by `aviary-egress`): the runtime makes a directory that only
+/// this sandbox mounts, asks for the sandbox's own socket in it, and
+/// detaches on destroy.
+pub trait EgressGateway: Send + Sync {
+    /// Serves `policy` for sandbox `id` on a new socket at `socket`.
+    fn attach(
+        &self,
+        id: &SandboxId,
+        policy: &aviary_core::egress::EgressPolicy,
+        socket: &std::path::Path,
+    ) -> std::io::Result<()>;
+    /// Stops serving `id` (no-op when not attached).
+    fn detach(&self, id: &SandboxId);
+}
+
 /// Which template a sandbox starts from. The runtime resolves it to a root
 /// file system on its own host (a template's digest names the same tree on
 /// every node); the caller never names a host path.
@@ -91,9 +107,15 @@ pub struct SandboxSpec {
     /// The read-only lower layer, shared by many sandboxes; never modified.
     pub template: TemplateRef,
     pub resources: ResourceLimits,
-    /// Only [`NetworkProfile::None`] (loopback only) is supported today;
-    /// other profiles fail with [`RuntimeError::Unsupported`].
+    /// [`NetworkProfile::None`]: loopback only. [`NetworkProfile::Allowlist`]
+    /// needs `egress` and a runtime with an [`EgressGateway`];
+    /// [`NetworkProfile::Open`] a runtime with a NAT stack. A runtime that
+    /// cannot enforce a profile fails with [`RuntimeError::Unsupported`].
     pub network: NetworkProfile,
+    /// The egress rules of an `allowlist` sandbox (its profile, resolved by
+    /// the control plane from `aviary.toml`); `None` for the other profiles.
+    #[serde(default)]
+    pub egress: Option<aviary_core::egress::EgressPolicy>,
     pub hostname: String,
     /// argv of PID 1 inside the sandbox (the control plane passes its envd).
     pub init: Vec<String>,
@@ -170,6 +192,12 @@ pub struct ResourceUsage {
 pub trait Runtime: Send + Sync {
     /// Stable backend name, recorded in the registry (`"crun"`, `"runc"`, ...).
     fn name(&self) -> &str;
+    /// Whether this runtime enforces network profile `profile` (a create
+    /// with one it does not is refused with [`RuntimeError::Unsupported`]).
+    /// Every runtime gives `none`; the others need the node's means.
+    fn enforces_network(&self, profile: NetworkProfile) -> bool {
+        profile == NetworkProfile::None
+    }
     /// Starts a sandbox; returns once its PID 1 has started. On failure nothing
     /// is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
@@ -356,10 +384,18 @@ pub fn validate_spec(spec: &SandboxSpec) -> Result<(), RuntimeError> {
             spec.template.digest
         ));
     }
-    if spec.network != NetworkProfile::None {
-        return Err(RuntimeError::Unsupported {
-            what: format!("network profile {:?}", spec.network.as_str()),
-        });
+    match (spec.network, &spec.egress) {
+        (NetworkProfile::None | NetworkProfile::Open, None)
+        | (NetworkProfile::Allowlist, Some(_)) => {}
+        (NetworkProfile::Allowlist, None) => {
+            return invalid("network profile \"allowlist\" without egress rules".into())
+        }
+        (other, Some(_)) => {
+            return invalid(format!(
+                "egress rules given for network profile {:?}",
+                other.as_str()
+            ))
+        }
     }
     if spec.init.is_empty() || spec.init[0].is_empty() {
         return invalid("init argv is empty".into());
@@ -431,6 +467,7 @@ mod tests {
             },
             resources: ResourceLimits::default(),
             network: NetworkProfile::None,
+            egress: None,
             hostname: "sbx".into(),
             init: vec!["/bin/sh".into()],
             env: vec!["A=b".into()],
@@ -448,12 +485,27 @@ mod tests {
     }
 
     #[test]
-    fn other_network_profiles_are_unsupported() {
+    fn network_profiles_and_their_rules_must_agree() {
         let mut s = spec();
         s.network = NetworkProfile::Open;
+        validate_spec(&s).unwrap();
+        s.network = NetworkProfile::Allowlist;
         assert!(matches!(
             validate_spec(&s).unwrap_err(),
-            RuntimeError::Unsupported { .. }
+            RuntimeError::InvalidSpec { .. }
+        ));
+        s.egress = Some(aviary_core::egress::EgressPolicy {
+            profile: "p".into(),
+            allow: vec![],
+            deny: vec![],
+            resolve: Default::default(),
+            limits: Default::default(),
+        });
+        validate_spec(&s).unwrap();
+        s.network = NetworkProfile::None;
+        assert!(matches!(
+            validate_spec(&s).unwrap_err(),
+            RuntimeError::InvalidSpec { .. }
         ));
     }
 

@@ -57,6 +57,16 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     );
     let mut runtimes = Vec::new();
     let mut state_dirs = Vec::new();
+    // the node's egress proxy (the `allowlist` profile), shared by its runtimes
+    let (egress, denials) = aviary_egress::EgressProxy::new(tokio::runtime::Handle::current());
+    // the `open` profile, when the operator turned it on: NAT by slirp4netns
+    let open_network = if cfg.control.settings.server.open_network {
+        Some(find_in_path("slirp4netns").context(
+            "[server] open_network = true needs slirp4netns (scripts/deps.sh installs it)",
+        )?)
+    } else {
+        None
+    };
     for name in names {
         let state = cfg.runtime_state_dir_of(name);
         let mut oci = aviary_runtime_oci::OciConfig::new(
@@ -65,8 +75,12 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         )
         .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
-        let runtime = aviary_runtime_oci::OciRuntime::new(oci)
-            .with_context(|| format!("setting up the OCI runtime {name}"))?;
+        let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
+            .with_context(|| format!("setting up the OCI runtime {name}"))?
+            .with_egress(Arc::new(egress.clone()));
+        if let Some(slirp) = &open_network {
+            runtime = runtime.with_open_network(slirp);
+        }
         runtime
             .probe()
             .await
@@ -98,8 +112,33 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         nodes: Arc::new(backends::AgentConnector),
     };
     let cp = ControlPlane::new(cfg.control, backends)?;
+    tokio::spawn(report_egress_denials(Arc::downgrade(&cp), denials));
     side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
+}
+
+/// `program` in `PATH`, or an error naming it.
+fn find_in_path(program: &str) -> anyhow::Result<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+        .ok_or_else(|| anyhow::anyhow!("{program} not found in PATH"))
+}
+
+/// Every refusal of the egress proxy becomes an `egress_denied` event and a
+/// taint (`ControlPlane::egress_denied`), until the control plane is gone.
+async fn report_egress_denials(
+    cp: std::sync::Weak<ControlPlane>,
+    mut denials: tokio::sync::mpsc::Receiver<aviary_core::egress::EgressDenial>,
+) {
+    while let Some(d) = denials.recv().await {
+        let Some(cp) = cp.upgrade() else { return };
+        if let Err(e) = cp.egress_denied(&d).await {
+            tracing::warn!(sandbox.id = %d.sandbox, error = %e, "recording an egress denial failed");
+        }
+    }
 }
 
 /// The registry and the coordination store a control plane runs on.
