@@ -1,7 +1,7 @@
 //! envd: the daemon that runs as PID 1 inside every Aviary sandbox.
 //!
 //! It serves the `aviary-envd-proto` protocol on a unix socket: exec with
-//! streamed output and process-group kill, confined file operations, health,
+//! streamed output and process-group kill, exec on a pseudo-terminal, confined file operations, health,
 //! and the lease fence that every mutating call is checked against.
 //!
 //! **The socket.** In a sandbox the socket is *activated*: the host creates an
@@ -38,6 +38,7 @@
 
 mod exec;
 mod files;
+mod pty;
 mod reaper;
 mod server;
 mod sweep;
