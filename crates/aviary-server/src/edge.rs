@@ -89,15 +89,18 @@ pub async fn serve(
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
-            let conn = builder.serve_connection(
-                TokioIo::new(stream),
-                TowerToHyperService::new(app.map_request(
-                    move |mut req: axum::http::Request<hyper::body::Incoming>| {
-                        req.extensions_mut().insert(ClientAddr(peer));
-                        req
-                    },
-                )),
-            );
+            let conn = builder
+                .serve_connection(
+                    TokioIo::new(stream),
+                    TowerToHyperService::new(app.map_request(
+                        move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                            req.extensions_mut().insert(ClientAddr(peer));
+                            req
+                        },
+                    )),
+                )
+                // WebSockets (exec/tty) take the connection over after a 101
+                .with_upgrades();
             tokio::pin!(conn);
             tokio::select! {
                 res = conn.as_mut() => {

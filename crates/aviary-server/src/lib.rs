@@ -23,6 +23,7 @@ pub mod error;
 pub mod http;
 pub mod leader;
 mod side_files;
+pub mod tty;
 
 // The control plane's modules, where callers of the server found them.
 pub use aviary_control::{keys, lifecycle, metrics, nodes, ops, planning, pools, projection};

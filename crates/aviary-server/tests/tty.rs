@@ -1,0 +1,380 @@
+//! `GET /v1/sandboxes/{id}/exec/tty` over a real WebSocket client
+//! (tokio-tungstenite) against the real server and real crun sandboxes:
+//! a shell on a pseudo-terminal (size, resize, signals, exit code), the
+//! subprotocol authentication, and every refusal (wrong key, another
+//! tenant, the lease fence, a bad start message).
+
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
+mod common;
+
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::{HeaderValue, StatusCode};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+fn tty_url(ts: &common::TestServer, id: &str) -> String {
+    format!(
+        "{}/v1/sandboxes/{id}/exec/tty",
+        ts.url().replacen("http://", "ws://", 1)
+    )
+}
+
+/// Connects with these headers; the 101's `Sec-WebSocket-Protocol`, or the
+/// HTTP refusal's status.
+async fn connect(
+    url: &str,
+    headers: &[(&'static str, String)],
+) -> Result<(Ws, Option<String>), StatusCode> {
+    let mut req = url.into_client_request().unwrap();
+    for (k, v) in headers {
+        req.headers_mut()
+            .insert(*k, HeaderValue::from_str(v).unwrap());
+    }
+    match tokio_tungstenite::connect_async(req).await {
+        Ok((ws, resp)) => {
+            let proto = resp
+                .headers()
+                .get("sec-websocket-protocol")
+                .map(|v| v.to_str().unwrap().to_owned());
+            Ok((ws, proto))
+        }
+        Err(WsError::Http(resp)) => Err(resp.status()),
+        Err(e) => panic!("websocket connect: {e}"),
+    }
+}
+
+fn bearer(key: &str) -> (&'static str, String) {
+    ("authorization", format!("Bearer {key}"))
+}
+
+fn protocols(p: &str) -> (&'static str, String) {
+    ("sec-websocket-protocol", p.to_owned())
+}
+
+/// A terminal session seen from the client.
+struct Term {
+    ws: Ws,
+    seen: String,
+    texts: Vec<serde_json::Value>,
+    close: Option<(CloseCode, String)>,
+}
+
+impl Term {
+    fn new(ws: Ws) -> Term {
+        Term {
+            ws,
+            seen: String::new(),
+            texts: Vec::new(),
+            close: None,
+        }
+    }
+
+    async fn text(&mut self, v: serde_json::Value) {
+        self.ws.send(Message::text(v.to_string())).await.unwrap();
+    }
+
+    async fn keys(&mut self, s: &str) {
+        self.ws
+            .send(Message::binary(s.as_bytes().to_vec()))
+            .await
+            .unwrap();
+    }
+
+    /// Takes one message; false once the socket ended.
+    async fn take(&mut self) -> bool {
+        match self.ws.next().await {
+            Some(Ok(Message::Binary(b))) => self.seen.push_str(&String::from_utf8_lossy(&b)),
+            Some(Ok(Message::Text(t))) => self.texts.push(serde_json::from_str(&t).unwrap()),
+            Some(Ok(Message::Close(f))) => {
+                self.close = f.map(|f| (f.code, f.reason.to_string()));
+            }
+            Some(Ok(_)) => {}
+            Some(Err(_)) | None => return false,
+        }
+        true
+    }
+
+    /// Reads until `done` holds (a hung session fails after a generous guard).
+    async fn until(&mut self, what: &str, done: impl Fn(&Term) -> bool) {
+        let r = tokio::time::timeout(Duration::from_secs(60), async {
+            while !done(self) {
+                assert!(
+                    self.take().await,
+                    "socket ended before {what}: {}",
+                    self.seen
+                );
+            }
+        })
+        .await;
+        if r.is_err() {
+            panic!(
+                "no {what}; output {:?}, messages {:?}",
+                self.seen, self.texts
+            );
+        }
+    }
+
+    async fn expect(&mut self, needle: &str) {
+        self.until(needle, |t| t.seen.contains(needle)).await;
+    }
+
+    /// Reads to the end; the exit message, if any.
+    async fn finish(&mut self) -> Option<serde_json::Value> {
+        self.until("the end", |t| t.close.is_some()).await;
+        self.texts.iter().find_map(|v| v.get("exit").cloned())
+    }
+
+    fn error_code(&self) -> Option<String> {
+        self.texts
+            .iter()
+            .find_map(|v| v["error"]["code"].as_str().map(str::to_owned))
+    }
+}
+
+async fn tty_events(c: &aviary_client::Client, id: &str) -> Vec<aviary_core::api::Event> {
+    c.events(Some(id), None, Some(1000))
+        .await
+        .unwrap()
+        .events
+        .into_iter()
+        .filter(|e| e.event_type.starts_with("tty_"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shell_on_a_terminal_over_a_websocket() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let (ws, proto) = connect(
+        &tty_url(&ts, &id),
+        &[bearer(&ts.key), protocols("aviary.tty.v1")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(proto.as_deref(), Some("aviary.tty.v1"));
+    let mut t = Term::new(ws);
+    t.text(
+        serde_json::json!({"cmd": ["/bin/sh"], "cols": 100, "rows": 30, "env": {"GREETING": "hi"}}),
+    )
+    .await;
+    t.keys("[ -t 0 ] && [ -t 1 ] && echo isatty-$GREETING; stty size\n")
+        .await;
+    t.expect("isatty-hi").await;
+    t.expect("30 100").await;
+    t.text(serde_json::json!({"type": "resize", "cols": 120, "rows": 40}))
+        .await;
+    t.keys("stty size\n").await;
+    t.expect("40 120").await;
+    // a bad control message is answered and changes nothing
+    t.text(serde_json::json!({"type": "launch", "what": "rockets"}))
+        .await;
+    t.until("an error message", |t| t.error_code().is_some())
+        .await;
+    assert_eq!(t.error_code().as_deref(), Some("invalid_request"));
+    // a signal reaches the foreground process (sleep), not the shell
+    t.keys("sleep 600\n").await;
+    let running = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let r = c
+                .exec(&id, &common::shell("ps -o comm | grep -c '^sleep' || true"))
+                .await
+                .unwrap();
+            if r.stdout.trim() == "1" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    if running.is_err() {
+        panic!("sleep never ran: {}", t.seen);
+    }
+    t.text(serde_json::json!({"type": "signal", "signal": "INT"}))
+        .await;
+    // (an interactive shell abandons the rest of a line whose command died
+    // of SIGINT: the status is asked for on the next line)
+    t.keys("echo status-$?\n").await;
+    t.expect("status-130").await;
+    t.keys("echo $((6*7))x; exit 3\n").await;
+    t.expect("42x").await;
+    let exit = t.finish().await.unwrap();
+    assert_eq!(exit["exit_code"], 3, "{exit}");
+    assert_eq!(t.close.as_ref().unwrap().0, CloseCode::Normal);
+    let events = tty_events(c, &id).await;
+    let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types, ["tty_started", "tty_exited"]);
+    assert_eq!(events[0].metadata["cols"], 100);
+    assert_eq!(events[1].metadata["exit_code"], 3);
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_tenancy_and_the_fence_are_enforced() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let url = tty_url(&ts, &id);
+
+    // the key as a subprotocol (browsers): only the plain name is echoed
+    let offered = format!("aviary.tty.v1, aviary.bearer.{}", ts.key);
+    let (ws, proto) = connect(&url, &[protocols(&offered)]).await.unwrap();
+    assert_eq!(proto.as_deref(), Some("aviary.tty.v1"));
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"argv": ["/bin/sh", "-c", "exit 5"]}))
+        .await;
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 5);
+
+    // no key, a wrong key (header or subprotocol), a key in the query string
+    assert_eq!(
+        connect(&url, &[]).await.unwrap_err(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        connect(&url, &[bearer("avk_wrong")]).await.unwrap_err(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        connect(&url, &[protocols("aviary.tty.v1, aviary.bearer.avk_wrong")])
+            .await
+            .unwrap_err(),
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        connect(&format!("{url}?access_token={}", ts.key), &[])
+            .await
+            .unwrap_err(),
+        StatusCode::UNAUTHORIZED
+    );
+    // another tenant's sandbox does not exist for it
+    let other = c.create_key("tenant-tty-other", false).await.unwrap();
+    assert_eq!(
+        connect(&url, &[bearer(&other.key)]).await.unwrap_err(),
+        StatusCode::NOT_FOUND
+    );
+    // a plain GET (no upgrade) is a 400 with the API's error body
+    let plain = reqwest::Client::new()
+        .get(format!("{}/v1/sandboxes/{id}/exec/tty", ts.url()))
+        .bearer_auth(&ts.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(plain.status().as_u16(), 400);
+    let body: serde_json::Value = plain.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "invalid_request", "{body}");
+
+    // leased: no token is refused before the upgrade
+    let lease = c.acquire_lease(&id, "tty-test", Some(120)).await.unwrap();
+    assert_eq!(
+        connect(&url, &[bearer(&ts.key)]).await.unwrap_err(),
+        StatusCode::CONFLICT
+    );
+    let (ws, _) = connect(
+        &url,
+        &[
+            bearer(&ts.key),
+            ("x-aviary-lease-token", lease.token.to_string()),
+        ],
+    )
+    .await
+    .unwrap();
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/bin/sh", "-c", "echo leased-ok"]}))
+        .await;
+    t.expect("leased-ok").await;
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 0);
+    // a foreign token (the right fence, another secret) is refused too
+    let mut forged = lease.token.to_string();
+    let last = if forged.ends_with('0') { "1" } else { "0" };
+    forged.replace_range(forged.len() - 1.., last);
+    assert_eq!(
+        connect(&url, &[bearer(&ts.key), ("x-aviary-lease-token", forged)])
+            .await
+            .unwrap_err(),
+        StatusCode::CONFLICT
+    );
+    c.release_lease(&id, lease.token).await.unwrap();
+    c.delete_sandbox(&id, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_start_message_is_refused_and_starts_nothing() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let url = tty_url(&ts, &id);
+    for (first, code) in [
+        (Message::text(r#"{"cmd": "not a list"}"#), "invalid_request"),
+        (
+            Message::text(r#"{"cmd": ["sh"], "cols": 0}"#),
+            "invalid_request",
+        ),
+        (
+            Message::text(r#"{"cmd": ["sh"], "surprise": 1}"#),
+            "invalid_request",
+        ),
+        (Message::text(r#"[["sh"]]"#), "invalid_request"),
+        (Message::binary(b"ls\n".to_vec()), "invalid_request"),
+        (Message::text(r#"{"cwd": "/no/such/dir"}"#), "invalid_path"),
+        (
+            Message::text(r#"{"user": "nobody-at-all"}"#),
+            "invalid_request",
+        ),
+    ] {
+        let (ws, _) = connect(&url, &[bearer(&ts.key)]).await.unwrap();
+        let mut t = Term::new(ws);
+        t.ws.send(first.clone()).await.unwrap();
+        assert_eq!(t.finish().await, None, "{first:?}");
+        assert_eq!(
+            t.error_code().as_deref(),
+            Some(code),
+            "{first:?}: {:?}",
+            t.texts
+        );
+        let close = t.close.clone().unwrap();
+        assert!(
+            matches!(u16::from(close.0), 4400 | 4404 | 4422),
+            "{first:?}: {close:?}"
+        );
+    }
+    assert_eq!(tty_events(c, &id).await.len(), 0);
+    // a missing program is a shell's 127, on the terminal
+    let (ws, _) = connect(&url, &[bearer(&ts.key)]).await.unwrap();
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/no/such/program"]}))
+        .await;
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 127);
+    assert!(t.seen.contains("not found"), "{}", t.seen);
+    // a client that goes away ends the session (and it is recorded)
+    let (ws, _) = connect(&url, &[bearer(&ts.key)]).await.unwrap();
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/bin/sh", "-c", "echo up; exec sleep 600"]}))
+        .await;
+    t.expect("up").await;
+    drop(t);
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let ev = tty_events(c, &id).await;
+            if ev.iter().filter(|e| e.event_type == "tty_exited").count() == 2 {
+                return ev;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(ended.last().unwrap().metadata["ended"], "disconnected");
+    let r = c
+        .exec(&id, &common::shell("ps -o comm | grep -c '^sleep' || true"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "0", "{r:?}");
+    c.delete_sandbox(&id, None).await.unwrap();
+}
