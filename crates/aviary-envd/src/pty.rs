@@ -285,9 +285,8 @@ fn pump(
                     break;
                 }
                 // wait for the leader's exit without spinning on POLLHUP
-                match exit_rx.recv() {
-                    Ok(s) => status = Some((s, Instant::now())),
-                    Err(_) => {}
+                if let Ok(s) = exit_rx.recv() {
+                    status = Some((s, Instant::now()));
                 }
                 break;
             }
