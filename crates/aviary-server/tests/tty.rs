@@ -378,3 +378,76 @@ async fn a_bad_start_message_is_refused_and_starts_nothing() {
     assert_eq!(r.stdout.trim(), "0", "{r:?}");
     c.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// A node agent on loopback (real crun, its own state dir).
+async fn agent(dir: &std::path::Path, id: &str) -> (aviary_node::RunningNode, String) {
+    let state = dir.join(id);
+    let rt = aviary_runtime_oci::OciRuntime::new(
+        aviary_runtime_oci::OciConfig::new(
+            aviary_runtime_oci::OciBinary::Crun,
+            state.join("sandboxes"),
+        )
+        .with_template_store(common::template_cache()),
+    )
+    .unwrap();
+    let rt = std::sync::Arc::new(rt);
+    let token = format!("token-{id}");
+    let node = aviary_node::start_node(aviary_node::NodeConfig {
+        id: id.into(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: token.clone(),
+        runtime: rt.clone(),
+        layers: Some(rt),
+        templates: aviary_templates::TemplateStore::open(common::template_cache()).unwrap(),
+        state_dir: state.join("agent"),
+        capacity: aviary_node::Capacity {
+            cpu: 64.0,
+            memory_mb: 262_144,
+        },
+        provided_binds: vec![aviary_node::ProvidedBind::envd(common::envd_binary())],
+    })
+    .await
+    .unwrap();
+    (node, token)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminal_works_through_a_node_agent() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let dir = tempfile::Builder::new()
+        .prefix("avn")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let (node, token) = agent(dir.path(), "node-tty").await;
+    c.add_node("node-tty", &node.addr().to_string(), &token)
+        .await
+        .unwrap();
+    // the big agent beats this host on load: the sandbox lands there
+    let s = c
+        .create_sandbox(&aviary_core::api::CreateSandboxRequest {
+            class: Some("compute-large".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .sandbox;
+    assert_eq!(s.node, "node-tty");
+    let id = s.id.to_string();
+    let (ws, _) = connect(&tty_url(&ts, &id), &[bearer(&ts.key)])
+        .await
+        .unwrap();
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/bin/sh"], "cols": 90, "rows": 33}))
+        .await;
+    t.keys("stty size; echo via-$((40+2))\n").await;
+    t.expect("33 90").await;
+    t.expect("via-42").await;
+    t.text(serde_json::json!({"type": "resize", "cols": 91, "rows": 34}))
+        .await;
+    t.keys("stty size; exit 9\n").await;
+    t.expect("34 91").await;
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 9);
+    c.delete_sandbox(&id, None).await.unwrap();
+    node.stop().await;
+}
