@@ -216,6 +216,33 @@ impl Drop for OnTerminal {
     }
 }
 
+/// Waits until exactly one `sleep` runs in the sandbox.
+fn wait_for_sleep(s: &Server, id: &str) {
+    let start = Instant::now();
+    loop {
+        let o = aviary(
+            s,
+            &[
+                "sandbox",
+                "exec",
+                id,
+                "--",
+                "sh",
+                "-c",
+                "cat /proc/[0-9]*/comm | grep -cx sleep || true",
+            ],
+        );
+        if String::from_utf8_lossy(&o.stdout).trim() == "1" {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "sleep never ran: {o:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn exec_it_runs_bash_on_a_real_terminal() {
     let s = serve();
@@ -267,34 +294,35 @@ fn exec_it_runs_bash_on_a_real_terminal() {
     }
     // Ctrl-C (raw mode: the byte goes to the sandbox) stops sleep, not the CLI
     t.type_keys("sleep 600\r");
-    let start = Instant::now();
-    loop {
-        let o = aviary(
-            &s,
-            &[
-                "sandbox",
-                "exec",
-                &id,
-                "--",
-                "sh",
-                "-c",
-                "cat /proc/[0-9]*/comm | grep -cx sleep || true",
-            ],
-        );
-        if String::from_utf8_lossy(&o.stdout).trim() == "1" {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "sleep never ran: {o:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_sleep(&s, &id);
     t.type_keys("\x03");
     t.type_keys("echo after-$?\r");
     t.expect("after-130");
     t.type_keys("exit 3\r");
     assert_eq!(t.exit_code(), Some(3), "screen: {:?}", t.screen());
+    drop(t);
+
+    // -t alone: a terminal, the keyboard not read; Ctrl-C here (a SIGINT to
+    // the CLI, the local terminal is not raw) is sent on to the command
+    let mut t = OnTerminal::start(
+        &s,
+        &[
+            "sandbox",
+            "exec",
+            "-t",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "[ -t 1 ] && echo on-a-tty; exec sleep 600",
+        ],
+        80,
+        24,
+    );
+    t.expect("on-a-tty");
+    wait_for_sleep(&s, &id);
+    t.type_keys("\x03");
+    assert_eq!(t.exit_code(), Some(130), "screen: {:?}", t.screen());
     drop(t);
 
     // -t without a terminal on stdin is a clear error, nothing runs
