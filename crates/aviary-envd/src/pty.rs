@@ -277,7 +277,7 @@ fn pump(
             continue;
         }
         let n = match read_retrying(&mut master, &mut buf[FRAME_HEADER_LEN..]) {
-            Ok(n) if n > 0 => n,
+            Ok(n) if n > 0 => n + coalesce(&mut master, &mut buf[FRAME_HEADER_LEN + n..]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             // EIO: no process holds the terminal any more
             _ => {
@@ -301,6 +301,21 @@ fn pump(
         }
     }
     (status, client_gone)
+}
+
+/// Reads what the terminal already has into `room` without waiting: a
+/// program writing line by line (stdio is line-buffered on a terminal)
+/// then costs one frame per read-ahead, not one per line. Returns the bytes
+/// added; errors are left to the next poll.
+fn coalesce(master: &mut File, room: &mut [u8]) -> usize {
+    let mut got = 0;
+    while room.len() - got >= 1024 {
+        match read_retrying(master, &mut room[got..]) {
+            Ok(n) if n > 0 => got += n,
+            _ => break,
+        }
+    }
+    got
 }
 
 /// Types the client's input, applies its control messages and watches it

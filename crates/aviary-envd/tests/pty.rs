@@ -286,4 +286,23 @@ mod pty {
         let (exit, _) = s.exit().await;
         assert_eq!(exit.signal, Some(9));
     }
+
+    /// Measures (prints, asserts nothing about time) the throughput of a
+    /// large terminal output; checks it arrives whole and in order.
+    #[tokio::test]
+    async fn measure_terminal_output_throughput() {
+        let d = Daemon::start().await;
+        let started = std::time::Instant::now();
+        let s = Session::start(&d.client(), sh("seq 1 200000", 80, 24), None).await;
+        let (exit, seen) = s.exit().await;
+        let took = started.elapsed();
+        assert_eq!(exit.exit_code, 0);
+        let lines: Vec<&str> = seen.split("\r\n").collect();
+        assert_eq!((lines[0], lines[199_999]), ("1", "200000"));
+        eprintln!(
+            "MEASURED envd terminal output: {} bytes in {took:?} ({:.1} MiB/s)",
+            seen.len(),
+            seen.len() as f64 / took.as_secs_f64() / (1024.0 * 1024.0)
+        );
+    }
 }

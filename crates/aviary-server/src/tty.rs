@@ -58,6 +58,8 @@ pub const MAX_MESSAGE: usize = 256 * 1024;
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Output messages queued for a slow client before the terminal waits.
 const OUTPUT_QUEUE: usize = 16;
+/// Up to how many bytes of queued output one WebSocket message carries.
+const COALESCE_BYTES: usize = 64 * 1024;
 
 /// The caller, from `Authorization` or else the `aviary.bearer.<key>`
 /// subprotocol.
@@ -205,12 +207,34 @@ async fn serve(
 ) -> Option<aviary_envd_proto::ExitInfo> {
     let (mut ws_tx, mut ws_rx) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTPUT_QUEUE);
-    // one writer owns the socket's sending half
+    // one writer owns the socket's sending half; terminal output already
+    // queued behind the first chunk goes out in the same message
     let writer = tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
+        let mut next = out_rx.recv().await;
+        while let Some(m) = next.take() {
+            let m = match m {
+                Message::Binary(first) => {
+                    let mut joined = first.to_vec();
+                    while joined.len() < COALESCE_BYTES {
+                        match out_rx.try_recv() {
+                            Ok(Message::Binary(more)) => joined.extend_from_slice(&more),
+                            Ok(other) => {
+                                next = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    Message::Binary(joined.into())
+                }
+                other => other,
+            };
             let close = matches!(m, Message::Close(_));
             if ws_tx.send(m).await.is_err() || close {
                 break;
+            }
+            if next.is_none() {
+                next = out_rx.recv().await;
             }
         }
     });
@@ -222,21 +246,23 @@ async fn serve(
     let exit = loop {
         tokio::select! {
             done = &mut pump => break done.ok().flatten(),
-            msg = ws_rx.next() => {
-                let keep = match msg {
-                    Some(Ok(Message::Binary(b))) => input.write(&b).await.is_ok(),
-                    Some(Ok(Message::Text(t))) => {
-                        if let Err(e) = control(&mut input, &t).await {
-                            let _ = out_tx.send(error_message(&e)).await;
-                        }
-                        true
+            msg = ws_rx.next() => match msg {
+                Some(Ok(Message::Binary(b))) => {
+                    if input.write(&b).await.is_err() {
+                        // envd closed the connection: the session ended
+                        // (the exit, if it came, is still in the pump's hands)
+                        break (&mut pump).await.ok().flatten();
                     }
-                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => true,
-                    Some(Ok(Message::Close(_)) | Err(_)) | None => false,
-                };
-                if !keep {
-                    // the client left (or envd's connection broke): both
-                    // halves dropped, envd hangs the terminal up
+                }
+                Some(Ok(Message::Text(t))) => {
+                    if let Err(e) = control(&mut input, &t).await {
+                        let _ = out_tx.send(error_message(&e)).await;
+                    }
+                }
+                Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+                Some(Ok(Message::Close(_)) | Err(_)) | None => {
+                    // the client left: both halves dropped, envd hangs the
+                    // terminal up and kills the session
                     pump.abort();
                     break None;
                 }

@@ -451,3 +451,67 @@ async fn a_terminal_works_through_a_node_agent() {
     c.delete_sandbox(&id, None).await.unwrap();
     node.stop().await;
 }
+
+/// Measures (prints, asserts nothing about time): a keystroke's round trip
+/// (client → server → envd → terminal echo → back) and the throughput of a
+/// large output; checks that the output arrives whole, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn measure_keystroke_round_trip_and_output_throughput() {
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let (ws, _) = connect(&tty_url(&ts, &id), &[bearer(&ts.key)])
+        .await
+        .unwrap();
+    let mut t = Term::new(ws);
+    // cat on a terminal: every key is echoed by the line discipline
+    t.text(serde_json::json!({"cmd": ["/bin/cat"]})).await;
+    let mut rtts = Vec::new();
+    for i in 0..200 {
+        let key = char::from(b'a' + (i % 26) as u8).to_string();
+        let before = t.seen.len();
+        let started = std::time::Instant::now();
+        t.keys(&key).await;
+        t.until("the echo", |t| t.seen.len() > before).await;
+        rtts.push(started.elapsed());
+    }
+    rtts.sort();
+    eprintln!(
+        "MEASURED keystroke round trip over exec/tty: p50 {:?}, p90 {:?}, max {:?} (n={})",
+        rtts[rtts.len() / 2],
+        rtts[rtts.len() * 9 / 10],
+        rtts[rtts.len() - 1],
+        rtts.len()
+    );
+    t.keys("\x04\x04").await; // EOF twice: the typed line, then the end
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 0);
+
+    let (ws, _) = connect(&tty_url(&ts, &id), &[bearer(&ts.key)])
+        .await
+        .unwrap();
+    let mut t = Term::new(ws);
+    let started = std::time::Instant::now();
+    t.text(serde_json::json!({"cmd": ["/bin/sh", "-c", "seq 1 200000; echo done-$((1+1))"]}))
+        .await;
+    let exit = t.finish().await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(exit["exit_code"], 0);
+    let lines: Vec<&str> = t.seen.split("\r\n").collect();
+    assert_eq!(lines[0], "1");
+    assert_eq!(lines[199_999], "200000");
+    assert_eq!(lines[200_000], "done-2");
+    eprintln!(
+        "MEASURED terminal output: {} bytes in {took:?} ({:.1} MiB/s)",
+        t.seen.len(),
+        t.seen.len() as f64 / took.as_secs_f64() / (1024.0 * 1024.0)
+    );
+    // the same output through the streaming exec (server-sent events), for comparison
+    let started = std::time::Instant::now();
+    let r = c.exec(&id, &common::shell("seq 1 200000")).await.unwrap();
+    eprintln!(
+        "MEASURED the same through exec (no terminal): {} bytes in {:?}",
+        r.stdout.len(),
+        started.elapsed()
+    );
+    c.delete_sandbox(&id, None).await.unwrap();
+}
