@@ -8,7 +8,9 @@
 //! `aviary.tty.v1` is echoed back, never the key, and the key is never
 //! read from the query string. The sandbox must be the caller's (another
 //! tenant's id is a 404), running and not paused, and a leased one needs
-//! its lease token in `x-aviary-lease-token`.
+//! its lease token in `x-aviary-lease-token`. No cookie authenticates, so
+//! a page of another origin cannot ride a browser's session (no cross-site
+//! WebSocket hijacking); `Origin` is therefore not checked.
 //!
 //! **After the upgrade**: the client's first message is a text message,
 //! the JSON [`TtyStart`] (command, env, cwd, user, window size). Then
