@@ -37,14 +37,13 @@ use std::time::Duration;
 use aviary_control::requests::OnSandbox;
 use aviary_control::tty::{TtySession, TtyStart};
 use aviary_control::{OpContext, OpError};
-use aviary_envd_proto::{PtyEvent, PtyInput, PtyOutput, SignalSpec};
+use aviary_envd_proto::{PtyControl, PtyEvent, PtyInput, PtyOutput};
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 use futures_util::{SinkExt, StreamExt};
-use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
@@ -128,14 +127,6 @@ pub async fn exec_tty(
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
         .on_upgrade(move |socket| session(cp, cx, id, socket)))
-}
-
-/// A control message from the client.
-#[derive(Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
-enum ClientControl {
-    Resize { cols: u16, rows: u16 },
-    Signal { signal: SignalSpec },
 }
 
 fn error_message(e: &OpError) -> Message {
@@ -323,15 +314,16 @@ async fn pump_output(
 
 /// Applies one control message; a bad one is the caller's error.
 async fn control(input: &mut PtyInput, text: &str) -> Result<(), OpError> {
-    let msg: ClientControl = serde_json::from_str(text).map_err(|e| {
+    // the client's control messages are envd's, word for word
+    let msg: PtyControl = serde_json::from_str(text).map_err(|e| {
         OpError::InvalidRequest(format!("invalid control message (resize or signal): {e}"))
     })?;
     let r = match msg {
-        ClientControl::Resize { cols, rows } => {
+        PtyControl::Resize { cols, rows } => {
             aviary_envd_proto::check_pty_size(cols, rows).map_err(OpError::InvalidRequest)?;
             input.resize(cols, rows).await
         }
-        ClientControl::Signal { signal } => input.signal(signal).await,
+        PtyControl::Signal { signal } => input.signal(signal).await,
     };
     r.map_err(OpError::from)
 }
