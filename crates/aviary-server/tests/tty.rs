@@ -515,3 +515,53 @@ async fn measure_keystroke_round_trip_and_output_throughput() {
     );
     c.delete_sandbox(&id, None).await.unwrap();
 }
+
+/// envd's own `exec_pty` inside a crun sandbox, driven with the host's
+/// envd client: a terminal as the sandbox's init gives it, and envd's own
+/// fence (not only the control plane's) refuses a missing or stale token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_in_a_crun_sandbox_gives_terminals_and_fences_them() {
+    use aviary_envd_proto::{EnvdClient, EnvdError, PtyEvent, PtySpec};
+    let ts = common::start().await;
+    let c = &ts.client;
+    let id = common::new_sandbox(c).await;
+    let ep = ts
+        .cp()
+        .runtime()
+        .envd_endpoint(&id.parse().unwrap())
+        .await
+        .unwrap();
+    let envd = EnvdClient::new(&ep.socket).expect_peer_pid(ep.peer_pid);
+    let lease = c.acquire_lease(&id, "tty-envd", Some(120)).await.unwrap();
+    let fence = lease.token.fence();
+    let spec = PtySpec {
+        argv: vec![
+            "/bin/sh".into(),
+            "-c".into(),
+            "[ -t 0 ] && echo tty=$(tty); stty size; exit 6".into(),
+        ],
+        cols: 77,
+        rows: 21,
+        ..PtySpec::default()
+    };
+    let e = envd.exec_pty(spec.clone(), None).await.unwrap_err();
+    assert!(matches!(e, EnvdError::LeaseRequired), "{e:?}");
+    let e = envd
+        .exec_pty(spec.clone(), Some(fence - 1))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EnvdError::StaleToken), "{e:?}");
+    let (_input, mut output) = envd.exec_pty(spec, Some(fence)).await.unwrap();
+    let mut seen = String::new();
+    let exit = loop {
+        match output.next().await.unwrap() {
+            PtyEvent::Output(b) => seen.push_str(&String::from_utf8_lossy(&b)),
+            PtyEvent::Exit(e) => break e,
+        }
+    };
+    assert_eq!(exit.exit_code, 6, "{seen}");
+    assert!(seen.contains("tty=/dev/pts/"), "{seen}");
+    assert!(seen.contains("21 77"), "{seen}");
+    c.release_lease(&id, lease.token).await.unwrap();
+    c.delete_sandbox(&id, None).await.unwrap();
+}
