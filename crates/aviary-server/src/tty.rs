@@ -27,6 +27,10 @@
 //! nothing; the session goes on. Closing the WebSocket ends the session:
 //! envd hangs the terminal up and kills its process groups.
 //!
+//! A session holds its connection's slots (it counts against the server's
+//! connection caps until it ends) and is closed (1001) when the server
+//! shuts down.
+//!
 //! Bounds: messages up to [`MAX_MESSAGE`] bytes; the start message must
 //! come within [`START_TIMEOUT`]; output is back-pressured through a
 //! bounded queue (a slow client slows the terminal, it does not grow the
@@ -46,6 +50,7 @@ use axum::response::Response;
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 
+use crate::edge::ConnectionHold;
 use crate::error::ApiError;
 use crate::http::{op_context, AppState, Auth, TokenFrom};
 
@@ -112,6 +117,7 @@ pub async fn exec_tty(
     TtyAuth(auth): TtyAuth,
     headers: HeaderMap,
     Path(id): Path<String>,
+    hold: Option<axum::Extension<ConnectionHold>>,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let cx = op_context(auth, &headers, TokenFrom::Header)?;
@@ -126,7 +132,7 @@ pub async fn exec_tty(
         .protocols([TTY_PROTOCOL])
         .max_message_size(MAX_MESSAGE)
         .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |socket| session(cp, cx, id, socket)))
+        .on_upgrade(move |socket| session(cp, cx, id, socket, hold.map(|h| h.0))))
 }
 
 fn error_message(e: &OpError) -> Message {
@@ -176,7 +182,13 @@ async fn read_start(socket: &mut WebSocket) -> Result<Option<TtyStart>, OpError>
     Ok(Some(start))
 }
 
-async fn session(cp: AppState, cx: OpContext, id: String, mut socket: WebSocket) {
+async fn session(
+    cp: AppState,
+    cx: OpContext,
+    id: String,
+    mut socket: WebSocket,
+    hold: Option<ConnectionHold>,
+) {
     let start = match read_start(&mut socket).await {
         Ok(Some(s)) => s,
         Ok(None) => return,
@@ -186,7 +198,7 @@ async fn session(cp: AppState, cx: OpContext, id: String, mut socket: WebSocket)
         Ok(run) => run,
         Err(e) => return refuse(socket, e).await,
     };
-    let exit = serve(socket, run.input, run.output).await;
+    let exit = serve(socket, run.input, run.output, hold).await;
     cp.exec_tty_finish(&run.session, exit.as_ref()).await;
     drop::<TtySession>(run.session);
 }
@@ -197,6 +209,7 @@ async fn serve(
     socket: WebSocket,
     mut input: PtyInput,
     output: PtyOutput,
+    mut hold: Option<ConnectionHold>,
 ) -> Option<aviary_envd_proto::ExitInfo> {
     let (mut ws_tx, mut ws_rx) = socket.split();
     let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTPUT_QUEUE);
@@ -236,9 +249,27 @@ async fn serve(
     // not stop its output)
     let to_client = out_tx.clone();
     let mut pump = tokio::spawn(async move { pump_output(output, to_client).await });
+    let stopping = async {
+        match hold.as_mut() {
+            Some(h) => h.stopping().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(stopping);
     let exit = loop {
         tokio::select! {
             done = &mut pump => break done.ok().flatten(),
+            () = &mut stopping => {
+                // the server is shutting down: the session ends (envd kills it)
+                pump.abort();
+                let _ = out_tx
+                    .send(Message::Close(Some(CloseFrame {
+                        code: 1001,
+                        reason: Utf8Bytes::from_static("server stopping"),
+                    })))
+                    .await;
+                break None;
+            }
             msg = ws_rx.next() => match msg {
                 Some(Ok(Message::Binary(b))) => {
                     if input.write(&b).await.is_err() {

@@ -371,11 +371,23 @@ async fn a_bad_start_message_is_refused_and_starts_nothing() {
     .await
     .unwrap();
     assert_eq!(ended.last().unwrap().metadata["ended"], "disconnected");
-    let r = c
-        .exec(&id, &common::shell("ps -o comm | grep -c '^sleep' || true"))
-        .await
-        .unwrap();
-    assert_eq!(r.stdout.trim(), "0", "{r:?}");
+    // envd sees the closed connection and kills the session
+    let gone = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            let r = c
+                .exec(&id, &common::shell("ps -o comm | grep -c '^sleep' || true"))
+                .await
+                .unwrap();
+            if r.stdout.trim() == "0" {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    if gone.is_err() {
+        panic!("the session's process survived its client");
+    }
     c.delete_sandbox(&id, None).await.unwrap();
 }
 
@@ -564,4 +576,28 @@ async fn envd_in_a_crun_sandbox_gives_terminals_and_fences_them() {
     assert!(seen.contains("21 77"), "{seen}");
     c.release_lease(&id, lease.token).await.unwrap();
     c.delete_sandbox(&id, None).await.unwrap();
+}
+
+/// A server that stops closes its terminal sessions ("going away") and
+/// does not wait for their users; the session's process is ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_server_closes_terminal_sessions() {
+    let mut ts = common::start().await;
+    let id = common::new_sandbox(&ts.client).await;
+    let (ws, _) = connect(&tty_url(&ts, &id), &[bearer(&ts.key)])
+        .await
+        .unwrap();
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/bin/sh", "-c", "echo up; exec sleep 600"]}))
+        .await;
+    t.expect("up").await;
+    let sandbox: aviary_core::SandboxId = id.parse().unwrap();
+    let stopped = tokio::time::timeout(Duration::from_secs(60), ts.stop()).await;
+    if stopped.is_err() {
+        ts.cp_runtime_destroy(&sandbox).await;
+        panic!("the server's stop waited for an open terminal session");
+    }
+    t.until("the close", |t| t.close.is_some()).await;
+    assert_eq!(t.close.as_ref().unwrap().0, CloseCode::Away);
+    ts.cp_runtime_destroy(&sandbox).await;
 }
