@@ -214,7 +214,18 @@ pub async fn run(base_url: &str, key: &str, id: &str, cmd: TtyCommand) -> Result
                         refused = Some(Failure::new(code, format!("{} [{}]", b.error.message, code.as_str())));
                     }
                 }
-                Some(Ok(Message::Close(_))) | None => {
+                Some(Ok(Message::Close(frame))) => {
+                    let away = frame.as_ref().is_some_and(|f| u16::from(f.code) == 1001);
+                    break Err(refused.take().unwrap_or_else(|| if away {
+                        Failure::new(
+                            ErrorCode::Unavailable,
+                            "the server is stopping; the terminal session was ended".into(),
+                        )
+                    } else {
+                        internal("the terminal session ended without an exit status".into())
+                    }))
+                }
+                None => {
                     break Err(refused.take().unwrap_or_else(|| {
                         internal("the terminal session ended without an exit status".into())
                     }))
