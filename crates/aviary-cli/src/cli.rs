@@ -1,8 +1,8 @@
 //! Command-line definitions and their implementations.
 
-use crate::output;
-
 mod tty;
+
+use crate::output;
 use aviary_client::{Client, ClientError, StreamItem};
 use aviary_core::api::*;
 use aviary_core::{ErrorCode, LeaseToken, Scope};
@@ -1123,7 +1123,8 @@ async fn stream_exec(
 
 async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     a.exec.check_tty(json)?;
-    let c = client()?;
+    let (url, key) = client_settings()?;
+    let c = Client::new(&url, &key);
     let mut req = a.create.request()?;
     req.lease = Some(AcquireLeaseRequest {
         owner: format!("aviary-run-{}", std::process::id()),
@@ -1134,7 +1135,6 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let token = created.lease.as_ref().map(|l| l.token);
     let res = if a.exec.tty {
         // Ctrl-C belongs to the terminal session (sent on, or typed in raw mode)
-        let (url, key) = client_settings()?;
         let cmd = a.exec.tty_command(a.cmd, token);
         tty::run(&url, &key, &id, cmd).await
     } else {
