@@ -685,6 +685,9 @@ mod tests {
                 let _ = decode_json::<Request>(&frame.payload);
                 let _ = decode_json::<Response>(&frame.payload);
                 let _ = decode_json::<ErrorBody>(&frame.payload);
+                if let Ok(PtyControl::Resize { cols, rows }) = decode_json::<PtyControl>(&frame.payload) {
+                    let _ = check_pty_size(cols, rows);
+                }
             }
         }
 
