@@ -1,5 +1,7 @@
 //! Command-line definitions and their implementations.
 
+mod tty;
+
 use crate::output;
 use crate::progress::Progress;
 use aviary_client::{Client, ClientError, StreamItem};
@@ -231,18 +233,60 @@ impl CreateArgs {
 struct ExecOpts {
     /// Stream this process's stdin to the command, bytes as they come, until
     /// EOF (`cat data.bin | aviary sandbox exec -i ID -- sha256sum`). Without
-    /// it the command's stdin is empty.
+    /// it the command's stdin is empty. With -t: type into the command's
+    /// terminal (`-it ID -- bash`: an interactive shell; Ctrl-C and every
+    /// other key go to the sandbox).
     #[arg(short = 'i', long)]
     interactive: bool,
-    /// Kill the command's whole process group after this many seconds.
-    #[arg(long)]
+    /// Run the command on a terminal (a pseudo-terminal in the sandbox, sized
+    /// like this one and resized with it); needs a terminal on stdin. Alone,
+    /// the keyboard is not read and Ctrl-C is sent on as SIGINT; with -i it
+    /// is interactive. Stdout and stderr arrive merged, as on any terminal.
+    #[arg(short = 't', long)]
+    tty: bool,
+    /// Kill the command's whole process group after this many seconds
+    /// (not with -t).
+    #[arg(long, conflicts_with = "tty")]
     timeout: Option<f64>,
-    /// Working directory inside the sandbox.
-    #[arg(long)]
+    /// Working directory inside the sandbox (absolute), like docker's -w.
+    #[arg(short = 'w', long, value_name = "DIR")]
     cwd: Option<String>,
-    /// Environment variable KEY=VALUE (repeatable).
-    #[arg(long = "env", value_parser = parse_kv)]
+    /// Environment variable KEY=VALUE (repeatable), like docker's -e.
+    #[arg(short = 'e', long = "env", value_name = "KEY=VALUE", value_parser = parse_kv)]
     env: Vec<(String, String)>,
+}
+
+impl ExecOpts {
+    /// The command for `-t`: argv as `exec` would run it.
+    fn tty_command(&self, cmd: Vec<String>, token: Option<LeaseToken>) -> tty::TtyCommand {
+        let argv = if cmd.len() == 1 && cmd[0].contains(' ') {
+            vec!["/bin/sh".into(), "-c".into(), cmd[0].clone()]
+        } else {
+            cmd
+        };
+        tty::TtyCommand {
+            argv,
+            env: self.env.clone(),
+            cwd: self.cwd.clone(),
+            stdin: self.interactive,
+            token,
+        }
+    }
+
+    /// Refuses `-t` where it cannot work (no terminal, --json), before
+    /// anything is created.
+    fn check_tty(&self, json: bool) -> Result<(), Failure> {
+        if !self.tty {
+            return Ok(());
+        }
+        if json {
+            return Err(Failure::new(
+                ErrorCode::InvalidRequest,
+                "-t shows a terminal; it cannot be combined with --json".into(),
+            ));
+        }
+        tty::check_terminal()
+    }
 }
 
 #[derive(Args, Debug)]
@@ -1158,7 +1202,9 @@ async fn stream_exec(
 }
 
 async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
-    let c = client()?;
+    a.exec.check_tty(json)?;
+    let (url, key) = client_settings()?;
+    let c = Client::new(&url, &key);
     let mut req = a.create.request()?;
     req.lease = Some(AcquireLeaseRequest {
         owner: format!("aviary-run-{}", std::process::id()),
@@ -1167,10 +1213,16 @@ async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
     let created = c.create_sandbox(&req).await?;
     let id = created.sandbox.id.to_string();
     let token = created.lease.as_ref().map(|l| l.token);
-    let ereq = exec_request(a.cmd, &a.exec, token);
-    let res = tokio::select! {
-        r = stream_exec(&c, &id, &ereq, a.exec.interactive, json) => r,
-        _ = tokio::signal::ctrl_c() => Ok(130),
+    let res = if a.exec.tty {
+        // Ctrl-C belongs to the terminal session (sent on, or typed in raw mode)
+        let cmd = a.exec.tty_command(a.cmd, token);
+        tty::run(&url, &key, &id, cmd).await
+    } else {
+        let ereq = exec_request(a.cmd, &a.exec, token);
+        tokio::select! {
+            r = stream_exec(&c, &id, &ereq, a.exec.interactive, json) => r,
+            _ = tokio::signal::ctrl_c() => Ok(130),
+        }
     };
     if let Err(e) = c.delete_sandbox(&id, token).await {
         eprintln!(
@@ -1457,6 +1509,11 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
             exec,
             cmd,
         } => {
+            if exec.tty {
+                exec.check_tty(json)?;
+                let (url, key) = client_settings()?;
+                return tty::run(&url, &key, &id, exec.tty_command(cmd, token)).await;
+            }
             let req = exec_request(cmd, &exec, token);
             if detach {
                 let started = c.start_background(&id, &req).await?;

@@ -76,6 +76,7 @@ pub mod requests;
 pub mod scopes;
 pub mod snapshots;
 pub mod taint;
+pub mod tty;
 pub mod validate;
 
 pub use backends::{

@@ -121,7 +121,7 @@ pub struct LiveSandbox {
 pub struct ExecGuard(Arc<LiveSandbox>);
 
 impl ExecGuard {
-    fn new(live: Arc<LiveSandbox>) -> Self {
+    pub(crate) fn new(live: Arc<LiveSandbox>) -> Self {
         live.active_execs
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         *live.last_activity.lock().expect("activity poisoned") = std::time::Instant::now();

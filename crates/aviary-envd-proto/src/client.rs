@@ -34,6 +34,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::task::JoinHandle;
 
+mod pty;
+pub use pty::{PtyEvent, PtyInput, PtyOutput, PtySpec};
+
 use crate::{
     decode_header, decode_json, encode_header, encode_json, ErrorBody, ErrorCode, FileStat,
     FrameKind, Health, ProtoError, Request, Response, CHUNK_SIZE, FRAME_HEADER_LEN,

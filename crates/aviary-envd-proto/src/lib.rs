@@ -19,6 +19,7 @@
 //! | 5 | `Stderr` | envd → client | raw bytes |
 //! | 6 | `Response` | envd → client | JSON [`Response`] |
 //! | 7 | `Error` | envd → client, final | JSON [`ErrorBody`] |
+//! | 8 | `Control` | client → envd (`exec_pty` only) | JSON [`PtyControl`], at most [`MAX_CONTROL_FRAME`] |
 //!
 //! Per operation:
 //! - `health`, `set_fence`, `stat`, `mkdir`, `remove`: `Request` → `Response | Error`.
@@ -27,6 +28,13 @@
 //!   (or shutting down its write side) before the final frame kills the process
 //!   group. Processes that the command leaves running in the background after a
 //!   normal exit keep running; their output is forwarded for 100 ms after the exit.
+//! - `exec_pty`: `Request`; envd answers `Response::Ok` once the process runs
+//!   (its controlling terminal and stdio a new pseudo-terminal) or `Error`.
+//!   Then, concurrently: client → envd `Data` (terminal input) and `Control`
+//!   (resize, signal to the foreground process group); envd → client `Stdout`
+//!   (terminal output: one stream, the terminal merges stdout and stderr) then
+//!   `Response::Exit`. Closing the connection before the exit hangs the
+//!   terminal up and kills the process group.
 //! - `read_file`: `Request` → `Response::Opened` `Data`* `End` (or `Error` at any point).
 //! - `write_file`: `Request` `Data`* `End` → `Response::Written` or `Error`.
 //! - `list_dir`: `Request` → `Data`* (each a JSON array of [`FileStat`]) `Response::Listed`.
@@ -62,7 +70,7 @@ mod port_stream;
 #[cfg(feature = "client")]
 pub use client::{
     EnvdClient, EnvdError, ExecEvent, ExecOutput, ExecSpec, ExecStream, ExitInfo, FileReader,
-    StdinSource,
+    PtyEvent, PtyInput, PtyOutput, PtySpec, StdinSource,
 };
 #[cfg(feature = "client")]
 pub use port_stream::PortStream;
@@ -80,6 +88,10 @@ pub const MAX_JSON_FRAME: u32 = 64 * 1024;
 pub const MAX_DATA_FRAME: u32 = 1024 * 1024;
 /// Size of the data chunks envd and the client send (well below [`MAX_DATA_FRAME`]).
 pub const CHUNK_SIZE: usize = 64 * 1024;
+/// Largest `Control` frame (a [`PtyControl`] message).
+pub const MAX_CONTROL_FRAME: u32 = 1024;
+/// Largest terminal size accepted in either dimension (cells).
+pub const MAX_PTY_CELLS: u16 = 4096;
 /// Longest accepted sandbox path, in bytes.
 pub const MAX_PATH_LEN: usize = 4096;
 /// Longest accepted path component, in bytes.
@@ -107,6 +119,7 @@ pub enum FrameKind {
     Stderr = 5,
     Response = 6,
     Error = 7,
+    Control = 8,
 }
 
 impl FrameKind {
@@ -120,6 +133,7 @@ impl FrameKind {
             5 => FrameKind::Stderr,
             6 => FrameKind::Response,
             7 => FrameKind::Error,
+            8 => FrameKind::Control,
             _ => return None,
         })
     }
@@ -129,6 +143,7 @@ impl FrameKind {
         match self {
             FrameKind::Request | FrameKind::Response | FrameKind::Error => MAX_JSON_FRAME,
             FrameKind::Data | FrameKind::Stdout | FrameKind::Stderr => MAX_DATA_FRAME,
+            FrameKind::Control => MAX_CONTROL_FRAME,
             FrameKind::End => 0,
         }
     }
@@ -307,6 +322,23 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         user: Option<String>,
     },
+    /// Runs a process with a new pseudo-terminal as its controlling
+    /// terminal and stdio (an interactive shell). Same fence, user and
+    /// environment rules as `Exec`; `TERM` defaults to `xterm-256color`.
+    ExecPty {
+        argv: Vec<String>,
+        #[serde(default)]
+        cwd: Option<String>,
+        #[serde(default)]
+        env: Vec<(String, String)>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
+        /// Initial window size, 1..=[`MAX_PTY_CELLS`] each.
+        cols: u16,
+        rows: u16,
+        #[serde(default)]
+        token: Option<u64>,
+    },
     ReadFile {
         path: String,
     },
@@ -371,6 +403,64 @@ pub enum Request {
         #[serde(default)]
         follow: bool,
     },
+}
+
+/// A control message of a running `exec_pty` (a `Control` frame).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum PtyControl {
+    /// The terminal's new window size (the process gets `SIGWINCH`).
+    Resize { cols: u16, rows: u16 },
+    /// Deliver a signal to the terminal's foreground process group.
+    Signal { signal: SignalSpec },
+}
+
+/// A signal by name (`INT`, `SIGINT`, case-insensitive) or by number.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SignalSpec {
+    Number(i32),
+    Name(String),
+}
+
+/// The signals a terminal client may send, by name and Linux number.
+pub const PTY_SIGNALS: &[(&str, i32)] = &[
+    ("HUP", 1),
+    ("INT", 2),
+    ("QUIT", 3),
+    ("KILL", 9),
+    ("USR1", 10),
+    ("USR2", 12),
+    ("TERM", 15),
+    ("CONT", 18),
+    ("STOP", 19),
+    ("TSTP", 20),
+    ("WINCH", 28),
+];
+
+impl SignalSpec {
+    /// The signal's number, if it is one of [`PTY_SIGNALS`].
+    pub fn number(&self) -> Option<i32> {
+        match self {
+            SignalSpec::Number(n) => PTY_SIGNALS.iter().find(|s| s.1 == *n).map(|s| s.1),
+            SignalSpec::Name(name) => {
+                let upper = name.to_ascii_uppercase();
+                let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+                PTY_SIGNALS.iter().find(|s| s.0 == bare).map(|s| s.1)
+            }
+        }
+    }
+}
+
+/// Checks a terminal size: both dimensions in 1..=[`MAX_PTY_CELLS`].
+pub fn check_pty_size(cols: u16, rows: u16) -> Result<(), String> {
+    if (1..=MAX_PTY_CELLS).contains(&cols) && (1..=MAX_PTY_CELLS).contains(&rows) {
+        Ok(())
+    } else {
+        Err(format!(
+            "terminal size {cols}x{rows} is out of range: cols and rows must be 1 to {MAX_PTY_CELLS}"
+        ))
+    }
 }
 
 /// Successful answers (the final frame, except `Opened`, which precedes file data).
@@ -644,6 +734,29 @@ mod tests {
     }
 
     #[test]
+    fn pty_messages() {
+        let c: PtyControl = decode_json(br#"{"type":"resize","cols":80,"rows":24}"#).unwrap();
+        assert_eq!(c, PtyControl::Resize { cols: 80, rows: 24 });
+        let c: PtyControl = decode_json(br#"{"type":"signal","signal":"sigint"}"#).unwrap();
+        let PtyControl::Signal { signal } = c else {
+            panic!("{c:?}")
+        };
+        assert_eq!(signal.number(), Some(2));
+        assert_eq!(SignalSpec::Number(15).number(), Some(15));
+        assert_eq!(SignalSpec::Number(0).number(), None);
+        assert_eq!(SignalSpec::Name("SIGNOPE".into()).number(), None);
+        decode_json::<PtyControl>(br#"{"type":"resize","cols":80,"rows":24,"x":1}"#).unwrap_err();
+        check_pty_size(80, 24).unwrap();
+        check_pty_size(0, 24).unwrap_err();
+        check_pty_size(80, MAX_PTY_CELLS + 1).unwrap_err();
+        let mut r: &[u8] = &[8, 0, 0, 4, 1];
+        assert!(matches!(
+            read_frame(&mut r).unwrap_err(),
+            ProtoError::FrameTooLarge { .. }
+        ));
+    }
+
+    #[test]
     fn normalize_paths() {
         assert_eq!(normalize_path("/").unwrap(), Vec::<String>::new());
         assert_eq!(normalize_path("//a/./b/../c/").unwrap(), vec!["a", "c"]);
@@ -670,11 +783,14 @@ mod tests {
                 let _ = decode_json::<Request>(&frame.payload);
                 let _ = decode_json::<Response>(&frame.payload);
                 let _ = decode_json::<ErrorBody>(&frame.payload);
+                if let Ok(PtyControl::Resize { cols, rows }) = decode_json::<PtyControl>(&frame.payload) {
+                    let _ = check_pty_size(cols, rows);
+                }
             }
         }
 
         #[test]
-        fn decoder_never_panics_on_framed_random_payloads(kind in 0u8..10, payload in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        fn decoder_never_panics_on_framed_random_payloads(kind in 0u8..11, payload in proptest::collection::vec(any::<u8>(), 0..2048)) {
             let mut bytes = vec![kind];
             bytes.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
             bytes.extend_from_slice(&payload);

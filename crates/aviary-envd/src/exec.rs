@@ -84,7 +84,7 @@ fn bad(message: impl Into<String>) -> ErrorBody {
     }
 }
 
-fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
+pub(crate) fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
     let code = match e.raw_os_error() {
         Some(libc::ENOENT) => ErrorCode::NotFound,
         Some(libc::EACCES | libc::EPERM) => ErrorCode::PermissionDenied,
@@ -105,7 +105,7 @@ fn spawn_error(argv0: &str, cwd: Option<&str>, e: &io::Error) -> ErrorBody {
 /// The exit status and message a shell gives a command that cannot start
 /// (POSIX: 127 not found, 126 found but not executable); `None` for other
 /// spawn failures, which are envd's errors.
-fn shell_exit(e: &io::Error) -> Option<(i32, &'static str)> {
+pub(crate) fn shell_exit(e: &io::Error) -> Option<(i32, &'static str)> {
     match e.raw_os_error() {
         Some(libc::ENOENT) => Some((127, "command not found")),
         Some(libc::EACCES | libc::EPERM) => Some((126, "permission denied")),
@@ -114,13 +114,18 @@ fn shell_exit(e: &io::Error) -> Option<(i32, &'static str)> {
     }
 }
 
-/// Runs `req` and streams its output and exit over `conn`. Errors before the
-/// process started are returned (the caller sends them as an `Error` frame).
-pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
-    let Some(argv0) = req.argv.first() else {
+/// Checks an exec's argv (non-empty, no NUL), environment (names non-empty
+/// without `=` or NUL, values without NUL) and working directory; returns
+/// the program.
+pub(crate) fn check_command<'a>(
+    argv: &'a [String],
+    env: &[(String, String)],
+    cwd: Option<&str>,
+) -> Result<&'a String, ErrorBody> {
+    let Some(argv0) = argv.first() else {
         return Err(bad("argv is empty"));
     };
-    for (k, v) in &req.env {
+    for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(bad(format!(
                 "invalid environment variable {k:?}: the name must be non-empty without '=' \
@@ -128,12 +133,19 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
             )));
         }
     }
-    if req.argv.iter().any(|a| a.contains('\0')) {
+    if argv.iter().any(|a| a.contains('\0')) {
         return Err(bad("argv contains a NUL byte"));
     }
-    if let Some(cwd) = &req.cwd {
+    if let Some(cwd) = cwd {
         check_cwd(cwd)?;
     }
+    Ok(argv0)
+}
+
+/// Runs `req` and streams its output and exit over `conn`. Errors before the
+/// process started are returned (the caller sends them as an `Error` frame).
+pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
+    let argv0 = check_command(&req.argv, &req.env, req.cwd.as_deref())?;
     let run_as = match req.user.as_deref() {
         None => None,
         Some(spec) => Some(crate::user::resolve(spec).map_err(bad)?),
@@ -248,7 +260,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
 
 /// Refuses a working directory that cannot work, with a message that says why
 /// (spawn would only report a bare errno).
-fn check_cwd(cwd: &str) -> Result<(), ErrorBody> {
+pub(crate) fn check_cwd(cwd: &str) -> Result<(), ErrorBody> {
     let invalid = |why: String| ErrorBody {
         code: ErrorCode::InvalidPath,
         message: format!("exec cwd {cwd:?} {why}"),
@@ -264,7 +276,7 @@ fn check_cwd(cwd: &str) -> Result<(), ErrorBody> {
     }
 }
 
-fn internal(what: &str, e: &io::Error) -> ErrorBody {
+pub(crate) fn internal(what: &str, e: &io::Error) -> ErrorBody {
     ErrorBody {
         code: ErrorCode::Internal,
         message: format!("{what}: {e}"),
@@ -351,7 +363,7 @@ fn pump(
     (status, client_gone)
 }
 
-fn read_retrying(f: &mut File, buf: &mut [u8]) -> io::Result<usize> {
+pub(crate) fn read_retrying(f: &mut File, buf: &mut [u8]) -> io::Result<usize> {
     loop {
         match f.read(buf) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

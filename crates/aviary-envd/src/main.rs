@@ -1,8 +1,9 @@
 //! envd: the daemon that runs as PID 1 inside every Aviary sandbox.
 //!
 //! It serves the `aviary-envd-proto` protocol on a unix socket: exec with
-//! streamed output and process-group kill, confined file operations, health,
-//! and the lease fence that every mutating call is checked against.
+//! streamed output and process-group kill, exec on a pseudo-terminal
+//! (`pty`), confined file operations, health, and the lease fence that every
+//! mutating call is checked against.
 //!
 //! **The socket.** In a sandbox the socket is *activated*: the host creates an
 //! `AF_UNIX` `SOCK_STREAM` socket, binds it in a host-only directory that the
@@ -40,6 +41,7 @@ mod egress;
 mod exec;
 mod files;
 mod procs;
+mod pty;
 mod reaper;
 mod server;
 mod sweep;

@@ -14,7 +14,7 @@
 //!   old token is refused from then on) but the answer is an error, and the
 //!   next `set_fence`, even to the same value, sweeps again.
 //! - Mutating operations check the fence before doing anything, and again at
-//!   the moment they take effect (exec: the spawn; write: the rename that
+//!   the moment they take effect (exec and exec_pty: the spawn; write: the rename that
 //!   publishes the file; mkdir/remove: the whole call) while holding the *fence
 //!   gate* for reading. `set_fence` holds the gate for writing across the sweep
 //!   and the move, so no work authorised by an old token starts or lands after
@@ -428,6 +428,30 @@ fn dispatch(envd: &Envd, conn: &mut UnixStream, req: Request) -> Result<(), Erro
                     timeout: timeout_ms.map(Duration::from_millis),
                     token,
                     user,
+                },
+            )?;
+        }
+        Request::ExecPty {
+            argv,
+            cwd,
+            env,
+            user,
+            cols,
+            rows,
+            token,
+        } => {
+            envd.check_token(token)?;
+            crate::pty::run(
+                envd,
+                conn,
+                crate::pty::PtyRequest {
+                    argv,
+                    cwd,
+                    env,
+                    user,
+                    cols,
+                    rows,
+                    token,
                 },
             )?;
         }

@@ -6,7 +6,7 @@
 use std::ffi::{CStr, CString, OsStr, OsString};
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -494,4 +494,89 @@ pub fn read_dir_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
     // SAFETY: `d` is valid and closed exactly once (this also closes `raw`).
     unsafe { libc::closedir(d) };
     Ok(names)
+}
+
+/// A new pseudo-terminal: (master, slave), both close-on-exec, the slave
+/// opened without becoming anyone's controlling terminal, the window set to
+/// `cols` x `rows`. The slave is reached from the master
+/// (`TIOCGPTPEER`), never by a path under /dev/pts the sandbox could
+/// replace; the master must be a character device.
+pub fn open_pty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
+    let path = c"/dev/ptmx";
+    // SAFETY: `path` is NUL-terminated; the flags ask for a new descriptor.
+    let fd = cvt(unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    })?;
+    // SAFETY: open returned a new descriptor that nobody else owns.
+    let master = unsafe { OwnedFd::from_raw_fd(fd) };
+    let st = fstatat(master.as_fd(), "")?;
+    if st.mode & libc::S_IFMT != libc::S_IFCHR {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "/dev/ptmx is not a character device",
+        ));
+    }
+    let unlock: libc::c_int = 0;
+    // SAFETY: TIOCSPTLCK reads one int from the live local `unlock`.
+    cvt(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSPTLCK, &unlock) })?;
+    // SAFETY: TIOCGPTPEER takes open flags as its integer argument and
+    // returns a new descriptor for the slave.
+    let slave = cvt(unsafe {
+        libc::ioctl(
+            master.as_raw_fd(),
+            libc::TIOCGPTPEER,
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    })?;
+    // SAFETY: the ioctl returned a new descriptor that nobody else owns.
+    let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+    set_window_size(master.as_fd(), cols, rows)?;
+    Ok((master, slave))
+}
+
+/// Sets a terminal's window size (the kernel sends SIGWINCH to its
+/// foreground process group when it changes).
+pub fn set_window_size(fd: BorrowedFd<'_>, cols: u16, rows: u16) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize from the live local `ws`.
+    cvt(unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCSWINSZ, &ws) })?;
+    Ok(())
+}
+
+/// The foreground process group of the terminal whose master is `fd`.
+pub fn foreground_group(fd: BorrowedFd<'_>) -> Option<i32> {
+    let mut pgrp: libc::pid_t = 0;
+    // SAFETY: TIOCGPGRP writes one pid_t into the live local `pgrp`.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCGPGRP, &mut pgrp) };
+    (r != -1 && pgrp > 1).then_some(pgrp)
+}
+
+/// Like [`spawn_in_new_session`], and the child's stdin (a terminal slave)
+/// becomes the new session's controlling terminal.
+pub fn spawn_with_controlling_terminal(cmd: &mut Command) {
+    let empty = sigset(&[]);
+    // SAFETY: the closure runs between fork and exec and only calls setsid,
+    // ioctl and sigprocmask, all async-signal-safe; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::ioctl(0, libc::TIOCSCTTY, 0) == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut()) == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }

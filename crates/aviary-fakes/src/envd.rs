@@ -33,7 +33,7 @@ const LIST_CHUNK: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvdCall {
     /// The request's wire name: `health`, `set_fence`, `kill_all`, `exec`,
-    /// `read_file`, `write_file`, `list_dir`, `stat`, `mkdir`, `remove`.
+    /// `exec_pty`, `read_file`, `write_file`, `list_dir`, `stat`, `mkdir`, `remove`.
     pub method: &'static str,
     /// The token the call carried; for `set_fence`, the fence it asked for.
     pub token: Option<u64>,
@@ -423,6 +423,7 @@ fn method(req: &Request) -> (&'static str, Option<u64>) {
         Request::SetFence { token } => ("set_fence", *token),
         Request::KillAll => ("kill_all", None),
         Request::Exec { token, .. } => ("exec", *token),
+        Request::ExecPty { token, .. } => ("exec_pty", *token),
         Request::ReadFile { .. } => ("read_file", None),
         Request::WriteFile { token, .. } => ("write_file", *token),
         Request::ListDir { .. } => ("list_dir", None),
@@ -575,6 +576,38 @@ async fn dispatch(inner: &Inner, conn: &mut Conn, req: Request) -> Result<(), Er
                 ErrorCode::PortUnreachable,
                 format!("nothing listens on port {port} in the fake sandbox"),
             ));
+        }
+        // A terminal session answers like an exec whose output the
+        // terminal merged; the client's input is not read.
+        Request::ExecPty {
+            argv,
+            cwd,
+            env,
+            user,
+            token,
+            ..
+        } => {
+            inner.check_token(token)?;
+            check_exec(inner, &argv, cwd.as_deref(), &env)?;
+            let call = ExecCall {
+                argv,
+                cwd,
+                env,
+                stdin: None,
+                timeout_ms: None,
+                token,
+                user,
+            };
+            let rules = {
+                let mut s = inner.state();
+                check_token(s.fence.current, token)?;
+                s.execs.push(call.clone());
+                s.rules.clone()
+            };
+            let mut reply = exec::answer(&rules, &call);
+            reply.stdout.append(&mut reply.stderr);
+            send_response(conn, &Response::Ok).await;
+            send_exec_reply(conn, &reply).await;
         }
         Request::ReadFile { path } => {
             let data = inner.state().tree.read(&path)?;

@@ -18,9 +18,10 @@
 //!   with a missing or unknown key draw from a bucket of their client
 //!   address, so guessing keys is as limited as using one.
 //!
-//! Concurrency: one task per accepted connection holding a semaphore permit;
-//! shutdown asks every connection to finish gracefully and waits until all
-//! permits are back.
+//! Concurrency: one task per accepted connection holding a semaphore permit
+//! (shared with a WebSocket session the connection was upgraded to, see
+//! [`ConnectionHold`]); shutdown asks every connection to finish gracefully
+//! (and every such session to close) and waits until all permits are back.
 
 use aviary_control::ControlPlane;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -81,25 +82,31 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let (app, cp, mut stop) = (app.clone(), cp.clone(), stop_rx.clone());
+        let hold = ConnectionHold {
+            _slots: Arc::new((permit, peer_slot)),
+            stopping: stop_rx.clone(),
+        };
         tokio::spawn(async move {
-            let _slots = (permit, peer_slot);
+            let _hold = hold.clone();
             cp.metrics.connection_opened();
             let _open = OpenConnection(&cp);
             let mut builder = hyper::server::conn::http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout);
-            let conn = builder.serve_connection(
-                TokioIo::new(stream),
-                TowerToHyperService::new(app.map_request(
-                    move |mut req: axum::http::Request<hyper::body::Incoming>| {
-                        req.extensions_mut().insert(ClientAddr(peer));
-                        req
-                    },
-                )),
-            );
-            // upgrades (WebSockets through the port proxy) take the connection over
-            let conn = conn.with_upgrades();
+            let conn = builder
+                .serve_connection(
+                    TokioIo::new(stream),
+                    TowerToHyperService::new(app.map_request(
+                        move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                            req.extensions_mut().insert(ClientAddr(peer));
+                            req.extensions_mut().insert(hold.clone());
+                            req
+                        },
+                    )),
+                )
+                // WebSockets (exec/tty, the port proxy) take the connection over after a 101
+                .with_upgrades();
             tokio::pin!(conn);
             tokio::select! {
                 res = conn.as_mut() => {
@@ -118,6 +125,24 @@ pub async fn serve(
     let all = u32::try_from(max).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(all).await;
     Ok(())
+}
+
+/// A connection's slots (the global one and its address's), in every
+/// request's extensions: held by the connection's task and by a session
+/// that outlives its upgrade (a terminal WebSocket), freed when the last
+/// holder lets go, so upgraded sessions count against the caps and a
+/// shutdown waits for them.
+#[derive(Clone)]
+pub struct ConnectionHold {
+    _slots: Arc<(tokio::sync::OwnedSemaphorePermit, PeerSlot)>,
+    stopping: watch::Receiver<bool>,
+}
+
+impl ConnectionHold {
+    /// Resolves when the server is shutting down.
+    pub async fn stopping(&mut self) {
+        let _ = self.stopping.wait_for(|s| *s).await;
+    }
 }
 
 /// The client's address, in every request's extensions.

@@ -219,7 +219,7 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
 }
 
 /// Where a route's operation takes its lease token from.
-enum TokenFrom {
+pub(crate) enum TokenFrom {
     /// Nowhere: the operation is not fenced, the header is not read.
     Unfenced,
     /// The lease token header.
@@ -232,7 +232,7 @@ enum TokenFrom {
 /// The context of the request's operation: the authenticated caller, the
 /// request id (the client's `x-request-id`, else a new one) and the lease
 /// token (from where `token` says; a malformed header is `invalid_request`).
-fn op_context(
+pub(crate) fn op_context(
     Auth(caller): Auth,
     headers: &HeaderMap,
     token: TokenFrom,
@@ -1503,10 +1503,10 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream, exec_piped,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
+          crate::tty::exec_tty, events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
           crate::ports::endpoint, crate::ports::proxy_doc, crate::ports::proxy_post_doc,
           crate::procs::list_processes, crate::procs::start_background, crate::procs::signal, crate::procs::output),
-    components(schemas(ExecEvent, Event)),
+    components(schemas(ExecEvent, Event, aviary_control::tty::TtyStart)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
 pub struct ApiDoc;
@@ -1562,6 +1562,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         )
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
+        .route("/v1/sandboxes/{id}/exec/tty", get(crate::tty::exec_tty))
         .route("/v1/sandboxes/{id}/files/list", get(list_files))
         .route("/v1/sandboxes/{id}/files/stat", get(stat_file))
         .route("/v1/sandboxes/{id}/files/mkdir", post(mkdir))

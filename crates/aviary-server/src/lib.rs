@@ -25,6 +25,7 @@ pub mod leader;
 pub mod ports;
 pub mod procs;
 mod side_files;
+pub mod tty;
 
 // The control plane's modules, where callers of the server found them.
 pub use aviary_control::{keys, lifecycle, metrics, nodes, ops, planning, pools, projection};
