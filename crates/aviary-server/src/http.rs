@@ -1599,6 +1599,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .layer(DefaultBodyLimit::max(json_limit))
         .merge(streamed)
         .nest(OPENSANDBOX_PREFIX, opensandbox)
+        .merge(crate::console::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
