@@ -73,12 +73,15 @@ try {
   out.key_in_session_storage = (await page.evaluate(() => sessionStorage.getItem("aviary.apiKey"))) === teamKey;
 
   // keyboard: Tab from the top reaches "New sandbox", Enter opens the form
-  await page.evaluate(() => { document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0); });
-  await page.focus("body");
+  // (each page focuses its heading, so Tab goes on from the page's content)
+  out.focused_after_login = await page.evaluate(() => document.activeElement.tagName + ":" + document.activeElement.textContent);
   out.tab_order = [];
-  for (let i = 0; i < 8; i++) {
+  for (let i = 0; i < 15; i++) {
     await page.keyboard.press("Tab");
-    const label = await page.evaluate(() => (document.activeElement.textContent || document.activeElement.id || "").trim());
+    const label = await page.evaluate(() => {
+      const el = document.activeElement;
+      return el === document.body ? "(body)" : el.id || el.textContent.trim();
+    });
     out.tab_order.push(label);
     if (label === "New sandbox") break;
   }
