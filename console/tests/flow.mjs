@@ -94,7 +94,8 @@ try {
   await page.waitForFunction(() => document.querySelectorAll("#c-template option").length > 1, WAIT);
   out.templates_offered = await page.$$eval("#c-template option", (os) => os.map((o) => o.value).filter(Boolean));
   await page.type("#c-network", "open");
-  await page.type("#c-labels", `suite=console\nrun=${run}`);
+  // a label is data, never markup (values are the caller's, shown to others)
+  await page.type("#c-labels", `suite=console\nrun=${run}\nnote=<img src=x onerror="window.__pwned=1">`);
   await page.click("form button[type=submit]");
   await page.waitForSelector("[data-testid=error]", WAIT);
   out.denial = await text("[data-testid=error]");
@@ -113,6 +114,9 @@ try {
   await page.waitForFunction(() => document.querySelector("[data-testid=stream-status]")?.textContent === "live", WAIT);
   out.fields_state = await text("[data-field=State]");
   out.fields_tenant = await text("[data-field=Tenant]");
+  out.label_texts = await page.$$eval("[data-testid=fields] .labels code", (cs) => cs.map((c) => c.textContent));
+  out.injected_images = await page.$$eval("[data-testid=fields] img", (is) => is.length);
+  out.pwned = await page.evaluate(() => window.__pwned === 1);
   const before = await page.$$eval("[data-event-id]", (els) => els.map((e) => Number(e.dataset.eventId)));
   out.events_before = before;
   const maxBefore = Math.max(0, ...before);
@@ -130,6 +134,14 @@ try {
   // the list: the sandbox with its lease holder and labels; label filters
   await page.click("nav a[href='#/sandboxes']");
   await page.waitForSelector(`tr[data-sandbox="${id}"]`, WAIT);
+  // live refresh: a sandbox made and destroyed through the API comes and goes
+  // while the list is open
+  const other = await apiCall("POST", "/v1/sandboxes", { metadata: { suite: "console-api" } });
+  out.api_created_id = other.id;
+  await page.waitForSelector(`tr[data-sandbox="${other.id}"]`, WAIT);
+  await apiCall("DELETE", `/v1/sandboxes/${other.id}`);
+  await page.waitForFunction((oid) => !document.querySelector(`tr[data-sandbox="${oid}"]`), WAIT, other.id);
+  out.api_sandbox_left_list = true;
   out.list_row = await page.$eval(`tr[data-sandbox="${id}"]`, (tr) =>
     Object.fromEntries([...tr.querySelectorAll("td")].map((td) => [td.dataset.label, td.textContent])));
   await page.type("#f-labels", `run=${run}`);

@@ -312,14 +312,15 @@ async fn browser_flow() {
 
     // created from the page: this tenant's, with the form's labels
     let id = o["created_id"].as_str().unwrap();
+    // (plus the one the flow made through the API to watch the list refresh)
     let all = team_client.list_sandboxes(true).await.unwrap().sandboxes;
-    assert_eq!(
-        all.len(),
-        1,
-        "one sandbox created (the denied one made none): {all:?}"
-    );
-    let sbx = &all[0];
-    assert_eq!(sbx.id.as_str(), id);
+    let api_id = o["api_created_id"].as_str().unwrap();
+    let mut ids: Vec<&str> = all.iter().map(|s| s.id.as_str()).collect();
+    ids.sort_unstable();
+    let mut want = vec![id, api_id];
+    want.sort_unstable();
+    assert_eq!(ids, want, "the denied create made nothing: {all:?}");
+    let sbx = all.iter().find(|s| s.id.as_str() == id).unwrap();
     assert_eq!(sbx.tenant, "team");
     assert_eq!(
         sbx.metadata.get("suite").map(String::as_str),
@@ -327,6 +328,20 @@ async fn browser_flow() {
     );
     assert_eq!(sbx.metadata.get("run"), Some(&run));
     assert_eq!(o["fields_tenant"], "team");
+    // the label with markup is shown as text, nothing injected
+    let html = r#"<img src=x onerror="window.__pwned=1">"#;
+    assert_eq!(sbx.metadata.get("note").map(String::as_str), Some(html));
+    assert!(
+        o["label_texts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t.as_str() == Some(&format!("note={html}"))),
+        "{o}"
+    );
+    assert_eq!(o["injected_images"], 0);
+    assert_eq!(o["pwned"], false);
+    assert_eq!(o["api_sandbox_left_list"], true);
 
     // a NEW event arrived live on the sandbox's page after the API's exec
     // and lease; it is in the API's log for this sandbox
