@@ -313,6 +313,12 @@ function Timeline({ id }) {
             <strong>{ev.event_type}</strong>
             <span class="summary">{eventSummary(ev)}</span>
             {ev.request_id ? <span class="muted"> request {ev.request_id}</span> : null}
+            {ev.metadata && Object.keys(ev.metadata).length ? (
+              <details>
+                <summary>details</summary>
+                <pre>{JSON.stringify(ev.metadata, null, 2)}</pre>
+              </details>
+            ) : null}
           </li>
         ))}
       </ol>

@@ -123,9 +123,16 @@ try {
   const exec = await apiCall("POST", `/v1/sandboxes/${id}/exec`, { shell: "echo from-the-api" });
   out.exec_stdout = exec.stdout;
   const lease = await apiCall("POST", `/v1/sandboxes/${id}/lease`, { owner: "console-flow", ttl_s: 120 });
-  await page.waitForFunction((max) => [...document.querySelectorAll("[data-event-id]")].some((e) => Number(e.dataset.eventId) > max), WAIT, maxBefore);
+  await page.waitForFunction((max) => [...document.querySelectorAll("[data-event-type=lease_acquired]")].some((e) => Number(e.dataset.eventId) > max), WAIT, maxBefore);
   out.live_events = await page.$$eval("[data-event-id]", (els, max) =>
     els.filter((e) => Number(e.dataset.eventId) > max).map((e) => ({ id: Number(e.dataset.eventId), type: e.dataset.eventType })), maxBefore);
+  // each event's full record opens from its "details" (keyboard: a <summary>)
+  const leaseEvent = out.live_events.find((e) => e.type === "lease_acquired");
+  if (leaseEvent) {
+    await page.focus(`[data-event-id="${leaseEvent.id}"] summary`);
+    await page.keyboard.press("Enter");
+    out.lease_event_details = JSON.parse(await page.$eval(`[data-event-id="${leaseEvent.id}"] details[open] pre`, (e) => e.textContent));
+  }
   // the page re-reads the sandbox: the lease holder shows
   await page.waitForFunction(() => document.querySelector("[data-field='Lease holder']")?.textContent === "console-flow", WAIT);
   out.page_lease_holder = await text("[data-field='Lease holder']");

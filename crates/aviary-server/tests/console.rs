@@ -371,6 +371,13 @@ async fn browser_flow() {
         assert_eq!(found.sandbox_id.as_ref().map(|s| s.as_str()), Some(id));
     }
     assert_eq!(o["page_lease_holder"], "console-flow");
+    // the lease's event, opened by keyboard on the page, is the log's record
+    let lease_ev = live.iter().find(|e| e["type"] == "lease_acquired").unwrap();
+    let logged_lease = logged
+        .iter()
+        .find(|e| e.id == lease_ev["id"].as_i64().unwrap())
+        .unwrap();
+    assert_eq!(o["lease_event_details"], logged_lease.metadata, "{o}");
 
     // the list: the row's fields; filters by label and by state
     let row = &o["list_row"];
