@@ -215,6 +215,9 @@ function CreateSandbox() {
       if (form.template) body.template = form.template;
       if (form.network.trim()) body.network = form.network.trim();
       const r = await api("POST", "/v1/sandboxes", body);
+      // the create's answer names why (reuse decision, restore branch, score):
+      // kept for this tab so the sandbox's page can show it
+      sessionStorage.setItem(`aviary.decision.${r.id}`, JSON.stringify(r.decision));
       go(`#/sandboxes/${encodeURIComponent(r.id)}`);
     } catch (err) {
       setError(err);
@@ -355,6 +358,12 @@ function SandboxPage({ id }) {
     }
   };
   const ended = sbx && (sbx.state === "Terminated" || sbx.state === "Failed");
+  let decision = null;
+  try {
+    decision = JSON.parse(sessionStorage.getItem(`aviary.decision.${id}`) || "null");
+  } catch {
+    decision = null;
+  }
   return (
     <main id="main">
       <Heading>Sandbox <code>{id}</code></Heading>
@@ -377,6 +386,17 @@ function SandboxPage({ id }) {
             ))}
             <div><dt>Labels</dt><dd><Labels labels={sbx.metadata} /></dd></div>
           </dl>
+          {decision ? (
+            <section aria-labelledby="decision-h" data-testid="decision">
+              <h2 id="decision-h">Create decision</h2>
+              <dl class="fields">
+                <div><dt>Action</dt><dd data-decision="action">{decision.action}</dd></div>
+                <div><dt>Restore branch</dt><dd data-decision="branch">{decision.branch}</dd></div>
+                <div><dt>Score</dt><dd data-decision="score">{String(decision.score)}</dd></div>
+                <div><dt>Reason</dt><dd data-decision="reason">{decision.reason}</dd></div>
+              </dl>
+            </section>
+          ) : null}
           {ended ? null : confirming ? (
             <div class="confirm" role="group" aria-label="Confirm destroy">
               <p>Destroy this sandbox? Its processes and files are gone for good.</p>

@@ -114,6 +114,7 @@ try {
   await page.waitForFunction(() => document.querySelector("[data-testid=stream-status]")?.textContent === "live", WAIT);
   out.fields_state = await text("[data-field=State]");
   out.fields_tenant = await text("[data-field=Tenant]");
+  out.decision = await page.$$eval("[data-decision]", (dds) => Object.fromEntries(dds.map((d) => [d.dataset.decision, d.textContent])));
   out.label_texts = await page.$$eval("[data-testid=fields] .labels code", (cs) => cs.map((c) => c.textContent));
   out.injected_images = await page.$$eval("[data-testid=fields] img", (is) => is.length);
   out.pwned = await page.evaluate(() => window.__pwned === 1);

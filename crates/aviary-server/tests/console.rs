@@ -328,6 +328,15 @@ async fn browser_flow() {
     );
     assert_eq!(sbx.metadata.get("run"), Some(&run));
     assert_eq!(o["fields_tenant"], "team");
+    // the create's answer (decision, restore branch, score, reason) is on
+    // the sandbox's page
+    let d = &o["decision"];
+    assert_eq!(d["action"], "new_sandbox", "{o}");
+    assert!(
+        ["A", "B", "C", "D"].contains(&d["branch"].as_str().unwrap()),
+        "{o}"
+    );
+    assert!(!d["reason"].as_str().unwrap().is_empty(), "{o}");
     // the label with markup is shown as text, nothing injected
     let html = r#"<img src=x onerror="window.__pwned=1">"#;
     assert_eq!(sbx.metadata.get("note").map(String::as_str), Some(html));
