@@ -8,7 +8,8 @@ const KEY = "aviary.apiKey";
 export const session = {
   key: () => sessionStorage.getItem(KEY),
   set: (k) => sessionStorage.setItem(KEY, k),
-  clear: () => sessionStorage.removeItem(KEY),
+  // logging out forgets everything this tab kept (the key, create decisions)
+  clear: () => sessionStorage.clear(),
 };
 
 /** An API refusal: HTTP status, the stable error code and the server's message. */

@@ -175,6 +175,7 @@ try {
 
   // another tenant: the sandbox is neither listed nor readable
   await logout();
+  out.storage_after_logout = await page.evaluate(() => sessionStorage.length);
   await login(rivalKey);
   await page.waitForSelector("[data-testid=sandbox-table]", WAIT);
   out.rival_ids = await page.$$eval("tr[data-sandbox]", (rs) => rs.map((r) => r.dataset.sandbox));

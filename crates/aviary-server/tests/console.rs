@@ -406,6 +406,8 @@ async fn browser_flow() {
         "wider than a phone: {o}"
     );
 
+    // logging out forgot the key (and the tab's create decisions)
+    assert_eq!(o["storage_after_logout"], 0);
     // another tenant: not listed, not readable (the API's 404)
     assert!(
         !o["rival_ids"].as_array().unwrap().iter().any(|v| v == id),
