@@ -5,10 +5,12 @@
 set -euo pipefail
 
 want=(crun runc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs slirp4netns iptables)
+# node/npm build the web console (scripts/build-console.sh); the E2B JS SDK
+# tests use them too
+command -v npm >/dev/null || want+=(nodejs npm)
 if [[ "${1:-}" == test || "${1:-}" == bench ]]; then
-  want+=(docker.io procps)
-  # the E2B SDK tests: a Python venv and node/npm (the JS SDK)
-  command -v npm >/dev/null || want+=(nodejs npm)
+  # chromium: the web console's browser tests
+  want+=(docker.io procps chromium)
   python3 -c 'import venv, ensurepip' 2>/dev/null || want+=(python3-venv)
 fi
 

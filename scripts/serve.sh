@@ -17,6 +17,8 @@ foreground=0
 if [[ "${1:-}" == --foreground ]]; then foreground=1; shift; fi
 
 target=${CARGO_TARGET_DIR:-$PWD/target}
+# the web console first: the release build embeds console/dist
+scripts/build-console.sh >/dev/null
 cargo build --release --locked -p aviary-cli
 envd=$(scripts/build-envd.sh)
 install -m 0755 "$target/release/aviary" /usr/local/bin/aviary

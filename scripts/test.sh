@@ -52,6 +52,17 @@ fi
 export AVIARY_E2B_NODE=node
 export AVIARY_E2B_JS_MODULE=$e2b_npm/node_modules/e2b/dist/index.mjs
 
+echo "== web console (npm ci + esbuild into console/dist, embedded by the build below; chromium + pinned puppeteer-core)"
+scripts/build-console.sh >/dev/null
+console_npm=${AVIARY_CONSOLE_NPM:-/var/tmp/aviary-console-npm}
+if [[ $(node -p 'require(process.argv[1]).version' "$console_npm/node_modules/puppeteer-core/package.json" 2>/dev/null) != 25.19.0 ]]; then
+  mkdir -p "$console_npm"
+  (cd "$console_npm" && { [[ -f package.json ]] || npm init -y >/dev/null; } && npm install -q --no-audit --no-fund "puppeteer-core@25.19.0")
+fi
+AVIARY_CHROMIUM=$(command -v chromium)
+export AVIARY_CHROMIUM
+export AVIARY_PUPPETEER_MODULE=$console_npm/node_modules/puppeteer-core/lib/puppeteer/puppeteer-core.js
+
 echo "== python SDK and MCP test venv (pinned pytest, mypy, httpx, the official mcp client)"
 sdk_venv=${AVIARY_SDK_VENV:-/var/tmp/aviary-sdk-venv}
 if [[ ! -x $sdk_venv/bin/pytest || ! -x $sdk_venv/bin/mypy ]] || ! "$sdk_venv/bin/python" -c 'import mcp, httpx' 2>/dev/null; then

@@ -979,8 +979,7 @@ impl Client {
             ))
             .await?;
         Ok(ExecStream {
-            body: resp.bytes_stream().boxed(),
-            buf: Vec::new(),
+            events: sse_events(resp),
         })
     }
 

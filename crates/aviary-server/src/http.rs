@@ -1604,6 +1604,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .merge(streamed)
         .merge(crate::ports::router())
         .nest(OPENSANDBOX_PREFIX, opensandbox)
+        .merge(crate::console::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -18,6 +18,7 @@
 
 pub mod backends;
 pub mod config;
+pub mod console;
 pub mod edge;
 pub mod error;
 pub mod http;

@@ -1,0 +1,112 @@
+// The console's only door to the server: the v1 API, with the API key the
+// user logged in with (sessionStorage: gone when the tab closes; never put in
+// a URL). The page adds no privilege: everything it shows is what the API
+// answers for this key.
+
+const KEY = "aviary.apiKey";
+
+export const session = {
+  key: () => sessionStorage.getItem(KEY),
+  set: (k) => sessionStorage.setItem(KEY, k),
+  // logging out forgets everything this tab kept (the key, create decisions)
+  clear: () => sessionStorage.clear(),
+};
+
+/** An API refusal: HTTP status, the stable error code and the server's message. */
+export class ApiError extends Error {
+  constructor(status, code, message, requestId) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.requestId = requestId;
+  }
+}
+
+function headers(extra = {}, key = session.key()) {
+  const h = { Accept: "application/json", ...extra };
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function failure(res) {
+  let code = `http_${res.status}`;
+  let message = res.statusText || "request failed";
+  let requestId = res.headers.get("x-request-id");
+  try {
+    const body = await res.json();
+    if (body && body.error) {
+      code = body.error.code || code;
+      message = body.error.message || message;
+      requestId = body.error.request_id || requestId;
+    }
+  } catch {
+    // not JSON: keep the status line
+  }
+  return new ApiError(res.status, code, message, requestId);
+}
+
+/** `method path` with an optional JSON body; the parsed answer or an ApiError. */
+export async function api(method, path, body, { key, signal } = {}) {
+  const init = { method, headers: headers(body === undefined ? {} : { "Content-Type": "application/json" }, key ?? session.key()), signal };
+  if (body !== undefined) init.body = JSON.stringify(body);
+  const res = await fetch(path, init);
+  if (!res.ok) throw await failure(res);
+  if (res.status === 204) return null;
+  const text = await res.text();
+  return text ? JSON.parse(text) : null;
+}
+
+/**
+ * Reads a Server-Sent Events stream with fetch() (EventSource cannot send
+ * the Authorization header) and calls `onEvent(type, data)` for every
+ * complete event. Resolves when the stream ends; rejects on an HTTP error.
+ */
+export async function readEventStream(path, { signal, onOpen, onEvent }) {
+  const res = await fetch(path, { headers: headers({ Accept: "text/event-stream" }), signal });
+  if (!res.ok) throw await failure(res);
+  if (onOpen) onOpen();
+  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value.replace(/\r\n?/g, "\n");
+    let end;
+    while ((end = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, end);
+      buf = buf.slice(end + 2);
+      let type = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith(":")) continue; // keep-alive comment
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        let val = colon < 0 ? "" : line.slice(colon + 1);
+        if (val.startsWith(" ")) val = val.slice(1);
+        if (field === "event") type = val;
+        else if (field === "data") data.push(val);
+      }
+      if (data.length) onEvent(type, data.join("\n"));
+    }
+  }
+}
+
+/** `k=v` lines (or comma-separated) into a labels object; throws on a malformed entry. */
+export function parseLabels(text) {
+  const out = {};
+  for (const raw of text.split(/[\n,]/)) {
+    const item = raw.trim();
+    if (!item) continue;
+    const eq = item.indexOf("=");
+    if (eq <= 0) throw new Error(`label "${item}" is not key=value`);
+    out[item.slice(0, eq).trim()] = item.slice(eq + 1).trim();
+  }
+  return out;
+}
+
+/** The list filter's `metadata` parameter: `k=v&k2=v2`, each part form-encoded. */
+export function metadataQuery(labels) {
+  return Object.entries(labels)
+    .map(([k, v]) => `${encodeURIComponent(k)}=${encodeURIComponent(v)}`)
+    .join("&");
+}

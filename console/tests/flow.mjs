@@ -1,0 +1,206 @@
+// The console's browser flow, run by crates/aviary-server/tests/console.rs
+// against a live server: real Chromium (Debian's) driven by puppeteer-core.
+// Prints what it observed as one JSON object on its last line; the Rust
+// test asserts on it and cross-checks the API.
+//
+// env: AVIARY_URL, TEAM_KEY (tenant allowed only network "none"),
+//      RIVAL_KEY (another tenant), RUN (a unique label value),
+//      CHROMIUM (browser binary), PUPPETEER (puppeteer-core's ESM entry),
+//      SHOTS (directory for the screenshots)
+const { AVIARY_URL: base, TEAM_KEY: teamKey, RIVAL_KEY: rivalKey, RUN: run, CHROMIUM, PUPPETEER, SHOTS } = process.env;
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+
+const { default: puppeteer } = await import(PUPPETEER);
+
+const WAIT = { timeout: 60_000 };
+const out = { requests_with_key_in_url: [], api_requests: 0, api_requests_without_auth: [], page_errors: [], console_errors: [] };
+mkdirSync(SHOTS, { recursive: true });
+
+async function apiCall(method, path, body, key = teamKey) {
+  const res = await fetch(base + path, {
+    method,
+    headers: { Authorization: `Bearer ${key}`, ...(body ? { "Content-Type": "application/json" } : {}) },
+    body: body ? JSON.stringify(body) : undefined,
+  });
+  const text = await res.text();
+  if (!res.ok) throw new Error(`${method} ${path}: ${res.status} ${text}`);
+  return text ? JSON.parse(text) : null;
+}
+
+const browser = await puppeteer.launch({
+  executablePath: CHROMIUM,
+  headless: true,
+  args: ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"],
+});
+try {
+  const page = await browser.newPage();
+  await page.setViewport({ width: 1280, height: 800 });
+  page.on("pageerror", (e) => out.page_errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error") out.console_errors.push(m.text()); });
+  page.on("request", (r) => {
+    const url = r.url();
+    if (url.includes(teamKey) || url.includes(rivalKey)) out.requests_with_key_in_url.push(url);
+    if (new URL(url).pathname.startsWith("/v1/")) {
+      out.api_requests += 1;
+      if (!(r.headers().authorization || "").startsWith("Bearer ")) out.api_requests_without_auth.push(url);
+    }
+  });
+  const text = (sel) => page.$eval(sel, (el) => el.textContent);
+  const login = async (key) => {
+    await page.waitForSelector("#api-key", WAIT);
+    await page.$eval("#api-key", (el) => { el.value = ""; });
+    await page.type("#api-key", key);
+    await page.keyboard.press("Enter");
+  };
+  const logout = async () => {
+    await page.click("nav button.link");
+    await page.waitForSelector("#api-key", WAIT);
+  };
+
+  // login: a wrong key is refused with the API's reason, the right one lets in
+  const resp = await page.goto(base + "/", { waitUntil: "networkidle0" });
+  out.index_csp = resp.headers()["content-security-policy"];
+  await page.waitForSelector("#api-key", WAIT);
+  out.login_label = await page.$eval("label[for=api-key]", (el) => el.textContent);
+  await page.screenshot({ path: join(SHOTS, "login.png") });
+  await login("not-a-key");
+  await page.waitForSelector("[data-testid=error]", WAIT);
+  out.bad_login_error = await text("[data-testid=error]");
+  out.key_stored_after_bad_login = await page.evaluate(() => sessionStorage.getItem("aviary.apiKey"));
+  await login(teamKey);
+  await page.waitForSelector("[data-testid=sandbox-table]", WAIT);
+  out.key_in_session_storage = (await page.evaluate(() => sessionStorage.getItem("aviary.apiKey"))) === teamKey;
+
+  // keyboard: Tab from the top reaches "New sandbox", Enter opens the form
+  // (each page focuses its heading, so Tab goes on from the page's content)
+  out.focused_after_login = await page.evaluate(() => document.activeElement.tagName + ":" + document.activeElement.textContent);
+  out.tab_order = [];
+  for (let i = 0; i < 15; i++) {
+    await page.keyboard.press("Tab");
+    const label = await page.evaluate(() => {
+      const el = document.activeElement;
+      return el === document.body ? "(body)" : el.id || el.textContent.trim();
+    });
+    out.tab_order.push(label);
+    if (label === "New sandbox") break;
+  }
+  await page.keyboard.press("Enter");
+  await page.waitForSelector("#c-class", WAIT);
+  out.form_labels = await page.$$eval("form input, form select, form textarea", (els) =>
+    els.map((el) => (el.labels && el.labels.length ? el.labels[0].textContent : null)));
+
+  // a network profile the tenant may not use: the policy's reason, nothing created
+  await page.waitForFunction(() => document.querySelectorAll("#c-template option").length > 1, WAIT);
+  out.templates_offered = await page.$$eval("#c-template option", (os) => os.map((o) => o.value).filter(Boolean));
+  await page.type("#c-network", "open");
+  // a label is data, never markup (values are the caller's, shown to others)
+  await page.type("#c-labels", `suite=console\nrun=${run}\nnote=<img src=x onerror="window.__pwned=1">`);
+  await page.click("form button[type=submit]");
+  await page.waitForSelector("[data-testid=error]", WAIT);
+  out.denial = await text("[data-testid=error]");
+  out.denial_role = await page.$eval("[data-testid=error]", (el) => el.getAttribute("role"));
+  await page.screenshot({ path: join(SHOTS, "create-denied.png"), fullPage: true });
+
+  // the same form without the network: created, the page opens it
+  await page.$eval("#c-network", (el) => { el.value = ""; el.dispatchEvent(new Event("input", { bubbles: true })); });
+  await page.click("form button[type=submit]");
+  await page.waitForFunction(() => /^#\/sandboxes\/[^/]+$/.test(location.hash), WAIT);
+  const id = decodeURIComponent(await page.evaluate(() => location.hash.split("/")[2]));
+  out.created_id = id;
+
+  // one sandbox: its fields, and a new event arriving live
+  await page.waitForSelector("[data-testid=fields]", WAIT);
+  await page.waitForFunction(() => document.querySelector("[data-testid=stream-status]")?.textContent === "live", WAIT);
+  out.fields_state = await text("[data-field=State]");
+  out.fields_tenant = await text("[data-field=Tenant]");
+  out.decision = await page.$$eval("[data-decision]", (dds) => Object.fromEntries(dds.map((d) => [d.dataset.decision, d.textContent])));
+  out.label_texts = await page.$$eval("[data-testid=fields] .labels code", (cs) => cs.map((c) => c.textContent));
+  out.injected_images = await page.$$eval("[data-testid=fields] img", (is) => is.length);
+  out.pwned = await page.evaluate(() => window.__pwned === 1);
+  const before = await page.$$eval("[data-event-id]", (els) => els.map((e) => Number(e.dataset.eventId)));
+  out.events_before = before;
+  const maxBefore = Math.max(0, ...before);
+  const exec = await apiCall("POST", `/v1/sandboxes/${id}/exec`, { shell: "echo from-the-api" });
+  out.exec_stdout = exec.stdout;
+  const lease = await apiCall("POST", `/v1/sandboxes/${id}/lease`, { owner: "console-flow", ttl_s: 120 });
+  await page.waitForFunction((max) => [...document.querySelectorAll("[data-event-type=lease_acquired]")].some((e) => Number(e.dataset.eventId) > max), WAIT, maxBefore);
+  out.live_events = await page.$$eval("[data-event-id]", (els, max) =>
+    els.filter((e) => Number(e.dataset.eventId) > max).map((e) => ({ id: Number(e.dataset.eventId), type: e.dataset.eventType })), maxBefore);
+  // each event's full record opens from its "details" (keyboard: a <summary>)
+  const leaseEvent = out.live_events.find((e) => e.type === "lease_acquired");
+  if (leaseEvent) {
+    await page.focus(`[data-event-id="${leaseEvent.id}"] summary`);
+    await page.keyboard.press("Enter");
+    out.lease_event_details = JSON.parse(await page.$eval(`[data-event-id="${leaseEvent.id}"] details[open] pre`, (e) => e.textContent));
+  }
+  // the page re-reads the sandbox: the lease holder shows
+  await page.waitForFunction(() => document.querySelector("[data-field='Lease holder']")?.textContent === "console-flow", WAIT);
+  out.page_lease_holder = await text("[data-field='Lease holder']");
+  await page.screenshot({ path: join(SHOTS, "sandbox.png"), fullPage: true });
+
+  // the list: the sandbox with its lease holder and labels; label filters
+  await page.click("nav a[href='#/sandboxes']");
+  await page.waitForSelector(`tr[data-sandbox="${id}"]`, WAIT);
+  // live refresh: a sandbox made and destroyed through the API comes and goes
+  // while the list is open
+  const other = await apiCall("POST", "/v1/sandboxes", { metadata: { suite: "console-api" } });
+  out.api_created_id = other.id;
+  await page.waitForSelector(`tr[data-sandbox="${other.id}"]`, WAIT);
+  await apiCall("DELETE", `/v1/sandboxes/${other.id}`);
+  await page.waitForFunction((oid) => !document.querySelector(`tr[data-sandbox="${oid}"]`), WAIT, other.id);
+  out.api_sandbox_left_list = true;
+  out.list_row = await page.$eval(`tr[data-sandbox="${id}"]`, (tr) =>
+    Object.fromEntries([...tr.querySelectorAll("td")].map((td) => [td.dataset.label, td.textContent])));
+  await page.type("#f-labels", `run=${run}`);
+  await page.waitForFunction(() => { const r = document.querySelectorAll("tr[data-sandbox]"); return r.length === 1; }, WAIT);
+  out.filtered_ids = await page.$$eval("tr[data-sandbox]", (rs) => rs.map((r) => r.dataset.sandbox));
+  await page.screenshot({ path: join(SHOTS, "sandboxes.png"), fullPage: true });
+  await page.type("#f-labels", "-nomatch");
+  await page.waitForSelector("[data-testid=empty]", WAIT);
+  out.nomatch_rows = await page.$$eval("tr[data-sandbox]", (rs) => rs.length);
+  await page.$eval("#f-labels", (el) => { el.value = ""; el.dispatchEvent(new Event("input", { bubbles: true })); });
+  await page.waitForSelector(`tr[data-sandbox="${id}"]`, WAIT);
+  await page.select("#f-state", "Terminated");
+  await page.waitForFunction((id) => !document.querySelector(`tr[data-sandbox="${id}"]`) && document.querySelector("[data-testid=sandbox-table]"), WAIT, id);
+  out.in_terminated_filter = await page.$$eval(`tr[data-sandbox="${id}"]`, (rs) => rs.length);
+  await page.select("#f-state", "");
+  await page.waitForSelector(`tr[data-sandbox="${id}"]`, WAIT);
+  // narrow screen: one card per sandbox, nothing wider than the screen
+  await page.setViewport({ width: 390, height: 844 });
+  await page.waitForFunction(() => getComputedStyle(document.querySelector("thead")).position === "absolute", WAIT);
+  out.narrow_overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  await page.screenshot({ path: join(SHOTS, "sandboxes-narrow.png"), fullPage: true });
+  await page.setViewport({ width: 1280, height: 800 });
+
+  // another tenant: the sandbox is neither listed nor readable
+  await logout();
+  out.storage_after_logout = await page.evaluate(() => sessionStorage.length);
+  await login(rivalKey);
+  await page.waitForSelector("[data-testid=sandbox-table]", WAIT);
+  out.rival_ids = await page.$$eval("tr[data-sandbox]", (rs) => rs.map((r) => r.dataset.sandbox));
+  await page.goto(`${base}/#/sandboxes/${encodeURIComponent(id)}`);
+  await page.waitForSelector("[data-testid=error]", WAIT);
+  out.rival_page_error = await text("[data-testid=error]");
+  out.rival_sees_fields = (await page.$$("[data-testid=fields]")).length;
+  await page.screenshot({ path: join(SHOTS, "other-tenant.png"), fullPage: true });
+  await logout();
+
+  // destroy from the page (the lease released first through the API)
+  await apiCall("DELETE", `/v1/sandboxes/${id}/lease`, { token: lease.token });
+  await login(teamKey);
+  await page.waitForSelector(`tr[data-sandbox="${id}"] a`, WAIT);
+  await page.click(`tr[data-sandbox="${id}"] a`);
+  await page.waitForSelector("[data-testid=fields]", WAIT);
+  await page.waitForFunction(() => [...document.querySelectorAll("button")].some((b) => b.textContent === "Destroy…"), WAIT);
+  await page.$$eval("button", (bs) => bs.find((b) => b.textContent === "Destroy…").click());
+  await page.waitForFunction(() => [...document.querySelectorAll("button")].some((b) => b.textContent === "Yes, destroy"), WAIT);
+  await page.$$eval("button", (bs) => bs.find((b) => b.textContent === "Yes, destroy").click());
+  await page.waitForSelector("[data-testid=note]", WAIT);
+  await page.waitForFunction(() => document.querySelector("[data-field=State]")?.textContent.startsWith("Terminated"), WAIT);
+  out.destroyed_state = await text("[data-field=State]");
+  out.destroy_note = await text("[data-testid=note]");
+} finally {
+  await browser.close();
+}
+console.log(JSON.stringify(out));
