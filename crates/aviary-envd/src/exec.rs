@@ -142,11 +142,23 @@ pub(crate) fn check_command<'a>(
     Ok(argv0)
 }
 
-/// Runs `req` and streams its output and exit over `conn`. Errors before the
-/// process started are returned (the caller sends them as an `Error` frame).
-pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
-    let argv0 = check_command(&req.argv, &req.env, req.cwd.as_deref())?;
-    let run_as = match req.user.as_deref() {
+/// The command envd starts for a request (an exec, a terminal session, a
+/// background command), built the one way: the request's checks
+/// ([`check_command`]), its user resolved in the sandbox's own
+/// `/etc/passwd`, a cleared environment with envd's defaults (`PATH`,
+/// `HOME` of the user, `LANG`, then `defaults`), the request's own variables
+/// over them, and its working directory (the sandbox root when absent).
+/// Stdio and the session are the caller's.
+pub(crate) fn command(
+    envd: &Envd,
+    argv: &[String],
+    env: &[(String, String)],
+    cwd: Option<&str>,
+    user: Option<&str>,
+    defaults: &[(&str, &str)],
+) -> Result<(Command, Option<crate::user::RunAs>), ErrorBody> {
+    let argv0 = check_command(argv, env, cwd)?;
+    let run_as = match user {
         None => None,
         Some(spec) => Some(crate::user::resolve(spec).map_err(bad)?),
     };
@@ -157,18 +169,30 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), E
         // std drops the supplementary groups when it changes the uid as root
         cmd.uid(u.uid).gid(u.gid);
     }
-    cmd.args(&req.argv[1..])
+    cmd.args(&argv[1..])
         .env_clear()
         .env("PATH", DEFAULT_PATH)
         .env("HOME", home)
         .env("LANG", "C.UTF-8")
-        .envs(req.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(
-            req.cwd
-                .as_deref()
-                .map(std::path::Path::new)
-                .unwrap_or(envd.root.as_path()),
-        )
+        .envs(defaults.iter().copied())
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .current_dir(cwd.map(std::path::Path::new).unwrap_or(envd.root.as_path()));
+    Ok((cmd, run_as))
+}
+
+/// Runs `req` and streams its output and exit over `conn`. Errors before the
+/// process started are returned (the caller sends them as an `Error` frame).
+pub fn run(envd: &Envd, conn: &mut UnixStream, req: ExecRequest) -> Result<(), ErrorBody> {
+    let (mut cmd, _) = command(
+        envd,
+        &req.argv,
+        &req.env,
+        req.cwd.as_deref(),
+        req.user.as_deref(),
+        &[],
+    )?;
+    let argv0 = &req.argv[0];
+    cmd
         // Always a pipe: without stdin its write end is closed at once (EOF), which
         // unlike Stdio::null() does not need /dev/null in the sandbox.
         .stdin(Stdio::piped())

@@ -26,15 +26,15 @@ use std::fs::File;
 use std::io::{ErrorKind, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use aviary_envd_proto::{
     encode_json, write_frame, BackgroundInfo, ErrorBody, ErrorCode, ExitWire, FrameKind,
-    ProcessInfo, Response, BACKGROUND_RING_BYTES, CHUNK_SIZE, DEFAULT_PATH, MAX_BACKGROUND,
-    MAX_JSON_FRAME, MAX_LISTED_ARG, MAX_LISTED_ARGS, MAX_LISTED_PROCESSES,
+    ProcessInfo, Response, BACKGROUND_RING_BYTES, CHUNK_SIZE, MAX_BACKGROUND, MAX_JSON_FRAME,
+    MAX_LISTED_ARG, MAX_LISTED_ARGS, MAX_LISTED_PROCESSES,
 };
 
 use crate::server::Envd;
@@ -296,50 +296,18 @@ pub struct SpawnRequest {
     pub user: Option<String>,
 }
 
-fn bad(message: impl Into<String>) -> ErrorBody {
-    fail(ErrorCode::BadRequest, message)
-}
-
 /// Starts a background command; answers its handle and pid.
 pub fn spawn(envd: &Envd, req: SpawnRequest) -> Result<(u64, i32), ErrorBody> {
-    let Some(argv0) = req.argv.first() else {
-        return Err(bad("argv is empty"));
-    };
-    if req.argv.iter().any(|a| a.contains('\0')) {
-        return Err(bad("argv contains a NUL byte"));
-    }
-    for (k, v) in &req.env {
-        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(bad(format!("invalid environment variable {k:?}")));
-        }
-    }
-    let run_as = match req.user.as_deref() {
-        None => None,
-        Some(spec) => Some(crate::user::resolve(spec).map_err(bad)?),
-    };
-    let cwd = req
-        .cwd
-        .as_deref()
-        .map(std::path::Path::new)
-        .unwrap_or(envd.root.as_path());
-    if !cwd.is_dir() {
-        return Err(fail(
-            ErrorCode::NotFound,
-            format!("working directory {} is not a directory", cwd.display()),
-        ));
-    }
-    let mut cmd = Command::new(argv0);
-    if let Some(u) = &run_as {
-        use std::os::unix::process::CommandExt;
-        cmd.uid(u.uid).gid(u.gid);
-    }
-    cmd.args(&req.argv[1..])
-        .env_clear()
-        .env("PATH", DEFAULT_PATH)
-        .env("HOME", run_as.as_ref().map_or("/root", |u| u.home.as_str()))
-        .env("LANG", "C.UTF-8")
-        .envs(req.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(cwd)
+    let (mut cmd, _) = crate::exec::command(
+        envd,
+        &req.argv,
+        &req.env,
+        req.cwd.as_deref(),
+        req.user.as_deref(),
+        &[],
+    )?;
+    let argv0 = &req.argv[0];
+    cmd
         // a pipe whose write end is closed at once: EOF, without /dev/null
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -24,18 +24,17 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aviary_envd_proto::{
     check_pty_size, decode_json, encode_header, encode_json, read_frame, write_frame, ErrorBody,
-    ErrorCode, ExitWire, FrameKind, PtyControl, Response, CHUNK_SIZE, DEFAULT_PATH,
-    FRAME_HEADER_LEN,
+    ErrorCode, ExitWire, FrameKind, PtyControl, Response, CHUNK_SIZE, FRAME_HEADER_LEN,
 };
 
-use crate::exec::{check_command, internal, read_retrying, shell_exit, spawn_error};
+use crate::exec::{internal, read_retrying, shell_exit, spawn_error};
 use crate::server::Envd;
 use crate::sys;
 
@@ -103,13 +102,17 @@ fn send_json(conn: &mut UnixStream, r: &Response) {
 /// Runs `req` on a new terminal and serves the session over `conn`. Errors
 /// before the process started are returned (sent as an `Error` frame).
 pub fn run(envd: &Envd, conn: &mut UnixStream, req: PtyRequest) -> Result<(), ErrorBody> {
-    let argv0 = check_command(&req.argv, &req.env, req.cwd.as_deref())?;
     check_pty_size(req.cols, req.rows).map_err(bad)?;
-    let run_as = match req.user.as_deref() {
-        None => None,
-        Some(spec) => Some(crate::user::resolve(spec).map_err(bad)?),
-    };
-    let home = run_as.as_ref().map_or("/root", |u| u.home.as_str());
+    // exec's command and environment, with a terminal type under the request's
+    let (mut cmd, run_as) = crate::exec::command(
+        envd,
+        &req.argv,
+        &req.env,
+        req.cwd.as_deref(),
+        req.user.as_deref(),
+        &[("TERM", "xterm-256color")],
+    )?;
+    let argv0 = &req.argv[0];
     let (master, slave) =
         sys::open_pty(req.cols, req.rows).map_err(|e| internal("open a pseudo-terminal", &e))?;
     if let Some(u) = &run_as {
@@ -122,26 +125,7 @@ pub fn run(envd: &Envd, conn: &mut UnixStream, req: PtyRequest) -> Result<(), Er
             .map(Stdio::from)
             .map_err(|e| internal("duplicate the terminal", &e))
     };
-    let mut cmd = Command::new(argv0);
-    if let Some(u) = &run_as {
-        use std::os::unix::process::CommandExt;
-        cmd.uid(u.uid).gid(u.gid);
-    }
-    // the same order as exec: envd's defaults, then the request's
-    cmd.args(&req.argv[1..])
-        .env_clear()
-        .env("PATH", DEFAULT_PATH)
-        .env("HOME", home)
-        .env("LANG", "C.UTF-8")
-        .env("TERM", "xterm-256color")
-        .envs(req.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(
-            req.cwd
-                .as_deref()
-                .map(std::path::Path::new)
-                .unwrap_or(envd.root.as_path()),
-        )
-        .stdin(stdio(&slave)?)
+    cmd.stdin(stdio(&slave)?)
         .stdout(stdio(&slave)?)
         .stderr(stdio(&slave)?);
     sys::spawn_with_controlling_terminal(&mut cmd);
