@@ -514,62 +514,81 @@ fn exec_events(
     run: aviary_control::ops::ExecRun,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let stream = futures_util::stream::unfold(Some((cp, run)), move |st| async move {
-        let b64 = base64::engine::general_purpose::STANDARD;
         let (cp, mut run) = st?;
-        let ev = match run.stream.next().await {
-            Ok(aviary_envd_proto::ExecEvent::Stdout(d)) => (
-                ExecEvent::Stdout {
-                    data: b64.encode(d),
-                },
-                false,
-            ),
-            Ok(aviary_envd_proto::ExecEvent::Stderr(d)) => (
-                ExecEvent::Stderr {
-                    data: b64.encode(d),
-                },
-                false,
-            ),
-            Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => {
-                let oom = cp.exec_finish(&run, &exit).await;
-                (
-                    ExecEvent::Exit {
-                        result: ExecResult {
-                            exit_code: exit.exit_code,
-                            stdout: String::new(),
-                            stderr: String::new(),
-                            duration_ms: exit.duration.as_secs_f64() * 1000.0,
-                            timed_out: exit.timed_out,
-                            oom_killed: oom,
-                            truncated: false,
-                        },
-                    },
-                    true,
-                )
-            }
-            Err(e) => {
-                let e = OpError::from(e);
-                (
-                    ExecEvent::Error {
-                        code: e.code(),
-                        message: e.public_message(),
-                    },
-                    true,
-                )
-            }
+        let got = run.stream.next().await;
+        let oom = match &got {
+            Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => cp.exec_finish(&run, exit).await,
+            _ => false,
         };
-        let name = match &ev.0 {
-            ExecEvent::Stdout { .. } => "stdout",
-            ExecEvent::Stderr { .. } => "stderr",
-            ExecEvent::Exit { .. } => "exit",
-            ExecEvent::Error { .. } => "error",
-        };
-        let sse = SseEvent::default()
-            .event(name)
-            .json_data(&ev.0)
-            .unwrap_or_else(|_| SseEvent::default().event("error"));
-        Some((Ok(sse), if ev.1 { None } else { Some((cp, run)) }))
+        let (mut ev, last) = api_exec_event(got);
+        if let ExecEvent::Exit { result } = &mut ev {
+            result.oom_killed = oom;
+        }
+        Some((Ok(exec_event_sse(&ev)), (!last).then_some((cp, run))))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// One envd exec event as the API's [`ExecEvent`] (output base64, an exit
+/// with `oom_killed` false: the caller sets what it checked) and whether it
+/// ends the stream. Shared by `exec/stream`, `exec/stdin` and a background
+/// command's followed output.
+pub(crate) fn api_exec_event<E: Into<OpError>>(
+    ev: Result<aviary_envd_proto::ExecEvent, E>,
+) -> (ExecEvent, bool) {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    match ev {
+        Ok(aviary_envd_proto::ExecEvent::Stdout(d)) => (
+            ExecEvent::Stdout {
+                data: b64.encode(d),
+            },
+            false,
+        ),
+        Ok(aviary_envd_proto::ExecEvent::Stderr(d)) => (
+            ExecEvent::Stderr {
+                data: b64.encode(d),
+            },
+            false,
+        ),
+        Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => (
+            ExecEvent::Exit {
+                result: ExecResult {
+                    exit_code: exit.exit_code,
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    duration_ms: exit.duration.as_secs_f64() * 1000.0,
+                    timed_out: exit.timed_out,
+                    oom_killed: false,
+                    truncated: false,
+                },
+            },
+            true,
+        ),
+        Err(e) => {
+            let e: OpError = e.into();
+            (
+                ExecEvent::Error {
+                    code: e.code(),
+                    message: e.public_message(),
+                },
+                true,
+            )
+        }
+    }
+}
+
+/// An [`ExecEvent`] as a server-sent event named after its type.
+pub(crate) fn exec_event_sse(ev: &ExecEvent) -> SseEvent {
+    let name = match ev {
+        ExecEvent::Stdout { .. } => "stdout",
+        ExecEvent::Stderr { .. } => "stderr",
+        ExecEvent::Exit { .. } => "exit",
+        ExecEvent::Error { .. } => "error",
+    };
+    SseEvent::default()
+        .event(name)
+        .json_data(ev)
+        .unwrap_or_else(|_| SseEvent::default().event("error"))
 }
 
 /// Streaming exec with stdin streamed too: a `multipart/form-data` body

@@ -11,16 +11,14 @@ use crate::http::{header_token, request_id, ApiJson, ApiQuery, AppState, Auth};
 use aviary_control::requests::OnSandbox;
 use aviary_control::{OpContext, OpError};
 use aviary_core::api::{
-    BackgroundOutput, BackgroundStarted, ExecEvent, ExecRequest, ExecResult, ProcessList,
-    SignalRequest,
+    BackgroundOutput, BackgroundStarted, ExecRequest, ProcessList, SignalRequest,
 };
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use base64::Engine;
 use serde::Deserialize;
 use std::convert::Infallible;
 
@@ -159,57 +157,12 @@ pub(crate) async fn output(
     }
     let followed = st.follow_background(&cx, &p.id, handle).await?;
     let stream = futures_util::stream::unfold(Some(followed), |st| async move {
-        let b64 = base64::engine::general_purpose::STANDARD;
         let mut f = st?;
-        let (ev, last) = match f.next().await {
-            Ok(aviary_envd_proto::ExecEvent::Stdout(d)) => (
-                ExecEvent::Stdout {
-                    data: b64.encode(d),
-                },
-                false,
-            ),
-            Ok(aviary_envd_proto::ExecEvent::Stderr(d)) => (
-                ExecEvent::Stderr {
-                    data: b64.encode(d),
-                },
-                false,
-            ),
-            Ok(aviary_envd_proto::ExecEvent::Exit(exit)) => (
-                ExecEvent::Exit {
-                    result: ExecResult {
-                        exit_code: exit.exit_code,
-                        stdout: String::new(),
-                        stderr: String::new(),
-                        duration_ms: exit.duration.as_secs_f64() * 1000.0,
-                        timed_out: exit.timed_out,
-                        oom_killed: false,
-                        truncated: false,
-                    },
-                },
-                true,
-            ),
-            Err(e) => {
-                let e = OpError::from(e);
-                (
-                    ExecEvent::Error {
-                        code: e.code(),
-                        message: e.public_message(),
-                    },
-                    true,
-                )
-            }
-        };
-        let name = match &ev {
-            ExecEvent::Stdout { .. } => "stdout",
-            ExecEvent::Stderr { .. } => "stderr",
-            ExecEvent::Exit { .. } => "exit",
-            ExecEvent::Error { .. } => "error",
-        };
-        let sse = SseEvent::default()
-            .event(name)
-            .json_data(&ev)
-            .unwrap_or_else(|_| SseEvent::default().event("error"));
-        Some((Ok::<_, Infallible>(sse), (!last).then_some(f)))
+        let (ev, last) = crate::http::api_exec_event(f.next().await);
+        Some((
+            Ok::<_, Infallible>(crate::http::exec_event_sse(&ev)),
+            (!last).then_some(f),
+        ))
     });
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
