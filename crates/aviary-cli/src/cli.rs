@@ -1115,6 +1115,25 @@ async fn background_logs(
         return Ok(o.exit_code.unwrap_or(0));
     }
     let mut s = c.follow_background(id, handle).await?;
+    let Some(r) = play_stream(&mut s, json).await? else {
+        return Err(Failure::new(
+            ErrorCode::Internal,
+            "the output stream ended without an exit status".into(),
+        ));
+    };
+    if json {
+        output::json(&r);
+    }
+    Ok(r.exit_code)
+}
+
+/// Plays an exec stream: its output written live to stdout and stderr, or,
+/// under `--json`, collected into the exit result's `stdout` and `stderr`.
+/// `None` when the stream ended without an exit.
+async fn play_stream(
+    s: &mut aviary_client::ExecStream,
+    json: bool,
+) -> Result<Option<ExecResult>, Failure> {
     let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
     let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
     while let Some(item) = s.next().await? {
@@ -1133,16 +1152,12 @@ async fn background_logs(
                 if json {
                     r.stdout = String::from_utf8_lossy(&got_out).into_owned();
                     r.stderr = String::from_utf8_lossy(&got_err).into_owned();
-                    output::json(&r);
                 }
-                return Ok(r.exit_code);
+                return Ok(Some(r));
             }
         }
     }
-    Err(Failure::new(
-        ErrorCode::Internal,
-        "the output stream ended without an exit status".into(),
-    ))
+    Ok(None)
 }
 
 /// Streams a command's output live; returns its exit status as an exit code.
@@ -1161,44 +1176,25 @@ async fn stream_exec(
     } else {
         c.exec_stream(id, req).await?
     };
-    let mut out = std::io::stdout();
-    let mut err = std::io::stderr();
-    let (mut got_out, mut got_err) = (Vec::new(), Vec::new());
-    while let Some(item) = s.next().await? {
-        match item {
-            StreamItem::Stdout(d) if json => got_out.extend_from_slice(&d),
-            StreamItem::Stderr(d) if json => got_err.extend_from_slice(&d),
-            StreamItem::Stdout(d) => {
-                let _ = out.write_all(&d);
-                let _ = out.flush();
-            }
-            StreamItem::Stderr(d) => {
-                let _ = err.write_all(&d);
-                let _ = err.flush();
-            }
-            StreamItem::Exit(mut r) => {
-                if json {
-                    r.stdout = String::from_utf8_lossy(&got_out).into_owned();
-                    r.stderr = String::from_utf8_lossy(&got_err).into_owned();
-                    let mut doc = serde_json::to_value(&r).unwrap_or_default();
-                    doc["sandbox"] = serde_json::Value::String(id.to_owned());
-                    output::json(&doc);
-                }
-                if r.timed_out {
-                    eprintln!("aviary: command timed out; its process group was killed");
-                    return Ok(124);
-                }
-                if r.oom_killed {
-                    eprintln!("aviary: command was killed: sandbox out of memory");
-                }
-                return Ok(r.exit_code);
-            }
-        }
+    let Some(r) = play_stream(&mut s, json).await? else {
+        return Err(Failure::new(
+            ErrorCode::Internal,
+            "exec stream ended without an exit status".into(),
+        ));
+    };
+    if json {
+        let mut doc = serde_json::to_value(&r).unwrap_or_default();
+        doc["sandbox"] = serde_json::Value::String(id.to_owned());
+        output::json(&doc);
     }
-    Err(Failure::new(
-        ErrorCode::Internal,
-        "exec stream ended without an exit status".into(),
-    ))
+    if r.timed_out {
+        eprintln!("aviary: command timed out; its process group was killed");
+        return Ok(124);
+    }
+    if r.oom_killed {
+        eprintln!("aviary: command was killed: sandbox out of memory");
+    }
+    Ok(r.exit_code)
 }
 
 async fn run_cmd(a: RunArgs, json: bool) -> Result<i32, Failure> {
