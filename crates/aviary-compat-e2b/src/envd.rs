@@ -686,6 +686,12 @@ fn process_envelopes(ev: ProcEvent) -> (Vec<Bytes>, bool) {
             )],
             false,
         ),
+        ProcEvent::Pty(d) => (
+            vec![event_json(
+                serde_json::json!({"data": {"pty": b64.encode(d)}}),
+            )],
+            false,
+        ),
         ProcEvent::End(end) => {
             let mut e = serde_json::json!({"exited": true, "status": end.status});
             if end.exit_code != 0 {
@@ -751,12 +757,10 @@ async fn process_rpc(
         "Connect" => attach(&st, call, req).await,
         "List" => list(&st, call, req).await,
         "SendSignal" => signal(&st, call, req).await,
-        "SendInput" | "StreamInput" | "CloseStdin" => Err(ConnectError::unimplemented(
-            "interactive stdin is not supported by Aviary's envd (a command's input is given when it starts)",
-        )
-        .into()),
-        "Update" => Err(ConnectError::unimplemented(
-            "PTY sessions are not supported by Aviary's envd",
+        "SendInput" => send_input(&st, call, req).await,
+        "Update" => update(&st, call, req).await,
+        "StreamInput" | "CloseStdin" => Err(ConnectError::unimplemented(
+            "streamed stdin is not supported by Aviary's envd (a command's input is given when it starts; a PTY takes SendInput)",
         )
         .into()),
         other => Err(ConnectError::new(
@@ -772,6 +776,9 @@ async fn start(st: &E2bState, call: SandboxCall, req: Request) -> Result<Respons
     let timeout = connect::timeout(req.headers())?;
     let keepalive = keepalive_interval(req.headers());
     let msg: StartRequest = connect::parse(&stream_request(st, req).await?)?;
+    if msg.pty.as_ref().is_some_and(|p| !p.is_null()) {
+        return start_pty(st, call, msg, timeout, keepalive).await;
+    }
     let tag = msg.tag.clone();
     // commands start in the home when it exists (E2B's default), else
     // where envd starts them
@@ -801,6 +808,194 @@ async fn start(st: &E2bState, call: SandboxCall, req: Request) -> Result<Respons
         );
     let s = process_stream(start_event(proc.pid), keepalive, events);
     Ok(stream_response(s))
+}
+
+/// E2B's `PTY { size { cols, rows } }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtyIn {
+    pub size: PtySizeIn,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PtySizeIn {
+    #[serde(default)]
+    pub cols: u32,
+    #[serde(default)]
+    pub rows: u32,
+}
+
+impl PtySizeIn {
+    fn cells(&self) -> Result<(u16, u16), ConnectError> {
+        let cols = u16::try_from(self.cols).unwrap_or(0);
+        let rows = u16::try_from(self.rows).unwrap_or(0);
+        aviary_envd_proto::check_pty_size(cols, rows).map_err(ConnectError::invalid)?;
+        Ok((cols, rows))
+    }
+}
+
+/// `Start` with a `pty`: the command on a terminal (Aviary's `exec/tty`
+/// session), its output as `data.pty` events; input through `SendInput`,
+/// the window size through `Update`.
+async fn start_pty(
+    st: &E2bState,
+    call: SandboxCall,
+    msg: StartRequest,
+    timeout: Option<Duration>,
+    keepalive: Duration,
+) -> Result<Response, EnvdError> {
+    if msg.stdin == Some(true) {
+        return Err(ConnectError::invalid("a PTY takes its input through SendInput").into());
+    }
+    let pty: PtyIn = serde_json::from_value(msg.pty.unwrap_or_default())
+        .map_err(|e| ConnectError::invalid(format!("pty: {e}")))?;
+    let (cols, rows) = pty.size.cells()?;
+    let p = msg.process;
+    if p.cmd.is_empty() {
+        return Err(ConnectError::invalid("process.cmd is required").into());
+    }
+    let cwd = match &p.cwd {
+        Some(c) => Some(resolve(c)?),
+        None => st
+            .cp
+            .stat(&call.cx, FileRequest::new(&call.id, HOME))
+            .await
+            .ok()
+            .filter(|f| f.kind == "dir")
+            .map(|_| HOME.to_owned()),
+    };
+    let config = ProcessConfig {
+        cmd: p.cmd.clone(),
+        args: p.args.clone(),
+        envs: p.envs.clone(),
+        cwd: cwd.clone(),
+    };
+    let mut cmd = vec![p.cmd];
+    cmd.extend(p.args);
+    let start = aviary_control::tty::TtyStart {
+        cmd,
+        cwd,
+        env: p.envs,
+        user: None,
+        cols: Some(cols),
+        rows: Some(rows),
+    };
+    start
+        .validate()
+        .map_err(|e| ConnectError::invalid(e.public_message()))?;
+    let run = st
+        .cp
+        .exec_tty_start(&call.cx, OnSandbox::new(&call.id, start))
+        .await
+        .map_err(|e| EnvdError::op(&call.id, e))?;
+    let (proc, rx) = st
+        .processes
+        .start_pty(st.cp.clone(), call.id.clone(), config, run, timeout);
+    let events =
+        futures_util::stream::unfold(
+            rx,
+            |mut rx| async move { rx.recv().await.map(|ev| (ev, rx)) },
+        );
+    Ok(stream_response(process_stream(
+        start_event(proc.pid),
+        keepalive,
+        events,
+    )))
+}
+
+/// `SendInputRequest`: `{"process": …, "input": {"pty": base64}}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SendInputRequest {
+    pub process: SelectorIn,
+    pub input: ProcessInputIn,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessInputIn {
+    #[serde(default)]
+    pub pty: Option<String>,
+    #[serde(default)]
+    pub stdin: Option<String>,
+}
+
+/// `UpdateRequest`: `{"process": …, "pty": {"size": {…}}}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateRequest {
+    pub process: SelectorIn,
+    #[serde(default)]
+    pub pty: Option<PtyIn>,
+}
+
+/// The running PTY named by `sel`, or an E2B error.
+fn find_pty(
+    st: &E2bState,
+    id: &str,
+    sel: SelectorIn,
+) -> Result<std::sync::Arc<crate::process::Proc>, ConnectError> {
+    let sel = sel.selector()?;
+    let proc = st.processes.find(id, &sel).ok_or_else(|| {
+        ConnectError::new(
+            Code::NotFound,
+            format!("process {sel:?} not found (or it was started through another Aviary replica)"),
+        )
+    })?;
+    if proc.pty().is_none() {
+        return Err(ConnectError::unimplemented(
+            "this process has no PTY: a command's input is given when it starts",
+        ));
+    }
+    Ok(proc)
+}
+
+async fn send_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {
+    let msg: SendInputRequest = connect::parse(&unary_body(st, req).await?)?;
+    let data = match (msg.input.pty, msg.input.stdin) {
+        (Some(d), None) => d,
+        (None, Some(_)) => {
+            return Err(ConnectError::unimplemented(
+                "stdin of a running command is not supported by Aviary's envd (its input is given when it starts)",
+            )
+            .into())
+        }
+        _ => return Err(ConnectError::invalid("input must hold exactly one of pty and stdin").into()),
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.as_bytes())
+        .map_err(|e| ConnectError::invalid(format!("input.pty is not base64: {e}")))?;
+    let proc = find_pty(st, &call.id, msg.process)?;
+    let Some(input) = proc.pty() else {
+        return Err(ConnectError::unimplemented("this process has no PTY").into());
+    };
+    input
+        .lock()
+        .await
+        .write(&bytes)
+        .await
+        .map_err(|e| EnvdError::op(&call.id, OpError::from(e)))?;
+    Ok(unary_ok(&serde_json::json!({})))
+}
+
+async fn update(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {
+    let msg: UpdateRequest = connect::parse(&unary_body(st, req).await?)?;
+    let Some(pty) = msg.pty else {
+        return Ok(unary_ok(&serde_json::json!({})));
+    };
+    let (cols, rows) = pty.size.cells()?;
+    let proc = find_pty(st, &call.id, msg.process)?;
+    let Some(input) = proc.pty() else {
+        return Err(ConnectError::unimplemented("this process has no PTY").into());
+    };
+    input
+        .lock()
+        .await
+        .resize(cols, rows)
+        .await
+        .map_err(|e| EnvdError::op(&call.id, OpError::from(e)))?;
+    Ok(unary_ok(&serde_json::json!({})))
 }
 
 async fn attach(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {

@@ -85,6 +85,8 @@ fn signal_name(sig: i32) -> String {
 pub enum ProcEvent {
     Stdout(Bytes),
     Stderr(Bytes),
+    /// What a PTY printed (its process's stdout and stderr, merged).
+    Pty(Bytes),
     End(EndInfo),
     /// The exec broke (envd gone, sandbox lost): the stream ends with it.
     Failed(ConnectError),
@@ -97,6 +99,9 @@ pub struct Proc {
     pub tag: Option<String>,
     events: broadcast::Sender<ProcEvent>,
     kill: Notify,
+    /// A PTY's keyboard and window size (`SendInput`, `Update`); `None`
+    /// for a plain command, whose input is given when it starts.
+    pty: Option<tokio::sync::Mutex<aviary_envd_proto::PtyInput>>,
 }
 
 impl Proc {
@@ -109,6 +114,11 @@ impl Proc {
     /// its process group.
     pub fn kill(&self) {
         self.kill.notify_one();
+    }
+
+    /// The PTY's input half, when the process runs on one.
+    pub fn pty(&self) -> Option<&tokio::sync::Mutex<aviary_envd_proto::PtyInput>> {
+        self.pty.as_ref()
     }
 }
 
@@ -187,6 +197,7 @@ impl Processes {
             tag,
             events,
             kill: Notify::new(),
+            pty: None,
         });
         self.table()
             .entry(sandbox.clone())
@@ -200,6 +211,109 @@ impl Processes {
             procs.remove(&sandbox, p.pid);
         });
         (proc, rx)
+    }
+}
+
+impl Processes {
+    /// Registers a started terminal session (E2B's PTY) and spawns its
+    /// pump; `deadline` ends it like a command's timeout.
+    pub fn start_pty(
+        self: &Arc<Self>,
+        cp: Arc<ControlPlane>,
+        sandbox: String,
+        config: ProcessConfig,
+        run: aviary_control::tty::TtyRun,
+        deadline: Option<std::time::Duration>,
+    ) -> (Arc<Proc>, mpsc::Receiver<ProcEvent>) {
+        let pid = 1000 + self.next_pid.fetch_add(1, Ordering::Relaxed);
+        let (events, _) = broadcast::channel(256);
+        let aviary_control::tty::TtyRun {
+            input,
+            output,
+            session,
+        } = run;
+        let proc = Arc::new(Proc {
+            pid,
+            config,
+            tag: None,
+            events,
+            kill: Notify::new(),
+            pty: Some(tokio::sync::Mutex::new(input)),
+        });
+        self.table()
+            .entry(sandbox.clone())
+            .or_default()
+            .insert(pid, proc.clone());
+        let (tx, rx) = mpsc::channel(64);
+        let procs = self.clone();
+        let p = proc.clone();
+        tokio::spawn(async move {
+            pump_pty(cp, output, session, &p, tx, deadline).await;
+            // the table held the input half: the session's connection
+            // closes with the entry, and envd ends the terminal's processes
+            procs.remove(&sandbox, p.pid);
+        });
+        (proc, rx)
+    }
+}
+
+/// Drains a terminal session until it exits, is killed or runs past its
+/// deadline, handing its output to the starting call and attached calls.
+async fn pump_pty(
+    cp: Arc<ControlPlane>,
+    mut output: aviary_envd_proto::PtyOutput,
+    session: aviary_control::tty::TtySession,
+    proc: &Proc,
+    tx: mpsc::Sender<ProcEvent>,
+    deadline: Option<std::time::Duration>,
+) {
+    let mut primary = Some(tx);
+    let timer = async {
+        match deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(timer);
+    loop {
+        let ev = tokio::select! {
+            r = output.next() => match r {
+                Ok(aviary_envd_proto::PtyEvent::Output(d)) => ProcEvent::Pty(d.into()),
+                Ok(aviary_envd_proto::PtyEvent::Exit(exit)) => {
+                    cp.exec_tty_finish(&session, Some(&exit)).await;
+                    ProcEvent::End(EndInfo::from_exit(&exit))
+                }
+                Err(e) => {
+                    cp.exec_tty_finish(&session, None).await;
+                    let e = aviary_control::OpError::from(e);
+                    ProcEvent::Failed(ConnectError::new(
+                        Code::Unavailable,
+                        format!("the terminal's output was cut: {}", e.public_message()),
+                    ))
+                }
+            },
+            _ = proc.kill.notified() => {
+                cp.exec_tty_finish(&session, None).await;
+                ProcEvent::End(EndInfo::killed())
+            }
+            _ = &mut timer => {
+                cp.exec_tty_finish(&session, None).await;
+                ProcEvent::End(EndInfo {
+                    deadline_exceeded: true,
+                    ..EndInfo::killed()
+                })
+            }
+        };
+        let last = matches!(ev, ProcEvent::End(_) | ProcEvent::Failed(_));
+        let _ = proc.events.send(ev.clone());
+        if let Some(tx) = &primary {
+            if tx.send(ev).await.is_err() {
+                primary = None;
+            }
+        }
+        if last {
+            return;
+        }
     }
 }
 

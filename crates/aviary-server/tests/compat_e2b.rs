@@ -220,6 +220,30 @@ async fn python_sdk_sync_flow() {
     }
 }
 
+/// The SDK's `sandbox.pty`: bash on a real terminal in the sandbox (Aviary's
+/// envd pty), typed into with `send_stdin`, resized with `resize`, its
+/// output as PTY data, its exit code; a second one listed and killed; input
+/// to a plain command refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdk_pty_flow() {
+    let Some(python) = tool("AVIARY_E2B_PYTHON") else {
+        return;
+    };
+    let flow = server().await;
+    let o = tokio::task::block_in_place(|| run_flow(&flow, &python, "e2b_pty.py", &[]));
+    assert_eq!(o["exit_code"], 3, "{o}");
+    assert_eq!(o["saw_42"], true, "{o}");
+    assert_eq!(o["saw_tty"], true, "{o}");
+    assert_eq!(o["saw_24_80"], true, "{o}");
+    assert_eq!(o["saw_40_120"], true, "{o}");
+    assert_eq!(o["listed"], true, "{o}");
+    assert_eq!(o["killed"], true, "{o}");
+    assert_ne!(o["second_exit"], 0, "{o}");
+    assert_ne!(o["plain_stdin"], "accepted", "{o}");
+    assert_all_killed(&flow).await;
+    flow.ts.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_async_flow() {
     let Some(python) = tool("AVIARY_E2B_PYTHON") else {
