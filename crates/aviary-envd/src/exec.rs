@@ -307,6 +307,36 @@ pub(crate) fn internal(what: &str, e: &io::Error) -> ErrorBody {
     }
 }
 
+/// One turn of a pump's wait for its process's exit: takes the reaper's
+/// status when it arrived (from then on output is drained for at most
+/// [`EXIT_DRAIN_GRACE`]) and answers the next poll timeout, or `None` when
+/// the grace is over. Shared by exec's and the terminal's pumps.
+pub(crate) fn exit_wait(
+    exit_rx: &Receiver<libc::c_int>,
+    status: &mut Option<(libc::c_int, Instant)>,
+    grace_end: &mut Option<Instant>,
+) -> Option<i32> {
+    if status.is_none() {
+        match exit_rx.try_recv() {
+            Ok(s) => {
+                *status = Some((s, Instant::now()));
+                *grace_end = Some(Instant::now() + EXIT_DRAIN_GRACE);
+            }
+            Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
+        }
+    }
+    match grace_end {
+        Some(end) => {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            Some(i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1))
+        }
+        None => Some(EXIT_CHECK_TICK_MS),
+    }
+}
+
 /// Forwards output until both pipes close (or the grace after the exit ends).
 /// Returns the wait status and when it arrived, if it did meanwhile, and whether
 /// the client is gone.
@@ -327,24 +357,8 @@ fn pump(
         if pipes.iter().all(|(p, _)| p.is_none()) {
             break;
         }
-        if status.is_none() {
-            match exit_rx.try_recv() {
-                Ok(s) => {
-                    status = Some((s, Instant::now()));
-                    grace_end = Some(Instant::now() + EXIT_DRAIN_GRACE);
-                }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
-            }
-        }
-        let timeout_ms = match grace_end {
-            Some(end) => {
-                let left = end.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
-            }
-            None => EXIT_CHECK_TICK_MS,
+        let Some(timeout_ms) = exit_wait(exit_rx, &mut status, &mut grace_end) else {
+            break;
         };
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
         let mut which = Vec::with_capacity(2);

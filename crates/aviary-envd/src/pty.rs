@@ -25,9 +25,9 @@ use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::Stdio;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use aviary_envd_proto::{
     check_pty_size, decode_json, encode_header, encode_json, read_frame, write_frame, ErrorBody,
@@ -37,12 +37,6 @@ use aviary_envd_proto::{
 use crate::exec::{internal, read_retrying, shell_exit, spawn_error};
 use crate::server::Envd;
 use crate::sys;
-
-/// How long output is still forwarded after the leader exited while the
-/// terminal is held open by a process it left behind.
-const EXIT_DRAIN_GRACE: Duration = Duration::from_millis(100);
-/// How often the pump checks for the leader's exit while the terminal stays open.
-const EXIT_CHECK_TICK_MS: i32 = 50;
 
 /// A validated `exec_pty` request.
 pub struct PtyRequest {
@@ -229,26 +223,8 @@ fn pump(
     let mut status = None;
     let mut grace_end: Option<Instant> = None;
     let mut client_gone = false;
-    loop {
-        if status.is_none() {
-            match exit_rx.try_recv() {
-                Ok(s) => {
-                    status = Some((s, Instant::now()));
-                    grace_end = Some(Instant::now() + EXIT_DRAIN_GRACE);
-                }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => {}
-            }
-        }
-        let timeout_ms = match grace_end {
-            Some(end) => {
-                let left = end.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    break;
-                }
-                i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1)
-            }
-            None => EXIT_CHECK_TICK_MS,
-        };
+    // the exit wait is exec's (the same grace after the leader's exit)
+    while let Some(timeout_ms) = crate::exec::exit_wait(exit_rx, &mut status, &mut grace_end) {
         let mut fds = [libc::pollfd {
             fd: master.as_raw_fd(),
             events: libc::POLLIN,
