@@ -792,6 +792,12 @@ impl EnvdClient {
                 FrameKind::Data => {
                     let chunk: Vec<crate::ProcessInfo> =
                         decode_json(&payload).map_err(EnvdError::Protocol)?;
+                    // the listing is written inside the sandbox: an entry
+                    // over envd's own bounds, or too many, is out of protocol
+                    // (so the host's memory stays bounded whatever it sends)
+                    if !chunk.iter().all(crate::ProcessInfo::within_bounds) {
+                        return Err(EnvdError::unexpected(kind));
+                    }
                     procs.extend(chunk);
                     if procs.len() > crate::MAX_LISTED_PROCESSES {
                         return Err(EnvdError::unexpected(kind));

@@ -508,6 +508,19 @@ pub struct ProcessInfo {
     pub truncated: bool,
 }
 
+impl ProcessInfo {
+    /// Whether the entry keeps envd's listing bounds (what a host reading a
+    /// listing checks: the listing comes from inside the sandbox): at most
+    /// [`MAX_LISTED_ARGS`] arguments of [`MAX_LISTED_ARG`] bytes, a short
+    /// user name and state.
+    pub fn within_bounds(&self) -> bool {
+        self.argv.len() <= MAX_LISTED_ARGS
+            && self.argv.iter().all(|a| a.len() <= MAX_LISTED_ARG)
+            && self.user.as_ref().is_none_or(|u| u.len() <= MAX_NAME_LEN)
+            && self.state.len() <= 8
+    }
+}
+
 /// envd's health report.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Health {
@@ -662,6 +675,32 @@ pub fn join_components(comps: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listed_processes_are_checked_against_envds_bounds() {
+        let ok = ProcessInfo {
+            pid: 2,
+            ppid: 1,
+            uid: 0,
+            user: Some("root".into()),
+            state: "S".into(),
+            argv: vec!["a".repeat(MAX_LISTED_ARG); MAX_LISTED_ARGS],
+            truncated: true,
+        };
+        assert!(ok.within_bounds());
+        let mut long_arg = ok.clone();
+        long_arg.argv[0].push('x');
+        let mut many = ok.clone();
+        many.argv.push(String::new());
+        let mut user = ok.clone();
+        user.user = Some("u".repeat(MAX_NAME_LEN + 1));
+        let mut state = ok;
+        state.state = "S".repeat(9);
+        for bad in [long_arg, many, user, state] {
+            assert!(!bad.within_bounds(), "{bad:?}");
+        }
+    }
+
     use proptest::prelude::*;
 
     #[test]
