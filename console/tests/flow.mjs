@@ -152,7 +152,12 @@ try {
   out.api_sandbox_left_list = true;
   out.list_row = await page.$eval(`tr[data-sandbox="${id}"]`, (tr) =>
     Object.fromEntries([...tr.querySelectorAll("td")].map((td) => [td.dataset.label, td.textContent])));
-  await page.type("#f-labels", `run=${run}`);
+  // the unfiltered list already shows exactly this sandbox: first a filter
+  // that matches nothing (seen applied: the list is empty), then the real
+  // one, so the rows read are the filter's and not the list's before it
+  await page.type("#f-labels", `run=${run}x`);
+  await page.waitForSelector("[data-testid=empty]", WAIT);
+  await page.keyboard.press("Backspace");
   await page.waitForFunction(() => { const r = document.querySelectorAll("tr[data-sandbox]"); return r.length === 1; }, WAIT);
   out.filtered_ids = await page.$$eval("tr[data-sandbox]", (rs) => rs.map((r) => r.dataset.sandbox));
   await page.screenshot({ path: join(SHOTS, "sandboxes.png"), fullPage: true });
