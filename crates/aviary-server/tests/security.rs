@@ -204,7 +204,15 @@ async fn py(c: &Client, id: &str, mode: &str, arg: &Value) -> Result<ExecResult,
 
 async fn py_probe(c: &Client, id: &str, mode: &str, arg: Value) -> Outcome {
     match py(c, id, mode, &arg).await {
-        Ok(r) => judge(&r),
+        Ok(r) => {
+            // `AVIARY_SECURITY_VERBOSE=1`: every check with what it saw
+            if std::env::var_os("AVIARY_SECURITY_VERBOSE").is_some() {
+                for d in details(&r) {
+                    eprintln!("check {id} {mode}: {d}");
+                }
+            }
+            judge(&r)
+        }
         Err(e) => Outcome::Broken(e),
     }
 }
@@ -851,4 +859,52 @@ async fn security_suite_on_every_tier() {
         !require || missing.is_empty(),
         "tiers missing under AVIARY_REQUIRE_SERVICES=1: {missing:?}"
     );
+}
+
+/// The detector itself: the same probes run unconfined on the host (the
+/// test's own process tree, outside any sandbox) must report escapes, so a
+/// `contained` in the table is the sandbox's doing, not a probe that cannot
+/// see. Only modes whose attempts are harmless on the host run here.
+#[test]
+fn the_probes_flag_an_unconfined_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("probe.py");
+    std::fs::write(&script, PROBE_PY).unwrap();
+    let mask: u64 = ALLOWED_CAPS.iter().map(|b| 1u64 << b).sum();
+    for (mode, arg) in [
+        ("caps", json!({"allowed_mask": mask.to_string()})),
+        ("namespaces", host_view()),
+        ("proc_sys", json!({})),
+    ] {
+        let out = match std::process::Command::new("python3")
+            .arg(&script)
+            .arg(mode)
+            .arg(arg.to_string())
+            .output()
+        {
+            Ok(out) => out,
+            Err(e) => {
+                let why = format!("SKIPPED: python3 cannot run on the host: {e}");
+                assert!(
+                    std::env::var("AVIARY_REQUIRE_SERVICES").as_deref() != Ok("1"),
+                    "{why}"
+                );
+                eprintln!("{why}");
+                return;
+            }
+        };
+        let r = ExecResult {
+            exit_code: out.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+            duration_ms: 0.0,
+            timed_out: false,
+            oom_killed: false,
+            truncated: false,
+        };
+        match judge(&r) {
+            Outcome::Escaped(what) => assert!(!what.is_empty()),
+            other => panic!("{mode} unconfined on the host judged {other:?}: {r:?}"),
+        }
+    }
 }
