@@ -233,6 +233,16 @@ def mode_proc_sys(a):
                 check("lower oom_score_adj", e.errno in DENIED, "refused: " + ename(e.errno))
             continue
         try_open_write("open %s for writing" % p, p)
+    # the user namespace's id maps are written once, by the runtime: a
+    # rewrite (to map host root) must fail
+    for p, data in [("/proc/self/uid_map", "0 0 4294967295\n"), ("/proc/self/gid_map", "0 0 4294967295\n"),
+                    ("/proc/1/uid_map", "0 0 1\n"), ("/proc/self/setgroups", "allow\n")]:
+        try:
+            with open(p, "w") as f:
+                f.write(data)
+            check("rewrite %s" % p, False, "wrote %r" % data)
+        except OSError as e:
+            check("rewrite %s" % p, True, "refused: " + ename(e.errno))
     for p in ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug"]:
         try:
             n = len(open(p, "rb").read(256))
