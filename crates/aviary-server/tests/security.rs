@@ -424,7 +424,7 @@ async fn probe_peer(s: &Suite, tier: &str, sb: &TierSandboxes) -> Vec<(&'static 
         "secret": secret,
         "port": 7777,
         "abstract": format!("aviary-peer-{secret}"),
-        "shm_key": 0x5ec0 + i32::from(tier == "runc"),
+        "shm_key": 0x5ec0,
     });
     let planted = match py(&s.peer, &sb.peer, "victim", &arg).await {
         Ok(r) if r.stdout.contains("\"ready\": true") => {
