@@ -46,6 +46,10 @@ pub const APPLETS: &[&str] = &[
     "tr",
     "cut",
     "sync",
+    "ln",
+    "mv",
+    "base64",
+    "nohup",
 ];
 
 pub struct Fixture {
@@ -124,6 +128,7 @@ pub fn binary_needs(binary: OciBinary) -> (&'static str, &'static str) {
     match binary {
         OciBinary::Crun => ("/usr/bin/crun", "apt-get install crun"),
         OciBinary::Runc => ("/usr/bin/runc", "apt-get install runc"),
+        OciBinary::Runsc => ("/usr/bin/runsc", "apt-get install runsc"),
     }
 }
 
@@ -149,7 +154,7 @@ impl Drop for Fixture {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                for binary in [OciBinary::Crun, OciBinary::Runc] {
+                for binary in [OciBinary::Crun, OciBinary::Runc, OciBinary::Runsc] {
                     if !state.exists() {
                         return;
                     }
