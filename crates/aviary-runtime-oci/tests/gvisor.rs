@@ -359,6 +359,7 @@ mod gvisor {
         assert_eq!((code, out.as_str()), (0, "started\n"));
         let own = EnvdClient::new(dir_a.join("own.sock")).expect_peer_pid(ea.peer_pid);
         own.wait_ready(Duration::from_secs(10)).await.unwrap();
+        own.set_fence(Some(1)).await.unwrap();
         assert_eq!(
             sh(&own, "hostname").await,
             (0, "sbx-a\n".into()),
@@ -394,11 +395,17 @@ mod gvisor {
         // a shell variable lives only in that shell's memory
         let (code, pid) = sh(
             &client,
-            "nohup sh -c 'secret=$$-kept; while :; do echo $secret > /tmp/seen; sleep 0.2; done' >/dev/null 2>&1 & echo $!",
+            "sh -c 'secret=$$-kept; while :; do echo $secret > /tmp/seen; sleep 0.2; done' >/dev/null 2>&1 & echo $!",
         )
         .await;
         assert_eq!(code, 0, "{pid}");
         let pid = pid.trim().to_string();
+        let (code, out) = sh(
+            &client,
+            &format!("sleep 0.5; kill -0 {pid} && cat /tmp/seen"),
+        )
+        .await;
+        assert_eq!((code, out), (0, format!("{pid}-kept\n")), "running before");
         assert!(!rt.has_checkpoint(&spec.id).await.unwrap());
 
         let t = std::time::Instant::now();
@@ -491,7 +498,7 @@ mod gvisor {
                     // 100 MB of base64 text in a shell variable
                     let (code, out) = sh(
                         &client,
-                        "nohup sh -c 'x=$(head -c 78643200 /dev/urandom | base64 -w 0); echo ${#x} > /tmp/held; sleep 100000' >/dev/null 2>&1 & \
+                        "sh -c 'x=$(head -c 78643200 /dev/urandom | base64 -w 0); echo ${#x} > /tmp/held; sleep 100000' >/dev/null 2>&1 & \
                          while [ ! -s /tmp/held ]; do sleep 0.1; done; cat /tmp/held",
                     )
                     .await;

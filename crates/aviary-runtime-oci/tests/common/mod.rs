@@ -49,7 +49,6 @@ pub const APPLETS: &[&str] = &[
     "ln",
     "mv",
     "base64",
-    "nohup",
 ];
 
 pub struct Fixture {
