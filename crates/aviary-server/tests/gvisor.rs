@@ -3,6 +3,8 @@
 //! keeps the running processes (runsc checkpoint → restore on wake).
 //! Skips loudly without runsc; fails under `AVIARY_REQUIRE_SERVICES=1`.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_core::api::CreateSandboxRequest;
