@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota planner pool leases replicas "
+all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -82,6 +82,15 @@ if want quota; then
       --ignored --nocapture measure_create_cost 2>/dev/null |
       grep -E '^(probe|create|destroy)' | { echo '```'; cat; echo '```'; } | tee "$out"
   write_section quota "$measured p50 / p90 ms:" "$out"
+fi
+
+# gVisor: crun beside runsc (create → first exec, exec), and runsc's memory
+# checkpoint / restore of a sandbox whose process holds 100 MB
+if want gvisor; then
+  cargo test --release --locked -p aviary-runtime-oci --test gvisor -- \
+      --ignored --nocapture measure_checkpoint_cost 2>/dev/null |
+      grep -E '^\|' | tee "$out"
+  write_section gvisor "$measured runsc $(runsc --version | head -1 | awk '{print $3}'), \`--platform=ptrace\`:" "$out"
 fi
 
 # planner: accuracy on the labelled corpus, beside both baselines (no root, seconds)

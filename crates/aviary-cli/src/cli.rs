@@ -189,7 +189,7 @@ struct CreateArgs {
     /// You manage this sandbox's life: the platform only stops (hibernates) it, never destroys it.
     #[arg(long)]
     user_managed: bool,
-    /// Runtime to run on (crun, runc): one the class offers and the server serves
+    /// Runtime to run on (crun, runc, runsc): one the class offers and the server serves
     /// (`aviary nodes ls` lists them); default: the server's default runtime.
     #[arg(long)]
     runtime: Option<String>,

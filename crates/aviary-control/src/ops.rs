@@ -498,7 +498,12 @@ impl ControlPlane {
             // crash may have left its old compute behind), a lost one waits
             // for its owner to delete it
             SandboxState::Hibernating => {
-                if on_runtime {
+                // (a memory checkpoint is the compute it wakes from)
+                let checkpointed = match &capable.checkpointable {
+                    Some(c) => c.has_checkpoint(&rec.id).await.unwrap_or(false),
+                    None => false,
+                };
+                if on_runtime && !checkpointed {
                     let _ = runtime.destroy(&rec.id).await;
                 }
                 return Ok(());
@@ -1322,12 +1327,23 @@ impl ControlPlane {
         rec: SandboxRecord,
         allocation_id: Option<i64>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
-        let id = &spec.id;
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let handle = runtime
             .create(spec)
             .await
             .map_err(OpError::runtime("runtime could not create the sandbox"))?;
+        self.attach_compute(&handle, rec, allocation_id).await
+    }
+
+    /// Attaches new compute (a create, or a restore of a memory
+    /// checkpoint): waits for its envd, records the runtime instance.
+    pub(crate) async fn attach_compute(
+        &self,
+        handle: &aviary_runtime::SandboxHandle,
+        rec: SandboxRecord,
+        allocation_id: Option<i64>,
+    ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
+        let id = &handle.id;
         let envd = match self.nodes.get(&rec.node) {
             Some(n) => n.runtime.envd(id),
             None => envd_client(&handle.envd_endpoint()),

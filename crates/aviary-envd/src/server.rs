@@ -94,6 +94,9 @@ pub struct Envd {
     pub started: Instant,
     pub pid1: bool,
     pub trust_all_peers: bool,
+    /// The socket is a gVisor host socket (`--gvisor-host-socket`): a peer
+    /// whose pid is envd's own is the host.
+    pub gvisor_host_socket: bool,
     /// Root of the file API, and the default working directory of exec.
     pub root: PathBuf,
     pub fs: SandboxFs,
@@ -109,6 +112,14 @@ pub struct Envd {
     control_connections: AtomicUsize,
 }
 
+impl Envd {
+    /// See [`Envd::gvisor_host_socket`].
+    pub fn with_gvisor_host_socket(mut self, on: bool) -> Envd {
+        self.gvisor_host_socket = on;
+        self
+    }
+}
+
 fn fail(code: ErrorCode, message: impl Into<String>) -> ErrorBody {
     ErrorBody {
         code,
@@ -122,6 +133,7 @@ impl Envd {
             started: Instant::now(),
             pid1,
             trust_all_peers,
+            gvisor_host_socket: false,
             root,
             fs,
             reaper: Reaper::default(),
@@ -261,6 +273,11 @@ impl Envd {
         }
     }
 
+    /// Connections holding a slot right now (both lanes).
+    pub fn live_connections(&self) -> usize {
+        self.connections.load(Ordering::Acquire) + self.control_connections.load(Ordering::Acquire)
+    }
+
     /// Reserves a connection slot; `None` when at the limit.
     pub fn try_acquire_connection(self: &Arc<Self>) -> Option<ConnectionSlot> {
         for (lane, counter, limit) in [
@@ -379,11 +396,15 @@ pub fn handle_connection(envd: &Envd, lane: Lane, mut conn: UnixStream) {
 
 /// Control operations are accepted only from a peer in an ancestor PID
 /// namespace (SO_PEERCRED pid 0: the host), unless `--trust-all-peers`.
+/// Under gVisor (`--gvisor-host-socket`) the host's connections show envd's
+/// own pid, which no other process of the sandbox has (and none of them can
+/// connect to that socket at all).
 fn require_outside_peer(envd: &Envd, conn: &UnixStream, op: &str) -> Result<(), ErrorBody> {
-    let trusted = envd.trust_all_peers
-        || sys::peer_pid(conn.as_fd())
-            .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?
-            == 0;
+    let trusted = envd.trust_all_peers || {
+        let peer = sys::peer_pid(conn.as_fd())
+            .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?;
+        peer == 0 || (envd.gvisor_host_socket && peer == sys::getpid())
+    };
     if trusted {
         Ok(())
     } else {

@@ -87,9 +87,13 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             .probe()
             .await
             .with_context(|| format!("OCI runtime {name}: self-check failed"))?;
-        runtimes.push(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
-            runtime,
-        )));
+        let runtime = Arc::new(runtime);
+        runtimes.push(if name == aviary_core::RuntimeName::Runsc {
+            // gVisor: hibernate keeps memory (runsc checkpoint / restore)
+            aviary_runtime::CapableRuntime::checkpointable(runtime)
+        } else {
+            aviary_runtime::CapableRuntime::snapshottable(runtime)
+        });
         state_dirs.push(state);
     }
     let templates = Arc::new(
