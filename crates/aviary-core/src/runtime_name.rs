@@ -16,16 +16,20 @@ pub enum RuntimeName {
     Crun,
     /// `runc` driving OCI containers.
     Runc,
+    /// Containers of a `dockerd` the operator runs, through the Docker
+    /// Engine API (`aviary-runtime-docker`).
+    Docker,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 2] = [RuntimeName::Crun, RuntimeName::Runc];
+    pub const ALL: [RuntimeName; 3] = [RuntimeName::Crun, RuntimeName::Runc, RuntimeName::Docker];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RuntimeName::Crun => "crun",
             RuntimeName::Runc => "runc",
+            RuntimeName::Docker => "docker",
         }
     }
 }
@@ -63,7 +67,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc)"
+            "unknown runtime \"kata\" (crun|runc|docker)"
         );
     }
 }
