@@ -12,7 +12,6 @@ mod common;
 
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::RuntimeName;
-use aviary_runtime::Runtime;
 use std::path::PathBuf;
 
 fn docker_host() -> Option<PathBuf> {
