@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas "
+all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -135,5 +135,10 @@ if want replicas; then
   "$CARGO_TARGET_DIR/release/aviary-bench" replicas "$iterations" | tee "$out"
   services_down
   write_section replicas "$measured" "$out"
+fi
+# the docker runtime beside crun in one server: cold create → first exec, exec round trip
+if want docker; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" docker-runtime "$iterations" | tee "$out"
+  write_section docker "$measured" "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

@@ -410,6 +410,9 @@ impl ControlPlane {
         let create = CreateSandboxRequest {
             template: Some(snap.template.clone()),
             class: Some(snap.resource_class.clone()),
+            // the child runs where its parent does (crun, runc, docker ...),
+            // not on the node's default runtime
+            runtime: Some(parent.runtime.clone()),
             ..Default::default()
         };
         let mut resp = self.create_seeded(cx, create, Some(snap.clone())).await?;

@@ -19,17 +19,26 @@ pub enum RuntimeName {
     /// gVisor's `runsc` (ptrace platform): a user-space kernel between the
     /// sandbox and the host's, with memory checkpoints.
     Runsc,
+    /// Containers of a `dockerd` the operator runs, through the Docker
+    /// Engine API (`aviary-runtime-docker`).
+    Docker,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 3] = [RuntimeName::Crun, RuntimeName::Runc, RuntimeName::Runsc];
+    pub const ALL: [RuntimeName; 4] = [
+        RuntimeName::Crun,
+        RuntimeName::Runc,
+        RuntimeName::Runsc,
+        RuntimeName::Docker,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RuntimeName::Crun => "crun",
             RuntimeName::Runc => "runc",
             RuntimeName::Runsc => "runsc",
+            RuntimeName::Docker => "docker",
         }
     }
 }
@@ -67,7 +76,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc|runsc)"
+            "unknown runtime \"kata\" (crun|runc|runsc|docker)"
         );
     }
 }

@@ -48,7 +48,7 @@ pub mod quota;
 pub mod seccomp;
 mod spawn;
 
-pub use quota::{disk_image, MIN_DISK_MB};
+pub use quota::{disk_image, SandboxDisks, MIN_DISK_MB};
 pub use spawn::ProcessSpawner;
 
 use async_trait::async_trait;
@@ -90,12 +90,19 @@ impl OciBinary {
     }
 }
 
-impl From<RuntimeName> for OciBinary {
-    fn from(name: RuntimeName) -> Self {
+impl TryFrom<RuntimeName> for OciBinary {
+    type Error = RuntimeError;
+
+    /// The OCI binary of `name`; runtimes that are not an OCI binary
+    /// (`docker`) are `Unsupported` here.
+    fn try_from(name: RuntimeName) -> Result<Self, RuntimeError> {
         match name {
-            RuntimeName::Crun => OciBinary::Crun,
-            RuntimeName::Runc => OciBinary::Runc,
-            RuntimeName::Runsc => OciBinary::Runsc,
+            RuntimeName::Crun => Ok(OciBinary::Crun),
+            RuntimeName::Runc => Ok(OciBinary::Runc),
+            RuntimeName::Runsc => Ok(OciBinary::Runsc),
+            other => Err(RuntimeError::Unsupported {
+                what: format!("runtime {other} as an OCI runtime binary"),
+            }),
         }
     }
 }

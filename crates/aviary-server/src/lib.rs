@@ -71,11 +71,14 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     };
     for name in names {
         let state = cfg.runtime_state_dir_of(name);
-        let mut oci = aviary_runtime_oci::OciConfig::new(
-            aviary_runtime_oci::OciBinary::from(name),
-            state.clone(),
-        )
-        .with_template_store(cfg.templates_root());
+        if name == aviary_core::RuntimeName::Docker {
+            runtimes.push(docker_runtime(&cfg, state.clone()).await?);
+            state_dirs.push(state);
+            continue;
+        }
+        let binary = aviary_runtime_oci::OciBinary::try_from(name)?;
+        let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
+            .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
         let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
             .with_context(|| format!("setting up the OCI runtime {name}"))?
@@ -121,6 +124,28 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     tokio::spawn(report_egress_denials(Arc::downgrade(&cp), denials));
     side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
+}
+
+/// The `docker` runtime on the dockerd of `[server] docker_socket`, checked
+/// before the server takes requests.
+async fn docker_runtime(
+    cfg: &ServerConfig,
+    state: std::path::PathBuf,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let socket = &cfg.control.settings.server.docker_socket;
+    let config = aviary_runtime_docker::DockerConfig::new(socket, state)
+        .with_template_store(cfg.templates_root());
+    let docker = aviary_runtime_docker::DockerRuntime::connect(config)
+        .await
+        .with_context(|| format!("docker runtime: dockerd at {}", socket.display()))?;
+    let version = docker
+        .probe()
+        .await
+        .context("docker runtime: self-check failed")?;
+    tracing::info!(%version, "docker runtime ready");
+    Ok(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
+        docker,
+    )))
 }
 
 /// `program` in `PATH`, or an error naming it.
