@@ -18,14 +18,14 @@ export function LineChart({ title, series, unit = "", max, testid }) {
   const pts = series.flatMap((s) => s.points);
   const t0 = pts.length ? Math.min(...pts.map((p) => p[0])) : 0;
   const t1 = pts.length ? Math.max(...pts.map((p) => p[0])) : 1;
-  const vmax = max ?? Math.max(1e-9, ...pts.map((p) => p[1]).filter((v) => Number.isFinite(v)));
+  const vmax = max ?? Math.max(unit === "ms" ? 10 : 1, ...pts.map((p) => p[1]).filter((v) => Number.isFinite(v)));
   const x = (t) => PAD.l + ((t - t0) / Math.max(1, t1 - t0)) * (W - PAD.l - PAD.r);
   const y = (v) => H - PAD.b - (v / vmax) * (H - PAD.t - PAD.b);
   const last = (s) => (s.points.length ? s.points[s.points.length - 1][1] : null);
   return (
     <figure class="chart" data-testid={testid}>
       <figcaption>{title}</figcaption>
-      <svg viewBox={`0 0 ${W} ${H}`} role="img" aria-label={`${title}: ${series.map((s) => `${s.name} ${fmt(last(s), unit)}`).join(", ")}`} preserveAspectRatio="none">
+      <svg viewBox={`0 0 ${W} ${H}`} role="img" aria-label={`${title}: ${series.map((s) => `${s.name} ${fmt(last(s), unit)}`).join(", ")}`}>
         <line class="axis" x1={PAD.l} y1={H - PAD.b} x2={W - PAD.r} y2={H - PAD.b} />
         <line class="axis" x1={PAD.l} y1={PAD.t} x2={PAD.l} y2={H - PAD.b} />
         <text class="tick" x={PAD.l - 4} y={PAD.t + 10} text-anchor="end">{fmt(vmax, unit)}</text>

@@ -328,6 +328,12 @@ try {
     }
     if (name === "Charts") {
       await page.waitForSelector("[data-testid=chart-states] polyline", WAIT);
+      // a create while the page samples: its latency is charted
+      const probe = await apiCall("POST", "/v1/sandboxes", { metadata: { suite: "console-chart" } }, teamKey);
+      out.chart_probe_sandbox = probe.id;
+      await apiCall("DELETE", `/v1/sandboxes/${probe.id}`, undefined, teamKey);
+      await page.waitForSelector("[data-testid=chart-create-latency] :is(polyline, circle)", WAIT);
+      out.chart_latency_legend = await page.$eval("[data-testid=chart-create-latency] [data-series]", (e) => e.textContent);
       out.charts = await page.$$eval("figure.chart", (fs) => fs.map((f) => f.dataset.testid));
       out.charts_now = await text("[data-testid=charts-now]");
     }

@@ -89,7 +89,10 @@ async fn admin_sees_every_tenant_and_a_tenant_asking_is_refused() {
     // the tenant's own view is unchanged: its sandbox only
     let (status, body) = get(&base, &team, "/v1/sandboxes").await;
     assert_eq!(status, 200);
-    assert_eq!(sandbox_tenants(&body), vec![(team_id.clone(), "team".into())]);
+    assert_eq!(
+        sandbox_tenants(&body),
+        vec![(team_id.clone(), "team".into())]
+    );
     // a tenant still cannot read another tenant's events by naming its sandbox
     let (status, _) = get(&base, &team, &format!("/v1/events?sandbox={rival_id}")).await;
     assert_eq!(status, 404);

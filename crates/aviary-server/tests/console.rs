@@ -321,15 +321,16 @@ async fn browser_flow() {
 
     // created from the page: this tenant's, with the form's labels
     let id = o["created_id"].as_str().unwrap();
-    // (plus the one the flow made through the API to watch the list refresh
-    // and the one it made for the admin's view)
+    // (plus those the flow made through the API: to watch the list refresh,
+    // for the admin's view, for the create-latency chart)
     let all = team_client.list_sandboxes(true).await.unwrap().sandboxes;
     let api_id = o["api_created_id"].as_str().unwrap();
     let team_sbx = o["team_sandbox"].as_str().unwrap();
     let rival_sbx = o["rival_sandbox"].as_str().unwrap();
     let mut ids: Vec<&str> = all.iter().map(|s| s.id.as_str()).collect();
     ids.sort_unstable();
-    let mut want = vec![id, api_id, team_sbx];
+    let probe_sbx = o["chart_probe_sandbox"].as_str().unwrap();
+    let mut want = vec![id, api_id, team_sbx, probe_sbx];
     want.sort_unstable();
     assert_eq!(ids, want, "the denied create made nothing: {all:?}");
     let sbx = all.iter().find(|s| s.id.as_str() == id).unwrap();
