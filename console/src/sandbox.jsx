@@ -4,7 +4,7 @@
 // timeline of its events.
 import { useCallback, useEffect, useRef, useState } from "preact/hooks";
 import { api, apiBytes, apiPutBytes, ApiError, readEventStream, ttySocket } from "./api.js";
-import { bytes, ErrorNote, EventItem, Fields, Heading, Labels, REFRESH_MS, usePoll } from "./ui.jsx";
+import { bytes, ErrorNote, EventItem, Fields, go, Heading, Labels, REFRESH_MS, usePoll } from "./ui.jsx";
 
 const enc = new TextEncoder();
 const sid = (id) => encodeURIComponent(id);
@@ -58,7 +58,7 @@ function Timeline({ id }) {
   }, [id]);
   // the decisions worth a second look: why it was reused or made, what the
   // policy said
-  const decisions = events.filter((e) => /reuse|policy|restore|taint|egress/.test(e.event_type));
+  const decisions = events.filter((e) => /reuse|policy|restore|taint|egress|fork/.test(e.event_type));
   return (
     <section aria-labelledby="timeline-h">
       <h2 id="timeline-h">Events <span class={`live live-${status}`} data-testid="stream-status">{status}</span></h2>
@@ -334,23 +334,41 @@ function Processes({ id }) {
   );
 }
 
-/** Snapshot trees (parent → children) that contain one of this sandbox's snapshots. */
-function SnapshotNode({ snap, children, id }) {
+/** Snapshot trees (parent → children, and the sandboxes forked from each)
+ * that hold one of this sandbox's snapshots or the one it was forked from. */
+function SnapshotNode({ snap, children, forks, id, onFork }) {
   const kids = children.get(snap.id) || [];
+  const forked = forks.get(snap.id) || [];
   return (
     <li data-snapshot={snap.id}>
       <span class={snap.sandbox_id === id ? "own" : ""}>
         <code>{snap.id}</code> <span class="tag">{snap.label}</span>{" "}
-        {snap.sandbox_id === id ? "this sandbox" : <>from <a href={`#/sandboxes/${sid(snap.sandbox_id)}`}><code>{snap.sandbox_id}</code></a></>}
+        {snap.sandbox_id === id ? "this sandbox" : <>of <a href={`#/sandboxes/${sid(snap.sandbox_id)}`}><code>{snap.sandbox_id}</code></a></>}
         {" · "}{new Date(snap.created_at).toLocaleString()} · {bytes(snap.total_bytes)} ({bytes(snap.new_bytes)} new)
       </span>
-      {kids.length ? <ul>{kids.map((k) => <SnapshotNode key={k.id} snap={k} children={children} id={id} />)}</ul> : null}
+      {" "}<button type="button" class="link" onClick={() => onFork(snap)} aria-label={`Fork a new sandbox from snapshot ${snap.id}`}>fork</button>
+      {kids.length || forked.length ? (
+        <ul>
+          {kids.map((k) => <SnapshotNode key={k.id} snap={k} children={children} forks={forks} id={id} onFork={onFork} />)}
+          {forked.map((f) => (
+            <li key={f} data-fork={f} class="fork">
+              forked into {f === id ? <strong>this sandbox</strong> : <a href={`#/sandboxes/${sid(f)}`}><code>{f}</code></a>}
+            </li>
+          ))}
+        </ul>
+      ) : null}
     </li>
   );
 }
 
 function Snapshots({ id, running }) {
-  const [data, error, reload] = usePoll(() => api("GET", "/v1/snapshots"), [], { ms: 5000 });
+  const [data, error, reload] = usePoll(async () => {
+    const [snaps, events] = await Promise.all([
+      api("GET", "/v1/snapshots"),
+      api("GET", "/v1/events?limit=1000&newest=true"),
+    ]);
+    return { snapshots: snaps.snapshots || [], forked: events.events.filter((e) => e.event_type === "forked") };
+  }, [], { ms: 5000 });
   const [actError, setActError] = useState(null);
   const [busy, setBusy] = useState(false);
   const take = async () => {
@@ -365,9 +383,19 @@ function Snapshots({ id, running }) {
       setBusy(false);
     }
   };
+  const fork = async (snap) => {
+    setActError(null);
+    try {
+      const r = await api("POST", `/v1/sandboxes/${sid(snap.sandbox_id)}/fork`, { snapshot: snap.id });
+      sessionStorage.setItem(`aviary.decision.${r.id}`, JSON.stringify(r.decision));
+      go(`#/sandboxes/${sid(r.id)}`);
+    } catch (err) {
+      setActError(err);
+    }
+  };
   let body = null;
   if (data) {
-    const all = data.snapshots || [];
+    const all = data.snapshots;
     const byId = new Map(all.map((s) => [s.id, s]));
     const children = new Map();
     for (const s of all) {
@@ -376,11 +404,26 @@ function Snapshots({ id, running }) {
         children.get(s.parent).push(s);
       }
     }
+    const forks = new Map();
+    let source = null;
+    for (const e of data.forked) {
+      const snap = e.metadata?.snapshot;
+      if (typeof snap !== "string" || !e.sandbox_id) continue;
+      if (!forks.has(snap)) forks.set(snap, []);
+      forks.get(snap).push(e.sandbox_id);
+      if (e.sandbox_id === id) source = e.metadata;
+    }
     const rootOf = (s) => { let r = s; const seen = new Set(); while (r.parent && byId.has(r.parent) && !seen.has(r.id)) { seen.add(r.id); r = byId.get(r.parent); } return r; };
-    const roots = [...new Map(all.filter((s) => s.sandbox_id === id).map((s) => { const r = rootOf(s); return [r.id, r]; })).values()];
-    body = roots.length
-      ? <ul class="tree" data-testid="snapshot-tree">{roots.map((r) => <SnapshotNode key={r.id} snap={r} children={children} id={id} />)}</ul>
-      : <p class="muted">No snapshots of this sandbox.</p>;
+    const mine = all.filter((s) => s.sandbox_id === id || (source && s.id === source.snapshot));
+    const roots = [...new Map(mine.map((s) => { const r = rootOf(s); return [r.id, r]; })).values()];
+    body = (
+      <>
+        {source ? <p data-testid="forked-from">Forked from snapshot <code>{source.snapshot}</code> of <a href={`#/sandboxes/${sid(source.parent_sandbox)}`}><code>{source.parent_sandbox}</code></a>.</p> : null}
+        {roots.length
+          ? <ul class="tree" data-testid="snapshot-tree">{roots.map((r) => <SnapshotNode key={r.id} snap={r} children={children} forks={forks} id={id} onFork={fork} />)}</ul>
+          : <p class="muted">No snapshots of this sandbox.</p>}
+      </>
+    );
   }
   return (
     <section aria-labelledby="snaps-h" class="panel">

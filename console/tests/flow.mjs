@@ -371,7 +371,30 @@ try {
   out.narrow_sandbox_overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
   await page.screenshot({ path: join(SHOTS, "sandbox-narrow.png"), fullPage: true });
   await page.setViewport({ width: 1280, height: 800 });
+
+  // snapshots: two taken from the page make a chain (the second's parent is
+  // the first); forking the second opens the fork, whose tree shows where it
+  // came from
+  const takeSnapshot = async (n) => {
+    await page.$$eval("button", (bs) => bs.find((b) => b.textContent === "Take snapshot").click());
+    await page.waitForFunction((k) => document.querySelectorAll("[data-testid=snapshot-tree] li[data-snapshot]").length === k, WAIT, n);
+  };
+  await takeSnapshot(1);
+  await takeSnapshot(2);
+  out.snapshot_tree = await page.$$eval("[data-testid=snapshot-tree] li[data-snapshot]", (ls) =>
+    ls.map((l) => ({ id: l.dataset.snapshot, parent: l.parentElement.closest("li[data-snapshot]")?.dataset.snapshot ?? null })));
+  const second = out.snapshot_tree.find((x) => x.parent);
+  await page.click(`li[data-snapshot="${second.id}"] > button`);
+  await page.waitForSelector("[data-testid=forked-from]", WAIT);
+  const forkId = decodeURIComponent(await page.evaluate(() => location.hash.split("/")[2]));
+  out.fork_id = forkId;
+  out.forked_from = await text("[data-testid=forked-from]");
+  out.fork_decision = await page.$$eval("[data-decision]", (dds) => Object.fromEntries(dds.map((d) => [d.dataset.decision, d.textContent])));
+  await page.waitForSelector(`[data-testid=snapshot-tree] li[data-fork="${forkId}"]`, WAIT);
+  out.fork_lineage = await page.$eval(`li[data-fork="${forkId}"]`, (li) => ({ under: li.closest("li[data-snapshot]").dataset.snapshot, text: li.textContent }));
+  await page.screenshot({ path: join(SHOTS, "snapshots-fork.png"), fullPage: true });
   await logout();
+  await apiCall("DELETE", `/v1/sandboxes/${forkId}`, undefined, teamKey);
   await apiCall("DELETE", `/v1/sandboxes/${teamSbx.id}`, undefined, teamKey);
   await apiCall("DELETE", `/v1/sandboxes/${rivalSbx.id}`, undefined, rivalKey);
 } finally {

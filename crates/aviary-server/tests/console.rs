@@ -330,7 +330,8 @@ async fn browser_flow() {
     let mut ids: Vec<&str> = all.iter().map(|s| s.id.as_str()).collect();
     ids.sort_unstable();
     let probe_sbx = o["chart_probe_sandbox"].as_str().unwrap();
-    let mut want = vec![id, api_id, team_sbx, probe_sbx];
+    let fork_sbx = o["fork_id"].as_str().unwrap();
+    let mut want = vec![id, api_id, team_sbx, probe_sbx, fork_sbx];
     want.sort_unstable();
     assert_eq!(ids, want, "the denied create made nothing: {all:?}");
     let sbx = all.iter().find(|s| s.id.as_str() == id).unwrap();
@@ -582,6 +583,48 @@ async fn browser_flow() {
         .unwrap()
         .iter()
         .any(|t| t == "team"));
+    // snapshots taken from the page chain (the second under the first); the
+    // fork made from the second shows under it, and names where it came from
+    let tree = o["snapshot_tree"].as_array().unwrap();
+    assert_eq!(tree.len(), 2, "{o}");
+    let first = tree.iter().find(|s| s["parent"].is_null()).unwrap();
+    let second = tree.iter().find(|s| !s["parent"].is_null()).unwrap();
+    assert_eq!(second["parent"], first["id"], "{o}");
+    assert_eq!(o["fork_lineage"]["under"], second["id"], "{o}");
+    assert!(
+        o["fork_lineage"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("this sandbox"),
+        "{o}"
+    );
+    assert_eq!(o["fork_decision"]["action"], "fork", "{o}");
+    let from = o["forked_from"].as_str().unwrap();
+    assert!(
+        from.contains(second["id"].as_str().unwrap()) && from.contains(team_sbx),
+        "{from}"
+    );
+    let snaps = team_client.snapshots(None).await.unwrap();
+    let of_team_sbx: Vec<&str> = snaps["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["sandbox_id"] == team_sbx)
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(of_team_sbx.len(), 2, "{snaps}");
+    let fork_log = team_client
+        .events(Some(fork_sbx), None, Some(1000))
+        .await
+        .unwrap()
+        .events;
+    let forked = fork_log
+        .iter()
+        .find(|e| e.event_type == "forked")
+        .unwrap_or_else(|| panic!("{fork_log:?}"));
+    assert_eq!(forked.metadata["snapshot"], second["id"]);
+    assert_eq!(forked.metadata["parent_sandbox"], team_sbx);
+
     // narrow screens: no page wider than 400 px
     for (page, overflow) in o["narrow_overflow_by_page"].as_object().unwrap() {
         assert!(overflow.as_i64().unwrap() <= 0, "{page} overflows: {o}");
@@ -606,6 +649,7 @@ async fn browser_flow() {
         "charts",
         "keys",
         "keys-narrow",
+        "snapshots-fork",
     ] {
         let shot = shots.join(format!("{page}.png"));
         assert!(
