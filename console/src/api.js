@@ -139,12 +139,16 @@ export async function apiText(path, { signal } = {}) {
 /**
  * A terminal WebSocket into a sandbox. Browsers cannot set headers on a
  * WebSocket: the key travels as the subprotocol `aviary.bearer.<key>` beside
- * `aviary.tty.v1` (the server echoes only the latter), never in the URL.
+ * `aviary.tty.v1` (the server echoes only the latter), never in the URL;
+ * a lease token as `aviary.lease.<token>`.
  */
-export function ttySocket(id) {
+export function ttySocket(id, leaseToken) {
   const url = new URL(`/v1/sandboxes/${encodeURIComponent(id)}/exec/tty`, location.href);
   url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
-  const ws = new WebSocket(url, ["aviary.tty.v1", `aviary.bearer.${session.key()}`]);
+  const protocols = ["aviary.tty.v1", `aviary.bearer.${session.key()}`];
+  // a leased sandbox: the token the same way (`aviary.lease.FENCE.SECRET`)
+  if (leaseToken) protocols.push(`aviary.lease.${leaseToken}`);
+  const ws = new WebSocket(url, protocols);
   ws.binaryType = "arraybuffer";
   return ws;
 }

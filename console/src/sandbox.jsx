@@ -76,7 +76,7 @@ function Timeline({ id }) {
 }
 
 /** A shell in the sandbox over the terminal WebSocket, drawn by xterm.js. */
-function TerminalPanel({ id }) {
+function TerminalPanel({ id, token }) {
   const host = useRef(null);
   const sess = useRef(null);
   const closeButton = useRef(null);
@@ -114,7 +114,7 @@ function TerminalPanel({ id }) {
     term.open(host.current);
     term.textarea?.setAttribute("aria-label", "Terminal input");
     try { fit.fit(); } catch { /* not laid out yet: keep the default size */ }
-    const ws = ttySocket(id);
+    const ws = ttySocket(id, token.trim() || undefined);
     const send = (data) => { if (ws.readyState === WebSocket.OPEN) ws.send(data); };
     const onResize = () => {
       try { fit.fit(); } catch { return; }
@@ -181,13 +181,12 @@ function joinPath(dir, name) {
 }
 
 /** Lists a directory; uploads into it; downloads a file. */
-function FileBrowser({ id }) {
+function FileBrowser({ id, token }) {
   const [dir, setDir] = useState("/workspace");
   const [typed, setTyped] = useState("/workspace");
   const [listing, setListing] = useState(null);
   const [error, setError] = useState(null);
   const [note, setNote] = useState(null);
-  const [token, setToken] = useState("");
   const [busy, setBusy] = useState(false);
   const fileInput = useRef(null);
 
@@ -260,10 +259,6 @@ function FileBrowser({ id }) {
         <div>
           <label for="fb-upload">Upload into {dir}</label>
           <input id="fb-upload" type="file" multiple ref={fileInput} />
-        </div>
-        <div>
-          <label for="fb-token">Lease token (if leased)</label>
-          <input id="fb-token" value={token} autocomplete="off" onInput={(e) => setToken(e.currentTarget.value)} placeholder="FENCE.SECRET" />
         </div>
         <button type="submit" disabled={busy}>{busy ? "Uploading…" : "Upload"}</button>
       </form>
@@ -500,6 +495,8 @@ export function SandboxPage({ id }) {
   const [error, setError] = useState(null);
   const [confirming, setConfirming] = useState(false);
   const [note, setNote] = useState(null);
+  // a leased sandbox's writes (terminal, uploads) need the holder's token
+  const [token, setToken] = useState("");
   const load = useCallback(async () => {
     try {
       setSbx(await api("GET", `/v1/sandboxes/${sid(id)}`));
@@ -573,8 +570,16 @@ export function SandboxPage({ id }) {
           ) : (
             <button type="button" class="danger" onClick={() => setConfirming(true)}>Destroy…</button>
           )}
-          {running ? <TerminalPanel id={id} /> : null}
-          {running ? <FileBrowser id={id} /> : null}
+          {running && sbx.lease_owner ? (
+            <div class="panel narrow-field">
+              <label for="lease-token">Lease token (this sandbox is leased by {sbx.lease_owner})</label>
+              <input id="lease-token" value={token} autocomplete="off" aria-describedby="lease-token-help"
+                onInput={(e) => setToken(e.currentTarget.value)} placeholder="FENCE.SECRET" />
+              <p id="lease-token-help" class="help">The terminal and uploads present it; without it the sandbox refuses them.</p>
+            </div>
+          ) : null}
+          {running ? <TerminalPanel id={id} token={token} /> : null}
+          {running ? <FileBrowser id={id} token={token} /> : null}
           {running ? <Processes id={id} /> : null}
           <Snapshots id={id} running={running} />
           {ended ? null : <Manifest id={id} running={running} />}

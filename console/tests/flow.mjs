@@ -188,6 +188,19 @@ try {
   // the page re-reads the sandbox: the lease holder shows
   await page.waitForFunction(() => document.querySelector("[data-field='Lease holder']")?.textContent === "console-flow", WAIT);
   out.page_lease_holder = await text("[data-field='Lease holder']");
+  // leased: a terminal without the holder's token is refused before it
+  // starts; with the token (offered as a subprotocol) it works
+  await page.click("[data-testid=term-open]");
+  await page.waitForSelector("[data-testid=term-error]", WAIT);
+  out.term_leased_without_token = await text("[data-testid=term-error]");
+  out.lease_token_label = await page.$eval("label[for=lease-token]", (el) => el.textContent);
+  await page.type("#lease-token", lease.token);
+  await page.click("[data-testid=term-open]");
+  await page.waitForFunction(() => document.querySelector("[data-testid=term-status]")?.textContent === "open", WAIT);
+  await page.keyboard.type("echo leased-$((40+2))\n");
+  await page.waitForFunction(() => document.querySelector("[data-testid=terminal] .xterm-rows")?.textContent.includes("leased-42"), WAIT);
+  out.term_leased_rows = await page.$eval("[data-testid=terminal] .xterm-rows", (el) => [...el.children].map((r) => r.textContent.trimEnd()).filter(Boolean));
+  await page.$$eval("button", (bs) => bs.find((b) => b.textContent === "Close terminal").click());
   await page.screenshot({ path: join(SHOTS, "sandbox.png"), fullPage: true });
 
   // the list: the sandbox with its lease holder and labels; label filters

@@ -464,6 +464,26 @@ async fn browser_flow() {
     );
     assert_eq!(o["term_f6_focus"], "Close terminal", "{o}");
     assert_eq!(o["term_exit"], "Exited with code 3.", "{o}");
+    // leased: refused without the token, a shell with it
+    assert!(
+        !o["term_leased_without_token"].as_str().unwrap().is_empty(),
+        "{o}"
+    );
+    assert!(
+        o["lease_token_label"]
+            .as_str()
+            .unwrap()
+            .contains("console-flow"),
+        "{o}"
+    );
+    assert!(
+        o["term_leased_rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "leased-42"),
+        "{o}"
+    );
     let types: Vec<&str> = logged.iter().map(|e| e.event_type.as_str()).collect();
     assert!(
         types.contains(&"tty_started") && types.contains(&"tty_exited"),
