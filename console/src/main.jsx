@@ -72,9 +72,6 @@ function SandboxList() {
   const [showEnded, setShowEnded] = useState(false);
   const [live, setLive] = useState(true);
   const [allTenants, setAllTenants] = useState(false);
-  // another tenant's sandbox has no page for the admin (the API answers a
-  // sandbox to its own tenant only): its row is not a link
-  const [ownTenant, setOwnTenant] = useState(null);
   const [data, setData] = useState(null);
   const [error, setError] = useState(null);
   const [now, setNow] = useState(Date.now());
@@ -89,7 +86,6 @@ function SandboxList() {
       if (Object.keys(labels).length) q.set("metadata", metadataQuery(labels));
       const r = await api("GET", `/v1/sandboxes?${q}`);
       setData(r.sandboxes);
-      if (!allTenants && r.sandboxes.length) setOwnTenant(r.sandboxes[0].tenant);
       setError(null);
     } catch (err) {
       setError(err);
@@ -150,9 +146,7 @@ function SandboxList() {
             <tbody>
               {data.map((s) => (
                 <tr key={s.id} data-sandbox={s.id} data-tenant={s.tenant}>
-                  <td data-label="Id">{s.tenant === ownTenant || !allTenants
-                    ? <a href={`#/sandboxes/${encodeURIComponent(s.id)}`}><code>{s.id}</code></a>
-                    : <code>{s.id}</code>}</td>
+                  <td data-label="Id"><a href={`#/sandboxes/${encodeURIComponent(s.id)}`}><code>{s.id}</code></a></td>
                   {allTenants ? <td data-label="Tenant">{s.tenant}</td> : null}
                   <td data-label="State"><span class={`state state-${s.state}`}>{s.state}</span>{s.paused ? " (paused)" : ""}</td>
                   <td data-label="Class">{s.resource_class}</td>

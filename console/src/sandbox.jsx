@@ -3,13 +3,13 @@
 // its environment manifest, the planner's allocation for it, and the live
 // timeline of its events.
 import { useCallback, useEffect, useRef, useState } from "preact/hooks";
-import { api, apiBytes, apiPutBytes, ApiError, readEventStream, ttySocket } from "./api.js";
+import { api, apiBytes, apiPutBytes, ApiError, readEventStream, session, ttySocket } from "./api.js";
 import { bytes, ErrorNote, EventItem, Fields, go, Heading, Labels, REFRESH_MS, usePoll } from "./ui.jsx";
 
 const enc = new TextEncoder();
 const sid = (id) => encodeURIComponent(id);
 
-function Timeline({ id }) {
+function Timeline({ id, foreign = false }) {
   const [events, setEvents] = useState([]);
   const [status, setStatus] = useState("connecting");
   const [error, setError] = useState(null);
@@ -26,7 +26,12 @@ function Timeline({ id }) {
       // stream is reopened from there
       let after = 0;
       try {
-        const r = await api("GET", `/v1/sandboxes/${sid(id)}/events?limit=1000&newest=true`, undefined, { signal: ctl.signal });
+        // another tenant's sandbox (the admin's read-only view): the
+        // cross-tenant event query
+        const history = foreign
+          ? `/v1/events?sandbox=${sid(id)}&limit=1000&newest=true&all_tenants=true`
+          : `/v1/sandboxes/${sid(id)}/events?limit=1000&newest=true`;
+        const r = await api("GET", history, undefined, { signal: ctl.signal });
         add(r.events);
         if (r.events.length) after = r.events[r.events.length - 1].id;
       } catch (err) {
@@ -35,7 +40,7 @@ function Timeline({ id }) {
       }
       while (!ctl.signal.aborted) {
         try {
-          await readEventStream(`/v1/events/stream?sandbox=${sid(id)}&after=${after}`, {
+          await readEventStream(`/v1/events/stream?sandbox=${sid(id)}&after=${after}${foreign ? "&all_tenants=true" : ""}`, {
             signal: ctl.signal,
             onOpen: () => setStatus("live"),
             onEvent: (type, data) => {
@@ -55,7 +60,7 @@ function Timeline({ id }) {
       }
     })();
     return () => ctl.abort();
-  }, [id]);
+  }, [id, foreign]);
   // the decisions worth a second look: why it was reused or made, what the
   // policy said
   const decisions = events.filter((e) => /reuse|policy|restore|taint|egress|fork/.test(e.event_type));
@@ -497,14 +502,27 @@ export function SandboxPage({ id }) {
   const [note, setNote] = useState(null);
   // a leased sandbox's writes (terminal, uploads) need the holder's token
   const [token, setToken] = useState("");
+  // the admin opening another tenant's sandbox: read only (fields and
+  // timeline through the admin's cross-tenant queries)
+  const [foreign, setForeign] = useState(false);
   const load = useCallback(async () => {
     try {
-      setSbx(await api("GET", `/v1/sandboxes/${sid(id)}`));
+      setSbx(await api("GET", `/v1/sandboxes/${sid(id)}${foreign ? "?all_tenants=true" : ""}`));
       setError(null);
     } catch (err) {
+      if (!foreign && session.admin() && err instanceof ApiError && err.status === 404) {
+        try {
+          setSbx(await api("GET", `/v1/sandboxes/${sid(id)}?all_tenants=true`));
+          setForeign(true);
+          setError(null);
+          return;
+        } catch {
+          // not in any tenant either: the first answer stands
+        }
+      }
       setError(err);
     }
-  }, [id]);
+  }, [id, foreign]);
   useEffect(() => {
     load();
     const t = setInterval(load, REFRESH_MS);
@@ -521,7 +539,7 @@ export function SandboxPage({ id }) {
     }
   };
   const ended = sbx && (sbx.state === "Terminated" || sbx.state === "Failed");
-  const running = sbx && !ended && !sbx.paused && ["Ready", "Leased", "Running", "Idle"].includes(sbx.state);
+  const running = sbx && !foreign && !ended && !sbx.paused && ["Ready", "Leased", "Running", "Idle"].includes(sbx.state);
   let decision = null;
   try {
     decision = JSON.parse(sessionStorage.getItem(`aviary.decision.${id}`) || "null");
@@ -561,7 +579,13 @@ export function SandboxPage({ id }) {
               </dl>
             </section>
           ) : null}
-          {ended ? null : confirming ? (
+          {foreign ? (
+            <p role="note" class="note" data-testid="foreign">
+              Tenant <strong>{sbx.tenant}</strong>'s sandbox, shown read only to the admin: its terminal, files and
+              actions belong to that tenant's keys.
+            </p>
+          ) : null}
+          {ended || foreign ? null : confirming ? (
             <div class="confirm" role="group" aria-label="Confirm destroy">
               <p>Destroy this sandbox? Its processes and files are gone for good.</p>
               <button type="button" class="danger" onClick={destroy}>Yes, destroy</button>
@@ -581,12 +605,12 @@ export function SandboxPage({ id }) {
           {running ? <TerminalPanel id={id} token={token} /> : null}
           {running ? <FileBrowser id={id} token={token} /> : null}
           {running ? <Processes id={id} /> : null}
-          <Snapshots id={id} running={running} />
-          {ended ? null : <Manifest id={id} running={running} />}
-          <Allocation id={id} />
+          {foreign ? null : <Snapshots id={id} running={running} />}
+          {ended || foreign ? null : <Manifest id={id} running={running} />}
+          {foreign ? null : <Allocation id={id} />}
         </>
       ) : error ? null : <p aria-busy="true">Loading…</p>}
-      {error && error.status === 404 ? null : <Timeline id={id} />}
+      {(error && error.status === 404) || (!sbx && !error) ? null : <Timeline key={String(foreign)} id={id} foreign={foreign} />}
     </main>
   );
 }

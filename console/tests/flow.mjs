@@ -293,6 +293,21 @@ try {
   await page.waitForFunction((a, b) => document.querySelector(`tr[data-sandbox="${a}"]`) && document.querySelector(`tr[data-sandbox="${b}"]`), WAIT, rivalSbx.id, teamSbx.id);
   out.admin_all_rows = await page.$$eval("tr[data-sandbox]", (rs) => rs.map((r) => ({ id: r.dataset.sandbox, tenant: r.querySelector("td[data-label=Tenant]")?.textContent })));
   await page.screenshot({ path: join(SHOTS, "admin-all-tenants.png"), fullPage: true });
+  // another tenant's sandbox opens read only for the admin: fields and the
+  // live timeline, no terminal, no files, no destroy
+  await page.click(`tr[data-sandbox="${rivalSbx.id}"] a`);
+  await page.waitForSelector("[data-testid=foreign]", WAIT);
+  await page.waitForFunction(() => document.querySelector("[data-testid=stream-status]")?.textContent === "live" && document.querySelectorAll("[data-event-id]").length > 0, WAIT);
+  out.admin_foreign = {
+    tenant: await text("[data-field=Tenant]"),
+    events: await page.$$eval("[data-event-id]", (els) => els.map((e) => e.dataset.eventType)),
+    terminals: (await page.$$("[data-testid=term-open]")).length,
+    file_tables: (await page.$$("[data-testid=file-table]")).length,
+    destroy_buttons: await page.$$eval("button", (bs) => bs.filter((b) => b.textContent.startsWith("Destroy")).length),
+  };
+  await page.screenshot({ path: join(SHOTS, "admin-foreign-sandbox.png"), fullPage: true });
+  await page.click("nav a[href='#/sandboxes']");
+  await page.waitForSelector("[data-testid=sandbox-table]", WAIT);
 
   // keyboard: from each page's heading (where each page puts focus),
   // Shift+Tab walks back into the navigation and reaches the next page's

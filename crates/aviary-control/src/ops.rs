@@ -802,6 +802,18 @@ impl ControlPlane {
         self.view(&rec).await
     }
 
+    /// Any tenant's sandbox, read only: admin keys only (`forbidden` for
+    /// any other caller, before anything is read).
+    pub async fn get_any_tenant(
+        &self,
+        cx: &OpContext,
+        req: SandboxRef,
+    ) -> Result<Sandbox, OpError> {
+        cx.require_admin("reading another tenant's sandbox")?;
+        let rec = self.any_sandbox(&req.id).await?;
+        self.view(&rec).await
+    }
+
     pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
         let tenant = if req.all_tenants {
             cx.require_admin("listing every tenant's sandboxes")?;

@@ -469,15 +469,30 @@ async fn list_sandboxes(
     }))
 }
 
-#[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct GetSandboxQuery {
+    /// Find the sandbox in any tenant (read only): admin keys only; any
+    /// other key is refused with 403 `forbidden`.
+    #[serde(default)]
+    all_tenants: bool,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(GetSandboxQuery), responses((status = 200, body = Sandbox), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn get_sandbox(
     State(cp): State<AppState>,
     auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<GetSandboxQuery>,
 ) -> Result<Json<Sandbox>, ApiError> {
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
-    Ok(Json(cp.get(&cx, SandboxRef::new(id)).await?))
+    Ok(Json(if q.all_tenants {
+        cp.get_any_tenant(&cx, SandboxRef::new(id)).await?
+    } else {
+        cp.get(&cx, SandboxRef::new(id)).await?
+    }))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")),

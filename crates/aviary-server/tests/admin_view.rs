@@ -86,6 +86,14 @@ async fn admin_sees_every_tenant_and_a_tenant_asking_is_refused() {
             "{path} leaked: {body}"
         );
     }
+    let (status, body) = get(
+        &base,
+        &team,
+        &format!("/v1/sandboxes/{rival_id}?all_tenants=true"),
+    )
+    .await;
+    assert_eq!(status, 403, "{body}");
+    assert!(!body.contains("rival"), "{body}");
     // the tenant's own view is unchanged: its sandbox only
     let (status, body) = get(&base, &team, "/v1/sandboxes").await;
     assert_eq!(status, 200);
@@ -147,6 +155,19 @@ async fn admin_sees_every_tenant_and_a_tenant_asking_is_refused() {
     assert!(events
         .iter()
         .all(|e| e["sandbox_id"] == rival_id.as_str() && e["tenant"] == "rival"));
+    // one sandbox of another tenant, read only
+    let (status, body) = get(
+        &base,
+        &ts.key,
+        &format!("/v1/sandboxes/{rival_id}?all_tenants=true"),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let one: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(one["id"], rival_id.as_str());
+    assert_eq!(one["tenant"], "rival");
+    let (status, _) = get(&base, &ts.key, &format!("/v1/sandboxes/{rival_id}")).await;
+    assert_eq!(status, 404);
     // without the flag the admin is a tenant like any other
     let (status, _) = get(&base, &ts.key, &format!("/v1/events?sandbox={rival_id}")).await;
     assert_eq!(status, 404);
@@ -167,7 +188,12 @@ async fn admin_sees_every_tenant_and_a_tenant_asking_is_refused() {
     // the OpenAPI document names the parameter on each route
     let (_, doc) = get(&base, &ts.key, "/openapi.json").await;
     let doc: Value = serde_json::from_str(&doc).unwrap();
-    for route in ["/v1/sandboxes", "/v1/events", "/v1/events/stream"] {
+    for route in [
+        "/v1/sandboxes",
+        "/v1/sandboxes/{id}",
+        "/v1/events",
+        "/v1/events/stream",
+    ] {
         let op = &doc["paths"][route]["get"];
         assert!(
             op["parameters"]

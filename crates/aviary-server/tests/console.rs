@@ -545,6 +545,20 @@ async fn browser_flow() {
     };
     assert_eq!(tenant_of(team_sbx).as_deref(), Some("team"), "{o}");
     assert_eq!(tenant_of(rival_sbx).as_deref(), Some("rival"), "{o}");
+    // another tenant's sandbox, opened by the admin: read only
+    let foreign = &o["admin_foreign"];
+    assert_eq!(foreign["tenant"], "rival", "{o}");
+    assert!(
+        foreign["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == "created"),
+        "{o}"
+    );
+    assert_eq!(foreign["terminals"], 0, "{o}");
+    assert_eq!(foreign["file_tables"], 0, "{o}");
+    assert_eq!(foreign["destroy_buttons"], 0, "{o}");
     // ... while the rival (a tenant) saw only its own
     assert!(!o["rival_ids"].as_array().unwrap().iter().any(|v| v == id));
 
@@ -662,6 +676,7 @@ async fn browser_flow() {
         "other-tenant",
         "audit",
         "admin-all-tenants",
+        "admin-foreign-sandbox",
         "planner",
         "events",
         "pools",
