@@ -119,7 +119,16 @@ function TerminalPanel({ id, token }) {
     term.open(host.current);
     term.textarea?.setAttribute("aria-label", "Terminal input");
     try { fit.fit(); } catch { /* not laid out yet: keep the default size */ }
-    const ws = ttySocket(id, token.trim() || undefined);
+    let ws;
+    try {
+      ws = ttySocket(id, token.trim() || undefined);
+    } catch (err) {
+      // e.g. a lease token with characters a subprotocol cannot carry
+      term.dispose();
+      setError(new ApiError(0, "invalid_request", `cannot open the terminal: ${err.message}`));
+      setStatus("closed");
+      return;
+    }
     const send = (data) => { if (ws.readyState === WebSocket.OPEN) ws.send(data); };
     const onResize = () => {
       try { fit.fit(); } catch { return; }

@@ -445,7 +445,7 @@ async fn create_sandbox(
 
 /// The caller's sandboxes; with `all_tenants=true` (admin keys only)
 /// every tenant's.
-#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody)), security(("api_key" = [])))]
 async fn list_sandboxes(
     State(cp): State<AppState>,
     auth: Auth,
@@ -479,7 +479,7 @@ pub struct GetSandboxQuery {
     all_tenants: bool,
 }
 
-#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(GetSandboxQuery), responses((status = 200, body = Sandbox), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(GetSandboxQuery), responses((status = 200, body = Sandbox), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn get_sandbox(
     State(cp): State<AppState>,
     auth: Auth,
@@ -844,7 +844,7 @@ async fn lease_release(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, description = "`sandbox` names no sandbox of this tenant", body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, description = "`sandbox` names no sandbox of this tenant", body = ErrorBody)), security(("api_key" = [])))]
 async fn events(
     State(cp): State<AppState>,
     auth: Auth,
