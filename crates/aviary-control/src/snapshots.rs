@@ -422,6 +422,22 @@ impl ControlPlane {
             reason: format!("forked from snapshot {} of {}", snap.id, parent.id),
             score: 1.0,
         };
+        // the lineage (snapshot → fork), on the fork's log; the fork exists
+        // either way, so a failed write is logged, not answered
+        let child = &resp.sandbox;
+        if let Err(e) = self
+            .record_event(
+                &child.tenant,
+                Some(&child.id),
+                Some(child.state),
+                "forked",
+                cx.request_id(),
+                serde_json::json!({"snapshot": snap.id, "parent_sandbox": parent.id.as_str()}),
+            )
+            .await
+        {
+            tracing::warn!(sandbox.id = %child.id, error = %e, "could not record the fork's lineage");
+        }
         Ok(resp)
     }
 
