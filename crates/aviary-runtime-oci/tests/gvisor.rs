@@ -494,7 +494,7 @@ mod gvisor {
         for _ in 0..rounds {
             for (i, rt) in [&crun, &runsc].into_iter().enumerate() {
                 let mut spec = envd_spec(&f, &envd, "sbx-bench");
-                spec.resources.memory_mb = 512;
+                spec.resources.memory_mb = 1024;
                 let (a, b, client) = create_to_first_exec(rt, &spec).await;
                 first[i].push(a);
                 execs[i].push(b);
