@@ -16,7 +16,9 @@ done
 want() { [[ $parts == *" $1 "* ]]; }
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
-cargo build --release --locked -p aviary-bench
+if want core || want planner || want pool || want leases || want replicas; then
+  cargo build --release --locked -p aviary-bench
+fi
 if want snapshots; then
   cargo build --release --locked -p aviary-snapshots --example snapshot_bench
 fi

@@ -37,6 +37,17 @@
 //! an idmapped mount (see [`idmap`]); capabilities, seccomp and
 //! no-new-privs still apply on top.
 //!
+//! **gVisor** (`OciBinary::Runsc`): the same bundle, overlay, disk and
+//! cgroups, run by `runsc --platform=ptrace --network=none
+//! --host-uds=create`, without a user namespace (gVisor's own kernel is the
+//! boundary) and with a host pids limit of at least [`RUNSC_MIN_PIDS`].
+//! runsc cannot pass envd a descriptor: envd binds its socket itself in
+//! `<id>/envd-run/` (mounted at `/run/aviary`), which gVisor makes a host
+//! socket only the host can connect to; the host checks that its peer is the
+//! sandbox's own gofer (`SandboxHandle::envd`). [`Checkpointable`] saves a
+//! runsc sandbox's memory in `<state_dir>/<id>.checkpoint/` and restores it,
+//! envd stepping aside for the save (ARCHITECTURE.md, "The gVisor tier").
+//!
 //! Concurrency: `OciRuntime` is `Send + Sync`; calls for different sandboxes
 //! run concurrently; calls for one sandbox must be serialised by the caller.
 
@@ -71,7 +82,7 @@ use tracing::instrument;
 pub enum OciBinary {
     Crun,
     Runc,
-    /// gVisor (see the crate doc's "gVisor" section).
+    /// gVisor's `runsc` (see the crate doc's **gVisor** paragraph).
     Runsc,
 }
 

@@ -239,11 +239,15 @@ mod gvisor {
     }
 
     async fn sh(client: &EnvdClient, script: &str) -> (i32, String) {
+        sh_within(client, script, Duration::from_secs(20)).await
+    }
+
+    async fn sh_within(client: &EnvdClient, script: &str, limit: Duration) -> (i32, String) {
         let out = client
             .exec_collect(
                 ExecSpec {
                     argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
-                    timeout: Some(Duration::from_secs(20)),
+                    timeout: Some(limit),
                     ..Default::default()
                 },
                 Some(1),
@@ -496,10 +500,12 @@ mod gvisor {
                 execs[i].push(b);
                 if i == 1 {
                     // 100 MB of base64 text in a shell variable
-                    let (code, out) = sh(
+                    let (code, out) = sh_within(
                         &client,
-                        "sh -c 'x=$(head -c 78643200 /dev/urandom | base64 -w 0); echo ${#x} > /tmp/held; sleep 100000' >/dev/null 2>&1 & \
+                        "head -c 78643200 /dev/urandom > /tmp/blob && \
+                         sh -c 'x=$(base64 -w 0 /tmp/blob); rm /tmp/blob; echo $$ > /tmp/holder; echo ${#x} > /tmp/held; while :; do sleep 1000; done' >/dev/null 2>&1 & \
                          while [ ! -s /tmp/held ]; do sleep 0.1; done; cat /tmp/held",
+                        Duration::from_secs(600),
                     )
                     .await;
                     assert_eq!(code, 0, "{out}");
@@ -521,8 +527,19 @@ mod gvisor {
                         .await
                         .unwrap();
                     restore.push(t.elapsed());
-                    let (code, out) = sh(&client_of(&h), "cat /tmp/held").await;
-                    assert_eq!((code, out.trim()), (0, "104857600"));
+                    // the same process, its 100 MB resident again
+                    let (code, out) = sh(
+                        &client_of(&h),
+                        "cat /tmp/held; grep VmRSS /proc/$(cat /tmp/holder)/status",
+                    )
+                    .await;
+                    assert_eq!(code, 0, "{out}");
+                    let rss_kb: u64 = out
+                        .split_whitespace()
+                        .find_map(|w| w.parse().ok().filter(|_| w != "104857600"))
+                        .unwrap_or(0);
+                    assert!(out.starts_with("104857600\n"), "{out}");
+                    assert!(rss_kb > 100_000, "the holder's memory came back: {out}");
                 }
                 rt.destroy(&spec.id).await.unwrap();
             }

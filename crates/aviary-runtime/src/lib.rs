@@ -1,7 +1,8 @@
 //! The seam between Aviary's control plane and whatever actually runs sandboxes.
 //!
 //! This crate owns the [`Runtime`] trait (create / destroy / status / usage /
-//! list), the optional [`Pausable`] and [`Snapshottable`] capabilities (a
+//! list), the optional [`Pausable`], [`Snapshottable`] and [`Checkpointable`]
+//! (memory) capabilities (a
 //! runtime implements the traits of what it can do; callers never reach into
 //! a runtime's own directories), the [`RuntimeError`] every
 //! backend maps its failures into, and the [`Spawner`] seam: backends start
