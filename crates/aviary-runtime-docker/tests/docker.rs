@@ -205,8 +205,9 @@ mod docker {
         assert!(rt.list().await.unwrap().is_empty());
     }
 
-    /// Hardening visible from inside: capabilities, no-new-privs, seccomp
-    /// (io_uring and unshare refused), no network but loopback.
+    /// Hardening visible from inside: capabilities, no-new-privs, a seccomp
+    /// filter (unshare refused) that is Aviary's profile as dockerd was given
+    /// it, no network but loopback.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_container_is_hardened() {
         let _g = LOCK.lock().await;
@@ -242,6 +243,35 @@ mod docker {
             .await
             .unwrap();
         assert_ne!(String::from_utf8_lossy(&unshare.stdout).trim(), "0");
+        // the filter is Aviary's, not Docker's default (which allows io_uring)
+        let docker = bollard::Docker::connect_with_unix(
+            &f.socket.display().to_string(),
+            30,
+            bollard::API_DEFAULT_VERSION,
+        )
+        .unwrap()
+        .negotiate_version()
+        .await
+        .unwrap();
+        let info = docker
+            .inspect_container(
+                &aviary_runtime_docker::container_name(&spec.id),
+                None::<bollard::query_parameters::InspectContainerOptions>,
+            )
+            .await
+            .unwrap();
+        let opts = info.host_config.unwrap().security_opt.unwrap_or_default();
+        let seccomp = opts
+            .iter()
+            .find_map(|o| o.strip_prefix("seccomp="))
+            .unwrap_or_else(|| panic!("no seccomp profile in {opts:?}"));
+        let profile: serde_json::Value = serde_json::from_str(seccomp).unwrap();
+        assert_eq!(
+            profile,
+            serde_json::to_value(aviary_runtime_oci::seccomp::profile().unwrap()).unwrap()
+        );
+        assert!(seccomp.contains("io_uring_setup"));
+        assert!(opts.iter().any(|o| o == "no-new-privileges"), "{opts:?}");
         let links = rt.exec(&spec.id, &["ls", "/sys/class/net"]).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&links.stdout).trim(), "lo");
         rt.destroy(&spec.id).await.unwrap();
