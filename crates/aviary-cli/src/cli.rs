@@ -1950,11 +1950,12 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
             }
         }
     };
-    let binary = aviary_runtime_oci::OciBinary::from(
+    let binary = aviary_runtime_oci::OciBinary::try_from(
         a.runtime
             .parse::<aviary_core::RuntimeName>()
             .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?,
-    );
+    )
+    .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?;
     let templates_dir = a
         .templates_dir
         .unwrap_or_else(|| a.data_dir.join("templates"));

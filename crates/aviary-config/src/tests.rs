@@ -171,7 +171,7 @@ fn base_file_parses_with_its_values() {
     assert_eq!(c.server.data_dir, PathBuf::from("/var/lib/aviary"));
     assert_eq!(c.classes.len(), 2);
     let small = c.class("small").unwrap();
-    assert_eq!(small.runtimes, Runtime::ALL);
+    assert_eq!(small.runtimes, crate::local_runtimes());
     assert!(!small.gpu);
     let big = c.class("big").unwrap();
     assert_eq!(big.cpu, 4.0, "integers are accepted for cpu");

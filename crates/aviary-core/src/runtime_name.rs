@@ -16,17 +16,27 @@ pub enum RuntimeName {
     Crun,
     /// `runc` driving OCI containers.
     Runc,
+    /// An E2B-compatible service (`[remote_e2b]`, `aviary-runtime-remote`):
+    /// sandboxes run by the provider, not on this host.
+    E2b,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 2] = [RuntimeName::Crun, RuntimeName::Runc];
+    pub const ALL: [RuntimeName; 3] = [RuntimeName::Crun, RuntimeName::Runc, RuntimeName::E2b];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RuntimeName::Crun => "crun",
             RuntimeName::Runc => "runc",
+            RuntimeName::E2b => "e2b",
         }
+    }
+
+    /// Whether the runtime's sandboxes run at a remote provider (not on
+    /// this host: no OCI bundle, no local default runtime).
+    pub fn is_remote(self) -> bool {
+        matches!(self, RuntimeName::E2b)
     }
 }
 
@@ -63,7 +73,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc)"
+            "unknown runtime \"kata\" (crun|runc|e2b)"
         );
     }
 }

@@ -94,6 +94,9 @@ pub struct Envd {
     pub started: Instant,
     pub pid1: bool,
     pub trust_all_peers: bool,
+    /// With `--bridge`: envd's own pid, the peer of every bridged
+    /// connection (the host), which may move the fence like a peer outside.
+    pub bridge_peer: Option<i32>,
     /// Root of the file API, and the default working directory of exec.
     pub root: PathBuf,
     pub fs: SandboxFs,
@@ -122,6 +125,7 @@ impl Envd {
             started: Instant::now(),
             pid1,
             trust_all_peers,
+            bridge_peer: None,
             root,
             fs,
             reaper: Reaper::default(),
@@ -378,12 +382,15 @@ pub fn handle_connection(envd: &Envd, lane: Lane, mut conn: UnixStream) {
 }
 
 /// Control operations are accepted only from a peer in an ancestor PID
-/// namespace (SO_PEERCRED pid 0: the host), unless `--trust-all-peers`.
+/// namespace (SO_PEERCRED pid 0: the host) or, with `--bridge`, from the
+/// bridge (envd's own pid: a connection the host opened through it),
+/// unless `--trust-all-peers`.
 fn require_outside_peer(envd: &Envd, conn: &UnixStream, op: &str) -> Result<(), ErrorBody> {
-    let trusted = envd.trust_all_peers
-        || sys::peer_pid(conn.as_fd())
-            .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?
-            == 0;
+    let trusted = envd.trust_all_peers || {
+        let peer = sys::peer_pid(conn.as_fd())
+            .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?;
+        peer == 0 || Some(peer) == envd.bridge_peer
+    };
     if trusted {
         Ok(())
     } else {

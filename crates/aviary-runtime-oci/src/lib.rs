@@ -81,11 +81,13 @@ impl OciBinary {
     }
 }
 
-impl From<RuntimeName> for OciBinary {
-    fn from(name: RuntimeName) -> Self {
+impl TryFrom<RuntimeName> for OciBinary {
+    type Error = String;
+    fn try_from(name: RuntimeName) -> Result<Self, String> {
         match name {
-            RuntimeName::Crun => OciBinary::Crun,
-            RuntimeName::Runc => OciBinary::Runc,
+            RuntimeName::Crun => Ok(OciBinary::Crun),
+            RuntimeName::Runc => Ok(OciBinary::Runc),
+            RuntimeName::E2b => Err(format!("runtime {name} is not an OCI runtime")),
         }
     }
 }
