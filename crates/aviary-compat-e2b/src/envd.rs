@@ -975,7 +975,11 @@ async fn send_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<Re
             write_stdin(&proc, &d).await?;
             return Ok(unary_ok(&serde_json::json!({})));
         }
-        _ => return Err(ConnectError::invalid("input must hold exactly one of pty and stdin").into()),
+        _ => {
+            return Err(
+                ConnectError::invalid("input must hold exactly one of pty and stdin").into(),
+            )
+        }
     };
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(data.as_bytes())
@@ -1018,7 +1022,11 @@ async fn write_stdin(proc: &crate::process::Proc, data: &str) -> Result<(), Conn
 }
 
 /// `CloseStdin`: the command reads end of file.
-async fn close_stdin(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {
+async fn close_stdin(
+    st: &E2bState,
+    call: SandboxCall,
+    req: Request,
+) -> Result<Response, EnvdError> {
     let msg: SelectRequest = connect::parse(&unary_body(st, req).await?)?;
     let proc = find_proc(st, &call.id, msg.process)?;
     let Some(stdin) = proc.stdin() else {
@@ -1055,7 +1063,11 @@ pub struct StreamInputData {
 /// `StreamInput` (client streaming): the request body is a stream of
 /// envelopes, each written to the process's input as it arrives; the
 /// answer is one empty message once the client ends its stream.
-async fn stream_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {
+async fn stream_input(
+    st: &E2bState,
+    call: SandboxCall,
+    req: Request,
+) -> Result<Response, EnvdError> {
     let ct = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -1116,7 +1128,9 @@ async fn stream_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<
                                 ConnectError::invalid(format!("input.pty is not base64: {e}"))
                             })?;
                         let Some(input) = p.pty() else {
-                            return Err(ConnectError::unimplemented("this process has no PTY").into());
+                            return Err(
+                                ConnectError::unimplemented("this process has no PTY").into()
+                            );
                         };
                         input
                             .lock()
@@ -1134,7 +1148,9 @@ async fn stream_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<
                 },
                 (None, None, Some(_), _) => {}
                 (Some(_), _, _, Some(_)) => {
-                    return Err(ConnectError::invalid("the stream names its process once, first").into())
+                    return Err(
+                        ConnectError::invalid("the stream names its process once, first").into(),
+                    )
                 }
                 (None, Some(_), None, None) => {
                     return Err(ConnectError::invalid(

@@ -453,7 +453,12 @@ fn check_remote_e2b(
             valid_env_name(e.get_ref()),
             &e.span(),
             || "remote_e2b.api_key_env".into(),
-            || format!("remote_e2b: {:?} is not an environment variable name", e.get_ref()),
+            || {
+                format!(
+                    "remote_e2b: {:?} is not an environment variable name",
+                    e.get_ref()
+                )
+            },
         )?;
     }
     if let Some(f) = key_file {
@@ -461,7 +466,12 @@ fn check_remote_e2b(
             f.get_ref().starts_with('/'),
             &f.span(),
             || "remote_e2b.api_key_file".into(),
-            || format!("remote_e2b: api_key_file {:?} must be absolute", f.get_ref()),
+            || {
+                format!(
+                    "remote_e2b: api_key_file {:?} must be absolute",
+                    f.get_ref()
+                )
+            },
         )?;
     }
     let templates = raw.templates.get_ref().clone();

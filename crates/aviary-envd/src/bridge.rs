@@ -258,7 +258,10 @@ mod tests {
         };
         assert_eq!(check_head(&with(&[]), SECRET), Err(Refusal::Unauthorized));
         assert_eq!(
-            check_head(&with(&["x-aviary-envd-secret: 0123456789abcdef0124"]), SECRET),
+            check_head(
+                &with(&["x-aviary-envd-secret: 0123456789abcdef0124"]),
+                SECRET
+            ),
             Err(Refusal::Unauthorized)
         );
         assert_eq!(

@@ -304,9 +304,8 @@ impl E2bClient {
         value: &str,
     ) -> Result<Vec<(String, BTreeMap<String, String>)>, RemoteError> {
         let action = "list sandboxes";
-        let filter = serde_urlencoded::to_string([(key, value)]).map_err(|e| {
-            RemoteError::Setup(format!("metadata filter {key}={value}: {e}"))
-        })?;
+        let filter = serde_urlencoded::to_string([(key, value)])
+            .map_err(|e| RemoteError::Setup(format!("metadata filter {key}={value}: {e}")))?;
         let mut out = Vec::new();
         let mut next: Option<String> = None;
         for _ in 0..MAX_PAGES {
@@ -355,10 +354,7 @@ impl E2bClient {
         check_remote_id(&sbx.remote_id)?;
         let base = match &self.ep.sandbox_url {
             Some(u) => u.clone(),
-            None => format!(
-                "https://{ENVD_PORT}-{}.{}",
-                sbx.remote_id, self.ep.domain
-            ),
+            None => format!("https://{ENVD_PORT}-{}.{}", sbx.remote_id, self.ep.domain),
         };
         let mut req = self
             .http
@@ -411,13 +407,12 @@ impl E2bClient {
             .body(envelope(0, &serde_json::to_vec(&msg).expect("json")));
         let mut resp = self.send(action, req).await?;
         if !resp.status().is_success() {
-            return Err(Self::body(action, resp)
-                .await
-                .err()
-                .unwrap_or_else(|| RemoteError::Protocol {
+            return Err(Self::body(action, resp).await.err().unwrap_or_else(|| {
+                RemoteError::Protocol {
                     action: action.into(),
                     detail: "unexpected status".into(),
-                }));
+                }
+            }));
         }
         let mut buf = BytesMut::new();
         let mut out = RunOutput::default();
@@ -613,12 +608,13 @@ fn end_of_stream(action: &str, data: &[u8]) -> Result<(), RemoteError> {
         #[serde(default)]
         message: String,
     }
-    let end: End = serde_json::from_slice(if data.is_empty() { b"{}" } else { data }).map_err(
-        |e| RemoteError::Protocol {
-            action: action.into(),
-            detail: format!("end of stream: {e}"),
-        },
-    )?;
+    let end: End =
+        serde_json::from_slice(if data.is_empty() { b"{}" } else { data }).map_err(|e| {
+            RemoteError::Protocol {
+                action: action.into(),
+                detail: format!("end of stream: {e}"),
+            }
+        })?;
     match end.error {
         None => Ok(()),
         Some(e) => Err(RemoteError::Refused {
@@ -711,8 +707,11 @@ mod tests {
         .unwrap());
         assert_eq!(ok.exit_code, 0, "no exitCode is 0");
         end_of_stream("t", b"{}").unwrap();
-        let e = end_of_stream("t", br#"{"error":{"code":"not_found","message":"gone\u0007"}}"#)
-            .unwrap_err();
+        let e = end_of_stream(
+            "t",
+            br#"{"error":{"code":"not_found","message":"gone\u0007"}}"#,
+        )
+        .unwrap_err();
         assert_eq!(e.to_string(), "t: refused: not_found: gone");
     }
 

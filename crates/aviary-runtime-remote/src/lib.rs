@@ -207,8 +207,7 @@ impl RemoteRuntime {
                 tag
             }
         };
-        let client =
-            E2bClient::new(cfg.endpoint.clone()).map_err(|e| e.into_runtime(&cfg.name))?;
+        let client = E2bClient::new(cfg.endpoint.clone()).map_err(|e| e.into_runtime(&cfg.name))?;
         Ok(RemoteRuntime {
             cfg,
             client,
@@ -325,10 +324,7 @@ impl RemoteRuntime {
     }
 
     fn stop_relay(&self, id: &SandboxId) {
-        self.relays
-            .lock()
-            .expect("relay table poisoned")
-            .remove(id);
+        self.relays.lock().expect("relay table poisoned").remove(id);
     }
 
     async fn start_remote(
@@ -351,7 +347,11 @@ impl RemoteRuntime {
                 .map_err(|e| self.remote(e))
         };
         upload(format!("{REMOTE_DIR}/envd"), binary).await?;
-        upload(format!("{REMOTE_DIR}/secret"), format!("{secret}\n").into_bytes()).await?;
+        upload(
+            format!("{REMOTE_DIR}/secret"),
+            format!("{secret}\n").into_bytes(),
+        )
+        .await?;
         let env: BTreeMap<String, String> = spec
             .env
             .iter()
@@ -418,7 +418,12 @@ impl RemoteRuntime {
                 continue;
             };
             let mut text = String::new();
-            if (&mut f).take(16 * 1024).read_to_string(&mut text).await.is_err() {
+            if (&mut f)
+                .take(16 * 1024)
+                .read_to_string(&mut text)
+                .await
+                .is_err()
+            {
                 continue;
             }
             let value = match field {
@@ -518,10 +523,7 @@ impl Runtime for RemoteRuntime {
                 id: id.clone(),
                 runtime: self.cfg.name.clone(),
                 runtime_instance_id: sandbox.remote_id,
-                control_dir: socket
-                    .parent()
-                    .map(Path::to_path_buf)
-                    .unwrap_or_default(),
+                control_dir: socket.parent().map(Path::to_path_buf).unwrap_or_default(),
                 // the workspace is the remote sandbox's own
                 workspace_dir: PathBuf::new(),
                 init_pid: std::process::id(),
@@ -572,10 +574,12 @@ impl Runtime for RemoteRuntime {
         }
         let ep = self.envd_endpoint(id).await?;
         let envd = EnvdClient::new(ep.socket).expect_peer_pid(ep.peer_pid);
-        envd.health().await.map_err(|e| RuntimeError::InvokeRuntime {
-            action: format!("{}: read usage", self.cfg.name),
-            detail: format!("envd: {e}"),
-        })?;
+        envd.health()
+            .await
+            .map_err(|e| RuntimeError::InvokeRuntime {
+                action: format!("{}: read usage", self.cfg.name),
+                detail: format!("envd: {e}"),
+            })?;
         let c = |paths: &'static [&'static str], field: Option<&'static str>| {
             let envd = envd.clone();
             async move { Self::read_counter(&envd, paths, field).await }
@@ -692,7 +696,11 @@ mod tests {
 
     #[test]
     fn provider_answers_become_clear_runtime_errors() {
-        let e = RemoteError::from_status("create a sandbox", 401, br#"{"code":401,"message":"bad key"}"#);
+        let e = RemoteError::from_status(
+            "create a sandbox",
+            401,
+            br#"{"code":401,"message":"bad key"}"#,
+        );
         let r = e.into_runtime("e2b");
         assert_eq!(r.code(), aviary_core::ErrorCode::Unavailable);
         assert_eq!(
@@ -704,12 +712,23 @@ mod tests {
             e.to_string(),
             "kill a sandbox: the provider failed (503): down for maintenance"
         );
-        assert_eq!(e.into_runtime("e2b").code(), aviary_core::ErrorCode::Unavailable);
-        let e = RemoteError::from_status("read a sandbox", 404, br#"{"code":404,"message":"no such sandbox"}"#);
+        assert_eq!(
+            e.into_runtime("e2b").code(),
+            aviary_core::ErrorCode::Unavailable
+        );
+        let e = RemoteError::from_status(
+            "read a sandbox",
+            404,
+            br#"{"code":404,"message":"no such sandbox"}"#,
+        );
         assert!(matches!(e, RemoteError::NotFound { .. }), "{e:?}");
-        let e = RemoteError::from_status("create a sandbox", 400, br#"{"code":400,"message":"bad"}"#);
+        let e =
+            RemoteError::from_status("create a sandbox", 400, br#"{"code":400,"message":"bad"}"#);
         assert_eq!(e.to_string(), "create a sandbox: refused: HTTP 400: bad");
-        assert_eq!(e.into_runtime("e2b").code(), aviary_core::ErrorCode::Internal);
+        assert_eq!(
+            e.into_runtime("e2b").code(),
+            aviary_core::ErrorCode::Internal
+        );
     }
 
     #[test]
@@ -784,7 +803,10 @@ mod tests {
         let e = rt.create(&spec).await.unwrap_err();
         assert_eq!(e.code(), aviary_core::ErrorCode::Unavailable, "{e}");
         assert!(e.to_string().contains("unreachable"), "{e}");
-        assert!(!rt.dir(&spec.id).exists(), "a failed create leaves no state");
+        assert!(
+            !rt.dir(&spec.id).exists(),
+            "a failed create leaves no state"
+        );
         assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::NotFound);
     }
 }

@@ -77,7 +77,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         }
         let binary = aviary_runtime_oci::OciBinary::try_from(name).map_err(anyhow::Error::msg)?;
         let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
-        .with_template_store(cfg.templates_root());
+            .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
         let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
             .with_context(|| format!("setting up the OCI runtime {name}"))?

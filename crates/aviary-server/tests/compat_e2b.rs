@@ -737,7 +737,9 @@ async fn a_plain_command_takes_stdin_until_it_is_closed() {
     assert_eq!(resp.status(), 200);
     let mut buf = Vec::new();
     let first = next_connect_event(&mut resp, &mut buf).await;
-    let pid = first["event"]["start"]["pid"].as_u64().expect("start event first");
+    let pid = first["event"]["start"]["pid"]
+        .as_u64()
+        .expect("start event first");
     let unary = |method: &str, body: Value| rpc(method, "application/json").json(&body).send();
     let r = unary(
         "SendInput",
@@ -797,7 +799,10 @@ async fn a_plain_command_takes_stdin_until_it_is_closed() {
             "SendInput",
             serde_json::json!({"process": {"pid": plain_pid}, "input": {"stdin": b64.encode("x")}}),
         ),
-        ("CloseStdin", serde_json::json!({"process": {"pid": plain_pid}})),
+        (
+            "CloseStdin",
+            serde_json::json!({"process": {"pid": plain_pid}}),
+        ),
     ] {
         let r = unary(method, body).await.unwrap();
         assert_eq!(r.status(), 412, "{method}");

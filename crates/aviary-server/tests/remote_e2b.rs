@@ -121,7 +121,11 @@ async fn the_e2b_runtime_passes_the_conformance_checks_that_apply() {
     conformance::check_refusals(&rt, &make).await;
     conformance::check_pause_resume(&rt, &make).await;
     assert!(rt.list().await.unwrap().is_empty(), "nothing left listed");
-    assert_eq!(provider_sandboxes(&p).await, 0, "nothing left at the provider");
+    assert_eq!(
+        provider_sandboxes(&p).await,
+        0,
+        "nothing left at the provider"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -142,7 +146,11 @@ async fn envd_in_a_remote_sandbox_runs_commands_and_enforces_fences() {
     let out = envd
         .exec_collect(
             ExecSpec {
-                argv: vec!["sh".into(), "-c".into(), "echo remote; hostname >&2; exit 3".into()],
+                argv: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "echo remote; hostname >&2; exit 3".into(),
+                ],
                 ..Default::default()
             },
             None,
@@ -187,7 +195,8 @@ async fn envd_in_a_remote_sandbox_runs_commands_and_enforces_fences() {
                 argv: vec![
                     "sh".into(),
                     "-c".into(),
-                    "ls /tmp/.aviary-envd; test -e /tmp/.aviary-envd/secret && echo secret-left".into(),
+                    "ls /tmp/.aviary-envd; test -e /tmp/.aviary-envd/secret && echo secret-left"
+                        .into(),
                 ],
                 ..Default::default()
             },
@@ -197,7 +206,10 @@ async fn envd_in_a_remote_sandbox_runs_commands_and_enforces_fences() {
         .unwrap();
     let listing = String::from_utf8_lossy(&inside.stdout).to_string();
     assert!(listing.contains("envd.sock"), "{listing}");
-    assert!(!listing.contains("secret"), "the secret file is gone: {listing}");
+    assert!(
+        !listing.contains("secret"),
+        "the secret file is gone: {listing}"
+    );
 
     // a relay restarted from the record (a server restart) reaches the same envd
     let again = runtime(&p, state.path(), &p.ts.key);
@@ -246,7 +258,10 @@ async fn provider_refusals_are_clear_runtime_errors() {
     .unwrap();
     let e = rt.create(&spec_for(&p.digest)).await.unwrap_err();
     assert!(
-        matches!(e, RuntimeError::InvalidSpec { .. } | RuntimeError::InvokeRuntime { .. }),
+        matches!(
+            e,
+            RuntimeError::InvalidSpec { .. } | RuntimeError::InvokeRuntime { .. }
+        ),
         "{e:?}"
     );
     assert!(e.to_string().contains("no-such-template"), "{e}");
@@ -319,19 +334,34 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
     let id = s.id.to_string();
     assert_eq!(provider_sandboxes(&p).await, 1, "the provider runs it");
 
-    let r = a.client.exec(&id, &common::shell("echo hello from $(uname -s); exit 4")).await.unwrap();
+    let r = a
+        .client
+        .exec(&id, &common::shell("echo hello from $(uname -s); exit 4"))
+        .await
+        .unwrap();
     assert_eq!(r.exit_code, 4);
     assert_eq!(r.stdout, "hello from Linux\n");
     a.client
         .write_file(&id, "/tmp/round.txt", b"round trip".to_vec(), None)
         .await
         .unwrap();
-    let r = a.client.exec(&id, &common::shell("cat /tmp/round.txt | tr a-z A-Z")).await.unwrap();
+    let r = a
+        .client
+        .exec(&id, &common::shell("cat /tmp/round.txt | tr a-z A-Z"))
+        .await
+        .unwrap();
     assert_eq!(r.stdout, "ROUND TRIP");
-    assert_eq!(a.client.read_file(&id, "/tmp/round.txt").await.unwrap(), b"round trip");
+    assert_eq!(
+        a.client.read_file(&id, "/tmp/round.txt").await.unwrap(),
+        b"round trip"
+    );
 
     a.client.delete_sandbox(&id, None).await.unwrap();
-    assert_eq!(provider_sandboxes(&p).await, 0, "destroy removed the provider's sandbox");
+    assert_eq!(
+        provider_sandboxes(&p).await,
+        0,
+        "destroy removed the provider's sandbox"
+    );
 
     // a class on e2b with a template nobody mapped is refused, and leaves nothing
     let e = a
