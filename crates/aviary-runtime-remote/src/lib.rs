@@ -566,72 +566,65 @@ impl Runtime for RemoteRuntime {
         )
     }
 
-    /// Read through envd from the sandbox's cgroup (v2, else v1): what the
-    /// provider's sandbox reports about itself, so advisory.
+    /// Read through envd from the sandbox's cgroup (v2, else v1), the
+    /// counters at once (each read is a round trip through the provider):
+    /// what the provider's sandbox reports about itself, so advisory.
     async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError> {
-        if self.status(id).await? == RuntimeStatus::NotFound {
-            return Err(RuntimeError::NotFound { id: id.clone() });
-        }
+        // no record: NotFound (envd_endpoint); a gone sandbox: unreadable
         let ep = self.envd_endpoint(id).await?;
         let envd = EnvdClient::new(ep.socket).expect_peer_pid(ep.peer_pid);
-        envd.health()
-            .await
-            .map_err(|e| RuntimeError::InvokeRuntime {
-                action: format!("{}: read usage", self.cfg.name),
-                detail: format!("envd: {e}"),
-            })?;
         let c = |paths: &'static [&'static str], field: Option<&'static str>| {
             let envd = envd.clone();
             async move { Self::read_counter(&envd, paths, field).await }
         };
-        let memory_current_bytes = c(
-            &[
-                "/sys/fs/cgroup/memory.current",
-                "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-            ],
-            None,
-        )
-        .await
-        .unwrap_or(0);
-        let memory_peak_bytes = c(
-            &[
-                "/sys/fs/cgroup/memory.peak",
-                "/sys/fs/cgroup/memory/memory.max_usage_in_bytes",
-            ],
-            None,
-        )
-        .await
-        .unwrap_or(memory_current_bytes);
-        let cpu_usage_ns = match c(&["/sys/fs/cgroup/cpu.stat"], Some("usage_usec")).await {
-            Some(us) => us.saturating_mul(1000),
-            None => c(&["/sys/fs/cgroup/cpuacct/cpuacct.usage"], None)
-                .await
-                .unwrap_or(0),
-        };
-        let oom_kills = c(
-            &[
-                "/sys/fs/cgroup/memory.events",
-                "/sys/fs/cgroup/memory/memory.oom_control",
-            ],
-            Some("oom_kill"),
-        )
-        .await
-        .unwrap_or(0);
-        let pids_current = c(
-            &[
-                "/sys/fs/cgroup/pids.current",
-                "/sys/fs/cgroup/pids/pids.current",
-            ],
-            None,
-        )
-        .await
-        .unwrap_or(0);
+        let (memory, peak, cpu_v2, cpu_v1, oom, pids) = tokio::join!(
+            c(
+                &[
+                    "/sys/fs/cgroup/memory.current",
+                    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                ],
+                None,
+            ),
+            c(
+                &[
+                    "/sys/fs/cgroup/memory.peak",
+                    "/sys/fs/cgroup/memory/memory.max_usage_in_bytes",
+                ],
+                None,
+            ),
+            c(&["/sys/fs/cgroup/cpu.stat"], Some("usage_usec")),
+            c(&["/sys/fs/cgroup/cpuacct/cpuacct.usage"], None),
+            c(
+                &[
+                    "/sys/fs/cgroup/memory.events",
+                    "/sys/fs/cgroup/memory/memory.oom_control",
+                ],
+                Some("oom_kill"),
+            ),
+            c(
+                &[
+                    "/sys/fs/cgroup/pids.current",
+                    "/sys/fs/cgroup/pids/pids.current",
+                ],
+                None,
+            ),
+        );
+        if memory.is_none() && pids.is_none() {
+            return Err(RuntimeError::InvokeRuntime {
+                action: format!("{}: read usage", self.cfg.name),
+                detail: "envd answered no cgroup counter (unreachable, or no cgroup files)".into(),
+            });
+        }
+        let memory_current_bytes = memory.unwrap_or(0);
         Ok(ResourceUsage {
             memory_current_bytes,
-            memory_peak_bytes,
-            cpu_usage_ns,
-            oom_kills,
-            pids_current,
+            memory_peak_bytes: peak.unwrap_or(memory_current_bytes),
+            cpu_usage_ns: match cpu_v2 {
+                Some(us) => us.saturating_mul(1000),
+                None => cpu_v1.unwrap_or(0),
+            },
+            oom_kills: oom.unwrap_or(0),
+            pids_current: pids.unwrap_or(0),
             disk_free_bytes: None,
         })
     }

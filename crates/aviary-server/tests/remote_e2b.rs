@@ -120,6 +120,21 @@ async fn the_e2b_runtime_passes_the_conformance_checks_that_apply() {
     conformance::check_lifecycle_off_host(&rt, &make).await;
     conformance::check_refusals(&rt, &make).await;
     conformance::check_pause_resume(&rt, &make).await;
+    // create/destroy cycles leave no host state behind (the runtime's state
+    // dir holds its owner tag only)
+    let dir = state.path().to_path_buf();
+    let footprint = move || {
+        conformance::Footprint::from([(
+            "state entries".to_owned(),
+            std::fs::read_dir(&dir).unwrap().count() as u64,
+        )])
+    };
+    let (creates, destroys) = conformance::check_teardown(&rt, &make, 3, &footprint).await;
+    eprintln!(
+        "e2b runtime against a local Aviary: create median {:?}, destroy median {:?}",
+        conformance::median(&creates),
+        conformance::median(&destroys)
+    );
     assert!(rt.list().await.unwrap().is_empty(), "nothing left listed");
     assert_eq!(
         provider_sandboxes(&p).await,
