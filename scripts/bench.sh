@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota planner pool leases replicas "
+all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -84,6 +84,15 @@ if want quota; then
   write_section quota "$measured p50 / p90 ms:" "$out"
 fi
 
+# gVisor: crun beside runsc (create → first exec, exec), and runsc's memory
+# checkpoint / restore of a sandbox whose process holds 100 MB
+if want gvisor; then
+  cargo test --release --locked -p aviary-runtime-oci --test gvisor -- \
+      --ignored --nocapture measure_checkpoint_cost 2>/dev/null |
+      grep -E '^\|' | tee "$out"
+  write_section gvisor "$measured runsc $(runsc --version | head -1 | awk '{print $3}'), \`--platform=ptrace\`:" "$out"
+fi
+
 # planner: accuracy on the labelled corpus, beside both baselines (no root, seconds)
 if want planner; then
   "$CARGO_TARGET_DIR/release/aviary-bench" planner | tee "$out"
@@ -126,5 +135,10 @@ if want replicas; then
   "$CARGO_TARGET_DIR/release/aviary-bench" replicas "$iterations" | tee "$out"
   services_down
   write_section replicas "$measured" "$out"
+fi
+# the docker runtime beside crun in one server: cold create → first exec, exec round trip
+if want docker; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" docker-runtime "$iterations" | tee "$out"
+  write_section docker "$measured" "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

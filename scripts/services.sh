@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real backing services for the snapshot-store tests: Redis, PostgreSQL and an
 # S3-compatible object store (s3s-fs, which keeps objects as files), all on loopback
-# with their data in a scratch directory.
+# with their data in a scratch directory; and a dockerd of its own for the Docker
+# runtime's tests (no networking, its socket and data under AVIARY_DOCKER_DIR).
 #
 #   scripts/services.sh start > /tmp/aviary-services.env   # installs if needed, starts
 #   . /tmp/aviary-services.env                               # AVIARY_TEST_* variables
@@ -21,6 +22,8 @@ S3_SECRET_KEY="aviary-test-secret"
 S3_BUCKET="aviary-snapshots"
 # s3s-fs 0.17 needs rustc >= 1.96; 0.14.1 is the newest that builds with this toolchain.
 S3S_FS_VERSION="0.14.1"
+# dockerd keeps overlay2 layers here, so not on a tmpfs /tmp
+DOCKER_DIR="${AVIARY_DOCKER_DIR:-/var/tmp/aviary-dockerd}"
 
 log() { echo "services: $*" >&2; }
 
@@ -102,6 +105,39 @@ start_s3() {
     log "s3s-fs on 127.0.0.1:$S3_PORT"
 }
 
+start_dockerd() {
+    if ! command -v dockerd >/dev/null; then
+        log "dockerd is not installed (scripts/deps.sh test installs docker.io): skipping it"
+        return
+    fi
+    mkdir -p "$DOCKER_DIR"
+    if alive "$DOCKER_DIR/dockerd.pid"; then log "dockerd already running"; return; fi
+    # no bridge, no iptables: sandboxes run with network "none"
+    setsid dockerd --data-root "$DOCKER_DIR/data" --exec-root "$DOCKER_DIR/exec" \
+        --pidfile "$DOCKER_DIR/dockerd.pid" -H "unix://$DOCKER_DIR/docker.sock" \
+        --iptables=false --ip-forward=false --ip-masq=false --bridge=none \
+        --storage-driver=overlay2 >"$DOCKER_DIR/dockerd.log" 2>&1 </dev/null &
+    for _ in $(seq 1 100); do
+        if [ -S "$DOCKER_DIR/docker.sock" ] &&
+            docker -H "unix://$DOCKER_DIR/docker.sock" version >/dev/null 2>&1; then
+            log "dockerd on $DOCKER_DIR/docker.sock"
+            return
+        fi
+        sleep 0.1
+    done
+    log "dockerd did not come up (see $DOCKER_DIR/dockerd.log)"; return 1
+}
+
+stop_dockerd() {
+    local pid
+    alive "$DOCKER_DIR/dockerd.pid" || return 0
+    pid=$(cat "$DOCKER_DIR/dockerd.pid")
+    kill "$pid"
+    for _ in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    log "dockerd stopped"
+    # its data (images, containers' layers) is kept for the next run's imports
+}
+
 start() {
     install
     mkdir -p "$DIR"
@@ -109,6 +145,10 @@ start() {
     start_redis
     start_postgres
     start_s3
+    start_dockerd
+    if [ -S "$DOCKER_DIR/docker.sock" ]; then
+        echo "export AVIARY_DOCKER_HOST=$DOCKER_DIR/docker.sock"
+    fi
     cat <<ENV
 export AVIARY_TEST_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
 export AVIARY_TEST_POSTGRES_URL=postgres://postgres@127.0.0.1:$PG_PORT/aviary_test
@@ -131,6 +171,7 @@ stop() {
     if alive "$DIR/s3/s3s-fs.pid"; then
         kill "$(cat "$DIR/s3/s3s-fs.pid")" && log "s3s-fs stopped"
     fi
+    stop_dockerd
     sleep 0.2
     rm -rf "$DIR"
 }

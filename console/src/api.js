@@ -6,6 +6,8 @@
 const KEY = "aviary.apiKey";
 
 export const session = {
+  admin: () => sessionStorage.getItem("aviary.admin") === "1",
+  setAdmin: (yes) => sessionStorage.setItem("aviary.admin", yes ? "1" : "0"),
   key: () => sessionStorage.getItem(KEY),
   set: (k) => sessionStorage.setItem(KEY, k),
   // logging out forgets everything this tab kept (the key, create decisions)
@@ -109,4 +111,77 @@ export function metadataQuery(labels) {
   return Object.entries(labels)
     .map(([k, v]) => `${encodeURIComponent(k)}=${encodeURIComponent(v)}`)
     .join("&");
+}
+
+/** `GET path` as bytes (a file's content); an ApiError on refusal. */
+export async function apiBytes(path, { signal } = {}) {
+  const res = await fetch(path, { headers: headers({ Accept: "application/octet-stream" }), signal });
+  if (!res.ok) throw await failure(res);
+  return res.blob();
+}
+
+/** `PUT path` with raw bytes (an upload); the parsed answer or an ApiError. */
+export async function apiPutBytes(path, body, { token } = {}) {
+  const extra = { "Content-Type": "application/octet-stream" };
+  if (token) extra["x-aviary-lease-token"] = token;
+  const res = await fetch(path, { method: "PUT", headers: headers(extra), body });
+  if (!res.ok) throw await failure(res);
+  return res.json();
+}
+
+/** `GET path` as text (the Prometheus metrics). */
+export async function apiText(path, { signal } = {}) {
+  const res = await fetch(path, { headers: headers({ Accept: "text/plain" }), signal });
+  if (!res.ok) throw await failure(res);
+  return res.text();
+}
+
+/**
+ * A terminal WebSocket into a sandbox. Browsers cannot set headers on a
+ * WebSocket: the key travels as the subprotocol `aviary.bearer.<key>` beside
+ * `aviary.tty.v1` (the server echoes only the latter), never in the URL;
+ * a lease token as `aviary.lease.<token>`.
+ */
+export function ttySocket(id, leaseToken) {
+  const url = new URL(`/v1/sandboxes/${encodeURIComponent(id)}/exec/tty`, location.href);
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  const protocols = ["aviary.tty.v1", `aviary.bearer.${session.key()}`];
+  // a leased sandbox: the token the same way (`aviary.lease.FENCE.SECRET`)
+  if (leaseToken) protocols.push(`aviary.lease.${leaseToken}`);
+  const ws = new WebSocket(url, protocols);
+  ws.binaryType = "arraybuffer";
+  return ws;
+}
+
+/** Whether this key is an admin key (the admin-only key list answers it). */
+export async function probeAdmin() {
+  try {
+    await api("GET", "/v1/keys");
+    return true;
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 403) return false;
+    throw err;
+  }
+}
+
+/**
+ * Prometheus / OpenMetrics text into samples: `[{name, labels, value}]`.
+ * Only what the console charts needs: no exemplars, no timestamps kept.
+ */
+export function parseMetrics(text) {
+  const out = [];
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const m = line.match(/^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)/);
+    if (!m) continue;
+    const labels = {};
+    if (m[3]) {
+      for (const lm of m[3].matchAll(/([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"/g)) {
+        labels[lm[1]] = lm[2].replace(/\\(.)/g, (_, c) => (c === "n" ? "\n" : c));
+      }
+    }
+    const value = Number(m[4]);
+    if (!Number.isNaN(value)) out.push({ name: m[1], labels, value });
+  }
+  return out;
 }

@@ -2,16 +2,23 @@
 //   #/login            API key
 //   #/sandboxes        live list with filters
 //   #/new              create form (shows a policy denial's reason)
-//   #/sandboxes/ID     one sandbox, its live event timeline, destroy
+//   #/sandboxes/ID     one sandbox: terminal, files, processes, snapshots,
+//                      manifest, planner record, live event timeline, destroy
+//   #/planner #/events #/audit        everyone (their own tenant; the admin
+//                                     may widen them to every tenant)
+//   #/pools #/nodes #/charts #/keys   admin keys only
+import "./csp-styles.js";
 import { render } from "preact";
-import { useCallback, useEffect, useRef, useState } from "preact/hooks";
-import { api, ApiError, metadataQuery, parseLabels, readEventStream, session } from "./api.js";
+import { useCallback, useEffect, useState } from "preact/hooks";
+import { api, metadataQuery, parseLabels, probeAdmin, session } from "./api.js";
+import { SandboxPage } from "./sandbox.jsx";
+import { AuditPage, ChartsPage, EventsPage, KeysPage, NodesPage, PlannerPage, PoolsPage } from "./pages.jsx";
+import { age, ErrorNote, go, Heading, Labels, REFRESH_MS } from "./ui.jsx";
 
 const STATES = [
   "Requested", "Planning", "Allocating", "Provisioning", "Locking", "Ready", "Leased", "Running",
   "Idle", "ReuseChecking", "Recycling", "Hibernating", "Sanitizing", "Terminated", "Failed", "Lost",
 ];
-const REFRESH_MS = 2000;
 
 function useHash() {
   const [hash, setHash] = useState(location.hash || "#/sandboxes");
@@ -21,51 +28,6 @@ function useHash() {
     return () => removeEventListener("hashchange", on);
   }, []);
   return hash;
-}
-
-const go = (hash) => {
-  location.hash = hash;
-};
-
-function age(iso, now) {
-  const s = Math.max(0, Math.floor((now - Date.parse(iso)) / 1000));
-  if (s < 60) return `${s}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m`;
-  if (s < 86400) return `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m`;
-  return `${Math.floor(s / 86400)}d`;
-}
-
-function Labels({ labels }) {
-  const entries = Object.entries(labels || {});
-  if (!entries.length) return <span class="muted">none</span>;
-  return (
-    <ul class="labels">
-      {entries.map(([k, v]) => (
-        <li key={k}><code>{k}={v}</code></li>
-      ))}
-    </ul>
-  );
-}
-
-function ErrorNote({ error }) {
-  if (!error) return null;
-  const api = error instanceof ApiError;
-  return (
-    <div class="error" role="alert" data-testid="error">
-      {api ? <strong class="code">{error.code}</strong> : null}
-      {api ? ": " : ""}
-      <span class="message">{error.message}</span>
-      {api && error.requestId ? <span class="muted"> (request {error.requestId})</span> : null}
-    </div>
-  );
-}
-
-// Focuses a page's heading when the page changes, so keyboard and screen
-// reader users land on the new content.
-function Heading({ children }) {
-  const ref = useRef(null);
-  useEffect(() => ref.current && ref.current.focus(), []);
-  return <h1 tabIndex={-1} ref={ref}>{children}</h1>;
 }
 
 function Login({ onLogin }) {
@@ -80,6 +42,8 @@ function Login({ onLogin }) {
       // the key is checked by asking the API for something it guards
       await api("GET", "/v1/sandboxes", undefined, { key: key.trim() });
       session.set(key.trim());
+      // which pages to offer: the admin-only key list answers it
+      session.setAdmin(await probeAdmin());
       onLogin();
     } catch (err) {
       setError(err);
@@ -107,6 +71,7 @@ function SandboxList() {
   const [labelText, setLabelText] = useState("");
   const [showEnded, setShowEnded] = useState(false);
   const [live, setLive] = useState(true);
+  const [allTenants, setAllTenants] = useState(false);
   const [data, setData] = useState(null);
   const [error, setError] = useState(null);
   const [now, setNow] = useState(Date.now());
@@ -115,6 +80,7 @@ function SandboxList() {
     const q = new URLSearchParams();
     if (showEnded || state === "Terminated" || state === "Failed") q.set("all", "true");
     if (state) q.set("state", state);
+    if (allTenants) q.set("all_tenants", "true");
     try {
       const labels = parseLabels(labelText);
       if (Object.keys(labels).length) q.set("metadata", metadataQuery(labels));
@@ -125,7 +91,7 @@ function SandboxList() {
       setError(err);
     }
     setNow(Date.now());
-  }, [state, labelText, showEnded]);
+  }, [state, labelText, showEnded, allTenants]);
 
   useEffect(() => {
     load();
@@ -158,6 +124,12 @@ function SandboxList() {
           <input id="f-live" type="checkbox" checked={live} onChange={(e) => setLive(e.currentTarget.checked)} />
           <label for="f-live">Live refresh</label>
         </div>
+        {session.admin() ? (
+          <div class="check">
+            <input id="f-all-tenants" type="checkbox" checked={allTenants} onChange={(e) => setAllTenants(e.currentTarget.checked)} />
+            <label for="f-all-tenants">All tenants (admin)</label>
+          </div>
+        ) : null}
       </form>
       <ErrorNote error={error} />
       {data === null ? <p aria-busy="true">Loading…</p> : (
@@ -166,15 +138,16 @@ function SandboxList() {
             <caption class="sr-only">Sandboxes visible to this key</caption>
             <thead>
               <tr>
-                <th scope="col">Id</th><th scope="col">State</th><th scope="col">Class</th>
+                <th scope="col">Id</th>{allTenants ? <th scope="col">Tenant</th> : null}<th scope="col">State</th><th scope="col">Class</th>
                 <th scope="col">Runtime</th><th scope="col">Node</th><th scope="col">Lease holder</th>
                 <th scope="col">Age</th><th scope="col">Labels</th>
               </tr>
             </thead>
             <tbody>
               {data.map((s) => (
-                <tr key={s.id} data-sandbox={s.id}>
+                <tr key={s.id} data-sandbox={s.id} data-tenant={s.tenant}>
                   <td data-label="Id"><a href={`#/sandboxes/${encodeURIComponent(s.id)}`}><code>{s.id}</code></a></td>
+                  {allTenants ? <td data-label="Tenant">{s.tenant}</td> : null}
                   <td data-label="State"><span class={`state state-${s.state}`}>{s.state}</span>{s.paused ? " (paused)" : ""}</td>
                   <td data-label="Class">{s.resource_class}</td>
                   <td data-label="Runtime">{s.runtime}</td>
@@ -248,171 +221,6 @@ function CreateSandbox() {
   );
 }
 
-function eventSummary(ev) {
-  const parts = [];
-  if (ev.old_state || ev.new_state) parts.push(`${ev.old_state || "∅"} → ${ev.new_state || "∅"}`);
-  const m = ev.metadata || {};
-  for (const k of ["reason", "message", "action", "branch", "score", "class", "command", "exit_code", "owner"]) {
-    if (m[k] !== undefined && m[k] !== null && typeof m[k] !== "object") parts.push(`${k}: ${m[k]}`);
-  }
-  return parts.join(" · ");
-}
-
-function Timeline({ id }) {
-  const [events, setEvents] = useState([]);
-  const [status, setStatus] = useState("connecting");
-  const [error, setError] = useState(null);
-  useEffect(() => {
-    const ctl = new AbortController();
-    const seen = new Set();
-    const add = (list) => {
-      const fresh = list.filter((e) => !seen.has(e.id));
-      fresh.forEach((e) => seen.add(e.id));
-      if (fresh.length) setEvents((old) => [...old, ...fresh]);
-    };
-    (async () => {
-      // history first, then the live stream from the last id seen; a dropped
-      // stream is reopened from there
-      let after = 0;
-      try {
-        const r = await api("GET", `/v1/sandboxes/${encodeURIComponent(id)}/events?limit=1000&newest=true`, undefined, { signal: ctl.signal });
-        add(r.events);
-        if (r.events.length) after = r.events[r.events.length - 1].id;
-      } catch (err) {
-        if (!ctl.signal.aborted) { setError(err); setStatus("stopped"); }
-        return;
-      }
-      while (!ctl.signal.aborted) {
-        try {
-          await readEventStream(`/v1/events/stream?sandbox=${encodeURIComponent(id)}&after=${after}`, {
-            signal: ctl.signal,
-            onOpen: () => setStatus("live"),
-            onEvent: (type, data) => {
-              if (type !== "event") return;
-              const ev = JSON.parse(data);
-              after = Math.max(after, ev.id);
-              add([ev]);
-            },
-          });
-        } catch (err) {
-          if (ctl.signal.aborted) return;
-          if (err instanceof ApiError) { setError(err); setStatus("stopped"); return; }
-        }
-        if (ctl.signal.aborted) return;
-        setStatus("reconnecting");
-        await new Promise((r) => setTimeout(r, 1000));
-      }
-    })();
-    return () => ctl.abort();
-  }, [id]);
-  return (
-    <section aria-labelledby="timeline-h">
-      <h2 id="timeline-h">Events <span class={`live live-${status}`} data-testid="stream-status">{status}</span></h2>
-      <ErrorNote error={error} />
-      <ol class="timeline" aria-live="polite" data-testid="timeline">
-        {events.map((ev) => (
-          <li key={ev.id} data-event-id={ev.id} data-event-type={ev.event_type}>
-            <time datetime={ev.timestamp}>{new Date(ev.timestamp).toLocaleTimeString()}</time>
-            <strong>{ev.event_type}</strong>
-            <span class="summary">{eventSummary(ev)}</span>
-            {ev.request_id ? <span class="muted"> request {ev.request_id}</span> : null}
-            {ev.metadata && Object.keys(ev.metadata).length ? (
-              <details>
-                <summary>details</summary>
-                <pre>{JSON.stringify(ev.metadata, null, 2)}</pre>
-              </details>
-            ) : null}
-          </li>
-        ))}
-      </ol>
-    </section>
-  );
-}
-
-function SandboxPage({ id }) {
-  const [sbx, setSbx] = useState(null);
-  const [error, setError] = useState(null);
-  const [confirming, setConfirming] = useState(false);
-  const [note, setNote] = useState(null);
-  const load = useCallback(async () => {
-    try {
-      setSbx(await api("GET", `/v1/sandboxes/${encodeURIComponent(id)}`));
-      setError(null);
-    } catch (err) {
-      setError(err);
-    }
-  }, [id]);
-  useEffect(() => {
-    load();
-    const t = setInterval(load, REFRESH_MS);
-    return () => clearInterval(t);
-  }, [load]);
-  const destroy = async () => {
-    try {
-      await api("DELETE", `/v1/sandboxes/${encodeURIComponent(id)}`);
-      setConfirming(false);
-      setNote("Destroyed.");
-      load();
-    } catch (err) {
-      setError(err);
-    }
-  };
-  const ended = sbx && (sbx.state === "Terminated" || sbx.state === "Failed");
-  let decision = null;
-  try {
-    decision = JSON.parse(sessionStorage.getItem(`aviary.decision.${id}`) || "null");
-  } catch {
-    decision = null;
-  }
-  return (
-    <main id="main">
-      <Heading>Sandbox <code>{id}</code></Heading>
-      <ErrorNote error={error} />
-      {note ? <p role="status" data-testid="note">{note}</p> : null}
-      {sbx ? (
-        <>
-          <dl class="fields" data-testid="fields">
-            {[
-              ["State", `${sbx.state}${sbx.paused ? " (paused)" : ""}`], ["Tenant", sbx.tenant],
-              ["Class", sbx.resource_class],
-              ["Resources", sbx.resources ? `${sbx.resources.cpu} CPU, ${sbx.resources.memory_mb} MiB` : ""],
-              ["Template", sbx.template], ["Template digest", sbx.template_digest], ["Runtime", sbx.runtime],
-              ["Node", sbx.node], ["Network", sbx.network_profile], ["Scope", sbx.scope],
-              ["User", sbx.user_id || "—"], ["Session", sbx.session_id || "—"], ["Agent", sbx.agent || "—"],
-              ["Lease holder", sbx.lease_owner || "none"], ["Created", sbx.created_at],
-              ["Expires", sbx.expires_at || "never"], ["Tainted", sbx.tainted ? "yes" : "no"],
-            ].map(([k, v]) => (
-              <div key={k}><dt>{k}</dt><dd data-field={k}>{String(v)}</dd></div>
-            ))}
-            <div><dt>Labels</dt><dd><Labels labels={sbx.metadata} /></dd></div>
-          </dl>
-          {decision ? (
-            <section aria-labelledby="decision-h" data-testid="decision">
-              <h2 id="decision-h">Create decision</h2>
-              <dl class="fields">
-                <div><dt>Action</dt><dd data-decision="action">{decision.action}</dd></div>
-                <div><dt>Restore branch</dt><dd data-decision="branch">{decision.branch}</dd></div>
-                <div><dt>Score</dt><dd data-decision="score">{String(decision.score)}</dd></div>
-                <div><dt>Reason</dt><dd data-decision="reason">{decision.reason}</dd></div>
-              </dl>
-            </section>
-          ) : null}
-          {ended ? null : confirming ? (
-            <div class="confirm" role="group" aria-label="Confirm destroy">
-              <p>Destroy this sandbox? Its processes and files are gone for good.</p>
-              <button type="button" class="danger" onClick={destroy}>Yes, destroy</button>
-              <button type="button" onClick={() => setConfirming(false)}>Cancel</button>
-            </div>
-          ) : (
-            <button type="button" class="danger" onClick={() => setConfirming(true)}>Destroy…</button>
-          )}
-        </>
-      ) : error ? null : <p aria-busy="true">Loading…</p>}
-      {error && error.status === 404 ? null : <Timeline id={id} />}
-    </main>
-  );
-}
-
 function App() {
   const hash = useHash();
   const [key, setKey] = useState(session.key());
@@ -422,10 +230,15 @@ function App() {
     go("#/login");
   };
   if (!key) return <Login onLogin={() => { setKey(session.key()); go("#/sandboxes"); }} />;
+  const admin = session.admin();
   const m = hash.match(/^#\/sandboxes\/([^/]+)$/);
+  const pages = {
+    "#/new": CreateSandbox, "#/planner": PlannerPage, "#/events": EventsPage, "#/audit": AuditPage,
+    ...(admin ? { "#/pools": PoolsPage, "#/nodes": NodesPage, "#/charts": ChartsPage, "#/keys": KeysPage } : {}),
+  };
   let page;
   if (m) page = <SandboxPage key={m[1]} id={decodeURIComponent(m[1])} />;
-  else if (hash === "#/new") page = <CreateSandbox />;
+  else if (pages[hash]) { const P = pages[hash]; page = <P key={hash} />; }
   else page = <SandboxList />;
   const current = (h) => (hash === h ? "page" : undefined);
   return (
@@ -435,6 +248,17 @@ function App() {
         <nav aria-label="Main">
           <a href="#/sandboxes" aria-current={current("#/sandboxes")}>Sandboxes</a>
           <a href="#/new" aria-current={current("#/new")}>New sandbox</a>
+          <a href="#/planner" aria-current={current("#/planner")}>Planner</a>
+          <a href="#/events" aria-current={current("#/events")}>Events</a>
+          <a href="#/audit" aria-current={current("#/audit")}>Audit</a>
+          {admin ? (
+            <>
+              <a href="#/pools" aria-current={current("#/pools")}>Pools</a>
+              <a href="#/nodes" aria-current={current("#/nodes")}>Nodes</a>
+              <a href="#/charts" aria-current={current("#/charts")}>Charts</a>
+              <a href="#/keys" aria-current={current("#/keys")}>Tenants and keys</a>
+            </>
+          ) : null}
           <button type="button" class="link" onClick={logout}>Log out</button>
         </nav>
       </header>

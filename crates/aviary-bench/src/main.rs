@@ -12,9 +12,12 @@
 //! churn, hits and hit/miss latency ([`pool_churn`]); `aviary-bench leases
 //! [CYCLES]` lease operations per second on each lease store beside
 //! `redis-benchmark` ([`leases`]); `aviary-bench replicas [ITERATIONS]`
-//! distributed create → first exec and Lost → restored times ([`replicas`]).
+//! distributed create → first exec and Lost → restored times ([`replicas`]);
+//! `aviary-bench docker-runtime [ITERATIONS]` the `docker` runtime beside
+//! crun in one server ([`docker_runtime`]).
 #![forbid(unsafe_code)]
 
+mod docker_runtime;
 mod leases;
 mod planner;
 mod pool_churn;
@@ -68,6 +71,14 @@ fn work_dir() -> anyhow::Result<tempfile::TempDir> {
 /// (`python-small` on busybox, empty until `pool set`), and waits until it is
 /// ready.
 async fn start_server(work: &Path) -> anyhow::Result<aviary_server::RunningServer> {
+    start_server_with(work, |_| {}).await
+}
+
+/// [`start_server`] with its configuration changed by `edit` first.
+async fn start_server_with(
+    work: &Path,
+    edit: impl FnOnce(&mut aviary_server::config::ServerConfig),
+) -> anyhow::Result<aviary_server::RunningServer> {
     let envd = PathBuf::from(
         std::env::var("AVIARY_ENVD")
             .context("AVIARY_ENVD must name the static envd (scripts/bench.sh sets it)")?,
@@ -93,6 +104,7 @@ async fn start_server(work: &Path) -> anyhow::Result<aviary_server::RunningServe
         buffer_min: 0,
         buffer_max: 0,
     }];
+    edit(&mut cfg);
     let server = aviary_server::start(cfg, |_| {}).await?;
     if server.control_plane.wait_ready().await != aviary_server::ops::Readiness::Ready {
         bail!("server did not get ready");
@@ -141,6 +153,10 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("pool-churn") {
         let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
         return pool_churn::run(cycles).await;
+    }
+    if args.get(1).map(String::as_str) == Some("docker-runtime") {
+        let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
+        return docker_runtime::run(iters).await;
     }
     if args.get(1).map(String::as_str) == Some("replicas") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);

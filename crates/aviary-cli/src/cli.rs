@@ -189,7 +189,7 @@ struct CreateArgs {
     /// You manage this sandbox's life: the platform only stops (hibernates) it, never destroys it.
     #[arg(long)]
     user_managed: bool,
-    /// Runtime to run on (crun, runc): one the class offers and the server serves
+    /// Runtime to run on (crun, runc, runsc): one the class offers and the server serves
     /// (`aviary nodes ls` lists them); default: the server's default runtime.
     #[arg(long)]
     runtime: Option<String>,
@@ -1955,7 +1955,7 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
             .parse::<aviary_core::RuntimeName>()
             .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?,
     )
-    .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?;
+    .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e.to_string()))?;
     let templates_dir = a
         .templates_dir
         .unwrap_or_else(|| a.data_dir.join("templates"));

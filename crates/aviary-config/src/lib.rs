@@ -130,6 +130,9 @@ pub struct ServerSettings {
     /// `slirp4netns`, always-denied ranges refused by a firewall in the
     /// sandbox's namespace). Off: `open` creates are refused by the node.
     pub open_network: bool,
+    /// dockerd's API socket, for the `docker` runtime (used only when
+    /// `runtimes` lists it).
+    pub docker_socket: PathBuf,
 }
 
 /// The HTTP edge's limits (keys of `[server]`). Every value is positive.
@@ -515,6 +518,7 @@ pub(crate) fn default_server() -> ServerSettings {
         default_class: "python-small".into(),
         edge: default_edge(),
         open_network: false,
+        docker_socket: PathBuf::from("/var/run/docker.sock"),
     }
 }
 

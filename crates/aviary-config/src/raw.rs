@@ -70,6 +70,7 @@ struct RawServer {
     rate_limit_burst: Option<Spanned<u32>>,
     metrics_token_env: Option<Spanned<String>>,
     open_network: Option<bool>,
+    docker_socket: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -575,6 +576,15 @@ fn check_server(
     if let Some(raw) = raw {
         if let Some(open) = raw.open_network {
             s.open_network = open;
+        }
+        if let Some(sock) = raw.docker_socket {
+            ck.check(
+                sock.get_ref().starts_with('/'),
+                &sock.span(),
+                || "server.docker_socket".into(),
+                || "server: docker_socket must be an absolute path".into(),
+            )?;
+            s.docker_socket = PathBuf::from(sock.into_inner());
         }
         if let Some(dir) = raw.data_dir {
             ck.check(

@@ -1211,8 +1211,8 @@ fn server_runtimes_default_to_the_runtime_and_must_include_it() {
         let err = Config::from_str(text, ORIGIN).unwrap_err();
         assert_eq!(err.key(), Some("server.runtimes"), "{text}: {err}");
     }
-    let err = Config::from_str("[server]\nruntimes = [\"docker\"]\n", ORIGIN).unwrap_err();
-    assert!(err.to_string().contains("docker"), "{err}");
+    let err = Config::from_str("[server]\nruntimes = [\"kata\"]\n", ORIGIN).unwrap_err();
+    assert!(err.to_string().contains("kata"), "{err}");
 }
 
 #[test]

@@ -498,7 +498,12 @@ impl ControlPlane {
             // crash may have left its old compute behind), a lost one waits
             // for its owner to delete it
             SandboxState::Hibernating => {
-                if on_runtime {
+                // (a memory checkpoint is the compute it wakes from)
+                let checkpointed = match &capable.checkpointable {
+                    Some(c) => c.has_checkpoint(&rec.id).await.unwrap_or(false),
+                    None => false,
+                };
+                if on_runtime && !checkpointed {
                     let _ = runtime.destroy(&rec.id).await;
                 }
                 return Ok(());
@@ -770,6 +775,21 @@ impl ControlPlane {
         }
     }
 
+    /// Any tenant's sandbox, for an admin's cross-tenant view (the caller
+    /// was checked to be an admin).
+    async fn any_sandbox(&self, id: &str) -> Result<SandboxRecord, OpError> {
+        let sid: SandboxId = id
+            .parse()
+            .map_err(|_| OpError::NotFound(format!("sandbox {id:?}")))?;
+        match self.registry.get_sandbox(&sid).await {
+            Ok(rec) => Ok(rec),
+            Err(aviary_registry::RegistryError::NotFound) => {
+                Err(OpError::NotFound(format!("sandbox {id}")))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     pub(crate) async fn view(&self, rec: &SandboxRecord) -> Result<Sandbox, OpError> {
         let owner = if rec.state.is_terminal() {
             None
@@ -787,13 +807,31 @@ impl ControlPlane {
         self.view(&rec).await
     }
 
+    /// Any tenant's sandbox, read only: admin keys only (`forbidden` for
+    /// any other caller, before anything is read).
+    pub async fn get_any_tenant(
+        &self,
+        cx: &OpContext,
+        req: SandboxRef,
+    ) -> Result<Sandbox, OpError> {
+        cx.require_admin("reading another tenant's sandbox")?;
+        let rec = self.any_sandbox(&req.id).await?;
+        self.view(&rec).await
+    }
+
     pub async fn list(&self, cx: &OpContext, req: SandboxQuery) -> Result<Vec<Sandbox>, OpError> {
+        let tenant = if req.all_tenants {
+            cx.require_admin("listing every tenant's sandboxes")?;
+            None
+        } else {
+            Some(cx.caller.tenant.as_str())
+        };
         crate::validate::labels(&req.metadata)?;
         let include_terminated =
             req.include_terminated || req.state == Some(SandboxState::Terminated);
         let recs = self
             .registry
-            .list_sandboxes(Some(&cx.caller.tenant), include_terminated)
+            .list_sandboxes(tenant, include_terminated)
             .await?;
         let mut out = Vec::with_capacity(recs.len());
         for r in recs.iter().filter(|r| {
@@ -1322,12 +1360,23 @@ impl ControlPlane {
         rec: SandboxRecord,
         allocation_id: Option<i64>,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
-        let id = &spec.id;
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let handle = runtime
             .create(spec)
             .await
             .map_err(OpError::runtime("runtime could not create the sandbox"))?;
+        self.attach_compute(&handle, rec, allocation_id).await
+    }
+
+    /// Attaches new compute (a create, or a restore of a memory
+    /// checkpoint): waits for its envd, records the runtime instance.
+    pub(crate) async fn attach_compute(
+        &self,
+        handle: &aviary_runtime::SandboxHandle,
+        rec: SandboxRecord,
+        allocation_id: Option<i64>,
+    ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
+        let id = &handle.id;
         let envd = match self.nodes.get(&rec.node) {
             Some(n) => n.runtime.envd(id),
             None => envd_client(&handle.envd_endpoint()),
@@ -2325,15 +2374,22 @@ impl ControlPlane {
     // ---- events and templates -----------------------------------------------
 
     pub async fn events(&self, cx: &OpContext, req: EventQuery) -> Result<Vec<Event>, OpError> {
-        let sandbox_id = match &req.sandbox {
-            Some(s) => Some(self.sandbox_for(&cx.caller, s).await?.id),
-            None => None,
+        let tenant = if req.all_tenants {
+            cx.require_admin("reading every tenant's events")?;
+            None
+        } else {
+            Some(cx.caller.tenant.clone())
+        };
+        let sandbox_id = match (&req.sandbox, &tenant) {
+            (Some(s), Some(_)) => Some(self.sandbox_for(&cx.caller, s).await?.id),
+            (Some(s), None) => Some(self.any_sandbox(s).await?.id),
+            (None, _) => None,
         };
         let limit = req.limit.unwrap_or(100).clamp(1, 1000);
         Ok(self
             .registry
             .list_events(&EventFilter {
-                tenant: Some(cx.caller.tenant.clone()),
+                tenant,
                 sandbox_id,
                 after_id: req.after,
                 limit,

@@ -125,6 +125,9 @@ pub struct SandboxQuery {
     /// Only sandboxes working for this end user / in this session.
     pub user_id: Option<String>,
     pub session_id: Option<String>,
+    /// Every tenant's sandboxes, not only the caller's: admin keys only
+    /// (`forbidden` for any other caller, before anything is read).
+    pub all_tenants: bool,
 }
 
 impl SandboxQuery {
@@ -173,6 +176,10 @@ pub struct EventQuery {
     /// The last `limit` events (after `after`) instead of the first; the
     /// answer is oldest first either way.
     pub newest: bool,
+    /// Every tenant's events (and `sandbox` may name any tenant's
+    /// sandbox): admin keys only (`forbidden` for any other caller, before
+    /// anything is read).
+    pub all_tenants: bool,
 }
 
 /// The caller's snapshots, of one sandbox when given.

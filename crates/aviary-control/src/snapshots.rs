@@ -410,6 +410,9 @@ impl ControlPlane {
         let create = CreateSandboxRequest {
             template: Some(snap.template.clone()),
             class: Some(snap.resource_class.clone()),
+            // the child runs where its parent does (crun, runc, docker ...),
+            // not on the node's default runtime
+            runtime: Some(parent.runtime.clone()),
             ..Default::default()
         };
         let mut resp = self.create_seeded(cx, create, Some(snap.clone())).await?;
@@ -419,6 +422,22 @@ impl ControlPlane {
             reason: format!("forked from snapshot {} of {}", snap.id, parent.id),
             score: 1.0,
         };
+        // the lineage (snapshot → fork), on the fork's log; the fork exists
+        // either way, so a failed write is logged, not answered
+        let child = &resp.sandbox;
+        if let Err(e) = self
+            .record_event(
+                &child.tenant,
+                Some(&child.id),
+                Some(child.state),
+                "forked",
+                cx.request_id(),
+                serde_json::json!({"snapshot": snap.id, "parent_sandbox": parent.id.as_str()}),
+            )
+            .await
+        {
+            tracing::warn!(sandbox.id = %child.id, error = %e, "could not record the fork's lineage");
+        }
         Ok(resp)
     }
 
@@ -466,7 +485,28 @@ impl ControlPlane {
             )
             .await?;
         self.forget_live(&rec.id);
-        if let Err(e) = self
+        // A runtime with memory checkpoints keeps the running processes (wake
+        // continues them); when that fails, or without one, the compute goes
+        // and wake starts from the file-system snapshot just taken.
+        let kept = match self.checkpoints_for(&rec) {
+            Some(c) => match c.checkpoint(&rec.id).await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(sandbox.id = %rec.id, error = %e, "memory checkpoint failed: waking from the file-system snapshot");
+                    false
+                }
+            },
+            None => false,
+        };
+        if kept {
+            let meta = serde_json::json!({"snapshot": snap.id});
+            if let Err(e) = self
+                .event(&rec, "memory_checkpointed", request_id, meta)
+                .await
+            {
+                tracing::warn!(sandbox.id = %rec.id, error = %e, "could not record the memory checkpoint");
+            }
+        } else if let Err(e) = self
             .runtime_for(&rec.node, &rec.runtime)?
             .destroy(&rec.id)
             .await
@@ -474,6 +514,62 @@ impl ControlPlane {
             tracing::warn!(sandbox.id = %rec.id, error = %e, "stopping hibernated compute failed");
         }
         self.view(&rec).await
+    }
+
+    /// The memory checkpoints of `rec`'s runtime, when it is one of this
+    /// host's own and has them.
+    fn checkpoints_for(
+        &self,
+        rec: &SandboxRecord,
+    ) -> Option<Arc<dyn aviary_runtime::Checkpointable>> {
+        self.drives_own_node(&rec.node)
+            .then(|| self.local_runtime(&rec.runtime).ok())
+            .flatten()
+            .and_then(|r| r.checkpointable.clone())
+    }
+
+    /// Wakes `rec` from its memory checkpoint, when it has one: `None` when
+    /// there is none, or when the restore failed (its compute is then
+    /// destroyed, and the caller wakes from the file-system snapshot).
+    async fn wake_from_memory(
+        &self,
+        rec: &SandboxRecord,
+        request_id: Option<&str>,
+    ) -> Option<Result<SandboxRecord, OpError>> {
+        let c = self.checkpoints_for(rec)?;
+        if !c.has_checkpoint(&rec.id).await.unwrap_or(false) {
+            return None;
+        }
+        let restored = async {
+            let template = self.template_info(&rec.template).await?;
+            let spec = self.sandbox_spec(
+                &rec.id,
+                &template,
+                rec.resources,
+                rec.network_profile,
+                self.egress_of(rec)?,
+            );
+            let handle = c.restore(&spec).await.map_err(OpError::runtime(
+                "runtime could not restore the sandbox's memory",
+            ))?;
+            let (rec, live) = self.attach_compute(&handle, rec.clone(), None).await?;
+            self.finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
+                .await
+        }
+        .await;
+        match restored {
+            Ok((rec, _)) => Some(Ok(rec)),
+            Err(e) => {
+                tracing::warn!(sandbox.id = %rec.id, error = %e, "restoring the memory checkpoint failed: waking from the file-system snapshot");
+                self.forget_live(&rec.id);
+                if let Err(e) = c.destroy(&rec.id).await {
+                    return Some(Err(OpError::runtime(
+                        "runtime could not remove a failed memory restore",
+                    )(e)));
+                }
+                None
+            }
+        }
     }
 
     /// Hibernating → Provisioning → Idle: new compute with the last snapshot.
@@ -536,6 +632,9 @@ impl ControlPlane {
             )
             .await?;
         drop(placement);
+        if let Some(woken) = self.wake_from_memory(&rec, request_id).await {
+            return woken;
+        }
         let woken = async {
             let template = self.template_info(&rec.template).await?;
             self.stage_seed(&snap, &rec).await?;

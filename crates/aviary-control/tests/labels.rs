@@ -324,4 +324,85 @@ mod tests {
                 .unwrap_err();
         assert_eq!(e.code(), ErrorCode::NotFound);
     }
+
+    /// `all_tenants`: an admin sees every tenant's sandboxes and events; a
+    /// tenant asking is `forbidden` before anything is read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn all_tenants_is_for_admins_only() {
+        use aviary_control::requests::EventQuery;
+        let p = plane().await;
+        let (alice, bob) = (tenant("alice"), tenant("bob"));
+        let a =
+            p.cp.create(&alice, CreateSandboxRequest::default())
+                .await
+                .unwrap()
+                .sandbox;
+        let b =
+            p.cp.create(&bob, CreateSandboxRequest::default())
+                .await
+                .unwrap()
+                .sandbox;
+        let everyone = SandboxQuery {
+            all_tenants: true,
+            ..Default::default()
+        };
+        let refused = p.cp.list(&alice, everyone.clone()).await.unwrap_err();
+        assert_eq!(refused.code(), ErrorCode::Forbidden, "{refused}");
+        let all_events = EventQuery {
+            all_tenants: true,
+            limit: Some(1000),
+            ..Default::default()
+        };
+        let refused = p.cp.events(&alice, all_events.clone()).await.unwrap_err();
+        assert_eq!(refused.code(), ErrorCode::Forbidden, "{refused}");
+        let refused =
+            p.cp.events(
+                &alice,
+                EventQuery {
+                    sandbox: Some(b.id.to_string()),
+                    ..all_events.clone()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), ErrorCode::Forbidden, "{refused}");
+
+        // the admin: neither by default (its own tenant), both when asked
+        let own = p.cp.list(&admin(), SandboxQuery::default()).await.unwrap();
+        assert!(own.iter().all(|s| s.id != a.id && s.id != b.id), "{own:?}");
+        let all = p.cp.list(&admin(), everyone).await.unwrap();
+        for (id, t) in [(&a.id, "alice"), (&b.id, "bob")] {
+            assert_eq!(
+                all.iter().find(|s| s.id == *id).map(|s| s.tenant.as_str()),
+                Some(t)
+            );
+        }
+        let events = p.cp.events(&admin(), all_events.clone()).await.unwrap();
+        assert!(events.iter().any(|e| e.tenant == "alice"));
+        assert!(events.iter().any(|e| e.tenant == "bob"));
+        let of_b =
+            p.cp.events(
+                &admin(),
+                EventQuery {
+                    sandbox: Some(b.id.to_string()),
+                    ..all_events
+                },
+            )
+            .await
+            .unwrap();
+        assert!(!of_b.is_empty());
+        assert!(of_b.iter().all(|e| e.sandbox_id.as_ref() == Some(&b.id)));
+        // without the flag the admin cannot read bob's sandbox's events
+        let hidden =
+            p.cp.events(
+                &admin(),
+                EventQuery {
+                    sandbox: Some(b.id.to_string()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(hidden.code(), ErrorCode::NotFound);
+    }
 }

@@ -16,6 +16,12 @@ pub enum RuntimeName {
     Crun,
     /// `runc` driving OCI containers.
     Runc,
+    /// gVisor's `runsc` (ptrace platform): a user-space kernel between the
+    /// sandbox and the host's, with memory checkpoints.
+    Runsc,
+    /// Containers of a `dockerd` the operator runs, through the Docker
+    /// Engine API (`aviary-runtime-docker`).
+    Docker,
     /// An E2B-compatible service (`[remote_e2b]`, `aviary-runtime-remote`):
     /// sandboxes run by the provider, not on this host.
     E2b,
@@ -23,12 +29,20 @@ pub enum RuntimeName {
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 3] = [RuntimeName::Crun, RuntimeName::Runc, RuntimeName::E2b];
+    pub const ALL: [RuntimeName; 5] = [
+        RuntimeName::Crun,
+        RuntimeName::Runc,
+        RuntimeName::Runsc,
+        RuntimeName::Docker,
+        RuntimeName::E2b,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RuntimeName::Crun => "crun",
             RuntimeName::Runc => "runc",
+            RuntimeName::Runsc => "runsc",
+            RuntimeName::Docker => "docker",
             RuntimeName::E2b => "e2b",
         }
     }
@@ -73,7 +87,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc|e2b)"
+            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b)"
         );
     }
 }

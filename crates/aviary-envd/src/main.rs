@@ -17,6 +17,16 @@
 //! reach envd's socket at all. `--socket PATH` (bind a path and listen) remains
 //! for tests and development.
 //!
+//! **Under gVisor** (`runsc`, which cannot pass a descriptor in) envd binds
+//! `--socket PATH` itself in a directory the runtime bind-mounts from the
+//! host, and `runsc --host-uds=create` makes that a host socket: the host
+//! connects to it, processes in the sandbox cannot (`connect` answers
+//! `EPERM` without `--host-uds=open`). gVisor shows every such host peer to
+//! envd as envd itself (`SO_PEERCRED` pid = envd's own pid), so with
+//! `--gvisor-host-socket` envd takes a peer with its own pid for the host.
+//! It then also steps aside for a memory checkpoint when the host signals
+//! (see `hostsock`).
+//!
 //! **PID 1.** As PID 1 it reaps every zombie in the sandbox and, on SIGTERM from
 //! outside the sandbox, kills everything and exits. It makes itself
 //! non-dumpable at start, so root inside the sandbox (without `CAP_SYS_PTRACE`
@@ -41,6 +51,7 @@ mod bridge;
 mod egress;
 mod exec;
 mod files;
+mod hostsock;
 mod procs;
 mod pty;
 mod reaper;
@@ -61,7 +72,7 @@ use aviary_envd_proto::{ErrorBody, ErrorCode};
 use crate::files::SandboxFs;
 use crate::server::{ConnectionSlot, Envd, Lane};
 
-const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH) [--root DIR] [--trust-all-peers] [--no-openat2]
+const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH [--gvisor-host-socket]) [--root DIR] [--trust-all-peers] [--no-openat2]
                    [--bridge ADDR --bridge-secret-file FILE] [--daemon]
 
   --listen-fd N       serve the inherited socket N (socket activation): an AF_UNIX
@@ -70,6 +81,11 @@ const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH) [--root 
                       and calls listen() itself, so SO_PEERCRED names envd
   --socket PATH       bind and serve a unix socket at PATH (a stale socket file is
                       replaced). For tests: code in the sandbox can reach PATH
+  --gvisor-host-socket
+                      PATH is in a host dir mounted under gVisor with
+                      --host-uds=create: only the host can connect, and gVisor
+                      shows that peer as envd's own pid, which envd then takes
+                      for the host (control operations)
   --root DIR          root of the file API and default exec cwd (default /);
                       file paths are confined to DIR
   --trust-all-peers   accept set_fence from any peer. Without it only peers in an
@@ -99,6 +115,7 @@ struct Args {
     listen: Listen,
     root: PathBuf,
     trust_all_peers: bool,
+    gvisor_host_socket: bool,
     openat2: bool,
     /// `--bridge`: its address, the secret file, envd's socket path.
     bridge: Option<(String, PathBuf, PathBuf)>,
@@ -110,6 +127,7 @@ fn parse_args() -> Result<Args, String> {
     let mut listen_fd = None;
     let mut root = PathBuf::from("/");
     let mut trust_all_peers = false;
+    let mut gvisor_host_socket = false;
     let mut openat2 = true;
     let (mut bridge, mut bridge_secret, mut daemon) = (None, None, false);
     let mut it = std::env::args_os().skip(1);
@@ -128,6 +146,7 @@ fn parse_args() -> Result<Args, String> {
             }
             Some("--root") => root = PathBuf::from(it.next().ok_or("--root needs a value")?),
             Some("--trust-all-peers") => trust_all_peers = true,
+            Some("--gvisor-host-socket") => gvisor_host_socket = true,
             Some("--no-openat2") => openat2 = false,
             Some("--bridge") => {
                 let v = it.next().ok_or("--bridge needs a value")?;
@@ -163,6 +182,9 @@ fn parse_args() -> Result<Args, String> {
         }
         (None, None) => return Err(format!("--listen-fd or --socket is required\n{USAGE}")),
     };
+    if gvisor_host_socket && !matches!(listen, Listen::Path(_)) {
+        return Err(format!("--gvisor-host-socket needs --socket\n{USAGE}"));
+    }
     let bridge = match (bridge, bridge_secret, &listen) {
         (None, None, _) => None,
         (Some(addr), Some(secret), Listen::Path(p)) => Some((addr, secret, p.clone())),
@@ -179,13 +201,14 @@ fn parse_args() -> Result<Args, String> {
         listen,
         root,
         trust_all_peers,
+        gvisor_host_socket,
         openat2,
         bridge,
         daemon,
     })
 }
 
-fn bind(socket: &Path) -> std::io::Result<UnixListener> {
+pub(crate) fn bind(socket: &Path) -> std::io::Result<UnixListener> {
     if let Ok(meta) = std::fs::symlink_metadata(socket) {
         if meta.file_type().is_socket() {
             std::fs::remove_file(socket)?;
@@ -197,7 +220,7 @@ fn bind(socket: &Path) -> std::io::Result<UnixListener> {
 fn main() {
     // Before any thread exists, so that every thread inherits the mask and only
     // the signal thread receives these (children get a clean mask from std).
-    if let Err(e) = sys::block_signals(&[libc::SIGCHLD, libc::SIGTERM, libc::SIGINT]) {
+    if let Err(e) = sys::block_signals(HANDLED_SIGNALS) {
         eprintln!("envd: block signals: {e}");
         std::process::exit(1);
     }
@@ -288,7 +311,8 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let mut envd = Envd::new(args.root, fs, pid1, args.trust_all_peers);
+    let mut envd = Envd::new(args.root, fs, pid1, args.trust_all_peers)
+        .with_gvisor_host_socket(args.gvisor_host_socket);
     if let Some(bridge) = bridge {
         envd.bridge_peer = Some(sys::getpid());
         if let Err(e) = bridge::start(bridge) {
@@ -300,11 +324,14 @@ fn main() {
     // the `allowlist` profile's in-sandbox end (only when its socket is mounted)
     egress::start();
 
+    let gate = Arc::new(hostsock::Gate::default());
     let sig_envd = Arc::clone(&envd);
+    let sig_gate = args.gvisor_host_socket.then(|| Arc::clone(&gate));
+    let sig_socket = socket_path.clone();
     let spawned = std::thread::Builder::new()
         .name("envd-signals".into())
         .stack_size(64 * 1024)
-        .spawn(move || signal_loop(&sig_envd, socket_path.as_deref()));
+        .spawn(move || signal_loop(&sig_envd, sig_socket.as_deref(), sig_gate.as_deref()));
     if let Err(e) = spawned {
         eprintln!("envd: start signal thread: {e}");
         std::process::exit(1);
@@ -330,12 +357,50 @@ fn main() {
         std::process::exit(1);
     }
 
+    if let (true, Some(path)) = (args.gvisor_host_socket, &socket_path) {
+        // `hostsock::serve` steps aside on the host's request
+        let live_envd = Arc::clone(&envd);
+        let served = hostsock::serve(
+            listener,
+            path,
+            &gate,
+            &|| live_envd.live_connections(),
+            &mut |conn| serve_connection(&envd, &control_tx, conn),
+        );
+        if let Err(e) = served {
+            eprintln!("envd: serve {}: {e}", path.display());
+            std::process::exit(1);
+        }
+        return;
+    }
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let Some(slot) = envd.try_acquire_connection() else {
-            overflow(&control_tx, None, conn);
-            continue;
-        };
+        serve_connection(&envd, &control_tx, conn);
+    }
+}
+
+/// Signals the signal thread waits for (blocked in every thread): SIGUSR1
+/// and SIGUSR2 are the host's quiesce / resume under gVisor (`hostsock`).
+const HANDLED_SIGNALS: &[libc::c_int] = &[
+    libc::SIGCHLD,
+    libc::SIGTERM,
+    libc::SIGINT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+];
+
+/// Gives `conn` a thread of its own, or the control thread when none can
+/// be had.
+fn serve_connection(
+    envd: &Arc<Envd>,
+    control_tx: &std::sync::mpsc::SyncSender<(Option<ConnectionSlot>, UnixStream)>,
+    conn: UnixStream,
+) {
+    let Some(slot) = envd.try_acquire_connection() else {
+        overflow(control_tx, None, conn);
+        return;
+    };
+    {
         // The connection comes back if no thread can be started for it.
         let cell = Arc::new(Mutex::new(Some((slot, conn))));
         let mine = Arc::clone(&cell);
@@ -351,7 +416,7 @@ fn main() {
         if spawned.is_err() {
             let taken = cell.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some((slot, conn)) = taken {
-                overflow(&control_tx, Some(slot), conn);
+                overflow(control_tx, Some(slot), conn);
             }
         }
     }
@@ -382,16 +447,14 @@ fn overflow(
     );
 }
 
-/// Reaps children on SIGCHLD and shuts down on SIGTERM/SIGINT.
-fn signal_loop(envd: &Envd, socket: Option<&Path>) {
+/// Reaps children on SIGCHLD and shuts down on SIGTERM/SIGINT; with a
+/// gVisor host socket, SIGUSR1/SIGUSR2 from the host quiesce and resume it.
+fn signal_loop(envd: &Envd, socket: Option<&Path>, gate: Option<&hostsock::Gate>) {
     loop {
         envd.reaper.reap_available();
         // The timeout is a safety net for processes that join the sandbox from
         // outside (runtime exec) and are re-parented to us later.
-        let Some((sig, sender)) = sys::wait_signal(
-            &[libc::SIGCHLD, libc::SIGTERM, libc::SIGINT],
-            Duration::from_secs(1),
-        ) else {
+        let Some((sig, sender)) = sys::wait_signal(HANDLED_SIGNALS, Duration::from_secs(1)) else {
             continue;
         };
         if sig == libc::SIGCHLD {
@@ -402,7 +465,12 @@ fn signal_loop(envd: &Envd, socket: Option<&Path>) {
             eprintln!("envd: ignoring signal {sig} from pid {sender} inside the sandbox");
             continue;
         }
-        shutdown(envd, socket);
+        match (sig, gate) {
+            (libc::SIGUSR1, Some(gate)) => gate.quiesce(),
+            (libc::SIGUSR2, Some(gate)) => gate.resume(),
+            (libc::SIGUSR1 | libc::SIGUSR2, None) => {}
+            _ => shutdown(envd, socket),
+        }
     }
 }
 

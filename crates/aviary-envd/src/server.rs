@@ -97,6 +97,9 @@ pub struct Envd {
     /// With `--bridge`: envd's own pid, the peer of every bridged
     /// connection (the host), which may move the fence like a peer outside.
     pub bridge_peer: Option<i32>,
+    /// The socket is a gVisor host socket (`--gvisor-host-socket`): a peer
+    /// whose pid is envd's own is the host.
+    pub gvisor_host_socket: bool,
     /// Root of the file API, and the default working directory of exec.
     pub root: PathBuf,
     pub fs: SandboxFs,
@@ -110,6 +113,14 @@ pub struct Envd {
     pub background: crate::procs::Background,
     connections: AtomicUsize,
     control_connections: AtomicUsize,
+}
+
+impl Envd {
+    /// See [`Envd::gvisor_host_socket`].
+    pub fn with_gvisor_host_socket(mut self, on: bool) -> Envd {
+        self.gvisor_host_socket = on;
+        self
+    }
 }
 
 fn fail(code: ErrorCode, message: impl Into<String>) -> ErrorBody {
@@ -126,6 +137,7 @@ impl Envd {
             pid1,
             trust_all_peers,
             bridge_peer: None,
+            gvisor_host_socket: false,
             root,
             fs,
             reaper: Reaper::default(),
@@ -265,6 +277,11 @@ impl Envd {
         }
     }
 
+    /// Connections holding a slot right now (both lanes).
+    pub fn live_connections(&self) -> usize {
+        self.connections.load(Ordering::Acquire) + self.control_connections.load(Ordering::Acquire)
+    }
+
     /// Reserves a connection slot; `None` when at the limit.
     pub fn try_acquire_connection(self: &Arc<Self>) -> Option<ConnectionSlot> {
         for (lane, counter, limit) in [
@@ -385,11 +402,16 @@ pub fn handle_connection(envd: &Envd, lane: Lane, mut conn: UnixStream) {
 /// namespace (SO_PEERCRED pid 0: the host) or, with `--bridge`, from the
 /// bridge (envd's own pid: a connection the host opened through it),
 /// unless `--trust-all-peers`.
+/// Under gVisor (`--gvisor-host-socket`) the host's connections show envd's
+/// own pid, which no other process of the sandbox has (and none of them can
+/// connect to that socket at all).
 fn require_outside_peer(envd: &Envd, conn: &UnixStream, op: &str) -> Result<(), ErrorBody> {
     let trusted = envd.trust_all_peers || {
         let peer = sys::peer_pid(conn.as_fd())
             .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?;
-        peer == 0 || Some(peer) == envd.bridge_peer
+        peer == 0
+            || (envd.gvisor_host_socket && peer == sys::getpid())
+            || Some(peer) == envd.bridge_peer
     };
     if trusted {
         Ok(())

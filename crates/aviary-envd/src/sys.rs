@@ -75,6 +75,28 @@ pub fn wait_signal(signals: &[libc::c_int], timeout: Duration) -> Option<(libc::
     Some((sig, pid))
 }
 
+/// Waits up to `timeout` for `fd` to become readable (a listener: a
+/// connection to accept). `Ok(false)` on timeout or an interrupting signal.
+pub fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one live, initialised pollfd, and the count passed is 1.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(n > 0)
+}
+
 /// Makes orphaned descendants re-parent to this process so that it reaps them
 /// even when it is not PID 1.
 pub fn set_child_subreaper() -> io::Result<()> {

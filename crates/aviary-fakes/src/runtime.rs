@@ -135,6 +135,7 @@ impl FakeRuntime {
             runtime: self.clone(),
             pausable: Some(self.clone()),
             snapshottable: None,
+            checkpointable: None,
         }
     }
 
@@ -148,6 +149,7 @@ impl FakeRuntime {
             runtime: self.clone(),
             pausable: Some(self.clone()),
             snapshottable: Some(self.clone()),
+            checkpointable: None,
         }
     }
 
@@ -331,6 +333,7 @@ impl FakeRuntime {
             control_dir: control,
             workspace_dir: workspace,
             init_pid: envd.peer_pid(),
+            envd: None,
         };
         s.sandboxes.insert(
             spec.id.clone(),

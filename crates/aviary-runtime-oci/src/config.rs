@@ -306,6 +306,11 @@ pub fn build_spec(spec: &SandboxSpec, inputs: &BundleInputs<'_>) -> Result<Spec,
                 "/proc/irq",
                 "/proc/sys",
                 "/proc/sysrq-trigger",
+                // On cgroup v1 the runtimes mount a tmpfs here that holds the
+                // (read-only) controller mounts and leave the tmpfs itself
+                // writable, though the mount asks for `ro`; a read-only bind
+                // of it keeps the sandbox from making anything there.
+                "/sys/fs/cgroup",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -436,6 +441,11 @@ mod tests {
             .unwrap()
             .iter()
             .any(|m| m == "/proc/sys"));
+        assert!(c["linux"]["readonlyPaths"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m == "/sys/fs/cgroup"));
     }
 
     #[test]

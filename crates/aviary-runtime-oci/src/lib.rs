@@ -48,16 +48,16 @@ pub mod quota;
 pub mod seccomp;
 mod spawn;
 
-pub use quota::{disk_image, MIN_DISK_MB};
+pub use quota::{disk_image, SandboxDisks, MIN_DISK_MB};
 pub use spawn::ProcessSpawner;
 
 use async_trait::async_trait;
 use aviary_core::{RuntimeName, SandboxId};
 use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
-    validate_spec, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage, Runtime,
-    RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable, SpawnIsolation,
-    SpawnOutput, SpawnRequest, SpawnStdio, Spawner, TemplateRef,
+    validate_spec, Checkpointable, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage,
+    Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable,
+    SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner, TemplateRef,
 };
 use host::CgroupLayout;
 use std::os::fd::AsRawFd;
@@ -71,6 +71,8 @@ use tracing::instrument;
 pub enum OciBinary {
     Crun,
     Runc,
+    /// gVisor (see the crate doc's "gVisor" section).
+    Runsc,
 }
 
 impl OciBinary {
@@ -79,15 +81,28 @@ impl OciBinary {
     pub fn name(self) -> &'static str {
         RuntimeName::from(self).as_str()
     }
+
+    /// Whether this is gVisor, whose sandboxes run on a user-space kernel:
+    /// no descriptor can be passed to PID 1, no user-id mapping is taken,
+    /// and the sandbox's processes are not host processes.
+    pub fn is_gvisor(self) -> bool {
+        self == OciBinary::Runsc
+    }
 }
 
 impl TryFrom<RuntimeName> for OciBinary {
-    type Error = String;
-    fn try_from(name: RuntimeName) -> Result<Self, String> {
+    type Error = RuntimeError;
+
+    /// The OCI binary of `name`; runtimes that are not an OCI binary
+    /// (`docker`) are `Unsupported` here.
+    fn try_from(name: RuntimeName) -> Result<Self, RuntimeError> {
         match name {
             RuntimeName::Crun => Ok(OciBinary::Crun),
             RuntimeName::Runc => Ok(OciBinary::Runc),
-            RuntimeName::E2b => Err(format!("runtime {name} is not an OCI runtime")),
+            RuntimeName::Runsc => Ok(OciBinary::Runsc),
+            other => Err(RuntimeError::Unsupported {
+                what: format!("runtime {other} as an OCI runtime binary"),
+            }),
         }
     }
 }
@@ -97,6 +112,7 @@ impl From<OciBinary> for RuntimeName {
         match binary {
             OciBinary::Crun => RuntimeName::Crun,
             OciBinary::Runc => RuntimeName::Runc,
+            OciBinary::Runsc => RuntimeName::Runsc,
         }
     }
 }
@@ -134,6 +150,9 @@ pub struct OciConfig {
 }
 
 impl OciConfig {
+    /// The defaults for `binary`: everything on, a user namespace per
+    /// sandbox except under gVisor, which cannot map ids (its sandboxes'
+    /// root is root of gVisor's own kernel, not of the host's).
     pub fn new(binary: OciBinary, state_dir: impl Into<PathBuf>) -> Self {
         OciConfig {
             binary,
@@ -143,7 +162,7 @@ impl OciConfig {
             tmp_size_mb: 256,
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
-            user_namespace: Some(idmap::IdPool::default()),
+            user_namespace: (!binary.is_gvisor()).then(idmap::IdPool::default),
             id_dir: None,
             template_store: None,
         }
@@ -230,6 +249,21 @@ impl SandboxDirs {
     fn workspace_stage(&self) -> PathBuf {
         self.root.join(".restore")
     }
+    /// gVisor only: the dir mounted read-write at
+    /// [`aviary_runtime::CONTROL_MOUNT`], where envd binds its socket (a host
+    /// socket, by `--host-uds=create`). Sandbox-writable: the host reaches
+    /// the socket without following a symlink and checks its peer.
+    fn envd_run(&self) -> PathBuf {
+        self.root.join("envd-run")
+    }
+    /// gVisor only: the memory checkpoint (`runsc checkpoint`), host-only,
+    /// beside the sandbox dir (not on its disk: memory is not the
+    /// sandbox's `disk_mb`).
+    fn checkpoint(&self) -> PathBuf {
+        let mut s = self.root.as_os_str().to_owned();
+        s.push(CHECKPOINT_SUFFIX);
+        PathBuf::from(s)
+    }
 }
 
 impl OciRuntime {
@@ -243,6 +277,11 @@ impl OciRuntime {
         mut config: OciConfig,
         spawner: Arc<dyn Spawner>,
     ) -> Result<Self, RuntimeError> {
+        if config.binary.is_gvisor() && config.user_namespace.is_some() {
+            return Err(RuntimeError::InvalidSpec {
+                reason: "runsc cannot map user ids: user_namespace must be None".into(),
+            });
+        }
         if !config.state_dir.is_absolute() {
             return Err(RuntimeError::InvalidSpec {
                 reason: format!("state dir {:?} must be absolute", config.state_dir),
@@ -437,7 +476,63 @@ impl OciRuntime {
 
     /// Whether the runtime binary has state for this container.
     fn runtime_knows(&self, id: &SandboxId) -> bool {
-        self.runtime_root().join(id.as_str()).exists()
+        self.runtime_state_files(id).iter().any(|p| p.exists())
+    }
+
+    /// What the runtime binary keeps for a container: a dir named after it
+    /// (crun, runc), or `<id>_sandbox:<id>.state` and `.lock` (runsc).
+    fn runtime_state_files(&self, id: &SandboxId) -> Vec<PathBuf> {
+        let root = self.runtime_root();
+        if self.config.binary.is_gvisor() {
+            ["state", "lock"]
+                .iter()
+                .map(|ext| root.join(format!("{id}_sandbox:{id}.{ext}")))
+                .collect()
+        } else {
+            vec![root.join(id.as_str())]
+        }
+    }
+
+    /// runsc's record of a container: its state file, JSON written by runsc
+    /// on the host (never by the sandbox).
+    fn runsc_state(&self, id: &SandboxId) -> Result<serde_json::Value, RuntimeError> {
+        let path = self.runtime_state_files(id).swap_remove(0);
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RuntimeError::NotFound { id: id.clone() })
+            }
+            Err(source) => return Err(RuntimeError::ReadFile { path, source }),
+        };
+        serde_json::from_slice(&text).map_err(|e| RuntimeError::ParseState {
+            detail: format!("runsc state file is not JSON: {e}"),
+        })
+    }
+
+    /// The host pid of a runsc sandbox's gofer: the process that binds the
+    /// sandbox's host sockets (`--host-uds=create`), and so the peer of every
+    /// connection to envd's socket. One per sandbox, outside it.
+    fn gofer_pid(&self, id: &SandboxId) -> Result<u32, RuntimeError> {
+        let state = self.runsc_state(id)?;
+        state["goferPid"]
+            .as_u64()
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|p| *p > 1)
+            .ok_or_else(|| RuntimeError::ParseState {
+                detail: format!("runsc state has no gofer pid: {:?}", state["goferPid"]),
+            })
+    }
+
+    /// envd's endpoint in a runsc sandbox: its socket in `envd-run/`, the
+    /// gofer as the peer.
+    fn gvisor_envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        Ok(EnvdEndpoint {
+            socket: self
+                .dirs(id)
+                .envd_run()
+                .join(aviary_runtime::ENVD_SOCKET_NAME),
+            peer_pid: self.gofer_pid(id)?,
+        })
     }
 
     fn request(&self, args: Vec<String>, stdio: SpawnStdio) -> SpawnRequest {
@@ -445,6 +540,12 @@ impl OciRuntime {
             "--root".to_string(),
             self.runtime_root().display().to_string(),
         ];
+        if self.config.binary.is_gvisor() {
+            // The platform that works here (kvm hangs), loopback only, and
+            // host sockets only as envd's listener: processes inside may
+            // create them (bind) but never connect to one.
+            full.extend(RUNSC_FLAGS.iter().map(|f| f.to_string()));
+        }
         full.extend(args);
         SpawnRequest {
             program: self.program.clone(),
@@ -578,11 +679,13 @@ impl OciRuntime {
         if !self.runtime_knows(id) {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
-        let mut args = vec![
-            "exec".to_string(),
-            "--no-new-privs".to_string(),
-            id.to_string(),
-        ];
+        let mut args = vec!["exec".to_string()];
+        if !self.config.binary.is_gvisor() {
+            // (runsc has no such flag: gVisor applies the bundle's process
+            // settings to exec'd processes itself)
+            args.push("--no-new-privs".to_string());
+        }
+        args.push(id.to_string());
         args.extend(argv.iter().map(|s| s.to_string()));
         let req = self.request(args, SpawnStdio::Capture);
         self.spawner
@@ -656,7 +759,28 @@ impl OciRuntime {
         // envd's socket: made and bound here, in the host-only control dir,
         // and handed to PID 1 as fd 3; envd calls listen() itself (see
         // `aviary_runtime::ENVD_LISTEN_FD`). The sandbox never sees the path.
-        let envd_socket = bind_envd_socket(&control)?;
+        // Under gVisor no descriptor reaches PID 1: envd binds its socket
+        // itself in `envd-run/` (see `gvisor_spec`).
+        let gvisor = self.config.binary.is_gvisor();
+        let envd_socket = if gvisor {
+            None
+        } else {
+            Some(bind_envd_socket(&control)?)
+        };
+        let spec = &if gvisor {
+            std::fs::set_permissions(
+                &control,
+                std::os::unix::fs::PermissionsExt::from_mode(0o700),
+            )
+            .map_err(|source| RuntimeError::WriteFile {
+                path: control.clone(),
+                source,
+            })?;
+            make_dir(&dirs.envd_run(), 0o700)?;
+            gvisor_spec(spec, &dirs.envd_run())
+        } else {
+            spec.clone()
+        };
         let spec = &self.with_egress_socket(spec, dirs)?;
         let spec = &open_net::with_resolver(spec, &dirs.root)?;
         let inputs = config::BundleInputs {
@@ -680,23 +804,24 @@ impl OciRuntime {
 
         // PID 1 inherits the runtime's stdio: /dev/null, never a host file or a
         // pipe we would wait on. Errors come back through --log.
-        let mut req = self.request(
-            vec![
-                "--log".into(),
-                dirs.log().display().to_string(),
-                "run".into(),
-                "--detach".into(),
-                "--preserve-fds".into(),
-                "1".into(),
-                "--bundle".into(),
-                dirs.bundle().display().to_string(),
-                "--pid-file".into(),
-                dirs.pid_file().display().to_string(),
-                spec.id.to_string(),
-            ],
-            SpawnStdio::Null,
-        );
-        req.pass_fd = Some(envd_socket.as_raw_fd());
+        let mut args = vec![
+            "--log".into(),
+            dirs.log().display().to_string(),
+            "run".into(),
+            "--detach".into(),
+        ];
+        if envd_socket.is_some() {
+            args.extend(["--preserve-fds".into(), "1".into()]);
+        }
+        args.extend([
+            "--bundle".into(),
+            dirs.bundle().display().to_string(),
+            "--pid-file".into(),
+            dirs.pid_file().display().to_string(),
+            spec.id.to_string(),
+        ]);
+        let mut req = self.request(args, SpawnStdio::Null);
+        req.pass_fd = envd_socket.as_ref().map(|s| s.as_raw_fd());
         let out = self
             .spawner
             .run(&req)
@@ -725,6 +850,11 @@ impl OciRuntime {
         {
             self.attach_open_network(slirp, dirs, init_pid).await?;
         }
+        let envd = if gvisor {
+            Some(self.gvisor_envd_endpoint(&spec.id)?)
+        } else {
+            None
+        };
         Ok(SandboxHandle {
             id: spec.id.clone(),
             runtime: self.config.binary.name().to_string(),
@@ -732,6 +862,7 @@ impl OciRuntime {
             control_dir: control,
             workspace_dir: workspace,
             init_pid,
+            envd,
         })
     }
 }
@@ -782,6 +913,55 @@ impl OciRuntime {
         });
         Ok(spec)
     }
+}
+
+/// runsc's global flags, on every call (see [`OciRuntime::request`]).
+const RUNSC_FLAGS: &[&str] = &["--platform=ptrace", "--network=none", "--host-uds=create"];
+
+/// The lowest host pids limit a runsc sandbox gets (RUNTIME-NOTES: gVisor
+/// does not start under less).
+pub const RUNSC_MIN_PIDS: u32 = 1024;
+
+/// Where envd listens inside a runsc sandbox.
+fn gvisor_envd_socket() -> String {
+    format!(
+        "{}/{}",
+        aviary_runtime::CONTROL_MOUNT,
+        aviary_runtime::ENVD_SOCKET_NAME
+    )
+}
+
+/// `spec` as runsc runs it: a host pids limit of at least
+/// [`RUNSC_MIN_PIDS`], `envd_run` mounted read-write at
+/// [`aviary_runtime::CONTROL_MOUNT`], and an init that asks for the
+/// inherited socket (`--listen-fd 3`, which runsc cannot pass) binding
+/// its own there instead (`--socket … --gvisor-host-socket`).
+fn gvisor_spec(spec: &SandboxSpec, envd_run: &Path) -> SandboxSpec {
+    let mut spec = spec.clone();
+    // gVisor's own threads count against the host's pids limit (with the
+    // ptrace platform every task of the sandbox is a host thread too)
+    spec.resources.pids = spec.resources.pids.max(RUNSC_MIN_PIDS);
+    let fd = aviary_runtime::ENVD_LISTEN_FD.to_string();
+    if let Some(at) = spec
+        .init
+        .windows(2)
+        .position(|w| w[0] == "--listen-fd" && w[1] == fd)
+    {
+        spec.init.splice(
+            at..at + 2,
+            [
+                "--socket".to_string(),
+                gvisor_envd_socket(),
+                "--gvisor-host-socket".to_string(),
+            ],
+        );
+    }
+    spec.binds.push(aviary_runtime::BindMount {
+        host: envd_run.to_path_buf(),
+        sandbox: aviary_runtime::CONTROL_MOUNT.into(),
+        read_only: false,
+    });
+    spec
 }
 
 /// A unix stream socket bound (not listening) at `<control>/envd.sock`,
@@ -835,6 +1015,11 @@ impl Runtime for OciRuntime {
     }
 
     fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        if self.config.binary.is_gvisor() {
+            // runsc runs with `--network=none` and without host sockets to
+            // connect to (the egress socket would need `--host-uds=open`)
+            return profile == aviary_core::NetworkProfile::None;
+        }
         match profile {
             aviary_core::NetworkProfile::None => true,
             aviary_core::NetworkProfile::Allowlist => self.egress.is_some(),
@@ -928,9 +1113,18 @@ impl Runtime for OciRuntime {
         if let Err(e) = self.disks.release(&dirs.root) {
             residue.push(e);
         }
+        for path in self.runtime_state_files(id) {
+            // runsc's own files, when `delete` could not remove them
+            if path.is_file() {
+                if let Err(source) = std::fs::remove_file(&path) {
+                    residue.push(RuntimeError::RemoveDir { path, source });
+                }
+            }
+        }
         for dir in [
             dirs.root.clone(),
             seed_dir(&dirs.root),
+            dirs.checkpoint(),
             self.runtime_root().join(id.as_str()),
         ] {
             // Unlinking is slow on some disks (ext4 with `discard`: 20-50 ms
@@ -1008,6 +1202,9 @@ impl Runtime for OciRuntime {
     }
 
     async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        if self.config.binary.is_gvisor() {
+            return self.gvisor_envd_endpoint(id);
+        }
         let dirs = self.dirs(id);
         let pid_file = dirs.pid_file();
         let text = match std::fs::read_to_string(&pid_file) {
@@ -1047,7 +1244,10 @@ impl Runtime for OciRuntime {
             ids.extend(rd.flatten().filter_map(|e| {
                 let name = e.file_name();
                 let name = name.to_str()?;
+                // runsc: `<id>_sandbox:<id>.state` (ids have no `_`)
+                let name = name.split_once('_').map_or(name, |(id, _)| id);
                 name.strip_suffix(".seed")
+                    .or_else(|| name.strip_suffix(CHECKPOINT_SUFFIX))
                     .unwrap_or(name)
                     .parse::<SandboxId>()
                     .ok()
@@ -1067,6 +1267,11 @@ impl Pausable for OciRuntime {
         }
         self.invoke("pause", vec!["pause".into(), id.to_string()])
             .await?;
+        if self.config.binary.is_gvisor() {
+            // gVisor stops its own kernel's tasks before `pause` returns;
+            // the host freezer is not involved
+            return Ok(());
+        }
         // the v1 freezer can still say FREEZING when the runtime returns: a
         // pause (and a snapshot's consistency) means every task is stopped
         let deadline = std::time::Instant::now() + self.config.command_timeout;
@@ -1098,6 +1303,13 @@ impl Pausable for OciRuntime {
     /// the kernel) and the init pid from the runtime's own pid file; frozen
     /// processes cannot exit, so no pid is reused under us.
     async fn end_frozen_processes(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        if self.config.binary.is_gvisor() {
+            // the sandbox's processes live in gVisor's kernel, not the
+            // host's: no host pid to kill (the cgroup holds runsc itself)
+            return Err(RuntimeError::Unsupported {
+                what: format!("ending the processes of paused runsc sandbox {id}"),
+            });
+        }
         let init = self.envd_endpoint(id).await?.peer_pid;
         for pid in self.cgroups.processes(id) {
             if pid as u32 == init {
@@ -1244,6 +1456,219 @@ impl Snapshottable for OciRuntime {
         })
         .await
     }
+}
+
+/// `<state_dir>/<id>.checkpoint`: a runsc sandbox's saved memory.
+const CHECKPOINT_SUFFIX: &str = ".checkpoint";
+
+/// envd's marker beside its socket: it holds no host socket any more
+/// (`aviary-envd`'s `hostsock`; the sandbox could forge it, which only
+/// fails its own checkpoint).
+const ENVD_QUIESCED: &str = "quiesced";
+/// Written into a checkpoint dir once `runsc checkpoint` finished, so a
+/// half-written image is never restored.
+const CHECKPOINT_COMPLETE: &str = "complete";
+
+impl OciRuntime {
+    fn require_gvisor(&self, what: &str) -> Result<(), RuntimeError> {
+        if self.config.binary.is_gvisor() {
+            Ok(())
+        } else {
+            Err(RuntimeError::Unsupported {
+                what: format!("{what} on runtime {}", self.config.binary.name()),
+            })
+        }
+    }
+
+    /// Asks envd to serve again (SIGUSR2) after removing its old socket
+    /// file, which gVisor does not let it unlink from inside (`remove_file`
+    /// unlinks whatever the sandbox left there, never following it).
+    async fn resume_envd(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let socket = self
+            .dirs(id)
+            .envd_run()
+            .join(aviary_runtime::ENVD_SOCKET_NAME);
+        match std::fs::remove_file(&socket) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(RuntimeError::RemoveDir {
+                    path: socket,
+                    source,
+                })
+            }
+        }
+        self.signal_init(id, "USR2").await
+    }
+
+    /// Sends `signal` to the sandbox's PID 1 (envd) from outside.
+    async fn signal_init(&self, id: &SandboxId, signal: &str) -> Result<(), RuntimeError> {
+        self.invoke("kill", vec!["kill".into(), id.to_string(), signal.into()])
+            .await
+            .map(drop)
+    }
+
+    /// Asks envd to close its host socket and connections (SIGUSR1), and
+    /// waits for its marker; on a timeout it is asked to serve again.
+    async fn quiesce_envd(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let marker = self.dirs(id).envd_run().join(ENVD_QUIESCED);
+        let _ = std::fs::remove_file(&marker);
+        self.signal_init(id, "USR1").await?;
+        let deadline = std::time::Instant::now() + self.config.command_timeout;
+        // lstat: a regular file made by envd (never followed)
+        while !std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
+            if std::time::Instant::now() > deadline {
+                let _ = self.resume_envd(id).await;
+                return Err(RuntimeError::InvokeRuntime {
+                    action: "runsc checkpoint".into(),
+                    detail: format!(
+                        "envd of sandbox {id} did not close its socket within {:?}",
+                        self.config.command_timeout
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// `runsc checkpoint` of a quiesced sandbox into `dir`, marked complete.
+    async fn checkpoint_into(
+        &self,
+        id: &SandboxId,
+        dir: &Path,
+        leave_running: bool,
+    ) -> Result<(), RuntimeError> {
+        remove_tree(dir)?;
+        make_dir(dir, 0o700)?;
+        let mut args = vec!["checkpoint".to_string(), "--image-path".into()];
+        args.push(dir.display().to_string());
+        if leave_running {
+            args.push("--leave-running".into());
+        }
+        args.push(id.to_string());
+        if let Err(e) = self.invoke("checkpoint", args).await {
+            let _ = remove_tree(dir);
+            return Err(e);
+        }
+        std::fs::write(dir.join(CHECKPOINT_COMPLETE), b"").map_err(|source| {
+            RuntimeError::WriteFile {
+                path: dir.join(CHECKPOINT_COMPLETE),
+                source,
+            }
+        })
+    }
+}
+
+/// runsc only: `checkpoint` asks envd to step aside (its socket is a host
+/// socket, which gVisor cannot save), saves the memory into
+/// `<id>/checkpoint/` (host-only, on the sandbox's own disk) and deletes the
+/// container, keeping the sandbox dir, its mounts and its disk; `restore`
+/// runs `runsc restore` from there with the same bundle and tells envd to
+/// serve again (SIGUSR2).
+#[async_trait]
+impl Checkpointable for OciRuntime {
+    #[instrument(skip_all, fields(sandbox.id = %id))]
+    async fn checkpoint(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.require_gvisor("memory checkpoints")?;
+        if !self.runtime_knows(id) {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        // a frozen envd cannot step aside: it runs for the checkpoint
+        if self.status(id).await? == RuntimeStatus::Paused {
+            self.resume(id).await?;
+        }
+        self.quiesce_envd(id).await?;
+        let dir = self.dirs(id).checkpoint();
+        self.checkpoint_into(id, &dir, false).await?;
+        // the container has stopped; its runsc state and cgroups go, the
+        // sandbox's storage stays for the restore
+        self.invoke(
+            "delete",
+            vec!["delete".into(), "--force".into(), id.to_string()],
+        )
+        .await?;
+        self.cgroups.kill_and_remove(id).await
+    }
+
+    async fn has_checkpoint(&self, id: &SandboxId) -> Result<bool, RuntimeError> {
+        Ok(self.config.binary.is_gvisor()
+            && !self.runtime_knows(id)
+            && self
+                .dirs(id)
+                .checkpoint()
+                .join(CHECKPOINT_COMPLETE)
+                .is_file())
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %spec.id))]
+    async fn restore(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        self.require_gvisor("memory checkpoints")?;
+        let id = &spec.id;
+        if self.runtime_knows(id) {
+            return Err(RuntimeError::AlreadyExists { id: id.clone() });
+        }
+        if !self.has_checkpoint(id).await? {
+            return Err(RuntimeError::NotFound { id: id.clone() });
+        }
+        let dirs = self.dirs(id);
+        let checkpoint = dirs.checkpoint();
+        let _ = std::fs::remove_file(dirs.pid_file());
+        let _ = std::fs::remove_file(dirs.envd_run().join(aviary_runtime::ENVD_SOCKET_NAME));
+        // the bundle written at create (host-only) describes the same sandbox
+        let req = self.request(
+            vec![
+                "--log".into(),
+                dirs.log().display().to_string(),
+                "restore".into(),
+                "--image-path".into(),
+                checkpoint.display().to_string(),
+                "--detach".into(),
+                "--bundle".into(),
+                dirs.bundle().display().to_string(),
+                "--pid-file".into(),
+                dirs.pid_file().display().to_string(),
+                id.to_string(),
+            ],
+            SpawnStdio::Null,
+        );
+        let out = self
+            .spawner
+            .run(&req)
+            .await
+            .map_err(|source| RuntimeError::Spawn {
+                program: self.program.display().to_string(),
+                source,
+            })?;
+        if !out.success() {
+            return Err(self.failure("restore", &out, Some(&dirs.log())));
+        }
+        self.resume_envd(id).await?;
+        remove_tree(&checkpoint)?;
+        let init_pid = read_pid_file(&dirs.pid_file())?;
+        Ok(SandboxHandle {
+            id: id.clone(),
+            runtime: self.config.binary.name().to_string(),
+            runtime_instance_id: id.to_string(),
+            control_dir: dirs.control(),
+            workspace_dir: dirs.workspace(),
+            init_pid,
+            envd: Some(self.gvisor_envd_endpoint(id)?),
+        })
+    }
+}
+
+/// The pid in a runtime's pid file.
+fn read_pid_file(path: &Path) -> Result<u32, RuntimeError> {
+    let text = std::fs::read_to_string(path).map_err(|source| RuntimeError::ReadFile {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    text.trim()
+        .parse::<u32>()
+        .map_err(|_| RuntimeError::ParseState {
+            detail: format!("pid file holds {:?}", text.trim()),
+        })
 }
 
 #[async_trait]

@@ -57,7 +57,7 @@ static TMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 
 /// The sandbox disks of one runtime (or none, when quotas are off).
 #[derive(Clone, Debug)]
-pub(crate) struct SandboxDisks {
+pub struct SandboxDisks {
     enabled: bool,
     /// `<state_dir>/.disks`: the formatted images new disks are copied from.
     golden_dir: PathBuf,

@@ -279,17 +279,9 @@ mod oci {
         );
         let (_, exec_status) = sh(&rt, id, "grep NoNewPrivs /proc/self/status").await;
         assert_eq!(exec_status, "NoNewPrivs:\t1\n", "exec'd processes too");
-        // Seccomp and capabilities stop mounts, namespaces and raw sockets.
-        assert_ne!(sh(&rt, id, "mount -t tmpfs none /mnt").await.0, 0);
-        assert_ne!(sh(&rt, id, "unshare -U true").await.0, 0);
-        let (code, out) = sh(&rt, id, "ping -c1 -W1 127.0.0.1").await;
-        assert_ne!(code, 0, "raw ICMP without NET_RAW: {out}");
-        assert!(status.contains("Seccomp:\t2"), "seccomp filter active");
-        // Masked paths.
-        for masked in ["/proc/keys", "/proc/timer_list"] {
-            let (_, out) = sh(&rt, id, &format!("wc -c < {masked}")).await;
-            assert_eq!(out.trim(), "0", "{masked} masked");
-        }
+        // What these settings stop (mounts, namespaces, raw sockets, the
+        // seccomp deny-list, masked paths and every other escape) is attacked
+        // on every tier by `aviary-server/tests/security.rs`.
         // Writes to the rootfs go to the upper dir, never the template.
         assert_eq!(
             sh(

@@ -527,6 +527,11 @@ impl Runtime for RemoteRuntime {
                 // the workspace is the remote sandbox's own
                 workspace_dir: PathBuf::new(),
                 init_pid: std::process::id(),
+                // the relay, served by this process
+                envd: Some(EnvdEndpoint {
+                    socket,
+                    peer_pid: std::process::id(),
+                }),
             }),
             Err(e) => {
                 let cleanup = self.destroy(id).await;

@@ -201,6 +201,26 @@ pub async fn check_limits_visible(
     inspector: &dyn Inspector,
     make_spec: MakeSpec<'_>,
 ) {
+    check_inside_view(rt, inspector, make_spec, true).await
+}
+
+/// [`check_limits_visible`] without the cgroup view: for runtimes whose
+/// sandboxes run on a kernel of their own that does not show the host's
+/// cgroup limits inside (gVisor 2022); their tests check the host's cgroup.
+pub async fn check_isolation_visible(
+    rt: &dyn Runtime,
+    inspector: &dyn Inspector,
+    make_spec: MakeSpec<'_>,
+) {
+    check_inside_view(rt, inspector, make_spec, false).await
+}
+
+async fn check_inside_view(
+    rt: &dyn Runtime,
+    inspector: &dyn Inspector,
+    make_spec: MakeSpec<'_>,
+    cgroup_view: bool,
+) {
     let spec = make_spec();
     let handle = rt.create(&spec).await.expect("create");
     let run = |argv: &'static [&'static str]| {
@@ -218,7 +238,47 @@ pub async fn check_limits_visible(
         run(&["cat", "/proc/sys/kernel/hostname"]).await,
         spec.hostname
     );
+    if cgroup_view {
+        check_cgroup_view(&spec, &run).await;
+    }
 
+    run(&["sh", "-c", "echo from-inside > /workspace/probe.txt"]).await;
+    assert_eq!(
+        std::fs::read_to_string(handle.workspace_dir.join("probe.txt")).expect("read probe"),
+        "from-inside\n",
+        "/workspace is the host workspace dir"
+    );
+    std::fs::write(handle.control_dir.join("hello"), "from-host").expect("write control");
+    assert_eq!(
+        run(&[
+            "sh",
+            "-c",
+            "cat /run/aviary/hello 2>/dev/null || echo absent"
+        ])
+        .await,
+        "absent",
+        "the control dir is host-only"
+    );
+    let mountinfo = run(&["cat", "/proc/self/mountinfo"]).await;
+    let state_dir = handle
+        .control_dir
+        .parent()
+        .and_then(|sandbox| sandbox.parent())
+        .expect("control dir is <state>/<id>/control");
+    assert!(
+        !mountinfo.contains(&*state_dir.to_string_lossy()),
+        "the sandbox's mountinfo names the host state dir {state_dir:?}:\n{mountinfo}"
+    );
+
+    rt.destroy(&spec.id).await.expect("destroy");
+}
+
+/// Memory, pids and cpu limits as the sandbox's cgroup shows them inside.
+async fn check_cgroup_view<F, Fut>(spec: &SandboxSpec, run: &F)
+where
+    F: Fn(&'static [&'static str]) -> Fut,
+    Fut: std::future::Future<Output = String>,
+{
     let mem = run(&[
         "sh",
         "-c",
@@ -256,36 +316,6 @@ pub async fn check_limits_visible(
         "cpu quota {cores} cores, expected {}",
         spec.resources.cpu
     );
-
-    run(&["sh", "-c", "echo from-inside > /workspace/probe.txt"]).await;
-    assert_eq!(
-        std::fs::read_to_string(handle.workspace_dir.join("probe.txt")).expect("read probe"),
-        "from-inside\n",
-        "/workspace is the host workspace dir"
-    );
-    std::fs::write(handle.control_dir.join("hello"), "from-host").expect("write control");
-    assert_eq!(
-        run(&[
-            "sh",
-            "-c",
-            "cat /run/aviary/hello 2>/dev/null || echo absent"
-        ])
-        .await,
-        "absent",
-        "the control dir is host-only"
-    );
-    let mountinfo = run(&["cat", "/proc/self/mountinfo"]).await;
-    let state_dir = handle
-        .control_dir
-        .parent()
-        .and_then(|sandbox| sandbox.parent())
-        .expect("control dir is <state>/<id>/control");
-    assert!(
-        !mountinfo.contains(&*state_dir.to_string_lossy()),
-        "the sandbox's mountinfo names the host state dir {state_dir:?}:\n{mountinfo}"
-    );
-
-    rt.destroy(&spec.id).await.expect("destroy");
 }
 
 /// Pause → Paused → resume → Running; destroying a paused sandbox works.

@@ -137,14 +137,20 @@ pub struct SandboxHandle {
     pub control_dir: PathBuf,
     /// Host directory bind-mounted read-write at [`WORKSPACE_MOUNT`].
     pub workspace_dir: PathBuf,
-    /// Host pid of the sandbox's PID 1.
+    /// Host pid of the sandbox's PID 1 (under gVisor: of the sandbox's
+    /// `runsc-sandbox` process, the user-space kernel that runs PID 1).
     pub init_pid: u32,
+    /// Where envd is reached when not at `control_dir/envd.sock` with
+    /// `init_pid` as the peer (gVisor: a host socket in a dir mounted
+    /// inside, whose peer is the sandbox's gofer; see `aviary-runtime-oci`).
+    #[serde(default)]
+    pub envd: Option<EnvdEndpoint>,
 }
 
 /// How the host reaches a sandbox's envd, and how it recognises it: the
 /// socket path is in a directory the sandbox cannot see, and the peer of every
 /// connection must be `peer_pid` (the sandbox's init, as seen from the host).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnvdEndpoint {
     pub socket: PathBuf,
     pub peer_pid: u32,
@@ -153,10 +159,10 @@ pub struct EnvdEndpoint {
 impl SandboxHandle {
     /// The envd endpoint of a sandbox this host created.
     pub fn envd_endpoint(&self) -> EnvdEndpoint {
-        EnvdEndpoint {
+        self.envd.clone().unwrap_or_else(|| EnvdEndpoint {
             socket: self.control_dir.join(ENVD_SOCKET_NAME),
             peer_pid: self.init_pid,
-        }
+        })
     }
 }
 
@@ -335,6 +341,29 @@ pub trait Snapshottable: Pausable {
     async fn merge_workspace(&self, id: &SandboxId) -> Result<(), RuntimeError>;
 }
 
+/// A runtime that can save a running sandbox's memory (its whole process
+/// tree) on the host and start it again from there: hibernate keeps
+/// running processes, wake continues them (gVisor's `runsc checkpoint` /
+/// `restore`).
+///
+/// Between [`Self::checkpoint`] and [`Self::restore`] the sandbox has no
+/// running compute ([`RuntimeStatus::Stopped`]) but keeps its storage (the
+/// writable layer and workspace the memory refers to) and stays in
+/// [`Runtime::list`]; `destroy` removes the checkpoint with the rest.
+#[async_trait]
+pub trait Checkpointable: Pausable {
+    /// Saves the memory of running sandbox `id` and stops it. On failure
+    /// the sandbox may be gone (the caller destroys it and falls back to its
+    /// file-system snapshot); nothing is left half-saved.
+    async fn checkpoint(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+    /// Whether `id` has a checkpoint that [`Self::restore`] can continue.
+    async fn has_checkpoint(&self, id: &SandboxId) -> Result<bool, RuntimeError>;
+    /// Starts `spec.id` again from its checkpoint (`spec` is the sandbox's
+    /// own, as for its create): its processes continue where they were. The
+    /// checkpoint is consumed. Returns like `create`, once PID 1 runs.
+    async fn restore(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+}
+
 /// One runtime together with the optional capabilities it implements, as a
 /// control plane holds it: the same object seen through each trait it has.
 #[derive(Clone)]
@@ -342,6 +371,8 @@ pub struct CapableRuntime {
     pub runtime: Arc<dyn Runtime>,
     pub pausable: Option<Arc<dyn Pausable>>,
     pub snapshottable: Option<Arc<dyn Snapshottable>>,
+    /// Memory checkpoints (hibernate keeps processes), when it has them.
+    pub checkpointable: Option<Arc<dyn Checkpointable>>,
 }
 
 impl CapableRuntime {
@@ -351,6 +382,7 @@ impl CapableRuntime {
             runtime,
             pausable: None,
             snapshottable: None,
+            checkpointable: None,
         }
     }
 
@@ -360,6 +392,15 @@ impl CapableRuntime {
             runtime: runtime.clone(),
             pausable: Some(runtime.clone()),
             snapshottable: Some(runtime),
+            checkpointable: None,
+        }
+    }
+
+    /// A runtime that can pause, snapshot and checkpoint memory.
+    pub fn checkpointable<R: Snapshottable + Checkpointable + 'static>(runtime: Arc<R>) -> Self {
+        CapableRuntime {
+            checkpointable: Some(runtime.clone()),
+            ..Self::snapshottable(runtime)
         }
     }
 }
@@ -370,6 +411,7 @@ impl std::fmt::Debug for CapableRuntime {
             .field("name", &self.runtime.name())
             .field("pausable", &self.pausable.is_some())
             .field("snapshottable", &self.snapshottable.is_some())
+            .field("checkpointable", &self.checkpointable.is_some())
             .finish()
     }
 }

@@ -286,6 +286,10 @@ pub struct ListQuery {
     /// Only sandboxes of this session.
     #[serde(default)]
     session_id: Option<String>,
+    /// Every tenant's sandboxes (each names its `tenant`): admin keys
+    /// only; any other key is refused with 403 `forbidden`.
+    #[serde(default)]
+    all_tenants: bool,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -312,6 +316,11 @@ pub struct EventsQuery {
     limit: Option<u32>,
     /// The last `limit` events instead of the first (still oldest first).
     newest: Option<bool>,
+    /// Every tenant's events (and `sandbox` may name any tenant's
+    /// sandbox): admin keys only; any other key is refused with 403
+    /// `forbidden`.
+    #[serde(default)]
+    all_tenants: bool,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -322,6 +331,10 @@ pub struct EventStreamQuery {
     /// Start after this event id; absent: from the newest event on (only
     /// what happens from now).
     after: Option<i64>,
+    /// Every tenant's events: admin keys only; any other key is refused
+    /// with 403 `forbidden` (before the stream starts).
+    #[serde(default)]
+    all_tenants: bool,
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]
@@ -430,7 +443,9 @@ async fn create_sandbox(
     Ok((StatusCode::CREATED, Json(cp.create(&cx, req).await?)))
 }
 
-#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList)), security(("api_key" = [])))]
+/// The caller's sandboxes; with `all_tenants=true` (admin keys only)
+/// every tenant's.
+#[utoipa::path(get, path = "/v1/sandboxes", params(ListQuery), responses((status = 200, body = SandboxList), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody)), security(("api_key" = [])))]
 async fn list_sandboxes(
     State(cp): State<AppState>,
     auth: Auth,
@@ -447,21 +462,37 @@ async fn list_sandboxes(
         state: q.state,
         user_id: q.user_id,
         session_id: q.session_id,
+        all_tenants: q.all_tenants,
     };
     Ok(Json(SandboxList {
         sandboxes: cp.list(&cx, req).await?,
     }))
 }
 
-#[utoipa::path(get, path = "/v1/sandboxes/{id}", responses((status = 200, body = Sandbox), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct GetSandboxQuery {
+    /// Find the sandbox in any tenant (read only): admin keys only; any
+    /// other key is refused with 403 `forbidden`.
+    #[serde(default)]
+    all_tenants: bool,
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(GetSandboxQuery), responses((status = 200, body = Sandbox), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, body = ErrorBody)), security(("api_key" = [])))]
 async fn get_sandbox(
     State(cp): State<AppState>,
     auth: Auth,
     headers: HeaderMap,
     Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<GetSandboxQuery>,
 ) -> Result<Json<Sandbox>, ApiError> {
     let cx = op_context(auth, &headers, TokenFrom::Unfenced)?;
-    Ok(Json(cp.get(&cx, SandboxRef::new(id)).await?))
+    Ok(Json(if q.all_tenants {
+        cp.get_any_tenant(&cx, SandboxRef::new(id)).await?
+    } else {
+        cp.get(&cx, SandboxRef::new(id)).await?
+    }))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased")),
@@ -813,7 +844,7 @@ async fn lease_release(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList), (status = 404, description = "`sandbox` names no sandbox of this tenant", body = ErrorBody)), security(("api_key" = [])))]
+#[utoipa::path(get, path = "/v1/events", params(EventsQuery), responses((status = 200, body = EventList), (status = 400, description = "a malformed query parameter", body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, description = "`sandbox` names no sandbox of this tenant", body = ErrorBody)), security(("api_key" = [])))]
 async fn events(
     State(cp): State<AppState>,
     auth: Auth,
@@ -826,6 +857,7 @@ async fn events(
         after: q.after,
         limit: q.limit,
         newest: q.newest.unwrap_or(false),
+        all_tenants: q.all_tenants,
     };
     Ok(Json(EventList {
         events: cp.events(&cx, req).await?,
@@ -850,7 +882,7 @@ pub struct SseItem {
 const EVENT_STREAM_POLL: std::time::Duration = std::time::Duration::from_millis(250);
 
 #[utoipa::path(get, path = "/v1/events/stream", params(EventStreamQuery),
-    responses((status = 200, description = "server-sent events, one per recorded event: `event: event`, `id:` its id, `data:` the Event as JSON", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody)),
+    responses((status = 200, description = "server-sent events, one per recorded event: `event: event`, `id:` its id, `data:` the Event as JSON", content_type = "text/event-stream", body = SseItem), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 403, description = "`all_tenants` with a key that is not an admin key", body = ErrorBody), (status = 404, body = ErrorBody)),
     security(("api_key" = [])))]
 async fn event_stream(
     State(cp): State<AppState>,
@@ -864,6 +896,7 @@ async fn event_stream(
         after,
         limit: Some(if newest { 1 } else { 500 }),
         newest,
+        all_tenants: q.all_tenants,
     };
     // checks the caller may see the sandbox (before the stream starts: a
     // refusal is an HTTP error, not an event), and finds where "now" is
@@ -915,6 +948,7 @@ async fn sandbox_events(
         after: q.after,
         limit: q.limit,
         newest: q.newest.unwrap_or(false),
+        all_tenants: false,
     };
     Ok(Json(EventList {
         events: cp.events(&cx, req).await?,

@@ -71,11 +71,16 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     };
     for name in names {
         let state = cfg.runtime_state_dir_of(name);
+        if name == aviary_core::RuntimeName::Docker {
+            runtimes.push(docker_runtime(&cfg, state.clone()).await?);
+            state_dirs.push(state);
+            continue;
+        }
         if name.is_remote() {
             runtimes.push(remote_runtime(&cfg, name, state)?);
             continue;
         }
-        let binary = aviary_runtime_oci::OciBinary::try_from(name).map_err(anyhow::Error::msg)?;
+        let binary = aviary_runtime_oci::OciBinary::try_from(name)?;
         let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
             .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
@@ -89,9 +94,13 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             .probe()
             .await
             .with_context(|| format!("OCI runtime {name}: self-check failed"))?;
-        runtimes.push(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
-            runtime,
-        )));
+        let runtime = Arc::new(runtime);
+        runtimes.push(if name == aviary_core::RuntimeName::Runsc {
+            // gVisor: hibernate keeps memory (runsc checkpoint / restore)
+            aviary_runtime::CapableRuntime::checkpointable(runtime)
+        } else {
+            aviary_runtime::CapableRuntime::snapshottable(runtime)
+        });
         state_dirs.push(state);
     }
     let templates = Arc::new(
@@ -169,7 +178,30 @@ fn remote_runtime(
         runtime: runtime.clone(),
         pausable: Some(runtime),
         snapshottable: None,
+        checkpointable: None,
     })
+}
+
+/// The `docker` runtime on the dockerd of `[server] docker_socket`, checked
+/// before the server takes requests.
+async fn docker_runtime(
+    cfg: &ServerConfig,
+    state: std::path::PathBuf,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let socket = &cfg.control.settings.server.docker_socket;
+    let config = aviary_runtime_docker::DockerConfig::new(socket, state)
+        .with_template_store(cfg.templates_root());
+    let docker = aviary_runtime_docker::DockerRuntime::connect(config)
+        .await
+        .with_context(|| format!("docker runtime: dockerd at {}", socket.display()))?;
+    let version = docker
+        .probe()
+        .await
+        .context("docker runtime: self-check failed")?;
+    tracing::info!(%version, "docker runtime ready");
+    Ok(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
+        docker,
+    )))
 }
 
 /// `program` in `PATH`, or an error naming it.

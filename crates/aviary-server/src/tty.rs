@@ -6,7 +6,9 @@
 //! browser (which cannot set headers on a WebSocket), the subprotocol
 //! `aviary.bearer.<key>` offered beside `aviary.tty.v1`; only
 //! `aviary.tty.v1` is echoed back, never the key, and the key is never
-//! read from the query string. The sandbox must be the caller's (another
+//! read from the query string. A browser's lease token comes the same way,
+//! as the subprotocol `aviary.lease.<FENCE.SECRET>`, when the
+//! `x-aviary-lease-token` header is absent. The sandbox must be the caller's (another
 //! tenant's id is a 404), running and not paused, and a leased one needs
 //! its lease token in `x-aviary-lease-token`. No cookie authenticates, so
 //! a page of another origin cannot ride a browser's session (no cross-site
@@ -58,6 +60,8 @@ use crate::http::{op_context, AppState, Auth, TokenFrom};
 pub const TTY_PROTOCOL: &str = "aviary.tty.v1";
 /// Prefix of the subprotocol that carries the API key (browsers).
 pub const BEARER_PROTOCOL_PREFIX: &str = "aviary.bearer.";
+/// Prefix of the subprotocol that carries the lease token (browsers).
+pub const LEASE_PROTOCOL_PREFIX: &str = "aviary.lease.";
 /// Largest WebSocket message accepted from the client.
 pub const MAX_MESSAGE: usize = 256 * 1024;
 /// How long the server waits for the start message.
@@ -71,22 +75,36 @@ const COALESCE_BYTES: usize = 64 * 1024;
 /// subprotocol.
 pub struct TtyAuth(Auth);
 
+/// The value of the first offered subprotocol that starts with `prefix`.
+fn offered(parts: &Parts, prefix: &str) -> Option<String> {
+    parts
+        .headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix(prefix))
+        .map(str::to_owned)
+}
+
 impl FromRequestParts<AppState> for TtyAuth {
     type Rejection = ApiError;
     async fn from_request_parts(parts: &mut Parts, st: &AppState) -> Result<Self, ApiError> {
         if !parts.headers.contains_key(header::AUTHORIZATION) {
-            let key = parts
-                .headers
-                .get_all(header::SEC_WEBSOCKET_PROTOCOL)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .find_map(|p| p.trim().strip_prefix(BEARER_PROTOCOL_PREFIX))
-                .map(str::to_owned);
-            if let Some(key) = key {
+            if let Some(key) = offered(parts, BEARER_PROTOCOL_PREFIX) {
                 let v = HeaderValue::from_str(&format!("Bearer {key}"))
                     .map_err(|_| OpError::Unauthorized)?;
                 parts.headers.insert(header::AUTHORIZATION, v);
+            }
+        }
+        // a browser's lease token travels the same way (it is checked like
+        // the header's: parsed, then against the lease store and by envd)
+        if !parts.headers.contains_key(crate::http::LEASE_TOKEN_HEADER) {
+            if let Some(token) = offered(parts, LEASE_PROTOCOL_PREFIX) {
+                let v = HeaderValue::from_str(&token).map_err(|_| {
+                    OpError::InvalidRequest("the lease token subprotocol is not a token".into())
+                })?;
+                parts.headers.insert(crate::http::LEASE_TOKEN_HEADER, v);
             }
         }
         Auth::from_request_parts(parts, st).await.map(TtyAuth)
@@ -102,7 +120,7 @@ impl FromRequestParts<AppState> for TtyAuth {
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/exec/tty",
     params(
         ("x-aviary-lease-token" = Option<String>, Header, description = "the lease token FENCE.SECRET, required while the sandbox is leased"),
-        ("Sec-WebSocket-Protocol" = Option<String>, Header, description = "offer `aviary.tty.v1`; a browser also offers `aviary.bearer.<API key>` instead of the Authorization header (only `aviary.tty.v1` is echoed)"),
+        ("Sec-WebSocket-Protocol" = Option<String>, Header, description = "offer `aviary.tty.v1`; a browser also offers `aviary.bearer.<API key>` instead of the Authorization header, and `aviary.lease.<lease token>` instead of `x-aviary-lease-token` (only `aviary.tty.v1` is echoed)"),
     ),
     responses(
         (status = 101, description = "switching to the WebSocket terminal protocol; first client message: the start message (TtyStart, JSON text)"),

@@ -193,6 +193,7 @@ async fn browser_flow() {
             .env("AVIARY_URL", ts.url())
             .env("TEAM_KEY", &team)
             .env("RIVAL_KEY", &rival)
+            .env("ADMIN_KEY", &ts.key)
             .env("RUN", &run)
             .env("CHROMIUM", &chromium)
             .env("PUPPETEER", &puppeteer)
@@ -203,16 +204,24 @@ async fn browser_flow() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     // whatever the flow did, nothing it created may outlive the test
-    let left: Vec<_> = team_client
+    let rival_client = aviary_client::Client::new(&ts.url(), &rival);
+    let mut left: Vec<_> = team_client
         .list_sandboxes(false)
         .await
         .unwrap()
         .sandboxes
         .into_iter()
+        .chain(rival_client.list_sandboxes(false).await.unwrap().sandboxes)
         .filter(|s| !s.state.is_terminal())
         .collect();
+    left.sort_by(|a, b| a.id.as_str().cmp(b.id.as_str()));
     for s in &left {
-        let _ = ts.client.delete_sandbox(s.id.as_str(), None).await;
+        let owner = if s.tenant == "rival" {
+            &rival_client
+        } else {
+            &team_client
+        };
+        let _ = owner.delete_sandbox(s.id.as_str(), None).await;
     }
     assert!(
         out.status.success(),
@@ -312,12 +321,17 @@ async fn browser_flow() {
 
     // created from the page: this tenant's, with the form's labels
     let id = o["created_id"].as_str().unwrap();
-    // (plus the one the flow made through the API to watch the list refresh)
+    // (plus those the flow made through the API: to watch the list refresh,
+    // for the admin's view, for the create-latency chart)
     let all = team_client.list_sandboxes(true).await.unwrap().sandboxes;
     let api_id = o["api_created_id"].as_str().unwrap();
+    let team_sbx = o["team_sandbox"].as_str().unwrap();
+    let rival_sbx = o["rival_sandbox"].as_str().unwrap();
     let mut ids: Vec<&str> = all.iter().map(|s| s.id.as_str()).collect();
     ids.sort_unstable();
-    let mut want = vec![id, api_id];
+    let probe_sbx = o["chart_probe_sandbox"].as_str().unwrap();
+    let fork_sbx = o["fork_id"].as_str().unwrap();
+    let mut want = vec![id, api_id, team_sbx, probe_sbx, fork_sbx];
     want.sort_unstable();
     assert_eq!(ids, want, "the denied create made nothing: {all:?}");
     let sbx = all.iter().find(|s| s.id.as_str() == id).unwrap();
@@ -433,13 +447,244 @@ async fn browser_flow() {
     let after = team_client.get_sandbox(id).await.unwrap();
     assert_eq!(after.state, SandboxState::Terminated);
     assert!(left.is_empty(), "sandboxes left by the flow: {left:?}");
+
+    // the terminal: the shell's output is on the page, F6 left it, `exit 3`
+    // ended the session with its code; both ends are in the sandbox's log
+    assert_eq!(o["term_focus"], "Terminal input", "{o}");
+    let rows: Vec<&str> = o["term_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_str().unwrap())
+        .collect();
+    assert!(rows.contains(&"term-42"), "{rows:?}");
+    assert!(
+        rows.iter().any(|r| r.contains("echo term-$((6*7))")),
+        "{rows:?}"
+    );
+    assert_eq!(o["term_f6_focus"], "Close terminal", "{o}");
+    assert_eq!(o["term_exit"], "Exited with code 3.", "{o}");
+    // leased: refused without the token, a shell with it
+    assert!(
+        !o["term_leased_without_token"].as_str().unwrap().is_empty(),
+        "{o}"
+    );
+    assert!(
+        o["lease_token_label"]
+            .as_str()
+            .unwrap()
+            .contains("console-flow"),
+        "{o}"
+    );
+    assert!(
+        o["term_leased_rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r == "leased-42"),
+        "{o}"
+    );
+    let types: Vec<&str> = logged.iter().map(|e| e.event_type.as_str()).collect();
+    assert!(
+        types.contains(&"tty_started") && types.contains(&"tty_exited"),
+        "{types:?}"
+    );
+
+    // files: the page's upload is the same bytes through the API, and its
+    // download is the same bytes on disk
+    assert_eq!(o["api_bytes_equal"], true, "{o}");
+    assert_eq!(o["download_equal"], true, "{o}");
+    let size = o["upload_size"].as_u64().unwrap();
+    assert!(
+        o["upload_note"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("upload.bin ({size} bytes)")),
+        "{o}"
+    );
+    assert!(
+        o["download_note"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("({size} bytes)")),
+        "{o}"
+    );
+    // the tenant's audit page lists its policy denial with the reason; a
+    // tenant is offered no admin page and no cross-tenant switch
+    assert!(
+        o["audit_rows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r.as_str().unwrap().contains("network_profile_not_allowed")),
+        "{o}"
+    );
+    assert_eq!(
+        o["tenant_nav"],
+        serde_json::json!(["Sandboxes", "New sandbox", "Planner", "Events", "Audit"])
+    );
+    assert_eq!(o["tenant_all_switch"], 0);
+
+    // the admin: its own tenant by default, every tenant with the switch
+    let own: Vec<&str> = o["admin_own_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        !own.contains(&team_sbx) && !own.contains(&rival_sbx),
+        "{own:?}"
+    );
+    let all_rows = o["admin_all_rows"].as_array().unwrap();
+    let tenant_of = |sid: &str| {
+        all_rows
+            .iter()
+            .find(|r| r["id"] == sid)
+            .map(|r| r["tenant"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(tenant_of(team_sbx).as_deref(), Some("team"), "{o}");
+    assert_eq!(tenant_of(rival_sbx).as_deref(), Some("rival"), "{o}");
+    // another tenant's sandbox, opened by the admin: read only
+    let foreign = &o["admin_foreign"];
+    assert_eq!(foreign["tenant"], "rival", "{o}");
+    assert!(
+        foreign["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == "created"),
+        "{o}"
+    );
+    assert_eq!(foreign["terminals"], 0, "{o}");
+    assert_eq!(foreign["file_tables"], 0, "{o}");
+    assert_eq!(foreign["destroy_buttons"], 0, "{o}");
+    // ... while the rival (a tenant) saw only its own
+    assert!(!o["rival_ids"].as_array().unwrap().iter().any(|v| v == id));
+
+    // keyboard: every page reached from the navigation with Shift+Tab and
+    // Enter, its heading focused, every input labelled
+    assert_eq!(
+        o["admin_nav"],
+        serde_json::json!([
+            "Sandboxes",
+            "New sandbox",
+            "Planner",
+            "Events",
+            "Audit",
+            "Pools",
+            "Nodes",
+            "Charts",
+            "Tenants and keys"
+        ])
+    );
+    let visited = o["keyboard_pages"].as_array().unwrap();
+    assert_eq!(visited.len(), 9, "{o}");
+    for p in visited {
+        assert_eq!(p["reached"], true, "{p}");
+        assert_eq!(p["unlabelled"], serde_json::json!([]), "{p}");
+        assert!(p["heading"].as_str().is_some_and(|h| !h.is_empty()), "{p}");
+    }
+    // the planner page's plan: class, source and the trace's steps
+    assert!(
+        o["plan_fields"]["Class"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty()),
+        "{o}"
+    );
+    assert!(!o["plan_steps"].as_array().unwrap().is_empty(), "{o}");
+    // the events page widened to every tenant, then filtered by type
+    let ev_tenants = o["events_tenants"].as_array().unwrap();
+    assert!(
+        ev_tenants.iter().any(|t| t == "rival") && ev_tenants.iter().any(|t| t == "team"),
+        "{o}"
+    );
+    assert!(o["events_filtered_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_str().unwrap().contains("lease")));
+    // nodes (capacity vs committed as meters, health), charts, tenants
+    let nodes = o["nodes"].as_array().unwrap();
+    assert!(!nodes.is_empty(), "{o}");
+    assert!(nodes.iter().all(|n| n["meters"] == 2), "{o}");
+    assert_eq!(
+        o["charts"],
+        serde_json::json!(["chart-states", "chart-create-latency", "chart-hit-rate"])
+    );
+    assert!(o["tenant_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t == "team"));
+    // snapshots taken from the page chain (the second under the first); the
+    // fork made from the second shows under it, and names where it came from
+    let tree = o["snapshot_tree"].as_array().unwrap();
+    assert_eq!(tree.len(), 2, "{o}");
+    let first = tree.iter().find(|s| s["parent"].is_null()).unwrap();
+    let second = tree.iter().find(|s| !s["parent"].is_null()).unwrap();
+    assert_eq!(second["parent"], first["id"], "{o}");
+    assert_eq!(o["fork_lineage"]["under"], second["id"], "{o}");
+    assert!(
+        o["fork_lineage"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("this sandbox"),
+        "{o}"
+    );
+    assert_eq!(o["fork_decision"]["action"], "fork", "{o}");
+    let from = o["forked_from"].as_str().unwrap();
+    assert!(
+        from.contains(second["id"].as_str().unwrap()) && from.contains(team_sbx),
+        "{from}"
+    );
+    let snaps = team_client.snapshots(None).await.unwrap();
+    let of_team_sbx: Vec<&str> = snaps["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["sandbox_id"] == team_sbx)
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(of_team_sbx.len(), 2, "{snaps}");
+    let fork_log = team_client
+        .events(Some(fork_sbx), None, Some(1000))
+        .await
+        .unwrap()
+        .events;
+    let forked = fork_log
+        .iter()
+        .find(|e| e.event_type == "forked")
+        .unwrap_or_else(|| panic!("{fork_log:?}"));
+    assert_eq!(forked.metadata["snapshot"], second["id"]);
+    assert_eq!(forked.metadata["parent_sandbox"], team_sbx);
+
+    // narrow screens: no page wider than 400 px
+    for (page, overflow) in o["narrow_overflow_by_page"].as_object().unwrap() {
+        assert!(overflow.as_i64().unwrap() <= 0, "{page} overflows: {o}");
+    }
+    assert!(o["narrow_sandbox_overflow"].as_i64().unwrap() <= 0, "{o}");
+
     for page in [
         "login",
         "create-denied",
         "sandbox",
+        "sandbox-terminal-files",
+        "sandbox-narrow",
         "sandboxes",
         "sandboxes-narrow",
         "other-tenant",
+        "audit",
+        "admin-all-tenants",
+        "admin-foreign-sandbox",
+        "planner",
+        "events",
+        "pools",
+        "nodes",
+        "charts",
+        "keys",
+        "keys-narrow",
+        "snapshots-fork",
     ] {
         let shot = shots.join(format!("{page}.png"));
         assert!(

@@ -110,7 +110,7 @@ async fn crun_and_runc_serve_side_by_side_and_survive_a_restart() {
         .unwrap();
     // a runtime nobody knows is refused before anything starts
     let e = c
-        .create_sandbox(&create_on(Some("docker"), None))
+        .create_sandbox(&create_on(Some("kata"), None))
         .await
         .unwrap_err();
     assert!(

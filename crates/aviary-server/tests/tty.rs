@@ -295,9 +295,33 @@ async fn authentication_tenancy_and_the_fence_are_enforced() {
     let last = if forged.ends_with('0') { "1" } else { "0" };
     forged.replace_range(forged.len() - 1.., last);
     assert_eq!(
-        connect(&url, &[bearer(&ts.key), ("x-aviary-lease-token", forged)])
-            .await
-            .unwrap_err(),
+        connect(
+            &url,
+            &[bearer(&ts.key), ("x-aviary-lease-token", forged.clone())]
+        )
+        .await
+        .unwrap_err(),
+        StatusCode::CONFLICT
+    );
+    // a browser offers key and token as subprotocols: only the plain name
+    // is echoed; a foreign token that way is refused the same
+    let offered = format!(
+        "aviary.tty.v1, aviary.bearer.{}, aviary.lease.{}",
+        ts.key, lease.token
+    );
+    let (ws, proto) = connect(&url, &[protocols(&offered)]).await.unwrap();
+    assert_eq!(proto.as_deref(), Some("aviary.tty.v1"));
+    let mut t = Term::new(ws);
+    t.text(serde_json::json!({"cmd": ["/bin/sh", "-c", "echo leased-by-subprotocol"]}))
+        .await;
+    t.expect("leased-by-subprotocol").await;
+    assert_eq!(t.finish().await.unwrap()["exit_code"], 0);
+    let offered = format!(
+        "aviary.tty.v1, aviary.bearer.{}, aviary.lease.{forged}",
+        ts.key
+    );
+    assert_eq!(
+        connect(&url, &[protocols(&offered)]).await.unwrap_err(),
         StatusCode::CONFLICT
     );
     c.release_lease(&id, lease.token).await.unwrap();

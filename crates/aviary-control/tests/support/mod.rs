@@ -439,6 +439,7 @@ pub async fn sandbox_events(
         after: None,
         limit: Some(1000),
         newest: false,
+        all_tenants: false,
     };
     p.cp.events(cx, of_sandbox).await.unwrap()
 }

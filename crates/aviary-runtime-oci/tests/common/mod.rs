@@ -46,6 +46,9 @@ pub const APPLETS: &[&str] = &[
     "tr",
     "cut",
     "sync",
+    "ln",
+    "mv",
+    "base64",
 ];
 
 pub struct Fixture {
@@ -124,6 +127,7 @@ pub fn binary_needs(binary: OciBinary) -> (&'static str, &'static str) {
     match binary {
         OciBinary::Crun => ("/usr/bin/crun", "apt-get install crun"),
         OciBinary::Runc => ("/usr/bin/runc", "apt-get install runc"),
+        OciBinary::Runsc => ("/usr/bin/runsc", "apt-get install runsc"),
     }
 }
 
@@ -149,7 +153,7 @@ impl Drop for Fixture {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                for binary in [OciBinary::Crun, OciBinary::Runc] {
+                for binary in [OciBinary::Crun, OciBinary::Runc, OciBinary::Runsc] {
                     if !state.exists() {
                         return;
                     }
