@@ -627,11 +627,6 @@ pub fn exec_request(
             "PTY sessions are not supported by Aviary's envd",
         ));
     }
-    if req.stdin == Some(true) {
-        return Err(ConnectError::unimplemented(
-            "interactive stdin is not supported by Aviary's envd (a command's input is given when it starts); start the process with stdin=False",
-        ));
-    }
     let p = req.process;
     if p.cmd.is_empty() {
         return Err(ConnectError::invalid("process.cmd is required"));
@@ -759,10 +754,8 @@ async fn process_rpc(
         "SendSignal" => signal(&st, call, req).await,
         "SendInput" => send_input(&st, call, req).await,
         "Update" => update(&st, call, req).await,
-        "StreamInput" | "CloseStdin" => Err(ConnectError::unimplemented(
-            "streamed stdin is not supported by Aviary's envd (a command's input is given when it starts; a PTY takes SendInput)",
-        )
-        .into()),
+        "StreamInput" => stream_input(&st, call, req).await,
+        "CloseStdin" => close_stdin(&st, call, req).await,
         other => Err(ConnectError::new(
             Code::Unimplemented,
             format!("process.Process/{other} does not exist"),
@@ -792,15 +785,28 @@ async fn start(st: &E2bState, call: SandboxCall, req: Request) -> Result<Respons
             .filter(|f| f.kind == "dir")
             .map(|_| HOME),
     };
+    let with_stdin = msg.stdin == Some(true);
     let (exec, config) = exec_request(msg, timeout, home)?;
-    let run = st
-        .cp
-        .exec_start(&call.cx, OnSandbox::new(&call.id, exec))
-        .await
-        .map_err(|e| EnvdError::op(&call.id, e))?;
+    let (run, stdin) = if with_stdin {
+        // the command reads what SendInput/StreamInput write, until CloseStdin
+        let (writer, reader) = tokio::io::duplex(STDIN_BUFFER);
+        let run = st
+            .cp
+            .exec_start_piped(&call.cx, OnSandbox::new(&call.id, exec), Box::pin(reader))
+            .await
+            .map_err(|e| EnvdError::op(&call.id, e))?;
+        (run, Some(writer))
+    } else {
+        let run = st
+            .cp
+            .exec_start(&call.cx, OnSandbox::new(&call.id, exec))
+            .await
+            .map_err(|e| EnvdError::op(&call.id, e))?;
+        (run, None)
+    };
     let (proc, rx) = st
         .processes
-        .start(st.cp.clone(), call.id.clone(), config, tag, run);
+        .start(st.cp.clone(), call.id.clone(), config, tag, run, stdin);
     let events =
         futures_util::stream::unfold(
             rx,
@@ -930,19 +936,28 @@ pub struct UpdateRequest {
     pub pty: Option<PtyIn>,
 }
 
+/// The running process named by `sel`, or an E2B error.
+fn find_proc(
+    st: &E2bState,
+    id: &str,
+    sel: SelectorIn,
+) -> Result<std::sync::Arc<crate::process::Proc>, ConnectError> {
+    let sel = sel.selector()?;
+    st.processes.find(id, &sel).ok_or_else(|| {
+        ConnectError::new(
+            Code::NotFound,
+            format!("process {sel:?} not found (or it was started through another Aviary replica)"),
+        )
+    })
+}
+
 /// The running PTY named by `sel`, or an E2B error.
 fn find_pty(
     st: &E2bState,
     id: &str,
     sel: SelectorIn,
 ) -> Result<std::sync::Arc<crate::process::Proc>, ConnectError> {
-    let sel = sel.selector()?;
-    let proc = st.processes.find(id, &sel).ok_or_else(|| {
-        ConnectError::new(
-            Code::NotFound,
-            format!("process {sel:?} not found (or it was started through another Aviary replica)"),
-        )
-    })?;
+    let proc = find_proc(st, id, sel)?;
     if proc.pty().is_none() {
         return Err(ConnectError::unimplemented(
             "this process has no PTY: a command's input is given when it starts",
@@ -955,13 +970,16 @@ async fn send_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<Re
     let msg: SendInputRequest = connect::parse(&unary_body(st, req).await?)?;
     let data = match (msg.input.pty, msg.input.stdin) {
         (Some(d), None) => d,
-        (None, Some(_)) => {
-            return Err(ConnectError::unimplemented(
-                "stdin of a running command is not supported by Aviary's envd (its input is given when it starts)",
-            )
-            .into())
+        (None, Some(d)) => {
+            let proc = find_proc(st, &call.id, msg.process)?;
+            write_stdin(&proc, &d).await?;
+            return Ok(unary_ok(&serde_json::json!({})));
         }
-        _ => return Err(ConnectError::invalid("input must hold exactly one of pty and stdin").into()),
+        _ => {
+            return Err(
+                ConnectError::invalid("input must hold exactly one of pty and stdin").into(),
+            )
+        }
     };
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(data.as_bytes())
@@ -977,6 +995,193 @@ async fn send_input(st: &E2bState, call: SandboxCall, req: Request) -> Result<Re
         .await
         .map_err(|e| EnvdError::op(&call.id, OpError::from(e)))?;
     Ok(unary_ok(&serde_json::json!({})))
+}
+
+/// How much written stdin may wait for the command to read it: a writer
+/// beyond it waits (back-pressure), as on a pipe.
+const STDIN_BUFFER: usize = 64 * 1024;
+
+/// Writes base64 `data` to a plain command's stdin.
+async fn write_stdin(proc: &crate::process::Proc, data: &str) -> Result<(), ConnectError> {
+    use tokio::io::AsyncWriteExt;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.as_bytes())
+        .map_err(|e| ConnectError::invalid(format!("input.stdin is not base64: {e}")))?;
+    let Some(stdin) = proc.stdin() else {
+        return Err(ConnectError::new(
+            Code::FailedPrecondition,
+            "the process was not started with stdin (start it with stdin=True)",
+        ));
+    };
+    let mut w = stdin.lock().await;
+    let closed = || ConnectError::new(Code::FailedPrecondition, "the process's stdin is closed");
+    let writer = w.as_mut().ok_or_else(closed)?;
+    // the command may have exited: its end of the pipe is gone
+    writer.write_all(&bytes).await.map_err(|_| closed())?;
+    writer.flush().await.map_err(|_| closed())
+}
+
+/// `CloseStdin`: the command reads end of file.
+async fn close_stdin(
+    st: &E2bState,
+    call: SandboxCall,
+    req: Request,
+) -> Result<Response, EnvdError> {
+    let msg: SelectRequest = connect::parse(&unary_body(st, req).await?)?;
+    let proc = find_proc(st, &call.id, msg.process)?;
+    let Some(stdin) = proc.stdin() else {
+        return Err(ConnectError::new(
+            Code::FailedPrecondition,
+            "the process was not started with stdin (start it with stdin=True)",
+        )
+        .into());
+    };
+    // dropping the write end is the end of file
+    stdin.lock().await.take();
+    Ok(unary_ok(&serde_json::json!({})))
+}
+
+/// `StreamInputRequest`: `start` (the process) first, then `data` or
+/// `keepalive` messages.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamInputIn {
+    #[serde(default)]
+    pub start: Option<SelectRequest>,
+    #[serde(default)]
+    pub data: Option<StreamInputData>,
+    #[serde(default)]
+    pub keepalive: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamInputData {
+    pub input: ProcessInputIn,
+}
+
+/// `StreamInput` (client streaming): the request body is a stream of
+/// envelopes, each written to the process's input as it arrives; the
+/// answer is one empty message once the client ends its stream.
+async fn stream_input(
+    st: &E2bState,
+    call: SandboxCall,
+    req: Request,
+) -> Result<Response, EnvdError> {
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    if !ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .eq_ignore_ascii_case(connect::STREAM_CONTENT_TYPE)
+    {
+        return Err(ConnectError::new(
+            Code::Unimplemented,
+            format!("content type {ct:?} is not served; use application/connect+json"),
+        )
+        .into());
+    }
+    connect::require_identity(req.headers())?;
+    let max = st.settings.max_json_bytes;
+    let mut body = req.into_body().into_data_stream();
+    let mut buf = bytes::BytesMut::new();
+    let mut proc: Option<std::sync::Arc<crate::process::Proc>> = None;
+    loop {
+        // every whole envelope in the buffer
+        while buf.len() >= connect::ENVELOPE_PREFIX {
+            let flags = buf[0];
+            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+            if len > max {
+                return Err(ConnectError::new(
+                    Code::ResourceExhausted,
+                    format!("request message of {len} bytes is larger than the limit of {max}"),
+                )
+                .into());
+            }
+            if flags != 0 {
+                return Err(ConnectError::invalid(format!(
+                    "unexpected envelope flags {flags:#04x} on a request message"
+                ))
+                .into());
+            }
+            if buf.len() < connect::ENVELOPE_PREFIX + len {
+                break;
+            }
+            let _ = buf.split_to(connect::ENVELOPE_PREFIX);
+            let msg: StreamInputIn = connect::parse(&buf.split_to(len))?;
+            match (msg.start, msg.data, msg.keepalive, &proc) {
+                (Some(start), None, None, None) => {
+                    proc = Some(find_proc(st, &call.id, start.process)?);
+                }
+                (None, Some(data), None, Some(p)) => match (data.input.stdin, data.input.pty) {
+                    (Some(d), None) => write_stdin(p, &d).await?,
+                    (None, Some(d)) => {
+                        let bytes = base64::engine::general_purpose::STANDARD
+                            .decode(d.as_bytes())
+                            .map_err(|e| {
+                                ConnectError::invalid(format!("input.pty is not base64: {e}"))
+                            })?;
+                        let Some(input) = p.pty() else {
+                            return Err(
+                                ConnectError::unimplemented("this process has no PTY").into()
+                            );
+                        };
+                        input
+                            .lock()
+                            .await
+                            .write(&bytes)
+                            .await
+                            .map_err(|e| EnvdError::op(&call.id, OpError::from(e)))?;
+                    }
+                    _ => {
+                        return Err(ConnectError::invalid(
+                            "input must hold exactly one of pty and stdin",
+                        )
+                        .into())
+                    }
+                },
+                (None, None, Some(_), _) => {}
+                (Some(_), _, _, Some(_)) => {
+                    return Err(
+                        ConnectError::invalid("the stream names its process once, first").into(),
+                    )
+                }
+                (None, Some(_), None, None) => {
+                    return Err(ConnectError::invalid(
+                        "the first message must be `start`, naming the process",
+                    )
+                    .into())
+                }
+                _ => {
+                    return Err(ConnectError::invalid(
+                        "a message holds exactly one of start, data and keepalive",
+                    )
+                    .into())
+                }
+            }
+        }
+        match body.next().await {
+            Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+            Some(Err(_)) => {
+                return Err(ConnectError::new(Code::Unavailable, "the input stream was cut").into())
+            }
+            None => break,
+        }
+    }
+    if !buf.is_empty() {
+        return Err(ConnectError::invalid("the input stream ended inside a message").into());
+    }
+    let s = futures_util::stream::iter([
+        connect::message(&serde_json::json!({})),
+        connect::end_stream(None),
+    ]);
+    Ok(stream_response(s))
 }
 
 async fn update(st: &E2bState, call: SandboxCall, req: Request) -> Result<Response, EnvdError> {
@@ -1305,10 +1510,6 @@ mod tests {
         for (json, code) in [
             (
                 r#"{"process":{"cmd":"sh"},"pty":{"size":{"cols":80,"rows":24}}}"#,
-                Code::Unimplemented,
-            ),
-            (
-                r#"{"process":{"cmd":"sh"},"stdin":true}"#,
                 Code::Unimplemented,
             ),
             (r#"{"process":{"cmd":""}}"#, Code::InvalidArgument),

@@ -100,8 +100,12 @@ pub struct Proc {
     events: broadcast::Sender<ProcEvent>,
     kill: Notify,
     /// A PTY's keyboard and window size (`SendInput`, `Update`); `None`
-    /// for a plain command, whose input is given when it starts.
+    /// for a plain command.
     pty: Option<tokio::sync::Mutex<aviary_envd_proto::PtyInput>>,
+    /// A plain command started with `stdin: true`: the write end of its
+    /// stdin (`SendInput`, `StreamInput`), `None` inside once closed
+    /// (`CloseStdin`: the command reads end of file).
+    stdin: Option<tokio::sync::Mutex<Option<tokio::io::DuplexStream>>>,
 }
 
 impl Proc {
@@ -119,6 +123,12 @@ impl Proc {
     /// The PTY's input half, when the process runs on one.
     pub fn pty(&self) -> Option<&tokio::sync::Mutex<aviary_envd_proto::PtyInput>> {
         self.pty.as_ref()
+    }
+
+    /// The write end of a plain command's stdin, when it was started with
+    /// one (`None` inside: closed).
+    pub fn stdin(&self) -> Option<&tokio::sync::Mutex<Option<tokio::io::DuplexStream>>> {
+        self.stdin.as_ref()
     }
 }
 
@@ -177,8 +187,9 @@ impl Processes {
         }
     }
 
-    /// Registers a started exec and spawns its pump; answers the process
-    /// and the starting call's channel of events.
+    /// Registers a started exec (with the write end of its stdin, when it
+    /// has one) and spawns its pump; answers the process and the starting
+    /// call's channel of events.
     pub fn start(
         self: &Arc<Self>,
         cp: Arc<ControlPlane>,
@@ -186,6 +197,7 @@ impl Processes {
         config: ProcessConfig,
         tag: Option<String>,
         run: ExecRun,
+        stdin: Option<tokio::io::DuplexStream>,
     ) -> (Arc<Proc>, mpsc::Receiver<ProcEvent>) {
         // E2B shows pids; Aviary's envd does not expose the process's own,
         // so the surface numbers processes itself (unique per replica)
@@ -198,6 +210,7 @@ impl Processes {
             events,
             kill: Notify::new(),
             pty: None,
+            stdin: stdin.map(|w| tokio::sync::Mutex::new(Some(w))),
         });
         self.table()
             .entry(sandbox.clone())
@@ -239,6 +252,7 @@ impl Processes {
             events,
             kill: Notify::new(),
             pty: Some(tokio::sync::Mutex::new(input)),
+            stdin: None,
         });
         self.table()
             .entry(sandbox.clone())

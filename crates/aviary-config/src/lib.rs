@@ -65,6 +65,37 @@ pub struct Config {
     pub distributed: DistributedSettings,
     /// `[[projection]]` tables, in file order (default: none).
     pub projections: Vec<Projection>,
+    /// `[remote_e2b]`: the E2B-compatible service behind runtime `e2b`
+    /// (default: none; `server.runtimes` may list `e2b` only with it).
+    pub remote_e2b: Option<RemoteE2bSettings>,
+}
+
+/// `[remote_e2b]`: where runtime `e2b` places sandboxes (an E2B-compatible
+/// service: E2B's cloud, or another Aviary's `/e2b` surface). The key is
+/// named by an environment variable or a file, never written here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteE2bSettings {
+    /// The control API (`E2B_API_URL`), `http(s)://…`, no trailing slash.
+    pub api_url: String,
+    /// One URL for every sandbox's envd (`E2B_SANDBOX_URL`); `None`:
+    /// `https://49983-{id}.{domain}`.
+    pub sandbox_url: Option<String>,
+    /// The sandbox domain: a port is `{port}-{id}.{domain}`.
+    pub domain: String,
+    /// Where port traffic is sent, `Host` still `{port}-{id}.{domain}`;
+    /// `None`: `https://{port}-{id}.{domain}`.
+    pub port_url: Option<String>,
+    /// Send the key to the port proxy as a bearer token (only for a proxy
+    /// that consumes it, such as Aviary's).
+    pub proxy_key: bool,
+    /// The environment variable that holds the API key.
+    pub api_key_env: Option<String>,
+    /// A file that holds the API key (first line).
+    pub api_key_file: Option<PathBuf>,
+    /// Aviary template (name or `sha256:` digest) → the provider's template.
+    pub templates: std::collections::BTreeMap<String, String>,
+    /// The lifetime asked of the provider per sandbox, seconds.
+    pub timeout_s: u64,
 }
 
 /// `[[projection]]`: a host file or directory synced one-way into every
@@ -143,6 +174,15 @@ impl EdgeSettings {
 /// A runtime a sandbox can run on: the one list of runtime names lives in
 /// `aviary-core`.
 pub use aviary_core::RuntimeName as Runtime;
+
+/// The runtimes of this host (every known one but the remote providers'):
+/// what a class runs on unless it lists its runtimes.
+pub fn local_runtimes() -> Vec<Runtime> {
+    Runtime::ALL
+        .into_iter()
+        .filter(|r| !r.is_remote())
+        .collect()
+}
 
 /// `[[class]]`: a named resource class. A sandbox always runs with exactly one
 /// class's limits.
@@ -504,7 +544,7 @@ pub(crate) fn default_classes() -> Vec<ResourceClass> {
             disk_mb: disk_gib * 1024,
             pids,
             gpu: false,
-            runtimes: Runtime::ALL.to_vec(),
+            runtimes: local_runtimes(),
             network_profiles: vec!["none".into(), "pypi-readonly".into(), "open".into()],
         })
         .collect()
@@ -574,6 +614,7 @@ impl Default for Config {
             snapshots: SnapshotSettings::default(),
             distributed: DistributedSettings::default(),
             projections: Vec::new(),
+            remote_e2b: None,
         }
     }
 }

@@ -35,6 +35,22 @@ struct RawConfig {
     distributed: Option<RawDistributed>,
     #[serde(rename = "projection")]
     projections: Option<Vec<RawProjection>>,
+    remote_e2b: Option<RawRemoteE2b>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRemoteE2b {
+    api_url: Spanned<String>,
+    sandbox_url: Option<Spanned<String>>,
+    domain: Option<Spanned<String>>,
+    port_url: Option<Spanned<String>>,
+    #[serde(default)]
+    proxy_key: bool,
+    api_key_env: Option<Spanned<String>>,
+    api_key_file: Option<Spanned<String>>,
+    templates: Spanned<std::collections::BTreeMap<String, String>>,
+    timeout_s: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -347,6 +363,15 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         Some(list) => check_projections(&ck, list)?,
         None => Vec::new(),
     };
+    let remote_e2b = check_remote_e2b(&ck, raw.remote_e2b)?;
+    for rt in &server.runtimes {
+        ck.check(
+            !rt.is_remote() || remote_e2b.is_some(),
+            &DEFAULTED,
+            || "server.runtimes".into(),
+            || format!("server: runtime {rt} needs a [remote_{rt}] table (its URL and key)"),
+        )?;
+    }
 
     Ok(Config {
         server,
@@ -360,7 +385,133 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         snapshots,
         distributed,
         projections,
+        remote_e2b,
     })
+}
+
+/// A URL the runtime calls: `http://` or `https://`, a host, no trailing
+/// slash, no spaces.
+fn valid_base_url(u: &str) -> bool {
+    let rest = u
+        .strip_prefix("https://")
+        .or_else(|| u.strip_prefix("http://"));
+    rest.is_some_and(|r| {
+        !r.is_empty()
+            && !r.starts_with('/')
+            && !u.ends_with('/')
+            && !u.chars().any(|c| c.is_whitespace() || c.is_control())
+    })
+}
+
+fn check_remote_e2b(
+    ck: &Checker<'_>,
+    raw: Option<RawRemoteE2b>,
+) -> Result<Option<crate::RemoteE2bSettings>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    for (field, v) in [
+        ("api_url", Some(&raw.api_url)),
+        ("sandbox_url", raw.sandbox_url.as_ref()),
+        ("port_url", raw.port_url.as_ref()),
+    ] {
+        if let Some(v) = v {
+            ck.check(
+                valid_base_url(v.get_ref()),
+                &v.span(),
+                || format!("remote_e2b.{field}"),
+                || {
+                    format!(
+                        "remote_e2b: {field} {:?} must be http(s)://host[:port][/path] without a trailing slash",
+                        v.get_ref()
+                    )
+                },
+            )?;
+        }
+    }
+    let domain = match &raw.domain {
+        Some(d) => {
+            ck.check(
+                valid_domain(d.get_ref()) && !d.get_ref().starts_with("*."),
+                &d.span(),
+                || "remote_e2b.domain".into(),
+                || format!("remote_e2b: domain {:?} is not a domain name", d.get_ref()),
+            )?;
+            d.get_ref().clone()
+        }
+        None => "e2b.app".into(),
+    };
+    let key_env = raw.api_key_env.as_ref();
+    let key_file = raw.api_key_file.as_ref();
+    ck.check(
+        key_env.is_some() != key_file.is_some(),
+        &raw.api_url.span(),
+        || "remote_e2b.api_key_env".into(),
+        || "remote_e2b: name the API key by exactly one of api_key_env and api_key_file".into(),
+    )?;
+    if let Some(e) = key_env {
+        ck.check(
+            valid_env_name(e.get_ref()),
+            &e.span(),
+            || "remote_e2b.api_key_env".into(),
+            || {
+                format!(
+                    "remote_e2b: {:?} is not an environment variable name",
+                    e.get_ref()
+                )
+            },
+        )?;
+    }
+    if let Some(f) = key_file {
+        ck.check(
+            f.get_ref().starts_with('/'),
+            &f.span(),
+            || "remote_e2b.api_key_file".into(),
+            || {
+                format!(
+                    "remote_e2b: api_key_file {:?} must be absolute",
+                    f.get_ref()
+                )
+            },
+        )?;
+    }
+    let templates = raw.templates.get_ref().clone();
+    ck.check(
+        !templates.is_empty()
+            && templates.iter().all(|(k, v)| {
+                !k.is_empty()
+                    && k.len() <= 128
+                    && !v.is_empty()
+                    && v.len() <= 128
+                    && !v.chars().any(|c| c.is_whitespace() || c.is_control())
+            }),
+        &raw.templates.span(),
+        || "remote_e2b.templates".into(),
+        || "remote_e2b: templates maps Aviary templates (name or sha256 digest) to the provider's template ids; at least one, none empty".into(),
+    )?;
+    let timeout_s = match &raw.timeout_s {
+        Some(t) => {
+            ck.check(
+                (60..=86_400 * 30).contains(t.get_ref()),
+                &t.span(),
+                || "remote_e2b.timeout_s".into(),
+                || "remote_e2b: timeout_s must be between 60 and 2592000".into(),
+            )?;
+            *t.get_ref()
+        }
+        None => 3600,
+    };
+    Ok(Some(crate::RemoteE2bSettings {
+        api_url: raw.api_url.into_inner(),
+        sandbox_url: raw.sandbox_url.map(Spanned::into_inner),
+        domain,
+        port_url: raw.port_url.map(Spanned::into_inner),
+        proxy_key: raw.proxy_key,
+        api_key_env: raw.api_key_env.map(Spanned::into_inner),
+        api_key_file: raw.api_key_file.map(|f| PathBuf::from(f.into_inner())),
+        templates,
+        timeout_s,
+    }))
 }
 
 fn check_distributed(
@@ -457,6 +608,12 @@ fn check_server(
             })?;
         }
         if let Some(rt) = raw.runtime {
+            ck.check(
+                !rt.is_remote(),
+                &DEFAULTED,
+                || "server.runtime".into(),
+                || format!("server: the default runtime must run on this host; list {rt} in runtimes instead"),
+            )?;
             s.runtime = rt;
         }
         match raw.runtimes {
@@ -815,7 +972,7 @@ fn check_classes(
                 rts.dedup();
                 rts
             }
-            None => Runtime::ALL.to_vec(),
+            None => crate::local_runtimes(),
         };
         let network_profiles = match c.network_profiles {
             Some(list) => {

@@ -171,7 +171,7 @@ fn base_file_parses_with_its_values() {
     assert_eq!(c.server.data_dir, PathBuf::from("/var/lib/aviary"));
     assert_eq!(c.classes.len(), 2);
     let small = c.class("small").unwrap();
-    assert_eq!(small.runtimes, Runtime::ALL);
+    assert_eq!(small.runtimes, crate::local_runtimes());
     assert!(!small.gpu);
     let big = c.class("big").unwrap();
     assert_eq!(big.cpu, 4.0, "integers are accepted for cpu");
@@ -1213,4 +1213,72 @@ fn server_runtimes_default_to_the_runtime_and_must_include_it() {
     }
     let err = Config::from_str("[server]\nruntimes = [\"kata\"]\n", ORIGIN).unwrap_err();
     assert!(err.to_string().contains("kata"), "{err}");
+}
+
+#[test]
+fn remote_e2b_is_read_checked_and_required_by_runtime_e2b() {
+    let text = r#"
+[server]
+runtimes = ["crun", "e2b"]
+
+[remote_e2b]
+api_url = "https://api.e2b.app"
+api_key_env = "E2B_API_KEY"
+templates = { default = "base" }
+"#;
+    let c = Config::from_str(text, ORIGIN).unwrap();
+    let r = c.remote_e2b.unwrap();
+    assert_eq!(r.domain, "e2b.app");
+    assert_eq!(r.timeout_s, 3600);
+    assert!(!r.proxy_key);
+    assert_eq!(r.templates["default"], "base");
+    assert_eq!(r.api_key_env.as_deref(), Some("E2B_API_KEY"));
+    // e2b listed without its table, or as the default runtime
+    let err = Config::from_str("[server]\nruntimes = [\"crun\", \"e2b\"]\n", ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.runtimes"), "{err}");
+    let err = Config::from_str("[server]\nruntime = \"e2b\"\n", ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.runtime"), "{err}");
+    // classes left without runtimes run on this host's only
+    let c = Config::from_str(text, ORIGIN).unwrap();
+    assert!(c
+        .classes
+        .iter()
+        .all(|k| !k.runtimes.iter().any(|r| r.is_remote())));
+    for (bad, key) in [
+        (
+            "api_url = \"ftp://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\n",
+            "remote_e2b.api_url",
+        ),
+        (
+            "api_url = \"https://x/\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\n",
+            "remote_e2b.api_url",
+        ),
+        (
+            "api_url = \"https://x\"\ntemplates = { a = \"b\" }\n",
+            "remote_e2b.api_key_env",
+        ),
+        (
+            "api_url = \"https://x\"\napi_key_env = \"K\"\napi_key_file = \"/k\"\ntemplates = { a = \"b\" }\n",
+            "remote_e2b.api_key_env",
+        ),
+        (
+            "api_url = \"https://x\"\napi_key_file = \"rel\"\ntemplates = { a = \"b\" }\n",
+            "remote_e2b.api_key_file",
+        ),
+        (
+            "api_url = \"https://x\"\napi_key_env = \"K\"\ntemplates = {}\n",
+            "remote_e2b.templates",
+        ),
+        (
+            "api_url = \"https://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\ntimeout_s = 5\n",
+            "remote_e2b.timeout_s",
+        ),
+        (
+            "api_url = \"https://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\ndomain = \"*.x\"\n",
+            "remote_e2b.domain",
+        ),
+    ] {
+        let err = Config::from_str(&format!("[remote_e2b]\n{bad}"), ORIGIN).unwrap_err();
+        assert_eq!(err.key(), Some(key), "{bad}: {err}");
+    }
 }

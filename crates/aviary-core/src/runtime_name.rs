@@ -22,15 +22,19 @@ pub enum RuntimeName {
     /// Containers of a `dockerd` the operator runs, through the Docker
     /// Engine API (`aviary-runtime-docker`).
     Docker,
+    /// An E2B-compatible service (`[remote_e2b]`, `aviary-runtime-remote`):
+    /// sandboxes run by the provider, not on this host.
+    E2b,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 4] = [
+    pub const ALL: [RuntimeName; 5] = [
         RuntimeName::Crun,
         RuntimeName::Runc,
         RuntimeName::Runsc,
         RuntimeName::Docker,
+        RuntimeName::E2b,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -39,7 +43,14 @@ impl RuntimeName {
             RuntimeName::Runc => "runc",
             RuntimeName::Runsc => "runsc",
             RuntimeName::Docker => "docker",
+            RuntimeName::E2b => "e2b",
         }
+    }
+
+    /// Whether the runtime's sandboxes run at a remote provider (not on
+    /// this host: no OCI bundle, no local default runtime).
+    pub fn is_remote(self) -> bool {
+        matches!(self, RuntimeName::E2b)
     }
 }
 
@@ -76,7 +87,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc|runsc|docker)"
+            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b)"
         );
     }
 }

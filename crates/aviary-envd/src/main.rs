@@ -47,6 +47,7 @@
 //! is built static by `scripts/build-envd.sh`.
 #![deny(unsafe_code)]
 
+mod bridge;
 mod egress;
 mod exec;
 mod files;
@@ -72,6 +73,7 @@ use crate::files::SandboxFs;
 use crate::server::{ConnectionSlot, Envd, Lane};
 
 const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH [--gvisor-host-socket]) [--root DIR] [--trust-all-peers] [--no-openat2]
+                   [--bridge ADDR --bridge-secret-file FILE] [--daemon]
 
   --listen-fd N       serve the inherited socket N (socket activation): an AF_UNIX
                       SOCK_STREAM socket, bound by the host and not yet listening.
@@ -91,6 +93,14 @@ const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH [--gvisor
                       control plane) may move the fence. For tests only: with it,
                       code inside the sandbox could move the fence.
   --no-openat2        resolve paths in userspace instead of openat2 (tests)
+  --bridge ADDR       also accept HTTP/1.1 upgrades (`Upgrade: aviary-envd`) on the
+                      TCP address ADDR and splice them to the unix socket, for a
+                      host that reaches the sandbox only through a port proxy (a
+                      remote provider's). Needs --socket and --bridge-secret-file
+  --bridge-secret-file FILE
+                      the secret every upgrade must carry (x-aviary-envd-secret);
+                      read, then removed
+  --daemon            detach once listening (fork, new session, stdio /dev/null)
   --version";
 
 /// Where envd listens.
@@ -107,6 +117,9 @@ struct Args {
     trust_all_peers: bool,
     gvisor_host_socket: bool,
     openat2: bool,
+    /// `--bridge`: its address, the secret file, envd's socket path.
+    bridge: Option<(String, PathBuf, PathBuf)>,
+    daemon: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -116,6 +129,7 @@ fn parse_args() -> Result<Args, String> {
     let mut trust_all_peers = false;
     let mut gvisor_host_socket = false;
     let mut openat2 = true;
+    let (mut bridge, mut bridge_secret, mut daemon) = (None, None, false);
     let mut it = std::env::args_os().skip(1);
     while let Some(a) = it.next() {
         match a.to_str() {
@@ -134,6 +148,19 @@ fn parse_args() -> Result<Args, String> {
             Some("--trust-all-peers") => trust_all_peers = true,
             Some("--gvisor-host-socket") => gvisor_host_socket = true,
             Some("--no-openat2") => openat2 = false,
+            Some("--bridge") => {
+                let v = it.next().ok_or("--bridge needs a value")?;
+                bridge = Some(
+                    v.into_string()
+                        .map_err(|v| format!("--bridge {v:?} is not an address"))?,
+                )
+            }
+            Some("--bridge-secret-file") => {
+                bridge_secret = Some(PathBuf::from(
+                    it.next().ok_or("--bridge-secret-file needs a value")?,
+                ))
+            }
+            Some("--daemon") => daemon = true,
             Some("--version") => {
                 println!("aviary-envd {}", env!("CARGO_PKG_VERSION"));
                 std::process::exit(0);
@@ -158,12 +185,26 @@ fn parse_args() -> Result<Args, String> {
     if gvisor_host_socket && !matches!(listen, Listen::Path(_)) {
         return Err(format!("--gvisor-host-socket needs --socket\n{USAGE}"));
     }
+    let bridge = match (bridge, bridge_secret, &listen) {
+        (None, None, _) => None,
+        (Some(addr), Some(secret), Listen::Path(p)) => Some((addr, secret, p.clone())),
+        (Some(_), Some(_), Listen::Fd(_)) => {
+            return Err(format!("--bridge needs --socket\n{USAGE}"))
+        }
+        _ => {
+            return Err(format!(
+                "--bridge and --bridge-secret-file go together\n{USAGE}"
+            ))
+        }
+    };
     Ok(Args {
         listen,
         root,
         trust_all_peers,
         gvisor_host_socket,
         openat2,
+        bridge,
+        daemon,
     })
 }
 
@@ -190,18 +231,64 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // The bridge and the daemon fork come before anything else: the fork
+    // needs a single-threaded process, and whoever started envd may connect
+    // as soon as it returns, so every socket is bound by then.
+    let early_socket = match &args.listen {
+        Listen::Path(path) if args.bridge.is_some() => match bind(path) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                eprintln!("envd: bind {}: {e}", path.display());
+                std::process::exit(1);
+            }
+        },
+        _ => None,
+    };
+    let bridge = args.bridge.as_ref().map(|(addr, secret_file, socket)| {
+        let secret = bridge::read_secret(secret_file).unwrap_or_else(|e| {
+            eprintln!("envd: --bridge-secret-file {}: {e}", secret_file.display());
+            std::process::exit(1);
+        });
+        let listener = std::net::TcpListener::bind(addr).unwrap_or_else(|e| {
+            eprintln!("envd: --bridge {addr}: {e}");
+            std::process::exit(1);
+        });
+        bridge::Bridge {
+            listener,
+            secret,
+            socket: socket.clone(),
+        }
+    });
+    if args.daemon {
+        if let Err(e) = sys::daemonize() {
+            eprintln!("envd: --daemon: {e}");
+            std::process::exit(1);
+        }
+    }
     let pid1 = sys::getpid() == 1;
     if pid1 {
         if let Err(e) = sys::set_not_dumpable() {
             eprintln!("envd: make envd non-dumpable: {e}");
             std::process::exit(1);
         }
-    } else if let Err(e) = sys::set_child_subreaper() {
-        eprintln!("envd: set child subreaper (orphans will not be reaped): {e}");
+    } else {
+        if let Err(e) = sys::set_child_subreaper() {
+            eprintln!("envd: set child subreaper (orphans will not be reaped): {e}");
+        }
+        // the bridge secret is in memory: keep it from ptrace and /proc/PID/mem
+        if bridge.is_some() {
+            if let Err(e) = sys::set_not_dumpable() {
+                eprintln!("envd: make envd non-dumpable: {e}");
+                std::process::exit(1);
+            }
+        }
     }
     // The inherited socket is adopted before envd opens any descriptor of its
     // own, so that a missing fd N can never be mistaken for one of them.
     let (listener, socket_path) = match &args.listen {
+        Listen::Path(path) if early_socket.is_some() => {
+            (early_socket.expect("checked"), Some(path.clone()))
+        }
         Listen::Fd(fd) => match sys::adopt_listen_fd(*fd) {
             Ok(l) => (l, None),
             Err(e) => {
@@ -224,10 +311,16 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let envd = Arc::new(
-        Envd::new(args.root, fs, pid1, args.trust_all_peers)
-            .with_gvisor_host_socket(args.gvisor_host_socket),
-    );
+    let mut envd = Envd::new(args.root, fs, pid1, args.trust_all_peers)
+        .with_gvisor_host_socket(args.gvisor_host_socket);
+    if let Some(bridge) = bridge {
+        envd.bridge_peer = Some(sys::getpid());
+        if let Err(e) = bridge::start(bridge) {
+            eprintln!("envd: start the bridge: {e}");
+            std::process::exit(1);
+        }
+    }
+    let envd = Arc::new(envd);
     // the `allowlist` profile's in-sandbox end (only when its socket is mounted)
     egress::start();
 

@@ -94,6 +94,9 @@ pub struct Envd {
     pub started: Instant,
     pub pid1: bool,
     pub trust_all_peers: bool,
+    /// With `--bridge`: envd's own pid, the peer of every bridged
+    /// connection (the host), which may move the fence like a peer outside.
+    pub bridge_peer: Option<i32>,
     /// The socket is a gVisor host socket (`--gvisor-host-socket`): a peer
     /// whose pid is envd's own is the host.
     pub gvisor_host_socket: bool,
@@ -133,6 +136,7 @@ impl Envd {
             started: Instant::now(),
             pid1,
             trust_all_peers,
+            bridge_peer: None,
             gvisor_host_socket: false,
             root,
             fs,
@@ -395,7 +399,9 @@ pub fn handle_connection(envd: &Envd, lane: Lane, mut conn: UnixStream) {
 }
 
 /// Control operations are accepted only from a peer in an ancestor PID
-/// namespace (SO_PEERCRED pid 0: the host), unless `--trust-all-peers`.
+/// namespace (SO_PEERCRED pid 0: the host) or, with `--bridge`, from the
+/// bridge (envd's own pid: a connection the host opened through it),
+/// unless `--trust-all-peers`.
 /// Under gVisor (`--gvisor-host-socket`) the host's connections show envd's
 /// own pid, which no other process of the sandbox has (and none of them can
 /// connect to that socket at all).
@@ -403,7 +409,9 @@ fn require_outside_peer(envd: &Envd, conn: &UnixStream, op: &str) -> Result<(), 
     let trusted = envd.trust_all_peers || {
         let peer = sys::peer_pid(conn.as_fd())
             .map_err(|e| fail(ErrorCode::Internal, format!("peer credentials: {e}")))?;
-        peer == 0 || (envd.gvisor_host_socket && peer == sys::getpid())
+        peer == 0
+            || (envd.gvisor_host_socket && peer == sys::getpid())
+            || Some(peer) == envd.bridge_peer
     };
     if trusted {
         Ok(())

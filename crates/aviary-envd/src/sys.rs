@@ -602,3 +602,29 @@ pub fn spawn_with_controlling_terminal(cmd: &mut Command) {
         });
     }
 }
+
+/// Detaches into the background (`--daemon`): forks, the parent exits 0 at
+/// once, the child becomes a session leader with stdio on `/dev/null`.
+/// Call it while the process has only one thread, after every listening
+/// socket is bound (so whoever started envd can connect when it returns).
+pub fn daemonize() -> io::Result<()> {
+    let null = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")?;
+    // SAFETY: the process is single-threaded here, so the child may run
+    // arbitrary code; the parent only calls `_exit`.
+    let pid = cvt(unsafe { libc::fork() })?;
+    if pid > 0 {
+        // SAFETY: `_exit` ends the parent without running destructors or
+        // flushing buffers the child shares.
+        unsafe { libc::_exit(0) };
+    }
+    // SAFETY: setsid has no arguments; the child is not a group leader.
+    cvt(unsafe { libc::setsid() })?;
+    for fd in 0..3 {
+        // SAFETY: `null` is an open descriptor; dup2 onto 0..2 replaces stdio.
+        cvt(unsafe { libc::dup2(null.as_raw_fd(), fd) })?;
+    }
+    Ok(())
+}

@@ -1559,4 +1559,99 @@ mod e2e {
         let e = c.spawn(sh("true"), None).await.unwrap_err();
         assert!(matches!(e, EnvdError::LeaseRequired), "{e:?}");
     }
+
+    /// `--bridge`: an HTTP upgrade with the secret reaches envd's protocol
+    /// and may move the fence; a wrong or missing secret, or another
+    /// upgrade, is refused before envd; a direct connection to the socket
+    /// (not the bridge, not from outside) may not move the fence. The
+    /// secret file is gone once envd runs.
+    #[tokio::test]
+    async fn the_bridge_takes_upgrades_with_the_secret_and_may_move_the_fence() {
+        use aviary_envd_proto::{
+            decode_json, encode_json, read_frame, write_frame, FrameKind, Request, Response,
+        };
+        let secret_dir = tempfile::tempdir().unwrap();
+        let secret_file = secret_dir.path().join("secret");
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&secret_file, format!("{secret}\n")).unwrap();
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let addr = format!("127.0.0.1:{port}");
+        let d = Daemon::start(&[
+            "--bridge",
+            &addr,
+            "--bridge-secret-file",
+            secret_file.to_str().unwrap(),
+        ])
+        .await;
+        assert!(!secret_file.exists(), "envd removed the secret file");
+
+        let upgrade = |headers: &str| {
+            let mut c = std::net::TcpStream::connect(&addr).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            write!(
+                c,
+                "GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n{headers}\r\n"
+            )
+            .unwrap();
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                if c.read(&mut b).unwrap() == 0 {
+                    break;
+                }
+                head.push(b[0]);
+            }
+            (c, String::from_utf8(head).unwrap())
+        };
+        for (headers, status) in [
+            ("Upgrade: aviary-envd\r\n", "401"),
+            (
+                "Upgrade: aviary-envd\r\nx-aviary-envd-secret: wrong-wrong-wrong-wrong\r\n",
+                "401",
+            ),
+            (
+                &*format!("Upgrade: websocket\r\nx-aviary-envd-secret: {secret}\r\n"),
+                "400",
+            ),
+        ] {
+            let (_, head) = upgrade(headers);
+            assert!(
+                head.starts_with(&format!("HTTP/1.1 {status}")),
+                "{headers}: {head}"
+            );
+        }
+        let call = |c: &mut std::net::TcpStream, req: &Request| -> Response {
+            write_frame(c, FrameKind::Request, &encode_json(req).unwrap()).unwrap();
+            let f = read_frame(c).unwrap().expect("an answer");
+            assert_eq!(
+                f.kind,
+                FrameKind::Response,
+                "{:?}",
+                String::from_utf8_lossy(&f.payload)
+            );
+            decode_json(&f.payload).unwrap()
+        };
+        let (mut c, head) = upgrade(&format!(
+            "Upgrade: aviary-envd\r\nx-aviary-envd-secret: {secret}\r\n"
+        ));
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert!(matches!(
+            call(&mut c, &Request::Health),
+            Response::Health(_)
+        ));
+        let (mut c, _) = upgrade(&format!(
+            "Upgrade: aviary-envd\r\nx-aviary-envd-secret: {secret}\r\n"
+        ));
+        assert!(matches!(
+            call(&mut c, &Request::SetFence { token: Some(9) }),
+            Response::Ok
+        ));
+        // the same request on the socket directly: not the bridge
+        let e = d.client().set_fence(Some(10)).await.unwrap_err();
+        assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
+        assert_eq!(d.client().health().await.unwrap().fence, Some(9));
+    }
 }

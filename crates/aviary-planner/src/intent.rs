@@ -96,6 +96,7 @@ impl ClassSpec {
             gpu: false,
             runtimes: aviary_core::RuntimeName::ALL
                 .iter()
+                .filter(|r| !r.is_remote())
                 .map(|r| r.as_str().into())
                 .collect(),
             network_profiles: nets.iter().map(|s| s.to_string()).collect(),

@@ -41,6 +41,18 @@ pub type MakeSpec<'a> = &'a (dyn Fn() -> SandboxSpec + Sync);
 /// create → status Running → listed → usage readable → destroy → NotFound,
 /// not listed, usage NotFound, and a second destroy succeeds.
 pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
+    lifecycle(rt, make_spec, true).await
+}
+
+/// [`check_lifecycle`] for a runtime whose sandboxes do not run on this
+/// host (a remote provider's): the same contract, but the sandbox has no
+/// host workspace dir; the control dir (where its envd endpoint is served)
+/// must still exist and go with the sandbox.
+pub async fn check_lifecycle_off_host(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
+    lifecycle(rt, make_spec, false).await
+}
+
+async fn lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>, on_host: bool) {
     let spec = make_spec();
     let id = spec.id.clone();
     let handle = rt.create(&spec).await.expect("create");
@@ -52,7 +64,7 @@ pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
         "control dir exists on the host"
     );
     assert!(
-        handle.workspace_dir.is_dir(),
+        !on_host || handle.workspace_dir.is_dir(),
         "workspace dir exists on the host"
     );
     assert_eq!(
@@ -101,7 +113,10 @@ pub async fn check_lifecycle(rt: &dyn Runtime, make_spec: MakeSpec<'_>) {
     );
     rt.destroy(&id).await.expect("destroy is idempotent");
     assert!(!handle.control_dir.exists(), "control dir removed");
-    assert!(!handle.workspace_dir.exists(), "workspace dir removed");
+    assert!(
+        !on_host || !handle.workspace_dir.exists(),
+        "workspace dir removed"
+    );
 }
 
 /// Unknown ids: status NotFound, usage NotFound, destroy Ok.

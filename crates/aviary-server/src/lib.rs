@@ -76,6 +76,10 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             state_dirs.push(state);
             continue;
         }
+        if name.is_remote() {
+            runtimes.push(remote_runtime(&cfg, name, state)?);
+            continue;
+        }
         let binary = aviary_runtime_oci::OciBinary::try_from(name)?;
         let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
             .with_template_store(cfg.templates_root());
@@ -124,6 +128,58 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     tokio::spawn(report_egress_denials(Arc::downgrade(&cp), denials));
     side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
+}
+
+/// A remote provider's runtime (`[remote_e2b]`), its key read from the
+/// variable or file the configuration names (never logged).
+fn remote_runtime(
+    cfg: &ServerConfig,
+    name: aviary_core::RuntimeName,
+    state_dir: std::path::PathBuf,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let settings = cfg
+        .control
+        .settings
+        .remote_e2b
+        .as_ref()
+        .with_context(|| format!("runtime {name} needs a [remote_{name}] table"))?;
+    let api_key = match (&settings.api_key_env, &settings.api_key_file) {
+        (Some(var), _) => std::env::var(var)
+            .with_context(|| format!("[remote_{name}] api_key_env: {var} is not set"))?,
+        (None, Some(file)) => std::fs::read_to_string(file)
+            .with_context(|| format!("[remote_{name}] api_key_file: reading {}", file.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned(),
+        (None, None) => anyhow::bail!("[remote_{name}] names no API key"),
+    };
+    anyhow::ensure!(
+        !api_key.trim().is_empty(),
+        "[remote_{name}]: the API key is empty"
+    );
+    let runtime = aviary_runtime_remote::RemoteRuntime::new(aviary_runtime_remote::RemoteConfig {
+        name: name.as_str().to_owned(),
+        endpoint: aviary_runtime_remote::e2b::E2bEndpoint {
+            api_url: settings.api_url.clone(),
+            sandbox_url: settings.sandbox_url.clone(),
+            domain: settings.domain.clone(),
+            port_url: settings.port_url.clone(),
+            proxy_key: settings.proxy_key,
+            api_key: api_key.trim().to_owned(),
+        },
+        state_dir,
+        templates: settings.templates.clone(),
+        timeout_s: settings.timeout_s,
+    })
+    .with_context(|| format!("setting up runtime {name}"))?;
+    let runtime = Arc::new(runtime);
+    Ok(aviary_runtime::CapableRuntime {
+        runtime: runtime.clone(),
+        pausable: Some(runtime),
+        snapshottable: None,
+        checkpointable: None,
+    })
 }
 
 /// The `docker` runtime on the dockerd of `[server] docker_socket`, checked

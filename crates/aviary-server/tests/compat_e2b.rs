@@ -222,8 +222,9 @@ async fn python_sdk_sync_flow() {
 
 /// The SDK's `sandbox.pty`: bash on a real terminal in the sandbox (Aviary's
 /// envd pty), typed into with `send_stdin`, resized with `resize`, its
-/// output as PTY data, its exit code; a second one listed and killed; input
-/// to a plain command refused.
+/// output as PTY data, its exit code; a second one listed and killed; PTY
+/// input to a plain command refused; a plain command's stdin written with
+/// `send_stdin` and closed with `close_stdin`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_sdk_pty_flow() {
     let Some(python) = tool("AVIARY_E2B_PYTHON") else {
@@ -240,6 +241,9 @@ async fn python_sdk_pty_flow() {
     assert_eq!(o["killed"], true, "{o}");
     assert_ne!(o["second_exit"], 0, "{o}");
     assert_ne!(o["plain_stdin"], "accepted", "{o}");
+    assert_eq!(o["stdin_out"], "HELLO STDIN\n", "{o}");
+    assert_eq!(o["stdin_exit"], 0, "{o}");
+    assert_ne!(o["no_stdin"], "accepted", "{o}");
     assert_all_killed(&flow).await;
     flow.ts.cleanup().await;
 }
@@ -658,6 +662,164 @@ async fn auto_pause_stops_at_the_ttl_and_connect_wakes_it() {
     let r = files(reqwest::Method::GET).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.text().await.unwrap(), "kept through hibernation");
+    let r = http
+        .delete(format!("{base}/sandboxes/{id}"))
+        .header("x-api-key", &ts.key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+}
+
+/// One Connect envelope (flags 0) of `json`.
+fn connect_envelope(json: &Value) -> Vec<u8> {
+    let data = serde_json::to_vec(json).unwrap();
+    let mut v = vec![0u8];
+    v.extend_from_slice(&u32::try_from(data.len()).unwrap().to_be_bytes());
+    v.extend_from_slice(&data);
+    v
+}
+
+/// The next message of a Connect stream (whole envelopes from `buf`,
+/// refilled from `resp`).
+async fn next_connect_event(resp: &mut reqwest::Response, buf: &mut Vec<u8>) -> Value {
+    loop {
+        if buf.len() >= 5 {
+            let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+            if buf.len() >= 5 + len {
+                let v: Value = serde_json::from_slice(&buf[5..5 + len]).unwrap();
+                buf.drain(..5 + len);
+                return v;
+            }
+        }
+        let chunk = resp.chunk().await.unwrap().expect("stream ended early");
+        buf.extend_from_slice(&chunk);
+    }
+}
+
+/// A plain command's stdin over the wire, without an SDK: `Start` with
+/// `stdin: true`, then `SendInput`, `StreamInput` (client streaming, with a
+/// keepalive) and `CloseStdin`; the command reads it all and then end of
+/// file. Input to a closed stdin, or to a command started without one, is
+/// `failed_precondition`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_command_takes_stdin_until_it_is_closed() {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let ts = common::start().await;
+    let base = format!("{}/e2b", ts.url());
+    let http = reqwest::Client::new();
+    let created: Value = http
+        .post(format!("{base}/sandboxes"))
+        .header("x-api-key", &ts.key)
+        .json(&serde_json::json!({"templateID": "base"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = created["sandboxID"].as_str().unwrap().to_owned();
+    let token = created["envdAccessToken"].as_str().unwrap().to_owned();
+    let rpc = |method: &str, ct: &str| {
+        http.post(format!("{base}/envd/process.Process/{method}"))
+            .header("e2b-sandbox-id", &id)
+            .header("x-access-token", &token)
+            .header("content-type", ct)
+    };
+    let start = |cmd: &str, stdin: bool| {
+        rpc("Start", "application/connect+json").body(connect_envelope(&serde_json::json!({
+            "process": {"cmd": "sh", "args": ["-c", cmd]}, "stdin": stdin
+        })))
+    };
+    // the process's events, read as they come
+    let mut resp = start("tr a-z A-Z", true).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut buf = Vec::new();
+    let first = next_connect_event(&mut resp, &mut buf).await;
+    let pid = first["event"]["start"]["pid"]
+        .as_u64()
+        .expect("start event first");
+    let unary = |method: &str, body: Value| rpc(method, "application/json").json(&body).send();
+    let r = unary(
+        "SendInput",
+        serde_json::json!({"process": {"pid": pid}, "input": {"stdin": b64.encode("hello ")}}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
+    let mut streamed = connect_envelope(&serde_json::json!({"start": {"process": {"pid": pid}}}));
+    streamed.extend(connect_envelope(&serde_json::json!({"keepalive": {}})));
+    streamed.extend(connect_envelope(
+        &serde_json::json!({"data": {"input": {"stdin": b64.encode("stream\n")}}}),
+    ));
+    let r = rpc("StreamInput", "application/connect+json")
+        .body(streamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let body = r.bytes().await.unwrap();
+    assert_eq!(&body[..], b"\x00\x00\x00\x00\x02{}\x02\x00\x00\x00\x02{}");
+    let r = unary("CloseStdin", serde_json::json!({"process": {"pid": pid}}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // the command read everything, then end of file, and exited
+    let mut stdout = Vec::new();
+    let end = loop {
+        let ev = next_connect_event(&mut resp, &mut buf).await;
+        if let Some(d) = ev["event"]["data"]["stdout"].as_str() {
+            stdout.extend(b64.decode(d).unwrap());
+        }
+        if ev["event"].get("end").is_some() {
+            break ev;
+        }
+    };
+    assert_eq!(String::from_utf8(stdout).unwrap(), "HELLO STREAM\n");
+    assert_eq!(end["event"]["end"]["status"], "exit status 0", "{end}");
+    // input after the end of file, or to a command without stdin, is refused
+    let r = unary(
+        "SendInput",
+        serde_json::json!({"process": {"pid": pid}, "input": {"stdin": b64.encode("late")}}),
+    )
+    .await
+    .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["code"] == "failed_precondition" || v["code"] == "not_found",
+        "{v}"
+    );
+    let mut plain = start("sleep 30", false).send().await.unwrap();
+    let mut pbuf = Vec::new();
+    let first = next_connect_event(&mut plain, &mut pbuf).await;
+    let plain_pid = first["event"]["start"]["pid"].as_u64().unwrap();
+    for (method, body) in [
+        (
+            "SendInput",
+            serde_json::json!({"process": {"pid": plain_pid}, "input": {"stdin": b64.encode("x")}}),
+        ),
+        (
+            "CloseStdin",
+            serde_json::json!({"process": {"pid": plain_pid}}),
+        ),
+    ] {
+        let r = unary(method, body).await.unwrap();
+        assert_eq!(r.status(), 412, "{method}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["code"], "failed_precondition", "{method}: {v}");
+    }
+    // a stream that names no process first is refused
+    let r = rpc("StreamInput", "application/connect+json")
+        .body(connect_envelope(
+            &serde_json::json!({"data": {"input": {"stdin": b64.encode("x")}}}),
+        ))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["code"], "invalid_argument", "{v}");
+    drop(plain);
     let r = http
         .delete(format!("{base}/sandboxes/{id}"))
         .header("x-api-key", &ts.key)

@@ -2,7 +2,8 @@
 
 Run by crates/aviary-server/tests/compat_e2b.rs like e2b_sync.py. Starts
 bash on a terminal, types into it, resizes it, reads what it printed, and
-ends with `exit 3`; then a second PTY killed from outside. Prints one JSON
+ends with `exit 3`; then a second PTY killed from outside; then a plain
+command's stdin (`send_stdin`, `close_stdin`). Prints one JSON
 object of observations as its last line. Every sandbox it creates is
 killed before it exits.
 """
@@ -60,6 +61,23 @@ try:
         obs["plain_stdin"] = "accepted"
     except Exception as e:
         obs["plain_stdin"] = type(e).__name__
+    c.kill()
+    # a plain command's stdin: started with stdin=True, written twice
+    # (str and bytes), then closed so the command reads end of file
+    c = sbx.commands.run("tr a-z A-Z", background=True, stdin=True)
+    sbx.commands.send_stdin(c.pid, "hello ")
+    sbx.commands.send_stdin(c.pid, b"stdin\n")
+    sbx.commands.close_stdin(c.pid)
+    r = c.wait()
+    obs["stdin_out"] = r.stdout
+    obs["stdin_exit"] = r.exit_code
+    # a command started without stdin refuses input to it
+    c = sbx.commands.run("sleep 5", background=True)
+    try:
+        sbx.commands.send_stdin(c.pid, "x")
+        obs["no_stdin"] = "accepted"
+    except Exception as e:
+        obs["no_stdin"] = type(e).__name__
     c.kill()
 finally:
     for sid in created:
