@@ -1950,11 +1950,11 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
             }
         }
     };
-    let binary = aviary_runtime_oci::OciBinary::from(
-        a.runtime
-            .parse::<aviary_core::RuntimeName>()
-            .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?,
-    );
+    let binary = a
+        .runtime
+        .parse::<aviary_core::RuntimeName>()
+        .and_then(aviary_runtime_oci::OciBinary::try_from)
+        .map_err(|e| Failure::new(ErrorCode::InvalidRequest, e))?;
     let templates_dir = a
         .templates_dir
         .unwrap_or_else(|| a.data_dir.join("templates"));

@@ -65,6 +65,9 @@ pub struct Config {
     pub distributed: DistributedSettings,
     /// `[[projection]]` tables, in file order (default: none).
     pub projections: Vec<Projection>,
+    /// `[kubernetes]`: the Kubernetes runtime's cluster, namespace, tier and
+    /// images; present exactly when `server.runtimes` lists `kubernetes`.
+    pub kubernetes: Option<KubernetesSettings>,
 }
 
 /// `[[projection]]`: a host file or directory synced one-way into every
@@ -339,6 +342,34 @@ impl fmt::Debug for LlmSettings {
     }
 }
 
+/// `[kubernetes]`: where and how the Kubernetes runtime makes its Pods
+/// (`aviary-runtime-kube`; untested against a live cluster).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KubernetesSettings {
+    /// Credentials: a kubeconfig file (absolute path), or `None` for the
+    /// in-cluster service account (`in_cluster = true`).
+    pub kubeconfig: Option<PathBuf>,
+    /// A context of the kubeconfig (its current one when `None`).
+    pub context: Option<String>,
+    /// Namespace of every sandbox Pod (a DNS label).
+    pub namespace: String,
+    /// Value of the `aviary.dev/deployment` label: deployments sharing a
+    /// namespace never touch each other's Pods.
+    pub deployment: String,
+    /// `runtimeClassName` of every sandbox Pod (the isolation tier); `None`
+    /// leaves the cluster's default.
+    pub runtime_class: Option<String>,
+    /// Template name → container image (pin by digest). The image holds the
+    /// template's tree and the static envd at `/.aviary/envd`.
+    pub images: std::collections::BTreeMap<String, String>,
+    /// uid/gid of the sandbox's processes; anything but 0 sets runAsNonRoot.
+    pub run_as_user: i64,
+    /// Longest a new Pod may take to run before the create fails.
+    pub ready_timeout_s: u64,
+    /// Longest a deleted Pod may take to disappear.
+    pub delete_timeout_s: u64,
+}
+
 /// `[snapshots]`: the snapshot store (seed 000's snapshot specs: local,
 /// S3/OSS, Redis, PostgreSQL/JDBC).
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -500,7 +531,7 @@ pub(crate) fn default_classes() -> Vec<ResourceClass> {
             disk_mb: disk_gib * 1024,
             pids,
             gpu: false,
-            runtimes: Runtime::ALL.to_vec(),
+            runtimes: Runtime::LOCAL.to_vec(),
             network_profiles: vec!["none".into(), "pypi-readonly".into(), "open".into()],
         })
         .collect()
@@ -570,6 +601,7 @@ impl Default for Config {
             snapshots: SnapshotSettings::default(),
             distributed: DistributedSettings::default(),
             projections: Vec::new(),
+            kubernetes: None,
         }
     }
 }

@@ -16,17 +16,35 @@ pub enum RuntimeName {
     Crun,
     /// `runc` driving OCI containers.
     Runc,
+    /// A Pod per sandbox on a Kubernetes cluster (`aviary-runtime-kube`,
+    /// configured by `[kubernetes]`).
+    Kubernetes,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 2] = [RuntimeName::Crun, RuntimeName::Runc];
+    pub const ALL: [RuntimeName; 3] = [
+        RuntimeName::Crun,
+        RuntimeName::Runc,
+        RuntimeName::Kubernetes,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             RuntimeName::Crun => "crun",
             RuntimeName::Runc => "runc",
+            RuntimeName::Kubernetes => "kubernetes",
         }
+    }
+
+    /// The runtimes on this host (OCI binaries): what a class offers when
+    /// it does not list its runtimes.
+    pub const LOCAL: [RuntimeName; 2] = [RuntimeName::Crun, RuntimeName::Runc];
+
+    /// Whether this runtime runs sandboxes on this host with an OCI runtime
+    /// binary (the others reach their compute through an API).
+    pub fn is_local_oci(self) -> bool {
+        RuntimeName::LOCAL.contains(&self)
     }
 }
 
@@ -63,7 +81,7 @@ mod tests {
         }
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc)"
+            "unknown runtime \"kata\" (crun|runc|kubernetes)"
         );
     }
 }

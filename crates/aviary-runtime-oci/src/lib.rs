@@ -81,11 +81,15 @@ impl OciBinary {
     }
 }
 
-impl From<RuntimeName> for OciBinary {
-    fn from(name: RuntimeName) -> Self {
+impl TryFrom<RuntimeName> for OciBinary {
+    type Error = String;
+
+    /// The OCI binary of a local runtime; other runtimes have none.
+    fn try_from(name: RuntimeName) -> Result<Self, Self::Error> {
         match name {
-            RuntimeName::Crun => OciBinary::Crun,
-            RuntimeName::Runc => OciBinary::Runc,
+            RuntimeName::Crun => Ok(OciBinary::Crun),
+            RuntimeName::Runc => Ok(OciBinary::Runc),
+            RuntimeName::Kubernetes => Err(format!("runtime {name} is not an OCI runtime")),
         }
     }
 }

@@ -70,12 +70,13 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         None
     };
     for name in names {
+        let Ok(binary) = aviary_runtime_oci::OciBinary::try_from(name) else {
+            runtimes.push(kubernetes_runtime(&cfg.control.settings).await?);
+            continue;
+        };
         let state = cfg.runtime_state_dir_of(name);
-        let mut oci = aviary_runtime_oci::OciConfig::new(
-            aviary_runtime_oci::OciBinary::from(name),
-            state.clone(),
-        )
-        .with_template_store(cfg.templates_root());
+        let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
+            .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
         let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
             .with_context(|| format!("setting up the OCI runtime {name}"))?
@@ -117,6 +118,51 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     tokio::spawn(report_egress_denials(Arc::downgrade(&cp), denials));
     side_files::import_all(registry.as_ref(), &data_dir).await?;
     Ok(cp)
+}
+
+/// The Kubernetes runtime of `[kubernetes]` (the configuration guarantees
+/// the table when `server.runtimes` lists it). Connecting reads the
+/// credentials only: an unreachable API server shows on the first create.
+#[cfg(feature = "kubernetes")]
+async fn kubernetes_runtime(
+    settings: &aviary_config::Config,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let k = settings
+        .kubernetes
+        .as_ref()
+        .context("server.runtimes lists kubernetes but [kubernetes] is missing")?;
+    let access = match &k.kubeconfig {
+        Some(path) => aviary_runtime_kube::ApiAccess::Kubeconfig {
+            path: path.clone(),
+            context: k.context.clone(),
+        },
+        None => aviary_runtime_kube::ApiAccess::InCluster,
+    };
+    let runtime = aviary_runtime_kube::KubeRuntime::connect(
+        &access,
+        aviary_runtime_kube::KubeSettings {
+            namespace: k.namespace.clone(),
+            deployment: k.deployment.clone(),
+            runtime_class: k.runtime_class.clone(),
+            images: k.images.clone(),
+            run_as_user: k.run_as_user,
+            ready_timeout: Duration::from_secs(k.ready_timeout_s),
+            delete_timeout: Duration::from_secs(k.delete_timeout_s),
+            poll_interval: Duration::from_millis(500),
+        },
+    )
+    .await
+    .context("setting up the Kubernetes runtime")?;
+    Ok(aviary_runtime::CapableRuntime::basic(Arc::new(runtime)))
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn kubernetes_runtime(
+    _settings: &aviary_config::Config,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    anyhow::bail!(
+        "this build has no Kubernetes runtime (cargo feature `kubernetes` of aviary-server)"
+    )
 }
 
 /// `program` in `PATH`, or an error naming it.
