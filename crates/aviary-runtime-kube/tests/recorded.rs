@@ -382,3 +382,13 @@ async fn bad_settings_and_credentials_fail_at_connect() {
         assert!(matches!(e, KubeError::InvalidSettings { .. }), "{e:?}");
     }
 }
+
+#[tokio::test]
+async fn conformance_unknown_ids() {
+    // The runtime conformance checks that need no container: the others
+    // look at host directories, host pids and cgroups, which a Pod has not.
+    let replay = Replay::start("conformance_unknown").await;
+    let (rt, _dir) = runtime(&replay, settings()).await;
+    aviary_runtime::conformance::check_unknown_ids(&rt).await;
+    replay.finish();
+}

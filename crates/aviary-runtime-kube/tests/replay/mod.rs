@@ -5,7 +5,8 @@
 //! query), an optional subset the request's JSON body must contain, and the
 //! status and JSON body to answer. Requests must arrive in the script's
 //! order; an exchange marked `"repeat": true` answers every matching request
-//! until one matches the next exchange. Any request the script does not
+//! until one matches the next exchange; `{sandbox}` in a path matches any
+//! sandbox id. Any request the script does not
 //! expect is answered 500 and recorded, and [`Replay::finish`] fails the
 //! test on it and on any exchange never reached. Every request is recorded
 //! (with its `Authorization` header) so a test can assert exactly what the
@@ -89,9 +90,21 @@ fn contains(actual: &Value, expected: &Value) -> bool {
     }
 }
 
+/// `{sandbox}` in a fixture's path stands for any well-formed sandbox id
+/// (for suites that make their own ids).
+fn path_matches(pattern: &str, path: &str) -> bool {
+    match pattern.split_once("{sandbox}") {
+        None => pattern == path,
+        Some((before, after)) => path
+            .strip_prefix(before)
+            .and_then(|rest| rest.strip_suffix(after))
+            .is_some_and(|id| id.parse::<aviary_core::SandboxId>().is_ok()),
+    }
+}
+
 fn matches(x: &Exchange, r: &Recorded) -> bool {
     x.method == r.method
-        && x.path == r.path
+        && path_matches(&x.path, &r.path)
         && x.query == r.query
         && match &x.body {
             None => true,
