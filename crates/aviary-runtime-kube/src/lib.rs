@@ -31,9 +31,11 @@
 //! it** yet. The [`SandboxHandle`] this runtime returns names no host
 //! socket (its directories are under `/dev/null`, which can hold nothing,
 //! and its init pid is 0, which no peer has), so the control plane's wait
-//! for envd fails and a create through the server does not complete. The
-//! lifecycle (create, status, list, usage, destroy) works on its own.
-//! Kubernetes has no pause, so this runtime is not `Pausable`, and it
+//! for envd would fail. Before that, the control plane refuses a local
+//! runtime that cannot pause, which this one cannot (Kubernetes has no
+//! pause, so this runtime is not `Pausable`): a create through the server
+//! does not reach the cluster yet. The lifecycle (create, status, list,
+//! usage, destroy) works on its own. This runtime
 //! cannot snapshot. A per-Pod pids limit has no field in the Pod spec (the
 //! kubelet's `podPidsLimit` is node-wide), so `pids` is not applied.
 //!

@@ -5,8 +5,10 @@
 //! query), an optional subset the request's JSON body must contain, and the
 //! status and JSON body to answer. Requests must arrive in the script's
 //! order; an exchange marked `"repeat": true` answers every matching request
-//! until one matches the next exchange; `{sandbox}` in a path matches any
-//! sandbox id. Any request the script does not
+//! until one matches the next exchange; one marked `"anytime": true`
+//! answers at any point without moving the script (background passes).
+//! `{sandbox}` in a path matches any sandbox id, and in an answer stands for
+//! the id the request named. Any request the script does not
 //! expect is answered 500 and recorded, and [`Replay::finish`] fails the
 //! test on it and on any exchange never reached. Every request is recorded
 //! (with its `Authorization` header) so a test can assert exactly what the
@@ -42,6 +44,10 @@ pub struct Exchange {
     pub response: Value,
     #[serde(default)]
     pub repeat: bool,
+    /// Answers a matching request at any point, outside the order (for a
+    /// server's background passes, e.g. the reconciler's lists).
+    #[serde(default)]
+    pub anytime: bool,
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -91,14 +97,35 @@ fn contains(actual: &Value, expected: &Value) -> bool {
 }
 
 /// `{sandbox}` in a fixture's path stands for any well-formed sandbox id
-/// (for suites that make their own ids).
+/// (for suites that make their own ids); the id it stood for.
+fn path_id<'a>(pattern: &str, path: &'a str) -> Option<&'a str> {
+    let (before, after) = pattern.split_once("{sandbox}")?;
+    path.strip_prefix(before)
+        .and_then(|rest| rest.strip_suffix(after))
+        .filter(|id| id.parse::<aviary_core::SandboxId>().is_ok())
+}
+
 fn path_matches(pattern: &str, path: &str) -> bool {
-    match pattern.split_once("{sandbox}") {
-        None => pattern == path,
-        Some((before, after)) => path
-            .strip_prefix(before)
-            .and_then(|rest| rest.strip_suffix(after))
-            .is_some_and(|id| id.parse::<aviary_core::SandboxId>().is_ok()),
+    if pattern.contains("{sandbox}") {
+        path_id(pattern, path).is_some()
+    } else {
+        pattern == path
+    }
+}
+
+/// The answer of `x` to `r`: `{sandbox}` in it is replaced by the id the
+/// request named (in its path, or as the name of the object it sends).
+fn answer_text(x: &Exchange, r: &Recorded) -> String {
+    let text = x.response.to_string();
+    let id = path_id(&x.path, &r.path).map(str::to_owned).or_else(|| {
+        r.body
+            .as_ref()
+            .and_then(|b| b["metadata"]["name"].as_str())
+            .map(str::to_owned)
+    });
+    match id {
+        Some(id) => text.replace("{sandbox}", &id),
+        None => text,
     }
 }
 
@@ -140,6 +167,7 @@ async fn answer(
     };
     let mut s = script.lock().unwrap();
     s.requests.push(rec.clone());
+    let json = ("content-type", "application/json");
     loop {
         let at = s.at;
         let Some(x) = s.exchanges.get(at).cloned() else {
@@ -152,12 +180,15 @@ async fn answer(
                 s.at += 1;
                 s.used = 0;
             }
-            let json = ("content-type", "application/json");
             return (
                 StatusCode::from_u16(x.status).unwrap(),
                 [json],
-                x.response.to_string(),
+                answer_text(&x, &rec),
             );
+        }
+        if x.anytime {
+            s.at += 1;
+            continue;
         }
         // a repeating exchange that answered at least once gives way
         if x.repeat && s.used > 0 {
@@ -166,6 +197,13 @@ async fn answer(
             continue;
         }
         break;
+    }
+    if let Some(x) = s.exchanges.iter().find(|x| x.anytime && matches(x, &rec)) {
+        return (
+            StatusCode::from_u16(x.status).unwrap(),
+            [json],
+            answer_text(x, &rec),
+        );
     }
     let line = format!(
         "unexpected {} {} {:?} body {:?} (script at exchange {}: {:?})",
@@ -187,8 +225,9 @@ async fn answer(
 impl Replay {
     /// Serves fixture `name` on 127.0.0.1, a port of its own.
     pub async fn start(name: &str) -> Replay {
+        // the Kubernetes runtime's fixtures, from its own tests and the server's
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures")
+            .join("../aviary-runtime-kube/tests/fixtures")
             .join(format!("{name}.json"));
         let text = std::fs::read_to_string(&path).unwrap();
         let fixture: Fixture = serde_json::from_str(&text)
@@ -233,8 +272,11 @@ impl Replay {
     pub fn finish(&self) {
         let s = self.script.lock().unwrap();
         assert!(s.unexpected.is_empty(), "{:#?}", s.unexpected);
-        let done = s.at == s.exchanges.len()
-            || (s.at + 1 == s.exchanges.len() && s.exchanges[s.at].repeat && s.used > 0);
+        let rest = &s.exchanges[s.at.min(s.exchanges.len())..];
+        let done = rest
+            .iter()
+            .enumerate()
+            .all(|(i, x)| x.anytime || (i == 0 && x.repeat && s.used > 0));
         assert!(
             done,
             "the script stopped at exchange {} of {}: {:?}",
