@@ -80,6 +80,12 @@ mod tests {
             assert_eq!(serde_json::from_str::<RuntimeName>(&json).unwrap(), r);
         }
         assert_eq!(
+            "kubernetes".parse::<RuntimeName>().unwrap(),
+            RuntimeName::Kubernetes
+        );
+        assert!(!RuntimeName::Kubernetes.is_local_oci());
+        assert!(RuntimeName::LOCAL.iter().all(|r| r.is_local_oci()));
+        assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
             "unknown runtime \"kata\" (crun|runc|kubernetes)"
         );
