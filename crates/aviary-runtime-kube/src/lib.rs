@@ -186,6 +186,11 @@ fn is_label_value(s: &str) -> bool {
         && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
 }
 
+/// Longest a connection to the API server may take to open.
+const API_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest one request may wait for its answer (or to be sent).
+const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Container waiting reasons after which a Pod with `restartPolicy: Never`
 /// will not run: the create fails at once instead of at the timeout.
 const FATAL_WAITING: [&str; 7] = [
@@ -255,6 +260,12 @@ impl KubeRuntime {
                 kube::Config::incluster().map_err(|source| KubeError::LoadInCluster { source })?
             }
         };
+        let mut config = config;
+        // No request of this runtime streams (no watch, no exec): one that
+        // hangs longer is an API server in trouble, not a slow answer.
+        config.connect_timeout = Some(API_CONNECT_TIMEOUT);
+        config.read_timeout = Some(API_REQUEST_TIMEOUT);
+        config.write_timeout = Some(API_REQUEST_TIMEOUT);
         let server = config.cluster_url.to_string();
         let client =
             kube::Client::try_from(config).map_err(|source| KubeError::BuildClient { source })?;

@@ -392,3 +392,16 @@ async fn conformance_unknown_ids() {
     aviary_runtime::conformance::check_unknown_ids(&rt).await;
     replay.finish();
 }
+
+#[tokio::test]
+async fn a_pod_the_api_server_finds_invalid_is_an_invalid_spec_and_its_policy_goes() {
+    let replay = Replay::start("invalid").await;
+    let (rt, _dir) = runtime(&replay, settings()).await;
+    let e = rt.create(&spec(A)).await.unwrap_err();
+    let RuntimeError::InvalidSpec { reason } = &e else {
+        panic!("{e:?}")
+    };
+    assert!(reason.contains("invalid reference format"), "{reason}");
+    assert_eq!(e.code(), aviary_core::ErrorCode::InvalidRequest);
+    replay.finish();
+}
