@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-denied='^(sqlx|sqlx-[a-z-]+|libsqlite3-sys|axum|axum-core|oci-spec|redis|rusty-s3|tar|aviary-registry-sqlite|aviary-runtime-oci|aviary-templates|aviary-node|aviary-server|aviary-envd|aviary-egress)$'
+denied='^(sqlx|sqlx-[a-z-]+|libsqlite3-sys|axum|axum-core|oci-spec|redis|rusty-s3|tar|aviary-registry-sqlite|aviary-runtime-oci|aviary-runtime-kube|kube|kube-client|k8s-openapi|aviary-templates|aviary-node|aviary-server|aviary-envd|aviary-egress)$'
 tree=$(cargo tree -p aviary-control -e normal --prefix none --locked | sed 's/ v[0-9].*//' | sort -u)
 bad=$(grep -E "$denied" <<<"$tree" || true)
 if [[ -n "$bad" ]]; then

@@ -114,6 +114,7 @@ impl EnvdError {
             | ErrorCode::CapacityExhausted
             | ErrorCode::PortUnreachable => Code::Unavailable,
             ErrorCode::InvalidArchive | ErrorCode::Internal => Code::Internal,
+            ErrorCode::Unsupported => Code::Unimplemented,
         };
         EnvdError::Rpc(ConnectError::new(code, message))
     }

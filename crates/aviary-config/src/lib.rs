@@ -68,6 +68,9 @@ pub struct Config {
     /// `[remote_e2b]`: the E2B-compatible service behind runtime `e2b`
     /// (default: none; `server.runtimes` may list `e2b` only with it).
     pub remote_e2b: Option<RemoteE2bSettings>,
+    /// `[kubernetes]`: the Kubernetes runtime's cluster, namespace, tier and
+    /// images; present exactly when `server.runtimes` lists `kubernetes`.
+    pub kubernetes: Option<KubernetesSettings>,
 }
 
 /// `[remote_e2b]`: where runtime `e2b` places sandboxes (an E2B-compatible
@@ -175,13 +178,10 @@ impl EdgeSettings {
 /// `aviary-core`.
 pub use aviary_core::RuntimeName as Runtime;
 
-/// The runtimes of this host (every known one but the remote providers'):
+/// The runtimes of this host (not the remote providers', not a cluster's):
 /// what a class runs on unless it lists its runtimes.
 pub fn local_runtimes() -> Vec<Runtime> {
-    Runtime::ALL
-        .into_iter()
-        .filter(|r| !r.is_remote())
-        .collect()
+    Runtime::LOCAL.to_vec()
 }
 
 /// `[[class]]`: a named resource class. A sandbox always runs with exactly one
@@ -380,6 +380,34 @@ impl fmt::Debug for LlmSettings {
             .field("timeout_ms", &self.timeout_ms)
             .finish()
     }
+}
+
+/// `[kubernetes]`: where and how the Kubernetes runtime makes its Pods
+/// (`aviary-runtime-kube`; untested against a live cluster).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KubernetesSettings {
+    /// Credentials: a kubeconfig file (absolute path), or `None` for the
+    /// in-cluster service account (`in_cluster = true`).
+    pub kubeconfig: Option<PathBuf>,
+    /// A context of the kubeconfig (its current one when `None`).
+    pub context: Option<String>,
+    /// Namespace of every sandbox Pod (a DNS label).
+    pub namespace: String,
+    /// Value of the `aviary.dev/deployment` label: deployments sharing a
+    /// namespace never touch each other's Pods.
+    pub deployment: String,
+    /// `runtimeClassName` of every sandbox Pod (the isolation tier); `None`
+    /// leaves the cluster's default.
+    pub runtime_class: Option<String>,
+    /// Template name → container image (pin by digest). The image holds the
+    /// template's tree and the static envd at `/.aviary/envd`.
+    pub images: std::collections::BTreeMap<String, String>,
+    /// uid/gid of the sandbox's processes; anything but 0 sets runAsNonRoot.
+    pub run_as_user: i64,
+    /// Longest a new Pod may take to run before the create fails.
+    pub ready_timeout_s: u64,
+    /// Longest a deleted Pod may take to disappear.
+    pub delete_timeout_s: u64,
 }
 
 /// `[snapshots]`: the snapshot store (seed 000's snapshot specs: local,
@@ -615,6 +643,7 @@ impl Default for Config {
             distributed: DistributedSettings::default(),
             projections: Vec::new(),
             remote_e2b: None,
+            kubernetes: None,
         }
     }
 }

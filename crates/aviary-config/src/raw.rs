@@ -36,6 +36,7 @@ struct RawConfig {
     #[serde(rename = "projection")]
     projections: Option<Vec<RawProjection>>,
     remote_e2b: Option<RawRemoteE2b>,
+    kubernetes: Option<RawKubernetes>,
 }
 
 #[derive(Deserialize)]
@@ -51,6 +52,21 @@ struct RawRemoteE2b {
     api_key_file: Option<Spanned<String>>,
     templates: Spanned<std::collections::BTreeMap<String, String>>,
     timeout_s: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKubernetes {
+    kubeconfig: Option<Spanned<String>>,
+    context: Option<Spanned<String>>,
+    in_cluster: Option<Spanned<bool>>,
+    namespace: Spanned<String>,
+    deployment: Option<Spanned<String>>,
+    runtime_class: Option<Spanned<String>>,
+    images: Spanned<std::collections::BTreeMap<String, Spanned<String>>>,
+    run_as_user: Option<Spanned<i64>>,
+    ready_timeout_s: Option<Spanned<u64>>,
+    delete_timeout_s: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -372,6 +388,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
             || format!("server: runtime {rt} needs a [remote_{rt}] table (its URL and key)"),
         )?;
     }
+    let kubernetes = check_kubernetes(&ck, raw.kubernetes, &server)?;
 
     Ok(Config {
         server,
@@ -386,6 +403,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         distributed,
         projections,
         remote_e2b,
+        kubernetes,
     })
 }
 
@@ -1423,6 +1441,204 @@ fn check_reconciler(
         }
     }
     Ok(r)
+}
+
+/// A DNS label (RFC 1123): what Kubernetes requires of a namespace and a
+/// runtime class name.
+fn dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+fn check_kubernetes(
+    ck: &Checker<'_>,
+    raw: Option<RawKubernetes>,
+    server: &ServerSettings,
+) -> Result<Option<crate::KubernetesSettings>, ConfigError> {
+    use aviary_core::RuntimeName;
+    let listed = server.runtimes.contains(&RuntimeName::Kubernetes);
+    ck.check(
+        server.runtime != RuntimeName::Kubernetes,
+        &DEFAULTED,
+        || "server.runtime".into(),
+        || {
+            "server: the default runtime must run on this host (crun or runc); \
+             list \"kubernetes\" in runtimes beside it"
+                .into()
+        },
+    )?;
+    let Some(raw) = raw else {
+        ck.check(
+            !listed,
+            &DEFAULTED,
+            || "kubernetes".into(),
+            || "server.runtimes lists \"kubernetes\" but there is no [kubernetes] table".into(),
+        )?;
+        return Ok(None);
+    };
+    let ns_span = raw.namespace.span();
+    ck.check(
+        listed,
+        &ns_span,
+        || "kubernetes".into(),
+        || "[kubernetes] is set but server.runtimes does not list \"kubernetes\"".into(),
+    )?;
+    let namespace = raw.namespace.into_inner();
+    ck.check(
+        dns_label(&namespace),
+        &ns_span,
+        || "kubernetes.namespace".into(),
+        || format!("kubernetes: namespace {namespace:?} is not a DNS label (a-z, 0-9, '-', at most 63)"),
+    )?;
+    let in_cluster = raw.in_cluster.as_ref().is_some_and(|b| *b.get_ref());
+    let kubeconfig = match (&raw.kubeconfig, in_cluster) {
+        (Some(p), false) => {
+            let path = PathBuf::from(p.get_ref());
+            ck.check(
+                path.is_absolute(),
+                &p.span(),
+                || "kubernetes.kubeconfig".into(),
+                || {
+                    format!(
+                        "kubernetes: kubeconfig {:?} must be an absolute path",
+                        p.get_ref()
+                    )
+                },
+            )?;
+            Some(path)
+        }
+        (None, true) => None,
+        (Some(p), true) => {
+            return Err(ck.fail(
+                &p.span(),
+                "kubernetes.kubeconfig".into(),
+                "kubernetes: kubeconfig and in_cluster = true exclude each other".into(),
+            ))
+        }
+        (None, false) => {
+            return Err(ck.fail(
+                &ns_span,
+                "kubernetes".into(),
+                "kubernetes: give kubeconfig = \"/path\" or in_cluster = true".into(),
+            ))
+        }
+    };
+    let context = match raw.context {
+        Some(c) => {
+            ck.check(
+                kubeconfig.is_some() && !c.get_ref().is_empty(),
+                &c.span(),
+                || "kubernetes.context".into(),
+                || "kubernetes: context names a non-empty context of the kubeconfig".into(),
+            )?;
+            Some(c.into_inner())
+        }
+        None => None,
+    };
+    let deployment = match raw.deployment {
+        Some(d) => {
+            ck.check_name("deployment", "kubernetes.deployment".into(), &d)?;
+            ck.check(
+                d.get_ref().len() <= 63 && d.get_ref().ends_with(|c: char| c.is_ascii_alphanumeric()),
+                &d.span(),
+                || "kubernetes.deployment".into(),
+                || "kubernetes: deployment must be a label value (at most 63, ending in a letter or digit)".into(),
+            )?;
+            d.into_inner()
+        }
+        None => "aviary".into(),
+    };
+    let runtime_class = match raw.runtime_class {
+        Some(rc) => {
+            ck.check(
+                dns_label(rc.get_ref()),
+                &rc.span(),
+                || "kubernetes.runtime_class".into(),
+                || {
+                    format!(
+                        "kubernetes: runtime_class {:?} is not a DNS label",
+                        rc.get_ref()
+                    )
+                },
+            )?;
+            Some(rc.into_inner())
+        }
+        None => None,
+    };
+    let images_span = raw.images.span();
+    let raw_images = raw.images.into_inner();
+    ck.check(
+        !raw_images.is_empty(),
+        &images_span,
+        || "kubernetes.images".into(),
+        || "kubernetes: images maps at least one template name to an image".into(),
+    )?;
+    let mut images = std::collections::BTreeMap::new();
+    for (template, image) in raw_images {
+        ck.check(
+            valid_name(&template, 128),
+            &images_span,
+            || format!("kubernetes.images.{template}"),
+            || format!("kubernetes: {template:?} is not a template name"),
+        )?;
+        let i = image.get_ref();
+        ck.check(
+            !i.is_empty() && !i.chars().any(|c| c.is_whitespace() || c.is_control()),
+            &image.span(),
+            || format!("kubernetes.images.{template}"),
+            || format!("kubernetes: image {i:?} is not an image reference"),
+        )?;
+        images.insert(template, image.into_inner());
+    }
+    let run_as_user = match raw.run_as_user {
+        Some(u) => {
+            let n = *u.get_ref();
+            ck.check(
+                (0..=i64::from(i32::MAX)).contains(&n),
+                &u.span(),
+                || "kubernetes.run_as_user".into(),
+                || {
+                    format!(
+                        "kubernetes: run_as_user must be between 0 and {}, got {n}",
+                        i32::MAX
+                    )
+                },
+            )?;
+            n
+        }
+        None => 1000,
+    };
+    let mut timeouts = [120u64, 60];
+    for (field, value, slot) in [
+        ("ready_timeout_s", raw.ready_timeout_s, 0),
+        ("delete_timeout_s", raw.delete_timeout_s, 1),
+    ] {
+        if let Some(v) = value {
+            let n = *v.get_ref();
+            ck.check(
+                (1..=3600).contains(&n),
+                &v.span(),
+                || format!("kubernetes.{field}"),
+                || format!("kubernetes: {field} must be between 1 and 3600, got {n}"),
+            )?;
+            timeouts[slot] = n;
+        }
+    }
+    Ok(Some(crate::KubernetesSettings {
+        kubeconfig,
+        context,
+        namespace,
+        deployment,
+        runtime_class,
+        images,
+        run_as_user,
+        ready_timeout_s: timeouts[0],
+        delete_timeout_s: timeouts[1],
+    }))
 }
 
 /// Sandbox paths the platform owns (envd and its socket); never projected into.

@@ -1282,3 +1282,101 @@ templates = { default = "base" }
         assert_eq!(err.key(), Some(key), "{bad}: {err}");
     }
 }
+
+const KUBE: &str = r#"[server]
+runtimes = ["crun", "kubernetes"]
+
+[kubernetes]
+kubeconfig = "/etc/aviary/kubeconfig"
+namespace = "aviary-sandboxes"
+deployment = "prod"
+runtime_class = "gvisor"
+
+[kubernetes.images]
+python = "registry.example/aviary/python@sha256:00"
+"#;
+
+#[test]
+fn a_kubernetes_table_configures_the_kubernetes_runtime() {
+    let c = Config::from_str(KUBE, ORIGIN).unwrap();
+    let k = c.kubernetes.unwrap();
+    assert_eq!(k.kubeconfig, Some(PathBuf::from("/etc/aviary/kubeconfig")));
+    assert_eq!(k.namespace, "aviary-sandboxes");
+    assert_eq!(k.deployment, "prod");
+    assert_eq!(k.runtime_class.as_deref(), Some("gvisor"));
+    assert_eq!(
+        k.images["python"],
+        "registry.example/aviary/python@sha256:00"
+    );
+    assert_eq!(
+        (k.run_as_user, k.ready_timeout_s, k.delete_timeout_s),
+        (1000, 120, 60)
+    );
+    let c = Config::from_str(
+        &KUBE.replace(
+            "kubeconfig = \"/etc/aviary/kubeconfig\"",
+            "in_cluster = true",
+        ),
+        ORIGIN,
+    )
+    .unwrap();
+    assert_eq!(c.kubernetes.unwrap().kubeconfig, None);
+    assert_eq!(Config::default().kubernetes, None);
+}
+
+#[test]
+fn kubernetes_settings_are_checked() {
+    for (text, key) in [
+        (
+            KUBE.replace("aviary-sandboxes", "Aviary_Sandboxes"),
+            "kubernetes.namespace",
+        ),
+        (
+            KUBE.replace("/etc/aviary/kubeconfig", "kubeconfig"),
+            "kubernetes.kubeconfig",
+        ),
+        (
+            KUBE.replace("\"gvisor\"", "\"g visor\""),
+            "kubernetes.runtime_class",
+        ),
+        (
+            KUBE.replace("\"prod\"", "\"-prod\""),
+            "kubernetes.deployment",
+        ),
+        (
+            KUBE.replace("\"registry.example/aviary/python@sha256:00\"", "\"a b\""),
+            "kubernetes.images.python",
+        ),
+        (
+            KUBE.replace("runtime_class", "run_as_user = -1\nruntime_class"),
+            "kubernetes.run_as_user",
+        ),
+        (
+            KUBE.replace("runtime_class", "ready_timeout_s = 0\nruntime_class"),
+            "kubernetes.ready_timeout_s",
+        ),
+        (
+            KUBE.replace("kubeconfig = \"/etc/aviary/kubeconfig\"", ""),
+            "kubernetes",
+        ),
+        (
+            KUBE.replace("runtime_class", "in_cluster = true\nruntime_class"),
+            "kubernetes.kubeconfig",
+        ),
+        // the table without the runtime listed, and the runtime without the table
+        (KUBE.replace(", \"kubernetes\"", ""), "kubernetes"),
+        (
+            "[server]\nruntimes = [\"crun\", \"kubernetes\"]\n".to_owned(),
+            "kubernetes",
+        ),
+        (
+            KUBE.replace("[server]\n", "[server]\nruntime = \"kubernetes\"\n"),
+            "server.runtime",
+        ),
+    ] {
+        let err = Config::from_str(&text, ORIGIN).unwrap_err();
+        assert_eq!(err.key(), Some(key), "{text}: {err}");
+    }
+    let e = Config::from_str(&KUBE.replace("deployment", "deploymnet"), ORIGIN).unwrap_err();
+    assert!(e.to_string().contains("deploymnet"), "{e}");
+}

@@ -150,7 +150,8 @@ impl OpError {
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
             | ErrorCode::RateLimited
-            | ErrorCode::PortUnreachable) => OpError::Coded { code, message },
+            | ErrorCode::PortUnreachable
+            | ErrorCode::Unsupported) => OpError::Coded { code, message },
         }
     }
 

@@ -137,6 +137,7 @@ impl ControlPlane {
     pub async fn pause(&self, cx: &OpContext, req: SandboxRef) -> Result<Sandbox, OpError> {
         let (rec, live) = self.writable(cx, &req.id).await?;
         self.runtime_for(&rec.node, &rec.runtime)?
+            .pausable("pause")?
             .pause(&rec.id)
             .await
             .map_err(OpError::runtime("pause"))?;
@@ -182,6 +183,7 @@ impl ControlPlane {
             });
         }
         self.runtime_for(&rec.node, &rec.runtime)?
+            .pausable("resume")?
             .resume(&rec.id)
             .await
             .map_err(OpError::runtime("resume"))?;
@@ -342,8 +344,13 @@ impl ControlPlane {
             // cannot be trusted again
             tracing::warn!(sandbox.id = %rec.id, error = %e, "reset could not fence the sandbox");
             self.forget_live(&rec.id);
-            if let Ok(rt) = self.runtime_for(&rec.node, &rec.runtime) {
-                let _ = rt.pause(&rec.id).await;
+            // a runtime that cannot pause has nothing to freeze with
+            if let Some(p) = self
+                .runtime_for(&rec.node, &rec.runtime)
+                .ok()
+                .and_then(|rt| rt.can_pause().cloned())
+            {
+                let _ = p.pause(&rec.id).await;
             }
             self.registry
                 .transition(
@@ -623,7 +630,12 @@ impl ControlPlane {
             // without a fence envd enforces, nothing in it may keep running
             let frozen = match self.runtime_for(&rec.node, &rec.runtime) {
                 Ok(rt) => match rt.status(id).await {
-                    Ok(RuntimeStatus::Running) => rt.pause(id).await.is_ok(),
+                    // a runtime that cannot pause leaves it running (it is
+                    // never paused, so it is never found frozen either)
+                    Ok(RuntimeStatus::Running) => match rt.can_pause() {
+                        Some(p) => p.pause(id).await.is_ok(),
+                        None => false,
+                    },
                     Ok(RuntimeStatus::Paused) => true,
                     _ => false,
                 },

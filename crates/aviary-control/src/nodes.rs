@@ -410,26 +410,26 @@ impl ControlPlane {
     }
 
     /// The runtime that runs the sandboxes of `node` on `runtime`: a local
-    /// runtime of the [`crate::RuntimeSet`] by name, or the node's agent.
-    pub(crate) fn runtime_for(
-        &self,
-        node: &str,
-        runtime: &str,
-    ) -> Result<Arc<dyn aviary_runtime::Pausable>, OpError> {
+    /// runtime of the [`crate::RuntimeSet`] by name, or the node's agent
+    /// (which can always pause). A local runtime need not be able to pause
+    /// (Kubernetes cannot): [`SandboxRuntime::pausable`] says so.
+    pub(crate) fn runtime_for(&self, node: &str, runtime: &str) -> Result<SandboxRuntime, OpError> {
         if node == self.cfg.local_node {
-            return self
-                .local_runtime(runtime)?
-                .pausable
-                .clone()
-                .ok_or_else(|| {
-                    OpError::internal(anyhow::anyhow!(
-                        "local runtime {runtime} cannot pause, which the control plane needs"
-                    ))
-                });
+            let capable = self.local_runtime(runtime)?;
+            return Ok(SandboxRuntime {
+                runtime: capable.runtime.clone(),
+                pausable: capable.pausable.clone(),
+            });
         }
         self.nodes
             .get(node)
-            .map(|n| n.runtime.runtime())
+            .map(|n| {
+                let agent = n.runtime.runtime();
+                SandboxRuntime {
+                    runtime: agent.clone(),
+                    pausable: Some(agent),
+                }
+            })
             .ok_or_else(|| {
                 OpError::Unavailable(format!(
                     "the sandbox runs on node {node}, which is not connected here \
@@ -451,6 +451,52 @@ impl ControlPlane {
                 self.runtimes.names().join(", ")
             ))
         })
+    }
+}
+
+/// The runtime a sandbox runs on, seen through the capabilities it has.
+/// Calls every runtime has go through `Deref`; freezing needs
+/// [`SandboxRuntime::pausable`], which a runtime without `Pausable` answers
+/// `unsupported` (and the internal paths that freeze skip it: such a sandbox
+/// is never paused).
+#[derive(Clone)]
+pub(crate) struct SandboxRuntime {
+    runtime: Arc<dyn aviary_runtime::Runtime>,
+    pausable: Option<Arc<dyn aviary_runtime::Pausable>>,
+}
+
+impl SandboxRuntime {
+    /// The runtime as one that can pause, or `unsupported` naming it
+    /// (`what`: the operation asked for). Nothing has been changed then.
+    pub(crate) fn pausable(
+        &self,
+        what: &str,
+    ) -> Result<&Arc<dyn aviary_runtime::Pausable>, OpError> {
+        self.pausable.as_ref().ok_or_else(|| OpError::Coded {
+            code: aviary_core::ErrorCode::Unsupported,
+            message: format!(
+                "{what} is not supported on runtime {}: it cannot pause a sandbox",
+                self.runtime.name()
+            ),
+        })
+    }
+
+    /// The runtime itself, to keep.
+    pub(crate) fn shared(&self) -> Arc<dyn aviary_runtime::Runtime> {
+        self.runtime.clone()
+    }
+
+    /// The runtime as one that can pause, if it can.
+    pub(crate) fn can_pause(&self) -> Option<&Arc<dyn aviary_runtime::Pausable>> {
+        self.pausable.as_ref()
+    }
+}
+
+impl std::ops::Deref for SandboxRuntime {
+    type Target = dyn aviary_runtime::Runtime;
+
+    fn deref(&self) -> &Self::Target {
+        self.runtime.as_ref()
     }
 }
 

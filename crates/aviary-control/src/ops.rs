@@ -711,9 +711,16 @@ impl ControlPlane {
         // without running again), then: thaw, move the fence, freeze again.
         // A runtime that cannot end them fails the push (the sandbox is
         // then lost, never written to by the old holder).
-        let thawed = if live.paused.load(std::sync::atomic::Ordering::SeqCst) {
+        // A runtime that cannot pause never froze it: nothing to thaw.
+        let frozen_on = if live.paused.load(std::sync::atomic::Ordering::SeqCst) {
             let rec = self.registry.get_sandbox(id).await?;
-            let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
+            self.runtime_for(&rec.node, &rec.runtime)?
+                .can_pause()
+                .cloned()
+        } else {
+            None
+        };
+        let thawed = if let Some(runtime) = frozen_on {
             runtime
                 .end_frozen_processes(id)
                 .await
@@ -1830,7 +1837,7 @@ impl ControlPlane {
             id: rec.id,
             stream,
             oom_before,
-            runtime,
+            runtime: runtime.shared(),
             busy: ExecGuard::new(live.clone()),
             shared: rec.scope != Scope::Session && rec.tenant != aviary_registry::POOL_TENANT,
         })
@@ -2548,7 +2555,7 @@ pub struct ExecRun {
     pub stream: aviary_envd_proto::ExecStream,
     pub oom_before: Option<u64>,
     /// The runtime the sandbox runs on (for the OOM counter after the exit).
-    pub runtime: Arc<dyn aviary_runtime::Pausable>,
+    pub runtime: Arc<dyn aviary_runtime::Runtime>,
     /// Keeps the sandbox counted busy while the exec runs.
     pub busy: ExecGuard,
     /// The sandbox serves a shared scope (user, agent, global): a limit

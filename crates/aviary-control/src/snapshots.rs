@@ -286,6 +286,7 @@ impl ControlPlane {
         let freeze = match &live {
             Some(l) if !l.paused.load(Ordering::SeqCst) => {
                 runtime
+                    .pausable("snapshotting")?
                     .pause(&rec.id)
                     .await
                     .map_err(OpError::runtime("freeze for snapshot"))?;
@@ -322,8 +323,8 @@ impl ControlPlane {
             Ok::<_, OpError>((w, u))
         }
         .await;
-        if freeze {
-            if let Err(e) = runtime.resume(&rec.id).await {
+        if let (true, Some(p)) = (freeze, runtime.can_pause()) {
+            if let Err(e) = p.resume(&rec.id).await {
                 tracing::error!(sandbox.id = %rec.id, error = %e, "could not thaw after snapshot");
             }
         }
@@ -717,6 +718,14 @@ impl ControlPlane {
                 || rec.tenant.is_empty()
                 || !self.looks_after(scope, &rec.node)
             {
+                continue;
+            }
+            if rec.node == self.cfg.local_node
+                && self
+                    .local_runtime(&rec.runtime)
+                    .is_ok_and(|r| r.snapshottable.is_none())
+            {
+                // its runtime cannot snapshot (Kubernetes): it stays up
                 continue;
             }
             let live = self.live_opt(&rec.id);

@@ -123,6 +123,79 @@ mod tests {
         assert_eq!(crun.create_calls(), 0);
     }
 
+    /// A runtime without `Pausable` (as Kubernetes): creates, execs, leases
+    /// and deletes work; pause, resume and hibernate answer `unsupported`
+    /// naming the runtime, and change nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_runtime_that_cannot_pause_serves_everything_else() {
+        let fake = Arc::new(FakeRuntime::new().unwrap());
+        let templates = Arc::new(MemoryTemplates::default());
+        let cp = ready(
+            config(),
+            backends_with(
+                &MemoryRegistry::new(),
+                vec![fake.basic()],
+                templates,
+                Arc::new(NoTrees),
+                Arc::new(aviary_control::NoNodes),
+            ),
+        )
+        .await;
+        let alice = tenant("alice");
+        let sbx = cp
+            .create(&alice, CreateSandboxRequest::default())
+            .await
+            .unwrap()
+            .sandbox;
+        let id = sbx.id.as_str();
+
+        let e = cp.pause(&alice, SandboxRef::new(id)).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unsupported, "{e:?}");
+        assert_eq!(e.code().http_status(), 409);
+        assert!(e.public_message().contains("crun"), "{e}");
+        // hibernation needs a snapshot first, which this runtime cannot take either
+        let e = cp.hibernate(&alice, SandboxRef::new(id)).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e:?}");
+        assert!(e.public_message().contains("runtime crun"), "{e}");
+        let e = cp.resume(&alice, SandboxRef::new(id)).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidState, "never paused: {e:?}");
+        assert_eq!(
+            aviary_runtime::Runtime::status(fake.as_ref(), &sbx.id)
+                .await
+                .unwrap(),
+            aviary_runtime::RuntimeStatus::Running
+        );
+        let now = cp.get(&alice, SandboxRef::new(id)).await.unwrap();
+        assert!(!now.paused);
+        assert_eq!(now.state, sbx.state);
+
+        // a lease moves the fence (no freeze involved) and execs still run
+        let lease = cp
+            .lease_acquire(
+                &alice,
+                OnSandbox::new(
+                    id,
+                    aviary_core::api::AcquireLeaseRequest {
+                        owner: "agent".into(),
+                        ttl_s: None,
+                    },
+                ),
+            )
+            .await
+            .unwrap();
+        let out = cp
+            .exec(&holding(&alice, lease.token), OnSandbox::new(id, echo()))
+            .await
+            .unwrap();
+        assert_eq!(out.stdout, "ok\n");
+        cp.sweep().await.unwrap();
+        cp.delete(&holding(&alice, lease.token), SandboxRef::new(id))
+            .await
+            .unwrap();
+        assert!(fake.live_ids().is_empty());
+        assert_eq!(fake.frozen_kill_calls(), 0);
+    }
+
     #[test]
     fn a_runtime_set_refuses_two_runtimes_of_one_name() {
         let rt = || Arc::new(FakeRuntime::new().unwrap()).capable();

@@ -51,11 +51,14 @@ pub enum ErrorCode {
     /// Nothing accepts connections on the sandbox port a proxied request
     /// asked for (502).
     PortUnreachable,
+    /// The sandbox's runtime cannot do this (e.g. pause a Pod on Kubernetes);
+    /// nothing was changed.
+    Unsupported,
 }
 
 impl ErrorCode {
     /// Every code, in declaration order.
-    pub const ALL: [ErrorCode; 20] = [
+    pub const ALL: [ErrorCode; 21] = [
         ErrorCode::InvalidRequest,
         ErrorCode::PayloadTooLarge,
         ErrorCode::Unauthorized,
@@ -76,6 +79,7 @@ impl ErrorCode {
         ErrorCode::PermissionDenied,
         ErrorCode::Internal,
         ErrorCode::PortUnreachable,
+        ErrorCode::Unsupported,
     ];
 
     /// The HTTP status of an answer with this code.
@@ -90,7 +94,8 @@ impl ErrorCode {
             | ErrorCode::LeaseHeld
             | ErrorCode::InvalidState
             | ErrorCode::Conflict
-            | ErrorCode::SandboxLost => 409,
+            | ErrorCode::SandboxLost
+            | ErrorCode::Unsupported => 409,
             ErrorCode::PayloadTooLarge => 413,
             ErrorCode::RateLimited => 429,
             ErrorCode::Unavailable | ErrorCode::CapacityExhausted | ErrorCode::Busy => 503,
@@ -128,6 +133,7 @@ impl ErrorCode {
             ErrorCode::PermissionDenied => "permission_denied",
             ErrorCode::Internal => "internal",
             ErrorCode::PortUnreachable => "port_unreachable",
+            ErrorCode::Unsupported => "unsupported",
         }
     }
 
@@ -148,6 +154,7 @@ impl ErrorCode {
             | ErrorCode::RateLimited
             | ErrorCode::Busy
             | ErrorCode::SandboxLost => 75,
+            ErrorCode::Unsupported => 69,
             ErrorCode::Unavailable | ErrorCode::CapacityExhausted | ErrorCode::PortUnreachable => {
                 69
             }
@@ -200,6 +207,7 @@ mod tests {
             ErrorCode::PermissionDenied => 17,
             ErrorCode::Internal => 18,
             ErrorCode::PortUnreachable => 19,
+            ErrorCode::Unsupported => 20,
         }
     }
 

@@ -25,16 +25,20 @@ pub enum RuntimeName {
     /// An E2B-compatible service (`[remote_e2b]`, `aviary-runtime-remote`):
     /// sandboxes run by the provider, not on this host.
     E2b,
+    /// A Pod per sandbox on a Kubernetes cluster (`aviary-runtime-kube`,
+    /// configured by `[kubernetes]`).
+    Kubernetes,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 5] = [
+    pub const ALL: [RuntimeName; 6] = [
         RuntimeName::Crun,
         RuntimeName::Runc,
         RuntimeName::Runsc,
         RuntimeName::Docker,
         RuntimeName::E2b,
+        RuntimeName::Kubernetes,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -44,6 +48,7 @@ impl RuntimeName {
             RuntimeName::Runsc => "runsc",
             RuntimeName::Docker => "docker",
             RuntimeName::E2b => "e2b",
+            RuntimeName::Kubernetes => "kubernetes",
         }
     }
 
@@ -51,6 +56,25 @@ impl RuntimeName {
     /// this host: no OCI bundle, no local default runtime).
     pub fn is_remote(self) -> bool {
         matches!(self, RuntimeName::E2b)
+    }
+
+    /// The runtimes whose sandboxes run on this host (the OCI binaries and
+    /// the operator's dockerd): what a class offers when it does not list
+    /// its runtimes.
+    pub const LOCAL: [RuntimeName; 4] = [
+        RuntimeName::Crun,
+        RuntimeName::Runc,
+        RuntimeName::Runsc,
+        RuntimeName::Docker,
+    ];
+
+    /// Whether this runtime runs sandboxes on this host with an OCI runtime
+    /// binary (the others reach their compute through an API).
+    pub fn is_local_oci(self) -> bool {
+        matches!(
+            self,
+            RuntimeName::Crun | RuntimeName::Runc | RuntimeName::Runsc
+        )
     }
 }
 
@@ -86,8 +110,14 @@ mod tests {
             assert_eq!(serde_json::from_str::<RuntimeName>(&json).unwrap(), r);
         }
         assert_eq!(
+            "kubernetes".parse::<RuntimeName>().unwrap(),
+            RuntimeName::Kubernetes
+        );
+        assert!(!RuntimeName::Kubernetes.is_local_oci());
+        assert!(RuntimeName::LOCAL.iter().all(|r| r.is_local_oci()));
+        assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b)"
+            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b|kubernetes)"
         );
     }
 }

@@ -128,6 +128,13 @@ impl FakeRuntime {
         self
     }
 
+    /// The fake seen as a runtime without optional capabilities (one that
+    /// can neither pause nor snapshot, as Kubernetes): the control plane
+    /// never reaches its `Pausable` side.
+    pub fn basic(self: &Arc<Self>) -> CapableRuntime {
+        CapableRuntime::basic(self.clone())
+    }
+
     /// The fake seen through the capabilities it has: pausable, not
     /// snapshottable.
     pub fn capable(self: &Arc<Self>) -> CapableRuntime {

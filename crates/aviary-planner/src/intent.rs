@@ -94,7 +94,7 @@ impl ClassSpec {
             disk_mb: disk_gib * 1024,
             pids,
             gpu: false,
-            runtimes: aviary_core::RuntimeName::ALL
+            runtimes: aviary_core::RuntimeName::LOCAL
                 .iter()
                 .filter(|r| !r.is_remote())
                 .map(|r| r.as_str().into())

@@ -70,6 +70,10 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         None
     };
     for name in names {
+        if name == aviary_core::RuntimeName::Kubernetes {
+            runtimes.push(kubernetes_runtime(&cfg.control.settings).await?);
+            continue;
+        }
         let state = cfg.runtime_state_dir_of(name);
         if name == aviary_core::RuntimeName::Docker {
             runtimes.push(docker_runtime(&cfg, state.clone()).await?);
@@ -202,6 +206,51 @@ async fn docker_runtime(
     Ok(aviary_runtime::CapableRuntime::snapshottable(Arc::new(
         docker,
     )))
+}
+
+/// The Kubernetes runtime of `[kubernetes]` (the configuration guarantees
+/// the table when `server.runtimes` lists it). Connecting reads the
+/// credentials only: an unreachable API server shows on the first create.
+#[cfg(feature = "kubernetes")]
+async fn kubernetes_runtime(
+    settings: &aviary_config::Config,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let k = settings
+        .kubernetes
+        .as_ref()
+        .context("server.runtimes lists kubernetes but [kubernetes] is missing")?;
+    let access = match &k.kubeconfig {
+        Some(path) => aviary_runtime_kube::ApiAccess::Kubeconfig {
+            path: path.clone(),
+            context: k.context.clone(),
+        },
+        None => aviary_runtime_kube::ApiAccess::InCluster,
+    };
+    let runtime = aviary_runtime_kube::KubeRuntime::connect(
+        &access,
+        aviary_runtime_kube::KubeSettings {
+            namespace: k.namespace.clone(),
+            deployment: k.deployment.clone(),
+            runtime_class: k.runtime_class.clone(),
+            images: k.images.clone(),
+            run_as_user: k.run_as_user,
+            ready_timeout: Duration::from_secs(k.ready_timeout_s),
+            delete_timeout: Duration::from_secs(k.delete_timeout_s),
+            poll_interval: Duration::from_millis(500),
+        },
+    )
+    .await
+    .context("setting up the Kubernetes runtime")?;
+    Ok(aviary_runtime::CapableRuntime::basic(Arc::new(runtime)))
+}
+
+#[cfg(not(feature = "kubernetes"))]
+async fn kubernetes_runtime(
+    _settings: &aviary_config::Config,
+) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    anyhow::bail!(
+        "this build has no Kubernetes runtime (cargo feature `kubernetes` of aviary-server)"
+    )
 }
 
 /// `program` in `PATH`, or an error naming it.
