@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota planner pool leases replicas.
+# PARTs (default: all, in this order): core snapshots chunker history quota planner pool leases replicas scale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota planner pool leases replicas "
+all_parts=" core snapshots chunker history quota planner pool leases replicas scale "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -126,5 +126,22 @@ if want replicas; then
   "$CARGO_TARGET_DIR/release/aviary-bench" replicas "$iterations" | tee "$out"
   services_down
   write_section replicas "$measured" "$out"
+fi
+# scale: sustained creates/s (1, 4, 16 clients) vs the crun floor, and the
+# cost per idle sandbox with 10 / 100 / 500 / 1000 alive; the curve plotted
+# by matplotlib from a throwaway venv (pinned) into docs/scale.png
+if want scale; then
+  echo "bench: scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)" >&2
+  points=$(mktemp)
+  "$CARGO_TARGET_DIR/release/aviary-bench" scale "${AVIARY_BENCH_SCALE_MAX:-1000}" "$points" | tee "$out"
+  venv=/var/tmp/aviary-bench-venv
+  if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    python3 -m venv "$venv" >/dev/null
+    "$venv/bin/pip" install --quiet 'matplotlib==3.9.2' >&2
+  fi
+  "$venv/bin/python" scripts/plot-scale.py "$points" docs/scale.png "$machine"
+  echo "![scale curves](docs/scale.png)" >>"$out"
+  rm -f "$points"
+  write_section scale "$measured" "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

@@ -12,13 +12,16 @@
 //! churn, hits and hit/miss latency ([`pool_churn`]); `aviary-bench leases
 //! [CYCLES]` lease operations per second on each lease store beside
 //! `redis-benchmark` ([`leases`]); `aviary-bench replicas [ITERATIONS]`
-//! distributed create → first exec and Lost → restored times ([`replicas`]).
+//! distributed create → first exec and Lost → restored times ([`replicas`]);
+//! `aviary-bench scale [MAX] [TSV]` sustained creates/s and the cost per idle
+//! sandbox at 10 / 100 / 500 / 1000 alive ([`scale`]).
 #![forbid(unsafe_code)]
 
 mod leases;
 mod planner;
 mod pool_churn;
 mod replicas;
+mod scale;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -82,8 +85,15 @@ async fn start_server(work: &Path) -> anyhow::Result<aviary_server::RunningServe
     // is measured here (edge.rs and robustness.rs test those).
     cfg.control.settings.server.edge.rate_limit_per_s = 1e6;
     cfg.control.settings.server.edge.rate_limit_burst = 1_000_000;
-    cfg.control.settings.overcommit.cpu_ratio = 100.0;
-    cfg.control.settings.overcommit.memory_ratio = 100.0;
+    // (`scale` keeps a thousand 1-CPU, 2 GiB sandboxes on 2 cores)
+    cfg.control.settings.overcommit.cpu_ratio = 10_000.0;
+    cfg.control.settings.overcommit.memory_ratio = 10_000.0;
+    // nor the tenant's quota (64 live sandboxes by default)
+    for t in &mut cfg.control.settings.tenants {
+        t.max_sandboxes = t.max_sandboxes.max(2000);
+        t.max_cpu = t.max_cpu.max(4000.0);
+        t.max_memory_mb = t.max_memory_mb.max(8 << 20);
+    }
     cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: POOL_CLASS.into(),
         template: "busybox".into(),
@@ -141,6 +151,10 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("pool-churn") {
         let cycles = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(50);
         return pool_churn::run(cycles).await;
+    }
+    if args.get(1).map(String::as_str) == Some("scale") {
+        let max = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1000);
+        return scale::run(max, args.get(3).map(Path::new)).await;
     }
     if args.get(1).map(String::as_str) == Some("replicas") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
