@@ -26,7 +26,8 @@ fi
 if want history; then
   cargo build --release --locked -p aviary-registry-sqlite --example history_bench
 fi
-AVIARY_ENVD=$(scripts/build-envd.sh)
+# a static envd given by the caller is used as it is (e.g. the CI target's)
+AVIARY_ENVD=${AVIARY_ENVD:-$(scripts/build-envd.sh)}
 export AVIARY_ENVD
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r), $(. /etc/os-release; echo "$PRETTY_NAME"), crun $(crun --version | head -1 | awk '{print $3}')"
 
@@ -132,6 +133,7 @@ fi
 # by matplotlib from a throwaway venv (pinned) into docs/scale.png
 if want scale; then
   echo "bench: scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)" >&2
+  load_before=$(cut -d' ' -f1 /proc/loadavg)
   points=$(mktemp)
   "$CARGO_TARGET_DIR/release/aviary-bench" scale "${AVIARY_BENCH_SCALE_MAX:-1000}" "$points" | tee "$out"
   venv=/var/tmp/aviary-bench-venv
@@ -142,6 +144,6 @@ if want scale; then
   "$venv/bin/python" scripts/plot-scale.py "$points" docs/scale.png "$machine"
   echo "![scale curves](docs/scale.png)" >>"$out"
   rm -f "$points"
-  write_section scale "$measured" "$out"
+  write_section scale "$measured 1-minute load average before / after: $load_before / $(cut -d' ' -f1 /proc/loadavg)." "$out"
 fi
 echo "BENCHMARKS.md updated" >&2
