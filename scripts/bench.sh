@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker.
+# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker scale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker "
+all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker scale "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -28,7 +28,8 @@ fi
 if want history; then
   cargo build --release --locked -p aviary-registry-sqlite --example history_bench
 fi
-AVIARY_ENVD=$(scripts/build-envd.sh)
+# a static envd given by the caller is used as it is (e.g. the CI target's)
+AVIARY_ENVD=${AVIARY_ENVD:-$(scripts/build-envd.sh)}
 export AVIARY_ENVD
 machine="$(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), kernel $(uname -r), $(. /etc/os-release; echo "$PRETTY_NAME"), crun $(crun --version | head -1 | awk '{print $3}')"
 
@@ -142,5 +143,24 @@ fi
 if want docker; then
   "$CARGO_TARGET_DIR/release/aviary-bench" docker-runtime "$iterations" | tee "$out"
   write_section docker "$measured" "$out"
+fi
+
+# scale: sustained creates/s (1, 4, 16 clients) vs the crun floor, and the
+# cost per idle sandbox with 10 / 100 / 500 / 1000 alive; the curve plotted
+# by matplotlib from a throwaway venv (pinned) into docs/scale.png
+if want scale; then
+  echo "bench: scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)" >&2
+  load_before=$(cut -d' ' -f1 /proc/loadavg)
+  points=$(mktemp)
+  "$CARGO_TARGET_DIR/release/aviary-bench" scale "${AVIARY_BENCH_SCALE_MAX:-1000}" "$points" | tee "$out"
+  venv=/var/tmp/aviary-bench-venv
+  if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    python3 -m venv "$venv" >/dev/null
+    "$venv/bin/pip" install --quiet 'matplotlib==3.9.2' >&2
+  fi
+  "$venv/bin/python" scripts/plot-scale.py "$points" docs/scale.png "$machine"
+  echo "![scale curves](docs/scale.png)" >>"$out"
+  rm -f "$points"
+  write_section scale "$measured 1-minute load average before / after: $load_before / $(cut -d' ' -f1 /proc/loadavg)." "$out"
 fi
 echo "BENCHMARKS.md updated" >&2

@@ -15,6 +15,8 @@
 //! distributed create → first exec and Lost → restored times ([`replicas`]);
 //! `aviary-bench docker-runtime [ITERATIONS]` the `docker` runtime beside
 //! crun in one server ([`docker_runtime`]).
+//! `aviary-bench scale [MAX] [TSV]` sustained creates/s and the cost per idle
+//! sandbox at 10 / 100 / 500 / 1000 alive ([`scale`]).
 #![forbid(unsafe_code)]
 
 mod docker_runtime;
@@ -22,6 +24,7 @@ mod leases;
 mod planner;
 mod pool_churn;
 mod replicas;
+mod scale;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -93,8 +96,15 @@ async fn start_server_with(
     // is measured here (edge.rs and robustness.rs test those).
     cfg.control.settings.server.edge.rate_limit_per_s = 1e6;
     cfg.control.settings.server.edge.rate_limit_burst = 1_000_000;
-    cfg.control.settings.overcommit.cpu_ratio = 100.0;
-    cfg.control.settings.overcommit.memory_ratio = 100.0;
+    // (`scale` keeps a thousand 1-CPU, 2 GiB sandboxes on 2 cores)
+    cfg.control.settings.overcommit.cpu_ratio = 10_000.0;
+    cfg.control.settings.overcommit.memory_ratio = 10_000.0;
+    // nor the tenant's quota (64 live sandboxes by default)
+    for t in &mut cfg.control.settings.tenants {
+        t.max_sandboxes = t.max_sandboxes.max(2000);
+        t.max_cpu = t.max_cpu.max(4000.0);
+        t.max_memory_mb = t.max_memory_mb.max(8 << 20);
+    }
     cfg.control.settings.pools = vec![aviary_config::PoolSettings {
         class: POOL_CLASS.into(),
         template: "busybox".into(),
@@ -157,6 +167,10 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("docker-runtime") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
         return docker_runtime::run(iters).await;
+    }
+    if args.get(1).map(String::as_str) == Some("scale") {
+        let max = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1000);
+        return scale::run(max, args.get(3).map(Path::new)).await;
     }
     if args.get(1).map(String::as_str) == Some("replicas") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);

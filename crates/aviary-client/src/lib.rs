@@ -175,18 +175,27 @@ fn token_header(rb: RequestBuilder, token: Option<LeaseToken>) -> RequestBuilder
 
 impl Client {
     pub fn new(base_url: &str, api_key: &str) -> Self {
+        let base = base_url.trim_end_matches('/').to_owned();
+        let builder = reqwest::Client::builder()
+            .pool_max_idle_per_host(8)
+            // below the server's default idle limit (header_read_timeout_ms,
+            // 10 s), so a pooled connection is not reused as the server
+            // closes it
+            .pool_idle_timeout(std::time::Duration::from_secs(5))
+            .tcp_nodelay(true);
+        // A plain-HTTP server needs no trust roots: loading the system's
+        // (the bundle and every file in /etc/ssl/certs, each parsed) was
+        // most of a short CLI command's start-up. Such a client trusts no
+        // TLS server, so a redirect to https fails rather than going out.
+        let builder = if is_plain_http(&base) {
+            builder.tls_built_in_root_certs(false)
+        } else {
+            builder
+        };
         Client {
-            base: base_url.trim_end_matches('/').to_owned(),
+            base,
             key: api_key.to_owned(),
-            http: reqwest::Client::builder()
-                .pool_max_idle_per_host(8)
-                // below the server's default idle limit (header_read_timeout_ms,
-                // 10 s), so a pooled connection is not reused as the server
-                // closes it
-                .pool_idle_timeout(std::time::Duration::from_secs(5))
-                .tcp_nodelay(true)
-                .build()
-                .unwrap_or_default(),
+            http: builder.build().unwrap_or_default(),
         }
     }
 
@@ -1084,9 +1093,24 @@ pub fn urlencode(s: &str) -> String {
     out
 }
 
+/// Whether `url` names a plain-HTTP server (no TLS to verify).
+fn is_plain_http(url: &str) -> bool {
+    url.get(..7)
+        .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_plain_http_goes_without_trust_roots() {
+        assert!(is_plain_http("http://127.0.0.1:7400"));
+        assert!(is_plain_http("HTTP://host"));
+        assert!(!is_plain_http("https://aviary.example"));
+        assert!(!is_plain_http("http"));
+        assert!(!is_plain_http(""));
+    }
 
     /// An exec stream split at awkward chunk boundaries, with a keep-alive
     /// comment between the events, decodes into the same items.

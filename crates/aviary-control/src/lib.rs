@@ -71,6 +71,7 @@ pub mod pools;
 pub mod ports;
 pub mod procs;
 pub mod projection;
+pub mod reclaim;
 pub mod reconciler;
 pub mod requests;
 pub mod scopes;

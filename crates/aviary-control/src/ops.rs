@@ -169,6 +169,8 @@ pub struct ControlPlane {
     /// What the reconciler saw on earlier passes (unclaimed compute, silent
     /// agents): observations, not records.
     pub(crate) reconciler: crate::reconciler::Observations,
+    /// Compute reclaimed in the background after its destroy was answered.
+    pub reclaims: crate::reclaim::Reclaims,
     /// Hash of the bootstrap admin key (set by [`Self::ensure_admin_key`]),
     /// which `revoke_key` refuses.
     pub(crate) bootstrap_key_hash: std::sync::RwLock<Option<String>>,
@@ -269,6 +271,7 @@ impl ControlPlane {
             snapshots,
             nodes,
             reconciler: Default::default(),
+            reclaims: Default::default(),
             bootstrap_key_hash: std::sync::RwLock::new(None),
             access_key: tokio::sync::OnceCell::new(),
         }))
@@ -461,7 +464,21 @@ impl ControlPlane {
                 .any(|r| r.id == id && r.runtime == runtime.name())
             {
                 tracing::warn!(sandbox.id = %id, runtime = runtime.name(), "destroying runtime sandbox unknown to the registry");
-                let _ = runtime.destroy(&id).await;
+                let destroyed = runtime.destroy(&id).await;
+                // a terminated row whose compute was still here: a destroy
+                // answered before a crash, or a reclaim that failed
+                if let (Ok(()), Ok(rec)) = (&destroyed, self.registry.get_sandbox(&id).await) {
+                    if rec.state.is_terminal() {
+                        let _ = self
+                            .event(
+                                &rec,
+                                "compute_reclaimed",
+                                None,
+                                serde_json::json!({"by": "start-up"}),
+                            )
+                            .await;
+                    }
+                }
             }
         }
         Ok(())
@@ -1516,7 +1533,9 @@ impl ControlPlane {
             .map_err(OpError::runtime("runtime teardown"))
     }
 
-    /// Sanitizing → runtime destroy → Terminated.
+    /// Sanitizing → Terminated, answered once the sandbox is out of reach
+    /// (lease revoked, envd client forgotten, network cut); its compute is
+    /// reclaimed in the background (`reclaim`).
     async fn destroy(
         &self,
         rec: SandboxRecord,
@@ -1551,16 +1570,34 @@ impl ControlPlane {
             .lock()
             .expect("touch map poisoned")
             .remove(&id);
-        if let Some(live) = &live {
-            self.record_usage(&rec, live).await;
-        }
-        let destroyed = self.destroy_compute(&rec.node, &rec.runtime, &id).await;
-        self.leases.revoke(&id).await?;
+        let usage = live.as_ref().map(|l| crate::reclaim::UsageTarget {
+            allocation_id: l.allocation_id.load(std::sync::atomic::Ordering::Relaxed),
+            timed_out: l.timed_out.load(std::sync::atomic::Ordering::Relaxed),
+        });
         let mut meta = serde_json::json!({"reason": why});
-        if let Err(e) = &destroyed {
-            meta["cleanup_error"] = serde_json::Value::String(format!("{:#}", anyhow_of(e)));
+        let runtime = self.runtime_for(&rec.node, &rec.runtime);
+        match &runtime {
+            Ok(rt) => {
+                if let Some(u) = &usage {
+                    crate::reclaim::record_usage(&*self.registry, &**rt, &rec, u).await;
+                }
+                if let Err(e) = rt.quiesce(&id).await {
+                    // the background destroy cuts it again, and the rest
+                    meta["cleanup_error"] = serde_json::Value::String(format!("{e:#}"));
+                }
+            }
+            Err(e) => {
+                meta["cleanup_error"] = serde_json::Value::String(format!("{:#}", anyhow_of(e)));
+            }
         }
-        let rec = self
+        self.leases.revoke(&id).await?;
+        if runtime.is_ok() {
+            // before the row says terminated: no reconciler pass sees its
+            // compute as a leftover while the reclaim is on its way
+            self.reclaims.begin(&id);
+            meta["compute"] = serde_json::Value::String("reclaiming".into());
+        }
+        let terminated = self
             .registry
             .transition(
                 &id,
@@ -1569,43 +1606,29 @@ impl ControlPlane {
                 FenceCheck::Skip,
                 ctx(request_id, None, meta),
             )
-            .await?;
+            .await;
+        // the lease is gone and envd forgotten: the compute goes whatever
+        // the registry answered (a row left in Sanitizing is settled by
+        // start-up reconciliation)
+        let runtime = match runtime {
+            Ok(rt) => rt,
+            Err(e) => {
+                // terminated, its compute out of reach here: the node's
+                // reconciliation destroys it when it answers
+                self.metrics.inc_destroy();
+                terminated?;
+                return Err(e);
+            }
+        };
+        self.reclaims.spawn(
+            rec,
+            runtime.shared(),
+            self.registry.clone(),
+            self.pools.refill.clone(),
+        );
+        let rec = terminated?;
         self.metrics.inc_destroy();
-        // when it was a pool's hand-out, that pool may refill now
-        self.pools.refill.notify_one();
-        destroyed?;
         self.view(&rec).await
-    }
-
-    /// Telemetry for right-sizing: what the sandbox really used, written to
-    /// its allocation row at the end of its life. cgroup v1 has no CPU peak,
-    /// so `peak_cpu` is the mean number of cores used over the lifetime.
-    async fn record_usage(&self, rec: &SandboxRecord, live: &LiveSandbox) {
-        let alloc = live
-            .allocation_id
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if alloc < 0 {
-            return;
-        }
-        let Ok(rt) = self.runtime_for(&rec.node, &rec.runtime) else {
-            return;
-        };
-        let Ok(u) = rt.usage(&rec.id).await else {
-            return;
-        };
-        let lifetime = (aviary_core::now() - rec.created_at)
-            .as_seconds_f64()
-            .max(0.001);
-        let usage = aviary_registry::AllocationUsage {
-            duration_s: lifetime,
-            peak_cpu: u.cpu_usage_ns as f64 / 1e9 / lifetime,
-            peak_memory_mb: u.memory_peak_bytes.div_ceil(1 << 20),
-            oom: u.oom_kills > 0,
-            timed_out: live.timed_out.load(std::sync::atomic::Ordering::Relaxed),
-        };
-        if let Err(e) = self.registry.update_allocation_usage(alloc, &usage).await {
-            tracing::warn!(sandbox.id = %rec.id, error = %e, "could not record usage");
-        }
     }
 
     /// The fence check a client-initiated registry write carries: the

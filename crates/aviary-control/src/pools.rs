@@ -94,7 +94,9 @@ impl Pool {
 
 pub struct Pools {
     pub pools: Vec<Pool>,
-    pub refill: tokio::sync::Notify,
+    /// Wakes the refill task (shared with background reclaims, which end
+    /// a hand-out's compute after its destroy was answered).
+    pub refill: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// `GET /v1/pools` entry.
@@ -152,7 +154,7 @@ impl Pools {
             .collect();
         Pools {
             pools,
-            refill: tokio::sync::Notify::new(),
+            refill: std::sync::Arc::new(tokio::sync::Notify::new()),
         }
     }
 

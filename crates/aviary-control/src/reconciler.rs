@@ -24,7 +24,8 @@
 //!    pool refills.
 //! 3. **Orphans.** Compute whose id the registry does not know, or knows
 //!    as terminated, is destroyed once it has been seen so for
-//!    `orphan_grace_s` (tenant-less event `orphan_destroyed`).
+//!    `orphan_grace_s` (tenant-less event `orphan_destroyed`) — unless a
+//!    background reclaim of this process is on it (`reclaim`).
 //! 4. **Silent nodes.** A node agent whose runtime has not answered `list`
 //!    for `node_unhealthy_after_s` is unhealthy (event `node_unhealthy`,
 //!    the registry's node row marked so): its live sandboxes become `Lost`
@@ -966,6 +967,10 @@ impl ControlPlane {
                     // the compute is (start-up destroys compute of a row
                     // that names another runtime; this pass never guesses)
                     if rows.iter().any(|r| r.id == *id) {
+                        continue;
+                    }
+                    // a destroy answered moments ago: its reclaim is on it
+                    if self.reclaims.is_reclaiming(id) {
                         continue;
                     }
                     let key = (s.node.clone(), s.runtime_label(), id.clone());

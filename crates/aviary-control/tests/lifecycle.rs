@@ -273,6 +273,7 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
+        p.cp.reclaims.settled().await;
         assert!(envd.is_dead());
         assert!(p.runtime.live_ids().is_empty());
         let before = row(&p, &id).await;
@@ -414,6 +415,8 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
+        // the compute goes in the background, after the answer
+        p.cp.reclaims.settled().await;
         assert!(p.runtime.live_ids().is_empty());
         assert!(envd.is_dead());
         assert_eq!(
@@ -504,6 +507,7 @@ mod tests {
         );
         let gone = p.cp.delete(&alice, SandboxRef::new(sid)).await.unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
+        p.cp.reclaims.settled().await;
         assert!(!p.runtime.live_ids().contains(id));
     }
 

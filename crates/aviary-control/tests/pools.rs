@@ -363,6 +363,7 @@ mod tests {
         .unwrap();
         assert_eq!(p.cp.refill_pools().await.unwrap(), 0);
         assert_eq!(view(&p).await.idle, 1);
+        p.cp.reclaims.settled().await;
         assert_eq!(p.runtime.live_ids().len(), 1);
     }
 

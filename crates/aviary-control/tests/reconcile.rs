@@ -1071,6 +1071,7 @@ mod periodic {
         p.cp.delete(&alice, SandboxRef::new(deleted.as_str()))
             .await
             .unwrap();
+        p.cp.reclaims.settled().await;
         p.runtime
             .create(&spec_like(&p.runtime, deleted.clone()))
             .await

@@ -93,6 +93,7 @@ mod tests {
         cp.delete(&alice, SandboxRef::new(on_runc.sandbox.id.as_str()))
             .await
             .unwrap();
+        cp.reclaims.settled().await;
         assert!(runc.live_ids().is_empty());
         assert_eq!(runc.destroy_calls(), 1);
         assert_eq!(crun.destroy_calls(), 0, "crun's sandbox is untouched");

@@ -49,6 +49,7 @@ mod tests {
         assert_eq!(e.code(), aviary_core::ErrorCode::NotFound);
         let gone = p.cp.delete(&alice, SandboxRef::new(id)).await.unwrap();
         assert_eq!(gone.state, SandboxState::Terminated);
+        p.cp.reclaims.settled().await;
         assert!(p.runtime.live_ids().is_empty());
     }
 }

@@ -1090,6 +1090,18 @@ impl Runtime for OciRuntime {
         }
     }
 
+    /// Cuts the egress socket and the user-mode network (`open`): after a
+    /// destroy is answered, the sandbox reaches nothing outside it while
+    /// the rest of the teardown runs.
+    async fn quiesce(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let dirs = self.dirs(id);
+        if let Some(gateway) = &self.egress {
+            gateway.detach(id);
+        }
+        open_net::detach_open_network(&dirs);
+        Ok(())
+    }
+
     #[instrument(skip_all, fields(sandbox.id = %id, runtime = self.config.binary.name()))]
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let dirs = self.dirs(id);

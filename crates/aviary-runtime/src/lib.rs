@@ -211,6 +211,15 @@ pub trait Runtime: Send + Sync {
     /// Kills and removes the sandbox and everything the runtime made for it.
     /// Idempotent: destroying an unknown id succeeds.
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError>;
+    /// The part of a destroy that must be done before the destroy is
+    /// answered, when the rest ([`Runtime::destroy`]) runs in the background:
+    /// whatever connects the sandbox to the world outside it (an egress
+    /// socket, a user-mode network) is cut. Cheap; idempotent; `destroy`
+    /// still does all of it. Default: nothing (a runtime without such
+    /// connections).
+    async fn quiesce(&self, _id: &SandboxId) -> Result<(), RuntimeError> {
+        Ok(())
+    }
     async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError>;
     /// Fails with [`RuntimeError::NotFound`] for an unknown sandbox.
     async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError>;

@@ -439,6 +439,8 @@ async fn network_profiles_are_enforced_by_the_node() {
             .await
             .unwrap();
     }
+    // its dir (and the socket in it) goes with the background reclaim
+    ts.cp().reclaims.settled().await;
     assert!(!a_socket.exists(), "the proxy socket outlived its sandbox");
 }
 
@@ -582,6 +584,7 @@ async fn open_is_nat_through_slirp_with_the_denied_ranges_refused() {
         .delete_sandbox(&id, o.lease.as_ref().map(|l| l.token))
         .await
         .unwrap();
+    ts.cp().reclaims.settled().await;
     assert!(
         !std::path::Path::new(&format!("/proc/{slirp_pid}/cmdline")).exists()
             || !std::fs::read(format!("/proc/{slirp_pid}/cmdline"))

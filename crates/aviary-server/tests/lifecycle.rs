@@ -198,6 +198,8 @@ async fn level_two_returns_to_the_clean_checkpoint_and_level_three_destroys() {
     // level 3: destroyed, nothing left on the host
     let gone = c.reset(&id, 3, None).await.unwrap();
     assert_eq!(gone.state, SandboxState::Terminated);
+    // answered first; the compute goes in the background
+    ts.cp().reclaims.settled().await;
     assert!(!ts.server_cfg().runtime_state_dir().join(&id).exists());
     assert!(!std::path::Path::new(&format!("/sys/fs/cgroup/pids/aviary/{id}")).exists());
     assert!(!std::fs::read_to_string("/proc/self/mountinfo")

@@ -136,6 +136,7 @@ async fn crun_and_runc_serve_side_by_side_and_survive_a_restart() {
     for s in [&on_crun, &on_runc] {
         c.delete_sandbox(s.id.as_str(), None).await.unwrap();
     }
+    ts2.cp().reclaims.settled().await;
     for state in ["sandboxes", "sandboxes-runc"] {
         let left: Vec<_> = std::fs::read_dir(data.join(state))
             .unwrap()

@@ -67,6 +67,7 @@ async fn fifty_cycles_leave_nothing_behind() {
         .sandbox
         .id;
     c.delete_sandbox(id.as_str(), None).await.unwrap();
+    ts.cp().reclaims.settled().await;
 
     let before = (
         count_lines("/proc/self/mountinfo"),
