@@ -193,6 +193,8 @@ mod tests {
         cp.delete(&holding(&alice, lease.token), SandboxRef::new(id))
             .await
             .unwrap();
+        // the compute goes in the background, after the answer
+        cp.reclaims.settled().await;
         assert!(fake.live_ids().is_empty());
         assert_eq!(fake.frozen_kill_calls(), 0);
     }
