@@ -36,6 +36,17 @@
 //! calls for one sandbox are serialised by the caller.
 
 pub mod envd_socket;
+
+/// Paths made read-only in every container: Docker's defaults (a list set
+/// here replaces them) and `/sys/fs/cgroup`.
+const READONLY_PATHS: [&str; 6] = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+    "/sys/fs/cgroup",
+];
 mod image;
 
 use async_trait::async_trait;
@@ -559,6 +570,14 @@ impl DockerRuntime {
             // envd is PID 1 and reaps; no docker-init in between
             init: Some(false),
             privileged: Some(false),
+            // its own cgroup namespace: the sandbox sees its cgroup as the
+            // root, not the host's hierarchy (the security suite's
+            // `namespaces` probe)
+            cgroupns_mode: Some(bollard::models::HostConfigCgroupnsModeEnum::PRIVATE),
+            // Docker's own read-only paths plus the cgroup v1 tmpfs at
+            // /sys/fs/cgroup, which runc leaves writable (the suite's
+            // `sys_and_cgroupfs` probe made a dir there)
+            readonly_paths: Some(READONLY_PATHS.iter().map(|p| p.to_string()).collect()),
             ..Default::default()
         };
         Ok(ContainerCreateBody {
