@@ -37,6 +37,11 @@
 
 pub mod envd_socket;
 
+/// Open files per process in a container (soft and hard): what a crun or
+/// runc sandbox gets, not dockerd's own limit (20000 here, which let pids x
+/// nofile outgrow the host's `fs.file-max` in the suite's `fd_exhaustion`).
+const NOFILE: i64 = 1024;
+
 /// Paths made read-only in every container: Docker's defaults (a list set
 /// here replaces them) and `/sys/fs/cgroup`.
 const READONLY_PATHS: [&str; 6] = [
@@ -578,6 +583,11 @@ impl DockerRuntime {
             // /sys/fs/cgroup, which runc leaves writable (the suite's
             // `sys_and_cgroupfs` probe made a dir there)
             readonly_paths: Some(READONLY_PATHS.iter().map(|p| p.to_string()).collect()),
+            ulimits: Some(vec![bollard::models::ResourcesUlimits {
+                name: Some("nofile".into()),
+                soft: Some(NOFILE),
+                hard: Some(NOFILE),
+            }]),
             ..Default::default()
         };
         Ok(ContainerCreateBody {
