@@ -24,7 +24,8 @@
 //! Aviary's own seccomp profile (`aviary_runtime_oci::seccomp`; Docker's
 //! default allows io_uring), no network (`none`), memory (= memory+swap),
 //! CPU and pids limits from the spec, a private `/tmp` tmpfs, no log driver
-//! (the sandbox's output never lands in a host file), no restart. What
+//! (the sandbox's output never lands in a host file), no restart, a private
+//! cgroup namespace, a read-only `/sys/fs/cgroup`, 1024 open files. What
 //! differs from crun: no per-sandbox user namespace (root inside is host
 //! root unless dockerd runs with `userns-remap`), and the container's
 //! writable layer is Docker's overlay2 dir, not bounded by `disk_mb`.
