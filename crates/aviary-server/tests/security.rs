@@ -832,9 +832,7 @@ async fn run_tier(s: &Suite, tier: &Tier) -> BTreeMap<&'static str, Outcome> {
         results.insert("aftermath", Outcome::Contained(2));
     }
     for (probe, why) in tier.not_applicable {
-        if let Some(o) = results.get_mut(probe) {
-            *o = Outcome::Skipped((*why).to_owned());
-        }
+        results.insert(probe, Outcome::Skipped((*why).to_owned()));
     }
     for (probe, o) in results.iter_mut() {
         let Outcome::Escaped(what) = o else { continue };
