@@ -24,7 +24,8 @@
 //! Aviary's own seccomp profile (`aviary_runtime_oci::seccomp`; Docker's
 //! default allows io_uring), no network (`none`), memory (= memory+swap),
 //! CPU and pids limits from the spec, a private `/tmp` tmpfs, no log driver
-//! (the sandbox's output never lands in a host file), no restart. What
+//! (the sandbox's output never lands in a host file), no restart, a private
+//! cgroup namespace, a read-only `/sys/fs/cgroup`, 1024 open files. What
 //! differs from crun: no per-sandbox user namespace (root inside is host
 //! root unless dockerd runs with `userns-remap`), and the container's
 //! writable layer is Docker's overlay2 dir, not bounded by `disk_mb`.
@@ -36,6 +37,22 @@
 //! calls for one sandbox are serialised by the caller.
 
 pub mod envd_socket;
+
+/// Open files per process in a container (soft and hard): what a crun or
+/// runc sandbox gets, not dockerd's own limit (20000 here, which let pids x
+/// nofile outgrow the host's `fs.file-max` in the suite's `fd_exhaustion`).
+const NOFILE: i64 = 1024;
+
+/// Paths made read-only in every container: Docker's defaults (a list set
+/// here replaces them) and `/sys/fs/cgroup`.
+const READONLY_PATHS: [&str; 6] = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+    "/sys/fs/cgroup",
+];
 mod image;
 
 use async_trait::async_trait;
@@ -559,6 +576,19 @@ impl DockerRuntime {
             // envd is PID 1 and reaps; no docker-init in between
             init: Some(false),
             privileged: Some(false),
+            // its own cgroup namespace: the sandbox sees its cgroup as the
+            // root, not the host's hierarchy (the security suite's
+            // `namespaces` probe)
+            cgroupns_mode: Some(bollard::models::HostConfigCgroupnsModeEnum::PRIVATE),
+            // Docker's own read-only paths plus the cgroup v1 tmpfs at
+            // /sys/fs/cgroup, which runc leaves writable (the suite's
+            // `sys_and_cgroupfs` probe made a dir there)
+            readonly_paths: Some(READONLY_PATHS.iter().map(|p| p.to_string()).collect()),
+            ulimits: Some(vec![bollard::models::ResourcesUlimits {
+                name: Some("nofile".into()),
+                soft: Some(NOFILE),
+                hard: Some(NOFILE),
+            }]),
             ..Default::default()
         };
         Ok(ContainerCreateBody {
