@@ -114,7 +114,7 @@ mod tests {
             RuntimeName::Kubernetes
         );
         assert!(!RuntimeName::Kubernetes.is_local_oci());
-        assert!(RuntimeName::LOCAL.iter().all(|r| r.is_local_oci()));
+        assert!(RuntimeName::LOCAL.iter().all(|r| !r.is_remote()));
         assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
             "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b|kubernetes)"
