@@ -475,7 +475,7 @@ mod gvisor {
     /// first exec and exec round trips, and runsc's memory checkpoint and
     /// restore of a sandbox whose process holds 100 MB. Prints a table.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    #[ignore = "a benchmark: scripts/bench.sh gvisor"]
+    #[ignore = "a timing measurement, not a test: scripts/bench.sh gvisor runs it and writes BENCHMARKS.md; tests never assert timings"]
     async fn measure_checkpoint_cost() {
         use aviary_runtime::Checkpointable;
         let _g = LOCK.lock().await;
