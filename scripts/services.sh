@@ -10,7 +10,8 @@
 #
 # `start` is idempotent (a running service is left alone) and prints only `export`
 # lines on stdout; progress goes to stderr. Ports and the data dir can be overridden
-# with AVIARY_SERVICES_DIR, AVIARY_REDIS_PORT, AVIARY_PG_PORT, AVIARY_S3_PORT.
+# with AVIARY_SERVICES_DIR, AVIARY_REDIS_PORT, AVIARY_PG_PORT, AVIARY_S3_PORT;
+# AVIARY_SERVICES_DOCKERD=0 leaves dockerd alone (a private set next to the shared one).
 set -euo pipefail
 
 DIR="${AVIARY_SERVICES_DIR:-/tmp/aviary-services}"
@@ -106,6 +107,7 @@ start_s3() {
 }
 
 start_dockerd() {
+    if [ "${AVIARY_SERVICES_DOCKERD:-1}" = 0 ]; then return; fi
     if ! command -v dockerd >/dev/null; then
         log "dockerd is not installed (scripts/deps.sh test installs docker.io): skipping it"
         return
@@ -130,6 +132,8 @@ start_dockerd() {
 
 stop_dockerd() {
     local pid
+    # a private set of services (AVIARY_SERVICES_DOCKERD=0) never touches the shared dockerd
+    if [ "${AVIARY_SERVICES_DOCKERD:-1}" = 0 ]; then return 0; fi
     alive "$DOCKER_DIR/dockerd.pid" || return 0
     pid=$(cat "$DOCKER_DIR/dockerd.pid")
     kill "$pid"

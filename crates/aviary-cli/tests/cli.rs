@@ -347,14 +347,29 @@ fn quick_start_works_end_to_end() {
     let o = aviary(&s, &["sandbox", "get", "sbx-aaaaaaaaaaaaaaaaaaaa"]);
     assert_eq!(o.status.code(), Some(66), "{o:?}");
 
-    let o = aviary(&s, &["--json", "events", "--sandbox", &id]);
-    assert!(stdout(&o).contains("Terminated"), "{o:?}");
+    // rm answers first; the compute is reclaimed in the background and that is the last event
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let all = loop {
+        let o = aviary(&s, &["--json", "events", "--sandbox", &id]);
+        if stdout(&o).contains("compute_reclaimed") {
+            break o;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no compute_reclaimed event: {o:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(stdout(&all).contains("Terminated"), "{all:?}");
+    let newest: serde_json::Value =
+        serde_json::from_str(stdout(&all).lines().last().unwrap()).unwrap();
+    assert_eq!(newest["event_type"], "compute_reclaimed", "{newest}");
     // the newest by default: with --limit 1, only the last one
     let o = aviary(&s, &["--json", "events", "--sandbox", &id, "--limit", "1"]);
     let lines: Vec<&str> = std::str::from_utf8(&o.stdout).unwrap().lines().collect();
     assert_eq!(lines.len(), 1, "{o:?}");
     let last: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
-    assert_eq!(last["new_state"], "Terminated", "{last}");
+    assert_eq!(last, newest, "{o:?}");
     let o = aviary(&s, &["template", "ls"]);
     assert!(stdout(&o).contains("default"), "{o:?}");
 }

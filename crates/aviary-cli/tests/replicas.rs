@@ -214,6 +214,23 @@ fn agent_at(dir: &Path, id: &str, token: &str, addr: &str) -> Proc {
 }
 
 /// The sandboxes an agent runs, from its own API.
+/// What the agents still run once the background reclaims of removed sandboxes have
+/// finished (`sandbox rm` answers before the compute is torn down): polled until empty
+/// or two minutes have passed, then returned for the caller's assertion.
+fn agent_sandboxes_after_reclaim(agents: &[(&str, &str)]) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let left: Vec<String> = agents
+            .iter()
+            .flat_map(|(addr, token)| agent_sandboxes(addr, token))
+            .collect();
+        if left.is_empty() || Instant::now() >= deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 fn agent_sandboxes(addr: &str, token: &str) -> Vec<String> {
     let out = Command::new("curl")
         .args(["-sf", "-H", &format!("Authorization: Bearer {token}")])
@@ -547,10 +564,8 @@ fn three_replicas_and_two_agents_survive_a_stopped_holder_and_a_killed_replica()
     ok(on_b(&["sandbox", "rm", &id, "--token", &new]));
     ok(on_c(&["sandbox", "rm", &other]));
     // orphans left = 0: neither agent runs anything once both are removed
-    let left: Vec<_> = agent_sandboxes(&addr1, "agent-token-1")
-        .into_iter()
-        .chain(agent_sandboxes(&addr2, "agent-token-2"))
-        .collect();
+    let left =
+        agent_sandboxes_after_reclaim(&[(&addr1, "agent-token-1"), (&addr2, "agent-token-2")]);
     assert_eq!(left, Vec::<String>::new(), "orphans left on the agents");
 }
 
@@ -650,10 +665,7 @@ fn a_killed_agent_loses_its_sandboxes_and_gets_them_back_when_it_returns() {
     );
     ok(on_a(&["sandbox", "rm", &victim, "--token", &new]));
     ok(on_a(&["sandbox", "rm", &bystander]));
-    let left: Vec<_> = agent_sandboxes(&addr1, "tok-1")
-        .into_iter()
-        .chain(agent_sandboxes(&addr2, "tok-2"))
-        .collect();
+    let left = agent_sandboxes_after_reclaim(&[(&addr1, "tok-1"), (&addr2, "tok-2")]);
     assert_eq!(left, Vec::<String>::new(), "orphans left on the agents");
 }
 

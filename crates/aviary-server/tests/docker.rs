@@ -115,6 +115,8 @@ async fn a_docker_sandbox_serves_exec_files_pause_fork_and_leaves_nothing() {
     for sid in [id.as_str(), child.id.as_str()] {
         c.delete_sandbox(sid, None).await.unwrap();
     }
+    // delete answers first and reclaims the compute in the background
+    ts.cp().reclaims.settled().await;
     // nothing left: no container of this server, no sandbox dir
     let docker = ts
         .cp()

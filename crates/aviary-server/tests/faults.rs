@@ -39,6 +39,8 @@ impl Services {
         let out = Command::new(Self::script())
             .arg(what)
             .env("AVIARY_SERVICES_DIR", &self.dir)
+            // dockerd is shared by the whole run: a private set never starts or stops it
+            .env("AVIARY_SERVICES_DOCKERD", "0")
             .env("AVIARY_REDIS_PORT", self.redis_port.to_string())
             .env("AVIARY_PG_PORT", self.pg_port.to_string())
             .env("AVIARY_S3_PORT", self.s3_port.to_string())
@@ -133,6 +135,8 @@ impl Drop for Services {
         let _ = Command::new(Self::script())
             .arg("stop")
             .env("AVIARY_SERVICES_DIR", &self.dir)
+            // dockerd is shared by the whole run: a private set never starts or stops it
+            .env("AVIARY_SERVICES_DOCKERD", "0")
             .env("AVIARY_PG_PORT", self.pg_port.to_string())
             .output();
     }

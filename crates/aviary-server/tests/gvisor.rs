@@ -107,6 +107,8 @@ async fn a_runsc_sandbox_execs_keeps_files_pauses_and_goes_away() {
         .unwrap();
     assert!(out.stdout.contains("rc=1"), "{out:?}");
     c.delete_sandbox(&id, None).await.unwrap();
+    // delete answers first and reclaims the compute in the background
+    ts.cp().reclaims.settled().await;
     assert_eq!(
         sandboxes_left(&data.join("sandboxes-runsc")),
         Vec::<String>::new()
@@ -231,6 +233,8 @@ async fn hibernate_on_runsc_keeps_the_running_processes() {
         .join(format!("{id}.checkpoint"))
         .exists());
     c.delete_sandbox(&id, None).await.unwrap();
+    // delete answers first and reclaims the compute in the background
+    ts.cp().reclaims.settled().await;
     assert_eq!(
         sandboxes_left(&data.join("sandboxes-runsc")),
         Vec::<String>::new()

@@ -190,6 +190,8 @@ async fn sandboxes_are_placed_on_node_agents_and_work_there() {
         .clone();
     assert!(on["cpu_committed"].as_f64().unwrap() >= 8.0, "{on}");
     c.delete_sandbox(&id, None).await.unwrap();
+    // the capacity stays committed until the background reclaim has torn the compute down
+    ts.cp().reclaims.settled().await;
     let nodes = c.nodes().await.unwrap();
     let on = nodes["nodes"]
         .as_array()

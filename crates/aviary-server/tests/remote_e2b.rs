@@ -372,6 +372,8 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
     );
 
     a.client.delete_sandbox(&id, None).await.unwrap();
+    // delete answers first and reclaims the compute in the background
+    a.cp().reclaims.settled().await;
     assert_eq!(
         provider_sandboxes(&p).await,
         0,

@@ -30,6 +30,7 @@ from .errors import (  # one class per stable error code
     PermissionDenied,
     Internal,
     PortUnreachable,
+    Unsupported,
 )
 from .errors import ERRORS_BY_CODE, AviaryError, ApiError, ProtocolError, TransportError
 from .models import (
@@ -66,6 +67,7 @@ __all__ = [
     "ERRORS_BY_CODE",
     "PortEndpoint",
     "PortUnreachable",
+    "Unsupported",
     "Decision",
     "Event",
     "ExecResult",

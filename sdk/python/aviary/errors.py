@@ -169,6 +169,13 @@ class PortUnreachable(ApiError):
     code = "port_unreachable"
 
 
+class Unsupported(ApiError):
+    """The sandbox's runtime cannot do this (e.g. pause a Pod on Kubernetes);
+    nothing was changed (409)."""
+
+    code = "unsupported"
+
+
 #: Every stable error code and its class.
 ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
     cls.code: cls
@@ -193,6 +200,7 @@ ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
         PermissionDenied,
         Internal,
         PortUnreachable,
+        Unsupported,
     )
 }
 
