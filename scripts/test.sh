@@ -3,6 +3,8 @@
 # (format, lints, unit, property, conformance and integration tests against
 # real crun/runc, overlayfs, cgroups, sockets, and real PostgreSQL, Redis and
 # S3-compatible servers that it starts here and stops at the end). Run as root.
+# With arguments, it runs only those cargo test targets in the same set-up
+# (no fmt, clippy or control-plane check): scripts/test.sh -p aviary-cli --test cli
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh test
@@ -73,11 +75,17 @@ fi
 "$sdk_venv/bin/pip" install -q --force-reinstall --no-deps ./sdk/python
 export AVIARY_SDK_VENV=$sdk_venv
 
-echo "== fmt"
-cargo fmt --all -- --check
 echo "== static envd"
 AVIARY_ENVD=$(scripts/build-envd.sh)
 export AVIARY_ENVD
+if [[ $# -gt 0 ]]; then
+    # a part of the suite, in the same set-up: scripts/test.sh -p aviary-server --test docker
+    echo "== tests: $*"
+    cargo test --locked --no-fail-fast "$@" -- --test-threads="${AVIARY_TEST_THREADS:-4}"
+    exit
+fi
+echo "== fmt"
+cargo fmt --all -- --check
 echo "== clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"

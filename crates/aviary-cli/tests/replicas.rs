@@ -214,21 +214,29 @@ fn agent_at(dir: &Path, id: &str, token: &str, addr: &str) -> Proc {
 }
 
 /// The sandboxes an agent runs, from its own API.
-/// What the agents still run once the background reclaims of removed sandboxes have
-/// finished (`sandbox rm` answers before the compute is torn down): polled until empty
-/// or two minutes have passed, then returned for the caller's assertion.
-fn agent_sandboxes_after_reclaim(agents: &[(&str, &str)]) -> Vec<String> {
+/// What is left once the background reclaims of removed sandboxes have finished
+/// (`sandbox rm` answers before the compute is torn down): `left` is polled until it
+/// is empty or two minutes have passed, and its last answer returned for the caller's
+/// assertion.
+fn after_reclaim<T>(left: impl Fn() -> Vec<T>) -> Vec<T> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let left: Vec<String> = agents
-            .iter()
-            .flat_map(|(addr, token)| agent_sandboxes(addr, token))
-            .collect();
-        if left.is_empty() || Instant::now() >= deadline {
-            return left;
+        let now = left();
+        if now.is_empty() || Instant::now() >= deadline {
+            return now;
         }
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// What the agents still run once the background reclaims have finished.
+fn agent_sandboxes_after_reclaim(agents: &[(&str, &str)]) -> Vec<String> {
+    after_reclaim(|| {
+        agents
+            .iter()
+            .flat_map(|(addr, token)| agent_sandboxes(addr, token))
+            .collect()
+    })
 }
 
 fn agent_sandboxes(addr: &str, token: &str) -> Vec<String> {
@@ -770,7 +778,18 @@ fn compute_killed_behind_the_planes_back_is_restored_from_its_snapshot() {
     );
     ok(on_a(&["sandbox", "rm", &id]));
     ok(on_b(&["sandbox", "rm", &remote]));
-    assert_eq!(sandbox_pids(&id), Vec::<u32>::new(), "orphans left = 0");
-    assert_eq!(sandbox_pids(&remote), Vec::<u32>::new(), "orphans left = 0");
-    assert_eq!(agent_sandboxes(&addr, "tok-1"), Vec::<String>::new());
+    assert_eq!(
+        after_reclaim(|| sandbox_pids(&id)),
+        Vec::<u32>::new(),
+        "orphans left = 0"
+    );
+    assert_eq!(
+        after_reclaim(|| sandbox_pids(&remote)),
+        Vec::<u32>::new(),
+        "orphans left = 0"
+    );
+    assert_eq!(
+        agent_sandboxes_after_reclaim(&[(&addr, "tok-1")]),
+        Vec::<String>::new()
+    );
 }

@@ -874,6 +874,11 @@ impl Pausable for DockerRuntime {
             .map_err(|e| api_error("pause", Some(id), e))
     }
 
+    /// `docker unpause`, then waits until dockerd itself reports the
+    /// container running. dockerd (20.10) also sets its paused flag from
+    /// containerd's asynchronous pause event: one handled after the unpause
+    /// flips the flag back until the resume event that follows it, and in
+    /// between dockerd refuses `exec` and `pause` on a running container.
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         if self.container(id).await?.is_none() {
             return Err(RuntimeError::NotFound { id: id.clone() });
@@ -883,7 +888,25 @@ impl Pausable for DockerRuntime {
             self.docker.unpause_container(&container_name(id)),
         )
         .await?
-        .map_err(|e| api_error("unpause", Some(id), e))
+        .map_err(|e| api_error("unpause", Some(id), e))?;
+        let deadline = tokio::time::Instant::now() + self.config.command_timeout;
+        loop {
+            match self.container(id).await? {
+                Some(c) if c.status == RuntimeStatus::Paused => {}
+                Some(_) => return Ok(()),
+                None => return Err(RuntimeError::NotFound { id: id.clone() }),
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(RuntimeError::InvokeRuntime {
+                    action: "docker unpause".into(),
+                    detail: format!(
+                        "dockerd still reports the container paused after {:?}",
+                        self.config.command_timeout
+                    ),
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 
     /// The pids come from the sandbox's freezer cgroup (written by the
