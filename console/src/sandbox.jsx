@@ -63,7 +63,7 @@ function Timeline({ id, foreign = false }) {
   }, [id, foreign]);
   // the decisions worth a second look: why it was reused or made, what the
   // policy said
-  const decisions = events.filter((e) => /reuse|policy|restore|taint|egress|fork/.test(e.event_type));
+  const decisions = events.filter((e) => /plan|reuse|policy|restore|taint|egress|fork/.test(e.event_type));
   return (
     <section aria-labelledby="timeline-h">
       <h2 id="timeline-h">Events <span class={`live live-${status}`} data-testid="stream-status">{status}</span></h2>

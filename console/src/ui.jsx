@@ -95,7 +95,7 @@ export function eventSummary(ev) {
   const parts = [];
   if (ev.old_state || ev.new_state) parts.push(`${ev.old_state || "∅"} → ${ev.new_state || "∅"}`);
   const m = ev.metadata || {};
-  for (const k of ["reason", "message", "code", "action", "branch", "restore_branch", "score", "class", "recommended_class", "command", "exit_code", "owner", "host", "label"]) {
+  for (const k of ["reason", "message", "code", "action", "branch", "restore_branch", "score", "class", "recommended_class", "approved_class", "source", "confidence", "command", "exit_code", "owner", "host", "label"]) {
     if (m[k] !== undefined && m[k] !== null && typeof m[k] !== "object") parts.push(`${k}: ${m[k]}`);
   }
   if (Array.isArray(m.reasons) && m.reasons.length) parts.push(`reasons: ${m.reasons.join("; ")}`);
@@ -111,6 +111,14 @@ export function EventItem({ ev, showSandbox = false }) {
       {showSandbox ? <span class="muted"> {ev.tenant}{ev.sandbox_id ? <> · <a href={`#/sandboxes/${encodeURIComponent(ev.sandbox_id)}`}><code>{ev.sandbox_id}</code></a></> : null}</span> : null}
       <span class="summary">{eventSummary(ev)}</span>
       {ev.request_id ? <span class="muted"> request {ev.request_id}</span> : null}
+      {ev.event_type === "planned" && Array.isArray(ev.metadata?.trace?.steps) ? (
+        <ol class="trace" data-testid="planned-trace" aria-label="planner trace">
+          {ev.metadata.trace.steps.map((s, i) => (
+            <li key={i}><strong>{String(s.planner)}</strong> {String(s.outcome)}: {String(s.detail)}
+              {typeof s.elapsed_ms === "number" ? <span class="muted"> ({s.elapsed_ms.toFixed(1)} ms)</span> : null}</li>
+          ))}
+        </ol>
+      ) : null}
       {ev.metadata && Object.keys(ev.metadata).length ? (
         <details>
           <summary>details</summary>

@@ -1139,6 +1139,7 @@ impl ControlPlane {
             )
             .await?;
         self.metrics.inc_create();
+        self.record_plan(&rec, &approved, request_id).await?;
         let mut allocation = approved.allocation.clone();
         allocation.sandbox_id = Some(id.clone());
         let allocation_id = Some(self.registry.insert_allocation(&allocation).await?);
@@ -1300,6 +1301,7 @@ impl ControlPlane {
         };
         // the claimed row counts against the quota now
         drop(quota.take());
+        self.record_plan(&rec, &approved, request_id).await?;
         let id = rec.id.clone();
         let mut allocation = approved.allocation.clone();
         allocation.sandbox_id = Some(id.clone());
@@ -1951,6 +1953,36 @@ impl ControlPlane {
     }
 
     /// An event about a sandbox that leaves its state as it is.
+    /// The planner's reasoning for a create that carried a task context, as
+    /// the sandbox's `planned` event (its trace: each planner tried, what it
+    /// answered, how long it took; the recommendation and the approved class).
+    async fn record_plan(
+        &self,
+        rec: &SandboxRecord,
+        approved: &crate::planning::Approved,
+        request_id: Option<&str>,
+    ) -> Result<(), OpError> {
+        let Some(trace) = &approved.planner_trace else {
+            return Ok(());
+        };
+        let a = &approved.allocation;
+        self.event(
+            rec,
+            "planned",
+            request_id,
+            serde_json::json!({
+                "task_id": a.task_id,
+                "recommended_class": a.recommended_class,
+                "approved_class": approved.class,
+                "source": a.source,
+                "confidence": a.confidence,
+                "reason": approved.reason,
+                "trace": trace,
+            }),
+        )
+        .await
+    }
+
     pub(crate) async fn event(
         &self,
         rec: &SandboxRecord,

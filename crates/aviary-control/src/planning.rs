@@ -84,6 +84,9 @@ pub struct Approved {
     pub runtime: String,
     pub reason: String,
     pub allocation: AllocationRecord,
+    /// How the planner reached its recommendation, when the create carried
+    /// a task context: recorded as the sandbox's `planned` event.
+    pub planner_trace: Option<aviary_planner::PlanTrace>,
     /// What the guard was asked and what it approved, for the quota check
     /// of a sandbox the create really adds ([`ControlPlane::quota_stage`]).
     pub(crate) policy: (IntentRequest, aviary_policy::Approval),
@@ -262,6 +265,7 @@ impl ControlPlane {
         let network_name = req.network.clone().unwrap_or_else(|| "none".into());
         // asked for, or the default (then only when the class offers it)
         let wanted_runtime = WantedRuntime::from_request(req, self.runtime().name());
+        let mut planner_trace = None;
         let (intent_req, recommended, reason, confidence, source, input_hash, signature, task_id) =
             match (&req.class, &req.intent) {
                 (Some(class), _) => {
@@ -306,6 +310,7 @@ impl ControlPlane {
                         ));
                         r.network_profile = Some("none".into());
                     }
+                    planner_trace = Some(out.trace.clone());
                     (
                         r,
                         out.intent.resource_class.clone(),
@@ -385,6 +390,7 @@ impl ControlPlane {
                 created_at: aviary_core::now(),
                 usage: None,
             },
+            planner_trace,
             policy: (intent_req, approval),
         })
     }

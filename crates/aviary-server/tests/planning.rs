@@ -33,6 +33,44 @@ async fn create_with_an_intent_runs_plan_then_policy() {
         "{:?}",
         hello.decision
     );
+    // the planner's reasoning is on the sandbox's own record: one `planned`
+    // event with the trace of every planner tried
+    let events = c
+        .events(Some(hello.sandbox.id.as_str()), None, Some(100))
+        .await
+        .unwrap()
+        .events;
+    let planned: Vec<_> = events
+        .iter()
+        .filter(|e| e.event_type == "planned")
+        .collect();
+    assert_eq!(planned.len(), 1, "{events:?}");
+    let m = &planned[0].metadata;
+    assert_eq!(m["recommended_class"], "python-small", "{m}");
+    assert_eq!(m["approved_class"], "python-small", "{m}");
+    assert_eq!(m["source"], "heuristic", "{m}");
+    let steps = m["trace"]["steps"].as_array().expect("trace steps");
+    assert!(
+        steps.iter().any(|s| s["planner"] == "heuristic"),
+        "{m}"
+    );
+    // a create naming its class has no planner trace
+    let plain = c
+        .create_sandbox(&CreateSandboxRequest {
+            class: Some("python-small".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let events = c
+        .events(Some(plain.sandbox.id.as_str()), None, Some(100))
+        .await
+        .unwrap()
+        .events;
+    assert!(
+        events.iter().all(|e| e.event_type != "planned"),
+        "{events:?}"
+    );
 
     let plan = c
         .plan(&json!({
