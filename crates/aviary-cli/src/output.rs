@@ -240,7 +240,11 @@ pub fn usage_table(u: &aviary_core::api::SandboxUsage) {
             [
                 "cpu time".to_owned(),
                 format!("{:.2} s", u.cpu_seconds),
-                format!("{} cores", u.cpu_limit),
+                format!(
+                    "{} core{}",
+                    u.cpu_limit,
+                    if u.cpu_limit == 1.0 { "" } else { "s" }
+                ),
                 dash(),
             ],
             [

@@ -48,7 +48,10 @@ mod tests {
                 disk_free_bytes: Some(100 * MIB),
             }
         ));
-        let u = p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await.unwrap();
+        let u =
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!(u.sandbox_id, id);
         assert_eq!((u.state, u.paused), (SandboxState::Idle, false));
         assert_eq!(u.cpu_seconds, 2.5);
@@ -59,7 +62,10 @@ mod tests {
         assert_eq!(u.oom_kills, 1);
         assert_eq!(u.disk_limit_bytes, rec.resources.disk_mb * MIB);
         assert_eq!(u.disk_free_bytes, Some(100 * MIB));
-        assert_eq!(u.disk_used_bytes, Some(rec.resources.disk_mb * MIB - 100 * MIB));
+        assert_eq!(
+            u.disk_used_bytes,
+            Some(rec.resources.disk_mb * MIB - 100 * MIB)
+        );
 
         // a runtime that knows no disk says so; a peak below the current
         // reading (a counter reset, cgroup v1 without max) is the current
@@ -67,14 +73,19 @@ mod tests {
             u.disk_free_bytes = None;
             u.memory_peak_bytes = 0;
         });
-        let u = p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await.unwrap();
+        let u =
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await
+                .unwrap();
         assert_eq!((u.disk_free_bytes, u.disk_used_bytes), (None, None));
         assert_eq!(u.memory_peak_bytes, 70 * MIB);
 
         // a read records nothing and changes nothing
         let events = sandbox_events(&p, &alice, &id).await.len();
         let version = p.registry.get_sandbox(&id).await.unwrap().version;
-        p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await.unwrap();
+        p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+            .await
+            .unwrap();
         assert_eq!(sandbox_events(&p, &alice, &id).await.len(), events);
         assert_eq!(p.registry.get_sandbox(&id).await.unwrap().version, version);
     }
@@ -84,17 +95,20 @@ mod tests {
         let p = plane().await;
         let id = idle_sandbox(&p).await;
         assert_code(
-            p.cp.sandbox_usage(&tenant("mallory"), UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&tenant("mallory"), UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::NotFound,
             "another tenant",
         );
         assert_code(
-            p.cp.sandbox_usage(&tenant("alice"), UsageRequest::new("sbx-nope")).await,
+            p.cp.sandbox_usage(&tenant("alice"), UsageRequest::new("sbx-nope"))
+                .await,
             ErrorCode::NotFound,
             "an unknown id",
         );
         assert_code(
-            p.cp.sandbox_usage(&tenant("alice"), UsageRequest::new("../../etc")).await,
+            p.cp.sandbox_usage(&tenant("alice"), UsageRequest::new("../../etc"))
+                .await,
             ErrorCode::NotFound,
             "a malformed id",
         );
@@ -110,7 +124,8 @@ mod tests {
         );
         // the admin's own tenant does not hold it; across tenants it is found
         assert_code(
-            p.cp.sandbox_usage(&admin(), UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&admin(), UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::NotFound,
             "admin without all_tenants",
         );
@@ -126,16 +141,24 @@ mod tests {
         let id = idle_sandbox(&p).await;
 
         // paused: the cgroup is frozen, its counters are still there
-        p.cp.pause(&alice, SandboxRef::new(id.as_str())).await.unwrap();
-        let u = p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await.unwrap();
+        p.cp.pause(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
+        let u =
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await
+                .unwrap();
         assert!(u.paused, "{u:?}");
         assert!(u.memory_bytes > 0 && u.pids >= 1, "{u:?}");
-        p.cp.resume(&alice, SandboxRef::new(id.as_str())).await.unwrap();
+        p.cp.resume(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
 
         // the row says it runs but the runtime has nothing: invalid_state
         assert!(p.runtime.vanish(&id).await);
         assert_code(
-            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::InvalidState,
             "compute gone under a live row",
         );
@@ -144,23 +167,29 @@ mod tests {
             cmd: Some(vec!["true".into()]),
             ..Default::default()
         };
-        let e = p
-            .cp
-            .exec(&alice, aviary_control::requests::OnSandbox::new(id.as_str(), exec))
+        let e =
+            p.cp.exec(
+                &alice,
+                aviary_control::requests::OnSandbox::new(id.as_str(), exec),
+            )
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::SandboxLost, "{e}");
         assert_code(
-            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::SandboxLost,
             "lost",
         );
 
         // ended: invalid_state, whatever the runtime still holds
         let id = idle_sandbox(&p).await;
-        p.cp.delete(&alice, SandboxRef::new(id.as_str())).await.unwrap();
+        p.cp.delete(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
         assert_code(
-            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::InvalidState,
             "terminated",
         );
@@ -171,14 +200,22 @@ mod tests {
         let p = snapshot_plane(config()).await;
         let alice = tenant("alice");
         let id = idle_sandbox(&p).await;
-        p.cp.hibernate(&alice, SandboxRef::new(id.as_str())).await.unwrap();
+        p.cp.hibernate(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
         assert_code(
-            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await,
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await,
             ErrorCode::InvalidState,
             "hibernated",
         );
-        p.cp.wake(&alice, SandboxRef::new(id.as_str())).await.unwrap();
-        let u = p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str())).await.unwrap();
+        p.cp.wake(&alice, SandboxRef::new(id.as_str()))
+            .await
+            .unwrap();
+        let u =
+            p.cp.sandbox_usage(&alice, UsageRequest::new(id.as_str()))
+                .await
+                .unwrap();
         assert!(u.state.is_live() && u.memory_bytes > 0, "{u:?}");
     }
 }

@@ -82,7 +82,10 @@ async fn usage_shows_memory_processes_and_cpu_of_a_running_sandbox() {
 
     // a process started in the background is counted
     let before = usage_until(c, &id, |u| u.pids >= base.pids + 2).await.pids;
-    let sleeper = c.start_background(&id, &shell("exec sleep 777")).await.unwrap();
+    let sleeper = c
+        .start_background(&id, &shell("exec sleep 777"))
+        .await
+        .unwrap();
     let counted = usage_until(c, &id, |u| u.pids > before).await;
     assert!(counted.pids > before, "{before} then {counted:?}");
     // and its end too
