@@ -1,5 +1,5 @@
-// One sandbox: its fields and create decision, a terminal into it, its
-// files (upload, download), its processes, its snapshots and their lineage,
+// One sandbox: its fields and create decision, its live resource usage, a
+// terminal into it, its files (upload, download), its processes, its snapshots and their lineage,
 // its environment manifest, the planner's allocation for it, and the live
 // timeline of its events.
 import { useCallback, useEffect, useRef, useState } from "preact/hooks";
@@ -343,6 +343,87 @@ function Processes({ id }) {
   );
 }
 
+/** Whether the page is visible (a hidden tab polls nothing). */
+function usePageVisible() {
+  const [visible, setVisible] = useState(() => document.visibilityState !== "hidden");
+  useEffect(() => {
+    const on = () => setVisible(document.visibilityState !== "hidden");
+    document.addEventListener("visibilitychange", on);
+    return () => document.removeEventListener("visibilitychange", on);
+  }, []);
+  return visible;
+}
+
+const pct = (part, whole) => (whole > 0 ? `${((part * 100) / whole).toFixed(1)}%` : "—");
+
+/** One resource: its name, a meter of used against the limit (when it has one), the figures as text. */
+function UsageMeter({ name, field, value, max, raw, text }) {
+  const labelId = `usage-${field}-label`;
+  return (
+    <div class="usage-row" data-usage={field} data-value={String(raw ?? value)}>
+      <dt id={labelId}>{name}</dt>
+      <dd>
+        {max > 0 ? <meter min="0" max={max} value={Math.min(value, max)} high={max * 0.9} optimum={0} aria-labelledby={labelId} aria-valuetext={text} /> : null}
+        <span class="usage-text">{text}</span>
+      </dd>
+    </div>
+  );
+}
+
+/**
+ * The sandbox's live resource usage, read from its runtime every 2 s while
+ * the page is visible: memory against its limit, CPU (the change of its CPU
+ * time between two reads), processes, disk when the runtime knows it.
+ */
+function Usage({ id, foreign }) {
+  const visible = usePageVisible();
+  const [live, setLive] = useState(true);
+  const prev = useRef(null);
+  const [cpu, setCpu] = useState(null);
+  const [data, error] = usePoll(async () => {
+    const u = await api("GET", `/v1/sandboxes/${sid(id)}/usage${foreign ? "?all_tenants=true" : ""}`);
+    const p = prev.current;
+    const dt = p ? (Date.parse(u.sampled_at) - Date.parse(p.sampled_at)) / 1000 : 0;
+    setCpu(p && dt > 0 ? Math.max(0, ((u.cpu_seconds - p.cpu_seconds) * 100) / dt) : null);
+    prev.current = u;
+    return u;
+  }, [id, foreign], { live: live && visible });
+  const cores = data ? `${data.cpu_limit} CPU${data.cpu_limit === 1 ? "" : "s"}` : "";
+  return (
+    <section aria-labelledby="usage-h" class="panel">
+      <h2 id="usage-h">Usage</h2>
+      <div class="check">
+        <input id="usage-live" type="checkbox" checked={live} onChange={(e) => setLive(e.currentTarget.checked)} />
+        <label for="usage-live">Live refresh (every 2 s while this page is visible)</label>
+      </div>
+      <ErrorNote error={error} testid="usage-error" />
+      {data ? (
+        <>
+          <dl class="usage" data-testid="usage">
+            <UsageMeter name="Memory" field="memory" value={data.memory_bytes} max={data.memory_limit_bytes}
+              text={`${bytes(data.memory_bytes)} of ${bytes(data.memory_limit_bytes)} (${pct(data.memory_bytes, data.memory_limit_bytes)}); peak ${bytes(data.memory_peak_bytes)}`} />
+            <UsageMeter name="CPU" field="cpu" value={cpu ?? 0} max={data.cpu_limit * 100} raw={data.cpu_seconds}
+              text={`${cpu === null ? "measuring…" : `${cpu.toFixed(1)}% of one core`} (limit ${cores}); ${data.cpu_seconds.toFixed(2)} s used in all`} />
+            <UsageMeter name="Processes" field="pids" value={data.pids} max={data.pids_limit}
+              text={`${data.pids} of ${data.pids_limit} (envd included)`} />
+            {data.disk_used_bytes == null ? (
+              <UsageMeter name="Disk" field="disk" value={0} max={0} raw=""
+                text={`not known to this runtime (size ${bytes(data.disk_limit_bytes)})`} />
+            ) : (
+              <UsageMeter name="Disk" field="disk" value={data.disk_used_bytes} max={data.disk_limit_bytes}
+                text={`${bytes(data.disk_used_bytes)} of ${bytes(data.disk_limit_bytes)} (${pct(data.disk_used_bytes, data.disk_limit_bytes)})`} />
+            )}
+            <UsageMeter name="OOM kills" field="oom" value={data.oom_kills} max={0} text={String(data.oom_kills)} />
+          </dl>
+          <p class="muted" data-testid="usage-sampled">
+            {data.paused ? "Paused: its counters stand still. " : ""}Read at <time datetime={data.sampled_at}>{new Date(data.sampled_at).toLocaleTimeString()}</time>.
+          </p>
+        </>
+      ) : null}
+    </section>
+  );
+}
+
 /** Snapshot trees (parent → children, and the sandboxes forked from each)
  * that hold one of this sandbox's snapshots or the one it was forked from. */
 function SnapshotNode({ snap, children, forks, id, onFork }) {
@@ -548,6 +629,8 @@ export function SandboxPage({ id }) {
     }
   };
   const ended = sbx && (sbx.state === "Terminated" || sbx.state === "Failed");
+  // its compute exists (paused or not): the runtime has counters to read
+  const holdsCompute = sbx && ["Ready", "Leased", "Running", "Idle", "ReuseChecking"].includes(sbx.state);
   const running = sbx && !foreign && !ended && !sbx.paused && ["Ready", "Leased", "Running", "Idle"].includes(sbx.state);
   let decision = null;
   try {
@@ -613,6 +696,7 @@ export function SandboxPage({ id }) {
           ) : null}
           {running ? <TerminalPanel id={id} token={token} /> : null}
           {running ? <FileBrowser id={id} token={token} /> : null}
+          {holdsCompute ? <Usage key={id} id={id} foreign={foreign} /> : null}
           {running ? <Processes id={id} /> : null}
           {foreign ? null : <Snapshots id={id} running={running} />}
           {ended || foreign ? null : <Manifest id={id} running={running} />}

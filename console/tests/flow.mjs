@@ -122,6 +122,19 @@ try {
   out.injected_images = await page.$$eval("[data-testid=fields] img", (is) => is.length);
   out.pwned = await page.evaluate(() => window.__pwned === 1);
 
+  // live usage: the runtime's counters beside the limits, re-read every 2 s
+  // (a second read gives a CPU percentage)
+  await page.waitForFunction(() => Number(document.querySelector("[data-testid=usage] [data-usage=memory]")?.dataset.value) > 0, WAIT);
+  await page.waitForFunction(() => /% of one core/.test(document.querySelector("[data-testid=usage] [data-usage=cpu] .usage-text")?.textContent || ""), WAIT);
+  out.usage = await page.$eval("[data-testid=usage]", (dl) => Object.fromEntries([...dl.querySelectorAll("[data-usage]")].map((r) => {
+    const m = r.querySelector("meter");
+    return [r.dataset.usage, {
+      value: r.dataset.value,
+      text: r.querySelector(".usage-text").textContent,
+      meter: m ? { max: Number(m.max), value: Number(m.value), label: document.getElementById(m.getAttribute("aria-labelledby"))?.textContent, valuetext: m.getAttribute("aria-valuetext") } : null,
+    }];
+  })));
+
   // the terminal: a shell in the sandbox over the WebSocket; what it prints
   // is drawn by xterm.js
   await page.click("[data-testid=term-open]");
@@ -305,6 +318,9 @@ try {
     file_tables: (await page.$$("[data-testid=file-table]")).length,
     destroy_buttons: await page.$$eval("button", (bs) => bs.filter((b) => b.textContent.startsWith("Destroy")).length),
   };
+  // its usage reads through the admin's cross-tenant query
+  await page.waitForFunction(() => Number(document.querySelector("[data-testid=usage] [data-usage=memory]")?.dataset.value) > 0, WAIT);
+  out.admin_foreign.usage_memory = Number(await page.$eval("[data-testid=usage] [data-usage=memory]", (r) => r.dataset.value));
   await page.screenshot({ path: join(SHOTS, "admin-foreign-sandbox.png"), fullPage: true });
   await page.click("nav a[href='#/sandboxes']");
   await page.waitForSelector("[data-testid=sandbox-table]", WAIT);

@@ -375,6 +375,19 @@ enum SandboxCmd {
         /// The sandbox id (sbx-…).
         id: String,
     },
+    /// Show a sandbox's live resource usage (memory, CPU time, processes,
+    /// disk) beside its class's limits, read from its runtime now.
+    ///
+    /// CPU is the time used since the sandbox started (its percentage is
+    /// the change between two samples over the time between them). A
+    /// sandbox that holds no compute (hibernated, ended) is refused.
+    Usage {
+        /// The sandbox id (sbx-…).
+        id: String,
+        /// Find the sandbox in any tenant (admin keys only).
+        #[arg(long)]
+        all_tenants: bool,
+    },
     /// Send a signal to one process of a sandbox.
     Kill {
         /// The sandbox id (sbx-…).
@@ -1532,6 +1545,18 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
                 output::json(&list);
             } else {
                 output::process_table(&list.processes);
+            }
+        }
+        SandboxCmd::Usage { id, all_tenants } => {
+            let u = if all_tenants {
+                c.sandbox_usage_any_tenant(&id).await?
+            } else {
+                c.sandbox_usage(&id).await?
+            };
+            if json {
+                output::json(&u);
+            } else {
+                output::usage_table(&u);
             }
         }
         SandboxCmd::Kill {

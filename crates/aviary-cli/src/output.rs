@@ -172,3 +172,94 @@ pub fn process_table(list: &[aviary_core::api::ProcessEntry]) {
         }),
     );
 }
+
+/// Bytes as people read them (binary units, one decimal).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+/// `used` as a percentage of `limit` (`-` without a limit).
+fn percent(used: f64, limit: f64) -> String {
+    if limit > 0.0 {
+        format!("{:.1}%", used * 100.0 / limit)
+    } else {
+        "-".into()
+    }
+}
+
+/// `sandbox usage`: one row per resource, what is in use beside the limit.
+pub fn usage_table(u: &aviary_core::api::SandboxUsage) {
+    println!(
+        "{} {}{} sampled {}",
+        u.sandbox_id,
+        u.state.as_str(),
+        if u.paused { " (paused)" } else { "" },
+        ts(u.sampled_at)
+    );
+    let dash = || "-".to_owned();
+    let disk = match u.disk_used_bytes {
+        Some(used) => [
+            "disk".to_owned(),
+            human_bytes(used),
+            human_bytes(u.disk_limit_bytes),
+            percent(used as f64, u.disk_limit_bytes as f64),
+        ],
+        None => [
+            "disk".to_owned(),
+            "not known to its runtime".to_owned(),
+            human_bytes(u.disk_limit_bytes),
+            dash(),
+        ],
+    };
+    table(
+        ["RESOURCE", "IN USE", "LIMIT", "USE"],
+        [
+            [
+                "memory".to_owned(),
+                human_bytes(u.memory_bytes),
+                human_bytes(u.memory_limit_bytes),
+                percent(u.memory_bytes as f64, u.memory_limit_bytes as f64),
+            ],
+            [
+                "memory peak".to_owned(),
+                human_bytes(u.memory_peak_bytes),
+                human_bytes(u.memory_limit_bytes),
+                percent(u.memory_peak_bytes as f64, u.memory_limit_bytes as f64),
+            ],
+            [
+                "cpu time".to_owned(),
+                format!("{:.2} s", u.cpu_seconds),
+                format!(
+                    "{} core{}",
+                    u.cpu_limit,
+                    if u.cpu_limit == 1.0 { "" } else { "s" }
+                ),
+                dash(),
+            ],
+            [
+                "processes".to_owned(),
+                u.pids.to_string(),
+                u.pids_limit.to_string(),
+                percent(u.pids as f64, u.pids_limit as f64),
+            ],
+            disk,
+            [
+                "oom kills".to_owned(),
+                u.oom_kills.to_string(),
+                dash(),
+                dash(),
+            ],
+        ],
+    );
+}

@@ -1063,6 +1063,34 @@ fn ps_kill_background_logs_and_port_urls() {
     assert!(ps.starts_with("PID"), "{ps}");
     let line = ps.lines().find(|l| l.ends_with("sleep 500")).expect(&ps);
     let pid = line.split_whitespace().next().unwrap().to_owned();
+    // usage: a table of what is in use beside the limits, and --json
+    let o = aviary(&s, &["sandbox", "usage", &id]);
+    assert!(o.status.success(), "{o:?}");
+    let table = stdout(&o);
+    assert!(table.starts_with(&format!("{id} Idle")), "{table}");
+    assert!(
+        table.lines().nth(1).unwrap().starts_with("RESOURCE"),
+        "{table}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("memory ") && l.ends_with('%')),
+        "{table}"
+    );
+    let procs = table
+        .lines()
+        .find(|l| l.starts_with("processes"))
+        .expect(&table);
+    let counted: u64 = procs.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(counted >= 2, "envd and the sleep: {table}");
+    let o = aviary(&s, &["--json", "sandbox", "usage", &id]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["sandbox_id"], id.as_str());
+    assert!(v["memory_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["pids"].as_u64().unwrap() >= 2, "{v}");
+    let o = aviary(&s, &["sandbox", "usage", "sbx-nosuchsandbox"]);
+    assert_eq!(o.status.code(), Some(66), "{o:?}");
     let o = aviary(&s, &["sandbox", "kill", &id, &pid, "--signal", "KILL"]);
     assert!(o.status.success(), "{o:?}");
     // logs -f follows to the exit and exits with its code (128 + 9)

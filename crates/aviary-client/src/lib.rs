@@ -786,6 +786,29 @@ impl Client {
         .await
     }
 
+    /// `GET /v1/sandboxes/{id}/usage`: live resource usage (memory, CPU
+    /// time, processes, disk) beside the sandbox's limits.
+    pub async fn sandbox_usage(
+        &self,
+        id: &str,
+    ) -> Result<aviary_core::api::SandboxUsage, ClientError> {
+        self.json(self.req(Method::GET, &format!("/v1/sandboxes/{id}/usage")))
+            .await
+    }
+
+    /// [`Self::sandbox_usage`] of any tenant's sandbox (`all_tenants=true`;
+    /// admin keys only).
+    pub async fn sandbox_usage_any_tenant(
+        &self,
+        id: &str,
+    ) -> Result<aviary_core::api::SandboxUsage, ClientError> {
+        self.json(self.req(
+            Method::GET,
+            &format!("/v1/sandboxes/{id}/usage?all_tenants=true"),
+        ))
+        .await
+    }
+
     /// `POST /v1/sandboxes/{id}/taint`: marks the sandbox never to be reused.
     pub async fn taint(&self, id: &str, reason: &str) -> Result<Sandbox, ClientError> {
         self.json(

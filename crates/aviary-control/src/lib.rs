@@ -24,7 +24,8 @@
 //!   observe → compare → reconcile pass (lost compute recovered from its
 //!   snapshot, orphans destroyed after a grace, silent node agents);
 //!   [`taint`]: what taints a sandbox (each cause an event) and the
-//!   operator's mark.
+//!   operator's mark; [`usage`]: a sandbox's live resource usage (its
+//!   runtime's counters beside its class's limits).
 //!
 //! Concurrency: per-sandbox ordering comes from the registry's optimistic
 //! versions and the lease store's fencing tokens. Work that must not overlap
@@ -78,6 +79,7 @@ pub mod scopes;
 pub mod snapshots;
 pub mod taint;
 pub mod tty;
+pub mod usage;
 pub mod validate;
 
 pub use backends::{

@@ -801,7 +801,7 @@ impl ControlPlane {
 
     /// Any tenant's sandbox, for an admin's cross-tenant view (the caller
     /// was checked to be an admin).
-    async fn any_sandbox(&self, id: &str) -> Result<SandboxRecord, OpError> {
+    pub(crate) async fn any_sandbox(&self, id: &str) -> Result<SandboxRecord, OpError> {
         let sid: SandboxId = id
             .parse()
             .map_err(|_| OpError::NotFound(format!("sandbox {id:?}")))?;

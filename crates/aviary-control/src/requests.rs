@@ -73,6 +73,25 @@ pub struct ManifestRequest {
     pub refresh: bool,
 }
 
+/// A sandbox's live resource usage; `all_tenants`: find it in any tenant
+/// (admin keys only, `forbidden` for any other caller before anything is
+/// read).
+#[derive(Clone, Debug)]
+pub struct UsageRequest {
+    pub id: String,
+    pub all_tenants: bool,
+}
+
+impl UsageRequest {
+    /// One of the caller's own sandboxes.
+    pub fn new(id: impl Into<String>) -> Self {
+        UsageRequest {
+            id: id.into(),
+            all_tenants: false,
+        }
+    }
+}
+
 /// A path inside a sandbox (read, list, stat, mkdir).
 #[derive(Clone, Debug)]
 pub struct FileRequest {

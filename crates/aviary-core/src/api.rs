@@ -452,3 +452,44 @@ pub struct BackgroundOutput {
     pub stdout_dropped: u64,
     pub stderr_dropped: u64,
 }
+
+/// Live resource usage of one sandbox (`GET /v1/sandboxes/{id}/usage`):
+/// its runtime's counters (the sandbox's cgroup) read at `sampled_at`,
+/// beside the limits of its class. Counters are cumulative where their
+/// names say so: a CPU percentage is the change of `cpu_seconds` between
+/// two samples over the time between their `sampled_at`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct SandboxUsage {
+    pub sandbox_id: SandboxId,
+    pub state: SandboxState,
+    /// Frozen by `pause`: its counters stand still until `resume`.
+    pub paused: bool,
+    /// CPU time its processes used since it started, in seconds (all cores together).
+    pub cpu_seconds: f64,
+    /// CPU cores it may use (its class's quota).
+    pub cpu_limit: f64,
+    /// Memory charged to it now (page cache included), in bytes.
+    pub memory_bytes: u64,
+    /// The most it has had charged since it started.
+    pub memory_peak_bytes: u64,
+    /// Its memory limit: the class's `memory_mb` in bytes.
+    pub memory_limit_bytes: u64,
+    /// Processes (and threads) in it now, envd (pid 1) included.
+    pub pids: u64,
+    pub pids_limit: u64,
+    /// Processes the OOM killer ended in it since it started.
+    pub oom_kills: u64,
+    /// Its disk size: the class's `disk_mb` in bytes.
+    pub disk_limit_bytes: u64,
+    /// Bytes still writable on its own disk, when the runtime gives each
+    /// sandbox one (absent: the runtime does not know).
+    #[serde(default)]
+    pub disk_free_bytes: Option<u64>,
+    /// `disk_limit_bytes - disk_free_bytes` when the free space is known
+    /// (the file system's own overhead included).
+    #[serde(default)]
+    pub disk_used_bytes: Option<u64>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub sampled_at: OffsetDateTime,
+}

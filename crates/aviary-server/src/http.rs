@@ -1558,7 +1558,8 @@ impl utoipa::Modify for ErrorResponses {
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
           crate::tty::exec_tty, events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
           crate::ports::endpoint, crate::ports::proxy_doc, crate::ports::proxy_post_doc,
-          crate::procs::list_processes, crate::procs::start_background, crate::procs::signal, crate::procs::output),
+          crate::procs::list_processes, crate::procs::start_background, crate::procs::signal, crate::procs::output,
+          crate::usage::usage),
     components(schemas(ExecEvent, Event, aviary_control::tty::TtyStart)),
     modifiers(&SecurityAddon, &ErrorResponses)
 )]
@@ -1649,6 +1650,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/v1/pools/{class}", axum::routing::put(set_pool))
         .route("/v1/allocations", get(allocations))
         .merge(crate::procs::router())
+        .merge(crate::usage::router())
         .route_layer(axum::middleware::from_fn_with_state(
             cp.cp.clone(),
             observe_latency,

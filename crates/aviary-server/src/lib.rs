@@ -27,6 +27,7 @@ pub mod ports;
 pub mod procs;
 mod side_files;
 pub mod tty;
+pub mod usage;
 
 // The control plane's modules, where callers of the server found them.
 pub use aviary_control::{keys, lifecycle, metrics, nodes, ops, planning, pools, projection};

@@ -364,6 +364,34 @@ async fn browser_flow() {
     );
     assert_eq!(o["injected_images"], 0);
     assert_eq!(o["pwned"], false);
+    // the usage panel: the runtime's memory figure (> 0) against the class's
+    // limit, labelled meters, a CPU percentage from two reads
+    let usage = &o["usage"];
+    let memory: u64 = usage["memory"]["value"].as_str().unwrap().parse().unwrap();
+    assert!(memory > 0, "{o}");
+    assert_eq!(
+        usage["memory"]["meter"]["max"].as_u64(),
+        Some(sbx.resources.memory_mb * 1024 * 1024),
+        "{o}"
+    );
+    assert_eq!(usage["memory"]["meter"]["label"], "Memory", "{o}");
+    assert!(
+        usage["memory"]["meter"]["valuetext"]
+            .as_str()
+            .unwrap()
+            .contains(" of "),
+        "{o}"
+    );
+    assert_eq!(usage["pids"]["meter"]["label"], "Processes", "{o}");
+    let pids: u64 = usage["pids"]["value"].as_str().unwrap().parse().unwrap();
+    assert!(pids >= 1, "{o}");
+    assert!(
+        usage["cpu"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("% of one core"),
+        "{o}"
+    );
     assert_eq!(o["api_sandbox_left_list"], true);
 
     // a NEW event arrived live on the sandbox's page after the API's exec
@@ -559,6 +587,7 @@ async fn browser_flow() {
     assert_eq!(foreign["terminals"], 0, "{o}");
     assert_eq!(foreign["file_tables"], 0, "{o}");
     assert_eq!(foreign["destroy_buttons"], 0, "{o}");
+    assert!(foreign["usage_memory"].as_u64().unwrap() > 0, "{o}");
     // ... while the rival (a tenant) saw only its own
     assert!(!o["rival_ids"].as_array().unwrap().iter().any(|v| v == id));
 

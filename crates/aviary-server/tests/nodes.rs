@@ -144,6 +144,11 @@ async fn sandboxes_are_placed_on_node_agents_and_work_there() {
         .unwrap();
     let ps = c.list_processes(&id).await.unwrap();
     assert!(ps.processes.iter().any(|p| p.pid == bg.pid), "{ps:?}");
+    // its live usage is read through the agent (the node's cgroup files)
+    let u = c.sandbox_usage(&id).await.unwrap();
+    assert_eq!(u.sandbox_id, s.id);
+    assert!(u.memory_bytes > 0 && u.pids >= 2, "envd and httpd: {u:?}");
+    assert_eq!(u.memory_limit_bytes, s.resources.memory_mb * 1024 * 1024);
     let url = format!("{}/v1/sandboxes/{id}/ports/8080/index.html", ts.url());
     let http = reqwest::Client::new();
     let mut got = None;

@@ -45,6 +45,7 @@ from .models import (
     ResourceIntent,
     ResourceLimits,
     SandboxInfo,
+    SandboxUsage,
     Snapshot,
     Template,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "ResourceIntent",
     "ResourceLimits",
     "SandboxInfo",
+    "SandboxUsage",
     "Snapshot",
     "Template",
     "InvalidRequest",

@@ -29,6 +29,7 @@ from .models import (
     Plan,
     PortEndpoint,
     SandboxInfo,
+    SandboxUsage,
     Snapshot,
     Template,
 )
@@ -143,6 +144,12 @@ class AsyncClient:
         sbx = AsyncSandbox(self, SandboxInfo.from_json(await self._json("GET", sandbox_path(sandbox_id))))
         sbx._token = token
         return sbx
+
+    async def sandbox_usage(self, sandbox_id: str, *, all_tenants: bool = False) -> SandboxUsage:
+        """Live resource usage of a sandbox by id; ``all_tenants=True`` finds
+        any tenant's sandbox (admin keys only)."""
+        params = {"all_tenants": "true"} if all_tenants else None
+        return SandboxUsage.from_json(await self._json("GET", sandbox_path(sandbox_id, "/usage"), params=params))
 
     async def list(
         self, *, metadata: Optional[Mapping[str, str]] = None, all: bool = False
@@ -465,6 +472,12 @@ class AsyncSandbox:
         info = self._update(await self._call("POST", "/release"))
         self._forget_lease()
         return info
+
+    async def usage(self) -> SandboxUsage:
+        """Live resource usage: memory, CPU time, processes and (when the
+        runtime knows it) disk, beside the sandbox's limits. A sandbox that
+        holds no compute (hibernated, ended) raises ``InvalidState``."""
+        return SandboxUsage.from_json(await self._call("GET", "/usage"))
 
     async def manifest(self, *, refresh: bool = False) -> Dict[str, Any]:
         """The environment manifest (what reuse is checked against)."""

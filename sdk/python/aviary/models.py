@@ -8,10 +8,24 @@ documented field is missing.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
+from datetime import datetime
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type, TypeVar
 
 from .errors import ProtocolError
+
+_RFC3339 = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+
+
+def _rfc3339_seconds(text: str) -> float:
+    """An RFC 3339 time (the server writes up to nanoseconds) as Unix seconds."""
+    m = _RFC3339.match(text)
+    if m is None:
+        raise ProtocolError(f"not an RFC 3339 time: {text!r}")
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    whole = datetime.fromisoformat(m.group(1) + zone).timestamp()
+    return whole + (float(m.group(2)) if m.group(2) else 0.0)
 
 T = TypeVar("T", bound="Model")
 
@@ -232,6 +246,39 @@ class PortEndpoint(Model):
     token: str
 
 
+@dataclass
+class SandboxUsage(Model):
+    """Live resource usage of a sandbox (``GET /v1/sandboxes/{id}/usage``):
+    its runtime's counters at ``sampled_at`` beside its class's limits.
+    ``cpu_seconds`` is cumulative: a CPU percentage is its change between
+    two samples over the seconds between them (``cpu_percent_since``)."""
+
+    SCHEMA: ClassVar[str] = "SandboxUsage"
+    sandbox_id: str
+    state: str
+    paused: bool
+    cpu_seconds: float
+    cpu_limit: float
+    memory_bytes: int
+    memory_peak_bytes: int
+    memory_limit_bytes: int
+    pids: int
+    pids_limit: int
+    oom_kills: int
+    disk_limit_bytes: int
+    sampled_at: str
+    disk_free_bytes: Optional[int] = None
+    disk_used_bytes: Optional[int] = None
+
+    def cpu_percent_since(self, earlier: "SandboxUsage") -> Optional[float]:
+        """CPU use between ``earlier`` and this sample, in percent of one core
+        (``None`` when no time passed between them)."""
+        seconds = _rfc3339_seconds(self.sampled_at) - _rfc3339_seconds(earlier.sampled_at)
+        if seconds <= 0:
+            return None
+        return (self.cpu_seconds - earlier.cpu_seconds) * 100.0 / seconds
+
+
 #: Every model, for the schema check.
 MODELS: List[Type[Model]] = [
     ResourceLimits,
@@ -247,4 +294,5 @@ MODELS: List[Type[Model]] = [
     Plan,
     Template,
     PortEndpoint,
+    SandboxUsage,
 ]

@@ -85,11 +85,17 @@ async def test_plan_snapshot_fork_lifecycle_events(env: LiveServer) -> None:
             await sbx.files.write("/workspace/s.txt", "two")
             async with await sbx.fork(snapshot=snap.id) as child:
                 assert (await child.files.read_text("/workspace/s.txt")) == "one"
+            usage = await sbx.usage()
+            assert usage.sandbox_id == sbx.id and usage.memory_bytes > 0 and usage.pids >= 1
+            assert (await c.sandbox_usage(sbx.id)).memory_limit_bytes == usage.memory_limit_bytes
             assert (await sbx.pause()).paused
+            assert (await sbx.usage()).paused
             with pytest.raises(aviary.InvalidState):
                 await sbx.run("true")
             assert not (await sbx.resume()).paused
             assert (await sbx.hibernate()).state == "Hibernating"
+            with pytest.raises(aviary.InvalidState):
+                await sbx.usage()
             await sbx.wake()
             assert (await sbx.files.read_text("/workspace/s.txt")) == "two"
             events = await sbx.events()

@@ -235,6 +235,51 @@ def test_pause_resume_hibernate_wake(env: LiveServer) -> None:
         assert len(types) >= 4
 
 
+def test_usage_shows_memory_processes_and_limits(env: LiveServer) -> None:
+    with Client() as admin, Sandbox.create(admin) as sbx:
+        base = sbx.usage()
+        assert base.sandbox_id == sbx.id and not base.paused
+        assert base.memory_bytes > 0 and base.pids >= 1
+        assert base.memory_limit_bytes == sbx.info.resources.memory_mb << 20
+        assert base.pids_limit == sbx.info.resources.pids
+        # ~64 MiB written by a process that stays
+        sbx.run("nohup python3 -c 'import time; b = b\"x\" * (64 << 20); time.sleep(600)' >/dev/null 2>&1 &")
+        grown = sbx.usage()
+        for _ in range(200):
+            if grown.memory_bytes >= base.memory_bytes + (48 << 20):
+                break
+            time.sleep(0.05)
+            grown = sbx.usage()
+        assert grown.memory_bytes >= base.memory_bytes + (48 << 20), (base, grown)
+        assert grown.pids > base.pids
+        percent = grown.cpu_percent_since(base)
+        assert percent is None or percent >= 0
+        # by id, and across tenants for the admin only
+        assert admin.sandbox_usage(sbx.id).sandbox_id == sbx.id
+        key = admin.create_key(f"tenant-{_label()}")
+        with Client(api_key=key) as other:
+            with pytest.raises(aviary.NotFound):
+                other.sandbox_usage(sbx.id)
+            with pytest.raises(aviary.Forbidden):
+                other.sandbox_usage(sbx.id, all_tenants=True)
+            theirs = Sandbox.create(other)
+            try:
+                with pytest.raises(aviary.NotFound):
+                    admin.sandbox_usage(theirs.id)
+                assert admin.sandbox_usage(theirs.id, all_tenants=True).sandbox_id == theirs.id
+            finally:
+                theirs.destroy()
+        # a paused sandbox keeps its counters; a hibernated one has none
+        assert sbx.pause().paused
+        assert sbx.usage().paused
+        sbx.resume()
+        sbx.hibernate()
+        with pytest.raises(aviary.InvalidState):
+            sbx.usage()
+        sbx.wake()
+        assert sbx.usage().memory_bytes > 0
+
+
 def test_events_and_follow(env: LiveServer) -> None:
     with Client() as c:
         with Sandbox.create(c) as sbx:
