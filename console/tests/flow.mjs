@@ -288,6 +288,14 @@ try {
   await page.waitForSelector("[data-testid=audit-table] tr[data-denial]", WAIT);
   out.audit_rows = await page.$$eval("[data-testid=audit-table] tr[data-denial]", (rs) => rs.map((r) => r.textContent));
   await page.screenshot({ path: join(SHOTS, "audit.png"), fullPage: true });
+
+  // a create with a task context: its timeline lists the planner's trace
+  const planned = await apiCall("POST", "/v1/sandboxes", { intent: { task: "print hello world in python", languages: ["python"] } });
+  await page.goto(`${base}/#/sandboxes/${encodeURIComponent(planned.id)}`);
+  await page.waitForSelector("[data-testid=planned-trace] li", WAIT);
+  out.planned_trace = await page.$$eval("[data-testid=planned-trace] li", (ls) => ls.map((l) => l.textContent));
+  out.planned_decisions = await text("[data-testid=decision-events]");
+  await apiCall("DELETE", `/v1/sandboxes/${planned.id}`);
   // a tenant is offered no admin page, and has no "all tenants" switch
   out.tenant_nav = await page.$$eval("header nav a", (as) => as.map((a) => a.textContent));
   out.tenant_all_switch = await page.$$eval("#all-tenants, #f-all-tenants", (els) => els.length);

@@ -552,6 +552,19 @@ async fn browser_flow() {
         serde_json::json!(["Sandboxes", "New sandbox", "Planner", "Events", "Audit"])
     );
     assert_eq!(o["tenant_all_switch"], 0);
+    // a create with a task context: the page lists the planner's trace from
+    // the sandbox's `planned` event, and names the decision
+    let trace = o["planned_trace"].as_array().unwrap();
+    assert!(
+        trace
+            .iter()
+            .any(|s| s.as_str().unwrap().starts_with("heuristic")),
+        "{o}"
+    );
+    assert!(
+        o["planned_decisions"].as_str().unwrap().contains("planned"),
+        "{o}"
+    );
 
     // the admin: its own tenant by default, every tenant with the switch
     let own: Vec<&str> = o["admin_own_rows"]
