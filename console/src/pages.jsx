@@ -308,9 +308,33 @@ export function NodesPage() {
 const sum = (samples, name, pred = () => true) => samples.filter((s) => s.name === name && pred(s.labels)).reduce((a, s) => a + s.value, 0);
 const isCreate = (l) => l.method === "POST" && l.route === "/v1/sandboxes" && l.status === "2xx";
 
-/** Charts from `/metrics` (the admin key may read it), sampled every 2 s while open. */
+/** The server's own samples (`GET /v1/metrics/history`) in the charts' shape. */
+function fromHistory(samples) {
+  const out = [];
+  for (const s of samples) {
+    const prev = out[out.length - 1];
+    const dc = prev ? s.creates_served - prev.cCount : 0;
+    out.push({
+      t: Date.parse(s.at), hits: s.pool_hits, misses: s.pool_misses, cSum: s.create_seconds_sum, cCount: s.creates_served,
+      states: s.by_state, live: s.live, latency: dc > 0 ? ((s.create_seconds_sum - prev.cSum) / dc) * 1000 : null,
+    });
+  }
+  return out;
+}
+
+/** Charts from the server's metrics: its own history (the last hour), then
+ * `/metrics` (the admin key may read it) sampled every 2 s while open. */
 export function ChartsPage() {
-  const [hist, error] = useHistory(async (prev) => {
+  const [past, setPast] = useState(null);
+  const [pastError, setPastError] = useState(null);
+  useEffect(() => {
+    let stop = false;
+    api("GET", "/v1/metrics/history")
+      .then((r) => { if (!stop) setPast({ interval: r.interval_ms, points: fromHistory(r.samples) }); })
+      .catch((err) => { if (!stop) setPastError(err); });
+    return () => { stop = true; };
+  }, []);
+  const [live, error] = useHistory(async (prev) => {
     const m = parseMetrics(await apiText("/metrics"));
     const hits = sum(m, "aviary_pool_hits_total");
     const misses = sum(m, "aviary_pool_misses_total");
@@ -323,13 +347,18 @@ export function ChartsPage() {
     const latency = dc > 0 ? ((cSum - prev.cSum) / dc) * 1000 : null;
     return { hits, misses, cSum, cCount, states, latency, live: sum(m, "aviary_sandboxes_live") };
   }, []);
+  const older = past ? past.points : [];
+  const since = older.length ? older[older.length - 1].t : 0;
+  const hist = [...older, ...live.filter((h) => h.t > since)];
   const stateNames = [...new Set(hist.flatMap((h) => Object.keys(h.states)))].sort();
   const last = hist[hist.length - 1];
   return (
     <main id="main">
       <Heading>Charts</Heading>
-      <p>Sampled from the server's <code>/metrics</code> every 2 seconds while this page is open (the last 5 minutes).</p>
-      <ErrorNote error={error} />
+      <p data-testid="charts-history">{past
+        ? `The server's own history: ${past.points.length} samples, one every ${(past.interval / 1000).toFixed(0)} s (the last hour at most); then`
+        : "Loading the server's history; meanwhile"} sampled from its <code>/metrics</code> every 2 seconds while this page is open.</p>
+      <ErrorNote error={pastError || error} />
       {last ? (
         <p data-testid="charts-now">Now: {last.live} sandboxes with compute; {last.cCount} creates served
           {last.cCount ? `, mean ${((last.cSum / last.cCount) * 1000).toFixed(0)} ms` : ""}; pool hit rate {hitRate(last.hits, last.misses) === null ? "—" : `${(hitRate(last.hits, last.misses) * 100).toFixed(0)}%`}.</p>

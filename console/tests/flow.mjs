@@ -388,6 +388,8 @@ try {
       out.chart_latency_legend = await page.$eval("[data-testid=chart-create-latency] [data-series]", (e) => e.textContent);
       out.charts = await page.$$eval("figure.chart", (fs) => fs.map((f) => f.dataset.testid));
       out.charts_now = await text("[data-testid=charts-now]");
+      await page.waitForFunction(() => /history: \d+ samples/.test(document.querySelector("[data-testid=charts-history]")?.textContent || ""), WAIT);
+      out.charts_history = await text("[data-testid=charts-history]");
     }
     if (name === "Tenants and keys") {
       await page.waitForSelector('[data-testid=tenant-table] tr[data-tenant="rival"]', WAIT);

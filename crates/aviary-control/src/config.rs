@@ -26,6 +26,9 @@ pub struct ControlConfig {
     pub max_sandbox_ttl_s: u64,
     /// How often leases and TTLs are checked.
     pub sweep_interval_ms: u64,
+    /// How often the server samples its own metrics into the history
+    /// `GET /v1/metrics/history` serves (the last [`crate::metrics::HISTORY_LEN`] samples).
+    pub metrics_history_interval_ms: u64,
     /// Idle sandboxes are hibernated (snapshot, compute stopped) after this
     /// many seconds without activity; `None` keeps them warm forever.
     pub idle_hibernate_s: Option<u64>,
@@ -83,6 +86,7 @@ impl ControlConfig {
             max_lease_ttl_s: 24 * 3600,
             max_sandbox_ttl_s: 7 * 24 * 3600,
             sweep_interval_ms: 500,
+            metrics_history_interval_ms: 10_000,
             idle_hibernate_s: Some(900),
             health_probe_interval_ms: 5_000,
             chunk_gc_interval_s: 600,

@@ -9,6 +9,42 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
+use time::OffsetDateTime;
+
+/// How many samples the metrics history keeps (an hour at the default
+/// 10 s interval).
+pub const HISTORY_LEN: usize = 360;
+
+/// One point of the server's metrics history: the figures the console's
+/// charts draw, as they stood at `at`. Counters are totals since the server
+/// started; a chart takes differences between points.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MetricsSample {
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub at: OffsetDateTime,
+    /// Sandboxes with running compute on this server.
+    pub live: u64,
+    /// The registry's sandboxes by state (terminated ones not counted).
+    pub by_state: BTreeMap<String, u64>,
+    /// Creates answered 2xx (`POST /v1/sandboxes`) and their summed latency.
+    pub creates_served: u64,
+    pub create_seconds_sum: f64,
+    /// Creates served from a warm pool, and creates that found it empty.
+    pub pool_hits: u64,
+    pub pool_misses: u64,
+}
+
+/// `GET /v1/metrics/history`: the newest samples, oldest first.
+#[derive(Clone, Debug, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct MetricsHistory {
+    /// How often a sample is taken.
+    pub interval_ms: u64,
+    pub samples: Vec<MetricsSample>,
+}
 
 /// What the reconciler did (`aviary_reconciler_actions_total{action=...}`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -168,6 +204,12 @@ pub struct Metrics {
     pool_hits: Family<PoolLabels, Counter>,
     pool_misses: Family<PoolLabels, Counter>,
     pool_handed_out: Family<PoolLabels, Gauge>,
+    /// Every pool's hit and miss counters, for the history's totals (the
+    /// family cannot be summed in place).
+    pool_counters: Mutex<HashMap<PoolLabels, (Counter, Counter)>>,
+    /// 2xx creates and their summed latency, for the history.
+    creates_timed: Mutex<(u64, f64)>,
+    history: Mutex<VecDeque<MetricsSample>>,
 }
 
 impl Default for Metrics {
@@ -250,6 +292,9 @@ impl Default for Metrics {
                 Family::<PoolLabels, Gauge>::default()
             ),
             registry,
+            pool_counters: Mutex::default(),
+            creates_timed: Mutex::default(),
+            history: Mutex::default(),
         };
         // every action is shown from the start, at 0
         for action in ReconcileAction::ALL {
@@ -324,6 +369,11 @@ impl Metrics {
 
     /// One HTTP request's latency. `route` is the matched route template.
     pub fn observe_request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        if method == "POST" && route == "/v1/sandboxes" && (200..300).contains(&status) {
+            let mut t = self.creates_timed.lock().expect("metrics lock poisoned");
+            t.0 += 1;
+            t.1 += seconds;
+        }
         self.requests
             .get_or_create(&RouteLabels {
                 method: escape_label(method),
@@ -340,11 +390,56 @@ impl Metrics {
             template: escape_label(&labels.template),
             runtime: escape_label(&labels.runtime),
         };
-        (
+        let (hits, misses) = (
             self.pool_hits.get_or_create(labels).clone(),
             self.pool_misses.get_or_create(labels).clone(),
-            self.pool_handed_out.get_or_create(labels).clone(),
-        )
+        );
+        self.pool_counters
+            .lock()
+            .expect("metrics lock poisoned")
+            .insert(labels.clone(), (hits.clone(), misses.clone()));
+        (hits, misses, self.pool_handed_out.get_or_create(labels).clone())
+    }
+
+    /// Takes one sample of the history (the oldest is dropped past
+    /// [`HISTORY_LEN`]) and returns it.
+    pub fn record_sample(&self, live: usize, by_state: &[(String, usize)]) -> MetricsSample {
+        let (pool_hits, pool_misses) = self
+            .pool_counters
+            .lock()
+            .expect("metrics lock poisoned")
+            .values()
+            .fold((0, 0), |(h, m), (hc, mc)| (h + hc.get(), m + mc.get()));
+        let (creates_served, create_seconds_sum) =
+            *self.creates_timed.lock().expect("metrics lock poisoned");
+        let sample = MetricsSample {
+            at: OffsetDateTime::now_utc(),
+            live: live as u64,
+            by_state: by_state
+                .iter()
+                .map(|(s, n)| (s.clone(), *n as u64))
+                .collect(),
+            creates_served,
+            create_seconds_sum,
+            pool_hits,
+            pool_misses,
+        };
+        let mut h = self.history.lock().expect("metrics lock poisoned");
+        if h.len() == HISTORY_LEN {
+            h.pop_front();
+        }
+        h.push_back(sample.clone());
+        sample
+    }
+
+    /// The samples taken so far, oldest first.
+    pub fn history(&self) -> Vec<MetricsSample> {
+        self.history
+            .lock()
+            .expect("metrics lock poisoned")
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// The OpenMetrics text of everything, with the gauges that are read
@@ -371,6 +466,39 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_history_sums_pools_and_creates_and_keeps_the_newest() {
+        let m = Metrics::default();
+        let labels = |class: &str| PoolLabels {
+            class: class.into(),
+            template: "default".into(),
+            runtime: "crun".into(),
+        };
+        let (a_hits, a_misses, _) = m.pool_metrics(&labels("a"));
+        let (b_hits, _, _) = m.pool_metrics(&labels("b"));
+        // asking again for a pool's counters does not count it twice
+        let _ = m.pool_metrics(&labels("a"));
+        a_hits.inc();
+        a_hits.inc();
+        b_hits.inc();
+        a_misses.inc();
+        m.observe_request("POST", "/v1/sandboxes", 201, 0.25);
+        m.observe_request("POST", "/v1/sandboxes", 403, 9.0);
+        m.observe_request("GET", "/v1/sandboxes", 200, 9.0);
+        let s = m.record_sample(2, &[("Idle".into(), 3)]);
+        assert_eq!((s.pool_hits, s.pool_misses), (3, 1));
+        assert_eq!((s.creates_served, s.create_seconds_sum), (1, 0.25));
+        assert_eq!(s.live, 2);
+        assert_eq!(s.by_state["Idle"], 3);
+        for i in 0..HISTORY_LEN + 5 {
+            m.record_sample(i, &[]);
+        }
+        let h = m.history();
+        assert_eq!(h.len(), HISTORY_LEN);
+        assert_eq!(h.last().unwrap().live, (HISTORY_LEN + 4) as u64);
+        assert_eq!(h[0].live, 5, "the oldest were dropped");
+    }
 
     #[test]
     fn reconciler_actions_render_one_labelled_counter_each() {

@@ -374,7 +374,26 @@ async fn readyz(State(cp): State<AppState>) -> Response {
 /// (the variable named by `server.metrics_token_env`) or an admin API key.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "OpenMetrics text format (version 1.0.0)", content_type = "application/openmetrics-text"), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
 async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    let presented = bearer(&headers).ok_or(OpError::Unauthorized)?;
+    authorize_metrics(&cp, &headers).await?;
+    let by_state = cp.sandbox_counts_by_state().await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        cp.metrics.render(cp.live_count(), &by_state),
+    )
+        .into_response())
+}
+
+/// A route that takes no query parameters (any is refused with 400).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoQuery {}
+
+/// The metrics token or an admin API key, for `/metrics` and its history.
+async fn authorize_metrics(cp: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let presented = bearer(headers).ok_or(OpError::Unauthorized)?;
     let is_token = cp
         .cfg
         .settings
@@ -385,15 +404,24 @@ async fn metrics(State(cp): State<AppState>, headers: HeaderMap) -> Result<Respo
     if !is_token {
         require_admin(&cp.authenticate(Some(presented)).await?, "reading metrics")?;
     }
-    let by_state = cp.sandbox_counts_by_state().await?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        cp.metrics.render(cp.live_count(), &by_state),
-    )
-        .into_response())
+    Ok(())
+}
+
+/// The server's own metrics over the last hour, sampled every
+/// `metrics_history_interval_ms` (10 s): sandboxes by state, live compute,
+/// creates served and their latency, warm-pool hits and misses. Oldest
+/// first; counters are totals since start. Same auth as `/metrics`.
+#[utoipa::path(get, path = "/v1/metrics/history", responses((status = 200, body = aviary_control::metrics::MetricsHistory), (status = 401, body = ErrorBody), (status = 403, body = ErrorBody)), security(("api_key" = [])))]
+async fn metrics_history(
+    State(cp): State<AppState>,
+    headers: HeaderMap,
+    ApiQuery(_): ApiQuery<NoQuery>,
+) -> Result<Json<aviary_control::metrics::MetricsHistory>, ApiError> {
+    authorize_metrics(&cp, &headers).await?;
+    Ok(Json(aviary_control::metrics::MetricsHistory {
+        interval_ms: cp.cfg.metrics_history_interval_ms,
+        samples: cp.metrics.history(),
+    }))
 }
 
 /// Records each matched request's latency (to the answer's head: a
@@ -1556,7 +1584,7 @@ impl utoipa::Modify for ErrorResponses {
     info(title = "Aviary API", description = "Sandbox control plane for AI agents (v1)."),
     paths(healthz, readyz, create_sandbox, list_sandboxes, get_sandbox, delete_sandbox, exec, exec_stream, exec_piped,
           read_file, write_file, remove_file, list_files, stat_file, mkdir, lease_acquire, lease_renew, lease_release,
-          crate::tty::exec_tty, events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
+          crate::tty::exec_tty, events, event_stream, sandbox_events, templates, import_template, create_key, list_keys, revoke_key, metrics, metrics_history, plan, allocations, pools, set_pool, set_ttl, pause, resume, reset, taint, release, manifest, snapshot, snapshots, delete_snapshot, remove_template, fork, hibernate, wake, nodes, add_node, gc_snapshots,
           crate::ports::endpoint, crate::ports::proxy_doc, crate::ports::proxy_post_doc,
           crate::procs::list_processes, crate::procs::start_background, crate::procs::signal, crate::procs::output,
           crate::usage::usage),
@@ -1608,6 +1636,7 @@ pub fn router(cp: Arc<ControlPlane>, server: Arc<ServerSettings>) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/metrics/history", get(metrics_history))
         .route("/openapi.json", get(openapi_json))
         .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
         .route(

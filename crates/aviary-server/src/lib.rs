@@ -560,6 +560,7 @@ pub async fn start(
         }
     });
     let gc_task = tokio::spawn(collect_chunks(cp.clone(), leader));
+    let history_task = tokio::spawn(sample_metrics(cp.clone()));
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let e2b = aviary_compat_e2b::E2bSettings {
         max_json_bytes: server.max_json_bytes,
@@ -602,6 +603,7 @@ pub async fn start(
         reconcile_task.abort();
         nodes_task.abort();
         gc_task.abort();
+        history_task.abort();
         leader_task.abort();
         res.context("http server failed")
     });
@@ -659,6 +661,26 @@ async fn reconcile(cp: Arc<ControlPlane>, leader: leader::Leadership) {
 /// Background task: collects snapshot chunks no snapshot references, once
 /// right after start-up and then periodically, so what a snapshot
 /// interrupted by a crash wrote does not stay until an admin GC.
+/// Samples the server's own metrics into the history `GET /v1/metrics/history`
+/// serves (the console's charts), from the first moment the server is ready.
+async fn sample_metrics(cp: Arc<ControlPlane>) {
+    let every = Duration::from_millis(cp.cfg.metrics_history_interval_ms.max(100));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if cp.readiness() != aviary_control::Readiness::Ready {
+            continue;
+        }
+        match cp.sandbox_counts_by_state().await {
+            Ok(by_state) => {
+                cp.metrics.record_sample(cp.live_count(), &by_state);
+            }
+            Err(e) => tracing::warn!(error = %e, "metrics history sample failed"),
+        }
+    }
+}
+
 async fn collect_chunks(cp: Arc<ControlPlane>, leader: leader::Leadership) {
     if cp.wait_ready().await != aviary_control::Readiness::Ready {
         return;

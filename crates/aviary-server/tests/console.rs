@@ -85,7 +85,12 @@ async fn server() -> (common::TestServer, tempfile::TempDir) {
     )
     .unwrap();
     assert!(settings.tenant("team").is_some() && settings.tenant("rival").is_some());
-    common::start_edited(|cfg| cfg.control.settings = settings).await
+    common::start_edited(|cfg| {
+        cfg.control.settings = settings;
+        // the charts page draws the server's own history: sample it often
+        cfg.control.metrics_history_interval_ms = 500;
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -654,6 +659,15 @@ async fn browser_flow() {
         o["charts"],
         serde_json::json!(["chart-states", "chart-create-latency", "chart-hit-rate"])
     );
+    // the charts start from the server's own history (sampled every 500 ms here)
+    let history = o["charts_history"].as_str().unwrap();
+    let n: u32 = history
+        .split("history: ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{history}"));
+    assert!(n >= 1, "{history}");
     assert!(o["tenant_rows"]
         .as_array()
         .unwrap()
