@@ -529,7 +529,12 @@ fn check_api_key(
             valid_env_name(e.get_ref()),
             &e.span(),
             || format!("{table}.api_key_env"),
-            || format!("{table}: {:?} is not an environment variable name", e.get_ref()),
+            || {
+                format!(
+                    "{table}: {:?} is not an environment variable name",
+                    e.get_ref()
+                )
+            },
         )?;
     }
     if let Some(f) = key_file {

@@ -1348,7 +1348,10 @@ runtimes = ["opensandbox"]
     let ok = "url = \"https://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\n";
     for (bad, key) in [
         (ok.replace("https://x", "ftp://x"), "remote_opensandbox.url"),
-        (ok.replace("https://x", "https://x/"), "remote_opensandbox.url"),
+        (
+            ok.replace("https://x", "https://x/"),
+            "remote_opensandbox.url",
+        ),
         (ok.replace("https://x", "x:8080"), "remote_opensandbox.url"),
         (
             ok.replace("api_key_env = \"K\"\n", ""),
@@ -1395,7 +1398,10 @@ runtimes = ["opensandbox"]
         ORIGIN,
     )
     .unwrap_err();
-    assert!(err.to_string().contains("domain"), "unknown fields are refused: {err}");
+    assert!(
+        err.to_string().contains("domain"),
+        "unknown fields are refused: {err}"
+    );
     let err = Config::from_str(
         &format!("[remote_opensandbox]\n{ok}timeout_s = 5\n"),
         ORIGIN,
