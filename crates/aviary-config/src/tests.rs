@@ -1286,6 +1286,8 @@ templates = { default = "base" }
 #[test]
 fn remote_opensandbox_is_read_checked_and_required_by_runtime_opensandbox() {
     let text = r#"
+pool = []
+
 [server]
 runtimes = ["crun", "opensandbox"]
 default_class = "remote"
