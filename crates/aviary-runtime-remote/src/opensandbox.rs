@@ -299,7 +299,7 @@ pub fn upload_body(path: &str, data: &[u8], mode: u32) -> (String, Vec<u8>) {
 /// A CPU quantity as OpenSandbox spells it: whole cores, else millicores.
 pub fn cpu_quantity(cores: f64) -> String {
     let milli = (cores * 1000.0).round().max(1.0) as u64;
-    if milli % 1000 == 0 {
+    if milli.is_multiple_of(1000) {
         (milli / 1000).to_string()
     } else {
         format!("{milli}m")

@@ -192,7 +192,7 @@ async fn envd_in_an_opensandbox_sandbox_runs_commands_and_enforces_fences() {
             .await
             .unwrap()
             .sandbox;
-    assert_eq!(rt.list().await.unwrap(), [spec.id.clone()]);
+    assert_eq!(rt.list().await.unwrap(), std::slice::from_ref(&spec.id));
 
     let ep = rt.envd_endpoint(&spec.id).await.unwrap();
     let envd = EnvdClient::new(&ep.socket).expect_peer_pid(ep.peer_pid);
