@@ -11,7 +11,9 @@
 //! - a server flow: a first server with a class on `opensandbox` creates a
 //!   sandbox there, runs commands and moves files in it, and deleting it
 //!   removes the provider's sandbox;
-//! - the provider's refusals (bad key, down) as clear errors.
+//! - the provider's refusals (bad key, down) as clear errors;
+//! - a provider configured without pause: the control plane refuses a
+//!   pause (`unsupported`) and the sandbox keeps running.
 //!
 //! Needs what every server test needs (crun, the static envd with the
 //! bridge: `AVIARY_ENVD`, or scripts/build-envd.sh).
@@ -356,6 +358,16 @@ async fn provider_refusals_are_clear_runtime_errors() {
 /// The configuration of a server whose class `remote` runs on runtime
 /// `opensandbox` at `p`, with `key` in its key file.
 fn config_on(p: &Provider, key: &str, dir: &Path) -> aviary_server::config::ServerConfig {
+    config_with(p, key, dir, true)
+}
+
+/// [`config_on`], saying whether the provider pauses.
+fn config_with(
+    p: &Provider,
+    key: &str,
+    dir: &Path,
+    pausable: bool,
+) -> aviary_server::config::ServerConfig {
     let key_file = dir.join("osb.key");
     std::fs::write(&key_file, format!("{key}\n")).unwrap();
     let mut settings = aviary_config::Config::default();
@@ -378,7 +390,7 @@ fn config_on(p: &Provider, key: &str, dir: &Path) -> aviary_server::config::Serv
         request_timeout_s: 60,
         ready_timeout_s: 120,
         deny_egress: false,
-        pausable: true,
+        pausable,
     });
     let mut cfg =
         aviary_server::config::ServerConfig::from_settings(settings, common::envd_binary());
@@ -484,5 +496,57 @@ async fn a_server_places_a_class_on_the_opensandbox_runtime() {
         !shown.contains("not-a-key"),
         "the key is never shown: {shown}"
     );
+    assert!(provider_sandboxes(&p).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_provider_without_pause_leaves_the_sandbox_running_and_says_so() {
+    let p = provider().await;
+    let dir = tempfile::Builder::new()
+        .prefix("avt")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let a = common::start_cfg(config_with(&p, &p.ts.key, dir.path(), false)).await;
+    let id = a
+        .client
+        .create_sandbox(&CreateSandboxRequest {
+            class: Some("remote".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .sandbox
+        .id
+        .to_string();
+
+    // the runtime has no pause: the control plane refuses, changing nothing
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/sandboxes/{id}/pause", a.url()))
+        .bearer_auth(&a.key)
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert!(status.is_client_error(), "{status}: {body}");
+    assert_eq!(body["error"]["code"], "unsupported", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("runtime opensandbox: it cannot pause"),
+        "{message}"
+    );
+    assert!(!a.client.get_sandbox(&id).await.unwrap().paused);
+    let theirs = provider_sandboxes(&p).await;
+    assert_eq!(theirs.len(), 1);
+    assert!(!theirs[0].paused, "the provider's sandbox was not paused");
+    let r = a
+        .client
+        .exec(&id, &common::shell("echo still running"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "still running\n");
+
+    a.client.delete_sandbox(&id, None).await.unwrap();
+    a.cp().reclaims.settled().await;
     assert!(provider_sandboxes(&p).await.is_empty());
 }
