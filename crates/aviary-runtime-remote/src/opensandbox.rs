@@ -992,6 +992,31 @@ mod tests {
         )
         .unwrap();
         assert!(!format!("{ep:?}").contains("sekrit"));
+        let client = OsbClient::new(OsbEndpoint {
+            url: "https://osb.example".into(),
+            api_key: "sekrit-key".into(),
+            request_timeout: Duration::from_secs(1),
+            ready_timeout: Duration::from_secs(1),
+            deny_egress: true,
+        })
+        .unwrap();
+        let printed = format!("{client:?}");
+        assert!(
+            !printed.contains("sekrit") && printed.contains("<redacted>"),
+            "{printed}"
+        );
+        let sbx = OsbSandbox {
+            remote_id: "sbx-1".into(),
+            execd: ep.clone(),
+            bridge: ep,
+        };
+        assert!(!format!("{sbx:?}").contains("sekrit"));
+        // a URL that is not http(s) is refused up front
+        OsbClient::new(OsbEndpoint {
+            url: "ftp://osb.example".into(),
+            ..client.endpoint().clone()
+        })
+        .unwrap_err();
     }
 
     #[test]
@@ -1087,5 +1112,200 @@ mod tests {
         assert_eq!(cpu_quantity(1.0), "1");
         assert_eq!(cpu_quantity(0.5), "500m");
         assert_eq!(cpu_quantity(2.25), "2250m");
+    }
+
+    /// A provider that answers from a script: `(method, path without the
+    /// query)` → status and body; every request line is recorded.
+    async fn scripted(
+        answer: impl Fn(&str, &str) -> Option<(u16, Vec<u8>)> + Send + Sync + 'static,
+    ) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let answer = std::sync::Arc::new(answer);
+        tokio::spawn(async move {
+            loop {
+                let (mut c, _) = l.accept().await.unwrap();
+                let (log, answer) = (log.clone(), answer.clone());
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut b = [0u8; 1];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        if c.read(&mut b).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        head.push(b[0]);
+                    }
+                    let head = String::from_utf8_lossy(&head).to_string();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap_or(0))
+                        })
+                        .unwrap_or(0);
+                    let mut body = vec![0u8; len];
+                    c.read_exact(&mut body).await.unwrap();
+                    let mut first = head.lines().next().unwrap_or("").split(' ');
+                    let method = first.next().unwrap_or("").to_owned();
+                    let path = first
+                        .next()
+                        .unwrap_or("")
+                        .split('?')
+                        .next()
+                        .unwrap_or("")
+                        .to_owned();
+                    log.lock().unwrap().push(format!("{method} {path}"));
+                    // no answer at all: the client's timeout must end the call
+                    let Some((status, body)) = answer(&method, &path) else {
+                        tokio::time::sleep(Duration::from_secs(3600)).await;
+                        return;
+                    };
+                    let out = format!(
+                        "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = c.write_all(out.as_bytes()).await;
+                    let _ = c.write_all(&body).await;
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    fn client_at(url: &str) -> OsbClient {
+        OsbClient::new(OsbEndpoint {
+            url: url.to_owned(),
+            api_key: "k".into(),
+            request_timeout: Duration::from_secs(2),
+            ready_timeout: Duration::from_secs(5),
+            deny_egress: true,
+        })
+        .unwrap()
+    }
+
+    fn create_req<'a>(
+        meta: &'a BTreeMap<String, String>,
+        res: &'a aviary_core::ResourceLimits,
+    ) -> CreateRemote<'a> {
+        CreateRemote {
+            template: "python:3.11",
+            timeout_s: 60,
+            metadata: meta,
+            resources: res,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_provider_answering_badly_is_refused_and_leaves_nothing() {
+        let meta = BTreeMap::new();
+        let res = aviary_core::ResourceLimits::default();
+
+        // an id that is not one
+        let (url, _) = scripted(|m, p| match (m, p) {
+            ("POST", "/v1/sandboxes") => Some((202, br#"{"id":"../../etc"}"#.to_vec())),
+            _ => Some((404, b"{}".to_vec())),
+        })
+        .await;
+        let e = client_at(&url)
+            .create(&create_req(&meta, &res))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("is not a sandbox id"), "{e}");
+
+        // an endpoint with user info: refused, and the made sandbox deleted
+        let (url, seen) = scripted(|m, p| match (m, p) {
+            ("POST", "/v1/sandboxes") => Some((
+                202,
+                br#"{"id":"sbx-1","status":{"state":"Pending"}}"#.to_vec(),
+            )),
+            ("GET", "/v1/sandboxes/sbx-1") => Some((
+                200,
+                br#"{"id":"sbx-1","status":{"state":"Running"}}"#.to_vec(),
+            )),
+            ("GET", "/v1/sandboxes/sbx-1/endpoints/44772") => {
+                Some((200, br#"{"endpoint":"me@169.254.169.254/x"}"#.to_vec()))
+            }
+            ("DELETE", "/v1/sandboxes/sbx-1") => Some((204, Vec::new())),
+            _ => Some((404, b"{}".to_vec())),
+        })
+        .await;
+        let e = client_at(&url)
+            .create(&create_req(&meta, &res))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("is not host[:port][/path]"), "{e}");
+        assert_eq!(
+            seen.lock().unwrap().last().map(String::as_str),
+            Some("DELETE /v1/sandboxes/sbx-1"),
+            "{seen:?}"
+        );
+
+        // a sandbox that fails while starting: deleted too
+        let (url, seen) = scripted(|m, p| match (m, p) {
+            ("POST", "/v1/sandboxes") => Some((202, br#"{"id":"sbx-2"}"#.to_vec())),
+            ("GET", "/v1/sandboxes/sbx-2") => Some((
+                200,
+                br#"{"id":"sbx-2","status":{"state":"Failed"}}"#.to_vec(),
+            )),
+            ("DELETE", "/v1/sandboxes/sbx-2") => Some((204, Vec::new())),
+            _ => Some((404, b"{}".to_vec())),
+        })
+        .await;
+        let e = client_at(&url)
+            .create(&create_req(&meta, &res))
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("turned Failed instead of Running"),
+            "{e}"
+        );
+        assert!(seen
+            .lock()
+            .unwrap()
+            .contains(&"DELETE /v1/sandboxes/sbx-2".to_owned()));
+
+        // another sandbox's answer to a read is not believed
+        let (url, _) = scripted(|_, _| {
+            Some((
+                200,
+                br#"{"id":"sbx-other","status":{"state":"Running"}}"#.to_vec(),
+            ))
+        })
+        .await;
+        let e = client_at(&url).state("sbx-3").await.unwrap_err();
+        assert!(e.to_string().contains("asked for sbx-3"), "{e}");
+
+        // an answer past the bound
+        let (url, _) = scripted(|_, _| Some((200, vec![b' '; MAX_ANSWER + 1]))).await;
+        let e = client_at(&url).state("sbx-4").await.unwrap_err();
+        assert!(e.to_string().contains("answer larger than"), "{e}");
+
+        // a provider that never answers: the call's timeout ends it
+        let (url, _) = scripted(|_, _| None).await;
+        let e = client_at(&url).kill("sbx-5").await.unwrap_err();
+        assert!(matches!(e, RemoteError::Unreachable { .. }), "{e:?}");
+        assert!(e.to_string().contains("timed out"), "{e}");
+
+        // a listing keeps only entries that match the filter and have ids
+        let (url, _) = scripted(|_, _| {
+            Some((
+                200,
+                br#"{"items":[
+                    {"id":"sbx-a","metadata":{"aviary_owner":"me"},"status":{"state":"Running"}},
+                    {"id":"sbx-b","metadata":{"aviary_owner":"someone"},"status":{"state":"Running"}},
+                    {"id":"bad id","metadata":{"aviary_owner":"me"},"status":{"state":"Running"}},
+                    {"id":"sbx-c","metadata":{"aviary_owner":"me"},"status":{"state":"Terminated"}}
+                ],"pagination":{"page":1,"pageSize":100,"totalItems":4,"totalPages":1,"hasNextPage":false}}"#
+                    .to_vec(),
+            ))
+        })
+        .await;
+        let found = client_at(&url).list("aviary_owner", "me").await.unwrap();
+        let ids: Vec<&str> = found.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["sbx-a"]);
     }
 }
