@@ -29,7 +29,8 @@ use crate::{CreateRemote, Provider, RemoteError, RemoteState, RunOutput};
 use async_trait::async_trait;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The lifecycle API's key header.
@@ -109,9 +110,12 @@ pub struct OsbSandbox {
     pub remote_id: String,
     /// execd (port 44772).
     pub execd: PortEndpoint,
-    /// envd's bridge ([`BRIDGE_PORT`]), as it was at create; looked up
-    /// again when it stops answering (a resumed sandbox may move).
-    pub bridge: PortEndpoint,
+    /// envd's bridge ([`BRIDGE_PORT`]) as the service gave it at create,
+    /// if it did (a service may give a port's endpoint only once something
+    /// listens there); looked up again when it is missing or stops
+    /// answering (a resumed sandbox may move).
+    #[serde(default)]
+    pub bridge: Option<PortEndpoint>,
 }
 
 impl std::fmt::Debug for OsbSandbox {
@@ -122,11 +126,14 @@ impl std::fmt::Debug for OsbSandbox {
     }
 }
 
-/// The client. Cheap to clone.
+/// The client. Cheap to clone (clones share the bridge endpoints learnt).
 #[derive(Clone, Debug)]
 pub struct OsbClient {
     ep: OsbEndpoint,
     http: reqwest::Client,
+    /// Bridge endpoints looked up after create, per remote id (the
+    /// record keeps the one of create); never held across an await.
+    bridges: Arc<Mutex<HashMap<String, PortEndpoint>>>,
 }
 
 #[derive(Deserialize)]
@@ -425,6 +432,7 @@ impl OsbClient {
         Ok(OsbClient {
             ep,
             http: http::client()?,
+            bridges: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -730,10 +738,16 @@ impl Provider for OsbClient {
             let execd = self
                 .port_endpoint_ready(&remote_id, EXECD_PORT, deadline)
                 .await?;
-            let bridge = self
-                .port_endpoint_ready(&remote_id, BRIDGE_PORT, deadline)
-                .await?;
             self.wait_execd(&execd, deadline).await?;
+            // nothing listens there yet: a service that gives endpoints
+            // only for listening ports is asked again on first use
+            let bridge = match self.port_endpoint(&remote_id, BRIDGE_PORT).await {
+                Ok(ep) => ep,
+                Err(e) => {
+                    tracing::debug!(remote = %remote_id, error = %e, "no bridge endpoint yet");
+                    None
+                }
+            };
             Ok(OsbSandbox {
                 remote_id: remote_id.clone(),
                 execd,
@@ -761,6 +775,7 @@ impl Provider for OsbClient {
     async fn kill(&self, remote_id: &str) -> Result<(), RemoteError> {
         let action = "delete a sandbox";
         check_remote_id(remote_id)?;
+        self.bridges.lock().expect("bridge table").remove(remote_id);
         let resp = send(
             action,
             self.api(reqwest::Method::DELETE, &format!("/sandboxes/{remote_id}")),
@@ -924,17 +939,35 @@ impl Provider for OsbClient {
         sandbox: &OsbSandbox,
         secret: &str,
     ) -> Result<reqwest::Upgraded, RemoteError> {
-        match self.upgrade(&sandbox.bridge, secret).await {
-            Ok(u) => Ok(u),
-            Err(first) => {
-                // the sandbox may answer somewhere else now (resumed):
-                // ask once more where, and try there if it moved
-                match self.port_endpoint(&sandbox.remote_id, BRIDGE_PORT).await {
-                    Ok(Some(ep)) if ep != sandbox.bridge => self.upgrade(&ep, secret).await,
-                    _ => Err(first),
-                }
+        let id = &sandbox.remote_id;
+        let learnt = self.bridges.lock().expect("bridge table").get(id).cloned();
+        let known = learnt.or_else(|| sandbox.bridge.clone());
+        let mut first = None;
+        if let Some(ep) = &known {
+            match self.upgrade(ep, secret).await {
+                Ok(u) => return Ok(u),
+                Err(e) => first = Some(e),
             }
         }
+        // none known, or the sandbox answers somewhere else now (resumed):
+        // ask where, and try there if it is somewhere new
+        let fresh = match self.port_endpoint(id, BRIDGE_PORT).await {
+            Ok(Some(ep)) if known.as_ref() != Some(&ep) => ep,
+            Ok(_) => {
+                return Err(first.unwrap_or_else(|| RemoteError::Failed {
+                    action: "open a bridge connection".into(),
+                    status: 0,
+                    message: "the service gives no endpoint for the bridge port yet".into(),
+                }))
+            }
+            Err(e) => return Err(first.unwrap_or(e)),
+        };
+        let upgraded = self.upgrade(&fresh, secret).await?;
+        self.bridges
+            .lock()
+            .expect("bridge table")
+            .insert(id.clone(), fresh);
+        Ok(upgraded)
     }
 }
 
@@ -1008,7 +1041,7 @@ mod tests {
         let sbx = OsbSandbox {
             remote_id: "sbx-1".into(),
             execd: ep.clone(),
-            bridge: ep,
+            bridge: Some(ep),
         };
         assert!(!format!("{sbx:?}").contains("sekrit"));
         // a URL that is not http(s) is refused up front
@@ -1164,10 +1197,14 @@ mod tests {
                         tokio::time::sleep(Duration::from_secs(3600)).await;
                         return;
                     };
-                    let out = format!(
-                        "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        body.len()
-                    );
+                    let out = if status == 101 {
+                        "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: aviary-envd\r\n\r\n".to_owned()
+                    } else {
+                        format!(
+                            "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                            body.len()
+                        )
+                    };
                     let _ = c.write_all(out.as_bytes()).await;
                     let _ = c.write_all(&body).await;
                 });
@@ -1307,5 +1344,70 @@ mod tests {
         let found = client_at(&url).list("aviary_owner", "me").await.unwrap();
         let ids: Vec<&str> = found.iter().map(|(id, _)| id.as_str()).collect();
         assert_eq!(ids, ["sbx-a"]);
+    }
+
+    #[tokio::test]
+    async fn the_bridge_endpoint_is_looked_up_when_missing_or_moved_and_remembered() {
+        let me = Arc::new(Mutex::new(String::new()));
+        let at = me.clone();
+        let (url, seen) = scripted(move |m, p| match (m, p) {
+            ("GET", "/v1/sandboxes/sbx-9/endpoints/49877") => {
+                let host = at.lock().unwrap().trim_start_matches("http://").to_owned();
+                Some((
+                    200,
+                    format!(r#"{{"endpoint":"{host}/bridge","headers":{{"x-port-token":"t"}}}}"#)
+                        .into_bytes(),
+                ))
+            }
+            ("GET", "/bridge/") => Some((101, Vec::new())),
+            _ => Some((
+                502,
+                br#"{"code":"PORT_UNREACHABLE","message":"nothing there"}"#.to_vec(),
+            )),
+        })
+        .await;
+        *me.lock().unwrap() = url.clone();
+        let client = client_at(&url);
+        let lookups = || {
+            seen.lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains("/endpoints/"))
+                .count()
+        };
+        let execd = parse_endpoint("t", "http", "h:1", BTreeMap::new()).unwrap();
+
+        // none given at create: looked up, then remembered
+        let sbx = OsbSandbox {
+            remote_id: "sbx-9".into(),
+            execd: execd.clone(),
+            bridge: None,
+        };
+        client.open_bridge(&sbx, "secret").await.unwrap();
+        assert_eq!(lookups(), 1);
+        client.open_bridge(&sbx, "secret").await.unwrap();
+        assert_eq!(lookups(), 1, "the endpoint learnt is used again");
+
+        // the one of create no longer answers (moved): looked up again
+        let fresh = client_at(&url);
+        let stale = OsbSandbox {
+            bridge: Some(
+                parse_endpoint("t", "http", &format!("{}/old", url), BTreeMap::new()).unwrap(),
+            ),
+            ..sbx.clone()
+        };
+        fresh.open_bridge(&stale, "secret").await.unwrap();
+        assert_eq!(lookups(), 2);
+        let log = seen.lock().unwrap().clone();
+        assert!(log.contains(&"GET /old/".to_owned()), "{log:?}");
+
+        // a bridge that does not answer where the service says: its refusal
+        let nowhere = OsbSandbox {
+            remote_id: "sbx-10".into(),
+            execd,
+            bridge: None,
+        };
+        let e = fresh.open_bridge(&nowhere, "secret").await.unwrap_err();
+        assert!(e.to_string().contains("look up port 49877"), "{e}");
     }
 }
