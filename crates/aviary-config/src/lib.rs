@@ -68,6 +68,10 @@ pub struct Config {
     /// `[remote_e2b]`: the E2B-compatible service behind runtime `e2b`
     /// (default: none; `server.runtimes` may list `e2b` only with it).
     pub remote_e2b: Option<RemoteE2bSettings>,
+    /// `[remote_opensandbox]`: the OpenSandbox-compatible service behind
+    /// runtime `opensandbox` (default: none; `server.runtimes` may list
+    /// `opensandbox` only with it).
+    pub remote_opensandbox: Option<RemoteOpenSandboxSettings>,
     /// `[kubernetes]`: the Kubernetes runtime's cluster, namespace, tier and
     /// images; present exactly when `server.runtimes` lists `kubernetes`.
     pub kubernetes: Option<KubernetesSettings>,
@@ -99,6 +103,38 @@ pub struct RemoteE2bSettings {
     pub templates: std::collections::BTreeMap<String, String>,
     /// The lifetime asked of the provider per sandbox, seconds.
     pub timeout_s: u64,
+}
+
+/// `[remote_opensandbox]`: where runtime `opensandbox` places sandboxes (an
+/// OpenSandbox-compatible service: an OpenSandbox server, or another
+/// Aviary's `/opensandbox` surface). The key is named by an environment
+/// variable or a file, never written here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteOpenSandboxSettings {
+    /// The server, `http(s)://host[:port][/prefix]`, no trailing slash: the
+    /// lifecycle API is `{url}/v1` (`OPEN_SANDBOX_DOMAIN` with its
+    /// protocol); its scheme is also the one endpoints are reached with.
+    pub url: String,
+    /// The environment variable that holds the API key.
+    pub api_key_env: Option<String>,
+    /// A file that holds the API key (first line).
+    pub api_key_file: Option<PathBuf>,
+    /// Aviary template (name or `sha256:` digest) → the provider's image.
+    pub templates: std::collections::BTreeMap<String, String>,
+    /// The lifetime asked of the provider per sandbox, seconds.
+    pub timeout_s: u64,
+    /// Longest one call to the provider may take, seconds.
+    pub request_timeout_s: u64,
+    /// Longest a sandbox may take to run, pause or resume, seconds.
+    pub ready_timeout_s: u64,
+    /// Ask for a deny-all egress policy (`networkPolicy`), so that the
+    /// sandbox has no network as profile `none` says (default true; a
+    /// provider without an egress sidecar, or Aviary's own surface, refuses
+    /// the field).
+    pub deny_egress: bool,
+    /// The provider pauses and resumes (default true); false: the runtime
+    /// has no pause and the control plane treats it as such.
+    pub pausable: bool,
 }
 
 /// `[[projection]]`: a host file or directory synced one-way into every
@@ -643,6 +679,7 @@ impl Default for Config {
             distributed: DistributedSettings::default(),
             projections: Vec::new(),
             remote_e2b: None,
+            remote_opensandbox: None,
             kubernetes: None,
         }
     }

@@ -36,7 +36,22 @@ struct RawConfig {
     #[serde(rename = "projection")]
     projections: Option<Vec<RawProjection>>,
     remote_e2b: Option<RawRemoteE2b>,
+    remote_opensandbox: Option<RawRemoteOpenSandbox>,
     kubernetes: Option<RawKubernetes>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRemoteOpenSandbox {
+    url: Spanned<String>,
+    api_key_env: Option<Spanned<String>>,
+    api_key_file: Option<Spanned<String>>,
+    templates: Spanned<std::collections::BTreeMap<String, String>>,
+    timeout_s: Option<Spanned<u64>>,
+    request_timeout_s: Option<Spanned<u64>>,
+    ready_timeout_s: Option<Spanned<u64>>,
+    deny_egress: Option<bool>,
+    pausable: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -380,9 +395,15 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         None => Vec::new(),
     };
     let remote_e2b = check_remote_e2b(&ck, raw.remote_e2b)?;
+    let remote_opensandbox = check_remote_opensandbox(&ck, raw.remote_opensandbox)?;
     for rt in &server.runtimes {
+        let configured = match rt {
+            Runtime::E2b => remote_e2b.is_some(),
+            Runtime::Opensandbox => remote_opensandbox.is_some(),
+            _ => true,
+        };
         ck.check(
-            !rt.is_remote() || remote_e2b.is_some(),
+            configured,
             &DEFAULTED,
             || "server.runtimes".into(),
             || format!("server: runtime {rt} needs a [remote_{rt}] table (its URL and key)"),
@@ -403,6 +424,7 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         distributed,
         projections,
         remote_e2b,
+        remote_opensandbox,
         kubernetes,
     })
 }
@@ -459,66 +481,21 @@ fn check_remote_e2b(
         }
         None => "e2b.app".into(),
     };
-    let key_env = raw.api_key_env.as_ref();
-    let key_file = raw.api_key_file.as_ref();
-    ck.check(
-        key_env.is_some() != key_file.is_some(),
-        &raw.api_url.span(),
-        || "remote_e2b.api_key_env".into(),
-        || "remote_e2b: name the API key by exactly one of api_key_env and api_key_file".into(),
+    check_api_key(
+        ck,
+        "remote_e2b",
+        &raw.api_url,
+        raw.api_key_env.as_ref(),
+        raw.api_key_file.as_ref(),
     )?;
-    if let Some(e) = key_env {
-        ck.check(
-            valid_env_name(e.get_ref()),
-            &e.span(),
-            || "remote_e2b.api_key_env".into(),
-            || {
-                format!(
-                    "remote_e2b: {:?} is not an environment variable name",
-                    e.get_ref()
-                )
-            },
-        )?;
-    }
-    if let Some(f) = key_file {
-        ck.check(
-            f.get_ref().starts_with('/'),
-            &f.span(),
-            || "remote_e2b.api_key_file".into(),
-            || {
-                format!(
-                    "remote_e2b: api_key_file {:?} must be absolute",
-                    f.get_ref()
-                )
-            },
-        )?;
-    }
-    let templates = raw.templates.get_ref().clone();
-    ck.check(
-        !templates.is_empty()
-            && templates.iter().all(|(k, v)| {
-                !k.is_empty()
-                    && k.len() <= 128
-                    && !v.is_empty()
-                    && v.len() <= 128
-                    && !v.chars().any(|c| c.is_whitespace() || c.is_control())
-            }),
-        &raw.templates.span(),
-        || "remote_e2b.templates".into(),
-        || "remote_e2b: templates maps Aviary templates (name or sha256 digest) to the provider's template ids; at least one, none empty".into(),
+    let templates = check_remote_templates(ck, "remote_e2b", &raw.templates)?;
+    let timeout_s = check_seconds(
+        ck,
+        "remote_e2b.timeout_s",
+        raw.timeout_s.as_ref(),
+        60..=86_400 * 30,
+        3600,
     )?;
-    let timeout_s = match &raw.timeout_s {
-        Some(t) => {
-            ck.check(
-                (60..=86_400 * 30).contains(t.get_ref()),
-                &t.span(),
-                || "remote_e2b.timeout_s".into(),
-                || "remote_e2b: timeout_s must be between 60 and 2592000".into(),
-            )?;
-            *t.get_ref()
-        }
-        None => 3600,
-    };
     Ok(Some(crate::RemoteE2bSettings {
         api_url: raw.api_url.into_inner(),
         sandbox_url: raw.sandbox_url.map(Spanned::into_inner),
@@ -529,6 +506,159 @@ fn check_remote_e2b(
         api_key_file: raw.api_key_file.map(|f| PathBuf::from(f.into_inner())),
         templates,
         timeout_s,
+    }))
+}
+
+/// A remote table's key: named by exactly one of `api_key_env` (a variable
+/// name) and `api_key_file` (an absolute path).
+fn check_api_key(
+    ck: &Checker<'_>,
+    table: &str,
+    anchor: &Spanned<String>,
+    key_env: Option<&Spanned<String>>,
+    key_file: Option<&Spanned<String>>,
+) -> Result<(), ConfigError> {
+    ck.check(
+        key_env.is_some() != key_file.is_some(),
+        &anchor.span(),
+        || format!("{table}.api_key_env"),
+        || format!("{table}: name the API key by exactly one of api_key_env and api_key_file"),
+    )?;
+    if let Some(e) = key_env {
+        ck.check(
+            valid_env_name(e.get_ref()),
+            &e.span(),
+            || format!("{table}.api_key_env"),
+            || {
+                format!(
+                    "{table}: {:?} is not an environment variable name",
+                    e.get_ref()
+                )
+            },
+        )?;
+    }
+    if let Some(f) = key_file {
+        ck.check(
+            f.get_ref().starts_with('/'),
+            &f.span(),
+            || format!("{table}.api_key_file"),
+            || format!("{table}: api_key_file {:?} must be absolute", f.get_ref()),
+        )?;
+    }
+    Ok(())
+}
+
+/// A remote table's template map: at least one entry, none empty, the
+/// provider's side without spaces.
+fn check_remote_templates(
+    ck: &Checker<'_>,
+    table: &str,
+    raw: &Spanned<std::collections::BTreeMap<String, String>>,
+) -> Result<std::collections::BTreeMap<String, String>, ConfigError> {
+    let templates = raw.get_ref().clone();
+    ck.check(
+        !templates.is_empty()
+            && templates.iter().all(|(k, v)| {
+                !k.is_empty()
+                    && k.len() <= 128
+                    && !v.is_empty()
+                    && v.len() <= 256
+                    && !v.chars().any(|c| c.is_whitespace() || c.is_control())
+            }),
+        &raw.span(),
+        || format!("{table}.templates"),
+        || format!("{table}: templates maps Aviary templates (name or sha256 digest) to the provider's template ids; at least one, none empty"),
+    )?;
+    Ok(templates)
+}
+
+/// A number of seconds within `range`, `default` when absent.
+fn check_seconds(
+    ck: &Checker<'_>,
+    key: &str,
+    raw: Option<&Spanned<u64>>,
+    range: std::ops::RangeInclusive<u64>,
+    default: u64,
+) -> Result<u64, ConfigError> {
+    match raw {
+        Some(t) => {
+            let table = key.split('.').next().unwrap_or(key);
+            let field = key.rsplit('.').next().unwrap_or(key);
+            ck.check(
+                range.contains(t.get_ref()),
+                &t.span(),
+                || key.into(),
+                || {
+                    format!(
+                        "{table}: {field} must be between {} and {}",
+                        range.start(),
+                        range.end()
+                    )
+                },
+            )?;
+            Ok(*t.get_ref())
+        }
+        None => Ok(default),
+    }
+}
+
+fn check_remote_opensandbox(
+    ck: &Checker<'_>,
+    raw: Option<RawRemoteOpenSandbox>,
+) -> Result<Option<crate::RemoteOpenSandboxSettings>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    ck.check(
+        valid_base_url(raw.url.get_ref()),
+        &raw.url.span(),
+        || "remote_opensandbox.url".into(),
+        || {
+            format!(
+                "remote_opensandbox: url {:?} must be http(s)://host[:port][/path] without a trailing slash (the lifecycle API is {{url}}/v1)",
+                raw.url.get_ref()
+            )
+        },
+    )?;
+    check_api_key(
+        ck,
+        "remote_opensandbox",
+        &raw.url,
+        raw.api_key_env.as_ref(),
+        raw.api_key_file.as_ref(),
+    )?;
+    let templates = check_remote_templates(ck, "remote_opensandbox", &raw.templates)?;
+    let timeout_s = check_seconds(
+        ck,
+        "remote_opensandbox.timeout_s",
+        raw.timeout_s.as_ref(),
+        60..=86_400 * 30,
+        3600,
+    )?;
+    let request_timeout_s = check_seconds(
+        ck,
+        "remote_opensandbox.request_timeout_s",
+        raw.request_timeout_s.as_ref(),
+        1..=600,
+        60,
+    )?;
+    let ready_timeout_s = check_seconds(
+        ck,
+        "remote_opensandbox.ready_timeout_s",
+        raw.ready_timeout_s.as_ref(),
+        1..=3600,
+        180,
+    )?;
+    Ok(Some(crate::RemoteOpenSandboxSettings {
+        url: raw.url.into_inner(),
+        api_key_env: raw.api_key_env.map(Spanned::into_inner),
+        api_key_file: raw.api_key_file.map(|f| PathBuf::from(f.into_inner())),
+        templates,
+        timeout_s,
+        request_timeout_s,
+        ready_timeout_s,
+        deny_egress: raw.deny_egress.unwrap_or(true),
+        pausable: raw.pausable.unwrap_or(true),
     }))
 }
 

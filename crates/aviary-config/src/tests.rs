@@ -1283,6 +1283,139 @@ templates = { default = "base" }
     }
 }
 
+#[test]
+fn remote_opensandbox_is_read_checked_and_required_by_runtime_opensandbox() {
+    let text = r#"
+pool = []
+
+[server]
+runtimes = ["crun", "opensandbox"]
+default_class = "remote"
+
+[remote_opensandbox]
+url = "https://osb.example:8080"
+api_key_file = "/etc/aviary/osb.key"
+templates = { python = "python:3.11-slim" }
+
+[[class]]
+name = "remote"
+cpu = 1
+memory_mb = 2048
+disk_mb = 10240
+pids = 512
+runtimes = ["opensandbox"]
+"#;
+    let c = Config::from_str(text, ORIGIN).unwrap();
+    let r = c.remote_opensandbox.clone().unwrap();
+    assert_eq!(r.url, "https://osb.example:8080");
+    assert_eq!(r.timeout_s, 3600);
+    assert_eq!(r.request_timeout_s, 60);
+    assert_eq!(r.ready_timeout_s, 180);
+    assert!(r.deny_egress && r.pausable, "{r:?}");
+    assert_eq!(r.templates["python"], "python:3.11-slim");
+    assert_eq!(
+        r.api_key_file.as_deref(),
+        Some(std::path::Path::new("/etc/aviary/osb.key"))
+    );
+    assert!(c.remote_e2b.is_none());
+    let class = c.classes.iter().find(|k| k.name == "remote").unwrap();
+    assert_eq!(class.runtimes, [Runtime::Opensandbox]);
+    let c = Config::from_str(
+        "[remote_opensandbox]\nurl = \"http://127.0.0.1:7400/opensandbox\"\napi_key_env = \"OPEN_SANDBOX_API_KEY\"\n\
+         templates = { busybox = \"busybox\" }\ntimeout_s = 600\nrequest_timeout_s = 5\n\
+         ready_timeout_s = 30\ndeny_egress = false\npausable = false\n",
+        ORIGIN,
+    )
+    .unwrap();
+    let r = c.remote_opensandbox.unwrap();
+    assert_eq!(
+        (r.timeout_s, r.request_timeout_s, r.ready_timeout_s),
+        (600, 5, 30)
+    );
+    assert!(!r.deny_egress && !r.pausable);
+    assert_eq!(r.api_key_env.as_deref(), Some("OPEN_SANDBOX_API_KEY"));
+
+    // listed without its table (the e2b table is not it), or as the default
+    let err =
+        Config::from_str("[server]\nruntimes = [\"crun\", \"opensandbox\"]\n", ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.runtimes"), "{err}");
+    assert!(err.to_string().contains("[remote_opensandbox]"), "{err}");
+    let with_e2b_only = "[server]\nruntimes = [\"crun\", \"opensandbox\"]\n[remote_e2b]\n\
+         api_url = \"https://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\n";
+    let err = Config::from_str(with_e2b_only, ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.runtimes"), "{err}");
+    let err = Config::from_str("[server]\nruntime = \"opensandbox\"\n", ORIGIN).unwrap_err();
+    assert_eq!(err.key(), Some("server.runtime"), "{err}");
+
+    let ok = "url = \"https://x\"\napi_key_env = \"K\"\ntemplates = { a = \"b\" }\n";
+    for (bad, key) in [
+        (ok.replace("https://x", "ftp://x"), "remote_opensandbox.url"),
+        (
+            ok.replace("https://x", "https://x/"),
+            "remote_opensandbox.url",
+        ),
+        (ok.replace("https://x", "x:8080"), "remote_opensandbox.url"),
+        (
+            ok.replace("api_key_env = \"K\"\n", ""),
+            "remote_opensandbox.api_key_env",
+        ),
+        (
+            format!("{ok}api_key_file = \"/k\"\n"),
+            "remote_opensandbox.api_key_env",
+        ),
+        (
+            ok.replace("api_key_env = \"K\"", "api_key_env = \"1-K\""),
+            "remote_opensandbox.api_key_env",
+        ),
+        (
+            ok.replace("api_key_env = \"K\"", "api_key_file = \"rel\""),
+            "remote_opensandbox.api_key_file",
+        ),
+        (
+            ok.replace("{ a = \"b\" }", "{}"),
+            "remote_opensandbox.templates",
+        ),
+        (
+            ok.replace("{ a = \"b\" }", "{ a = \"two words\" }"),
+            "remote_opensandbox.templates",
+        ),
+        (
+            format!("{ok}timeout_s = 5\n"),
+            "remote_opensandbox.timeout_s",
+        ),
+        (
+            format!("{ok}request_timeout_s = 0\n"),
+            "remote_opensandbox.request_timeout_s",
+        ),
+        (
+            format!("{ok}ready_timeout_s = 7200\n"),
+            "remote_opensandbox.ready_timeout_s",
+        ),
+    ] {
+        let err = Config::from_str(&format!("[remote_opensandbox]\n{bad}"), ORIGIN).unwrap_err();
+        assert_eq!(err.key(), Some(key), "{bad}: {err}");
+    }
+    let err = Config::from_str(
+        &format!("[remote_opensandbox]\n{ok}domain = \"x\"\n"),
+        ORIGIN,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("domain"),
+        "unknown fields are refused: {err}"
+    );
+    let err = Config::from_str(
+        &format!("[remote_opensandbox]\n{ok}timeout_s = 5\n"),
+        ORIGIN,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("remote_opensandbox: timeout_s must be between 60 and 2592000"),
+        "{err}"
+    );
+}
+
 const KUBE: &str = r#"[server]
 runtimes = ["crun", "kubernetes"]
 

@@ -28,17 +28,22 @@ pub enum RuntimeName {
     /// A Pod per sandbox on a Kubernetes cluster (`aviary-runtime-kube`,
     /// configured by `[kubernetes]`).
     Kubernetes,
+    /// An OpenSandbox-compatible service (`[remote_opensandbox]`,
+    /// `aviary-runtime-remote`): sandboxes run by the provider, not on this
+    /// host.
+    Opensandbox,
 }
 
 impl RuntimeName {
     /// Every known runtime, the default first.
-    pub const ALL: [RuntimeName; 6] = [
+    pub const ALL: [RuntimeName; 7] = [
         RuntimeName::Crun,
         RuntimeName::Runc,
         RuntimeName::Runsc,
         RuntimeName::Docker,
         RuntimeName::E2b,
         RuntimeName::Kubernetes,
+        RuntimeName::Opensandbox,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,13 +54,14 @@ impl RuntimeName {
             RuntimeName::Docker => "docker",
             RuntimeName::E2b => "e2b",
             RuntimeName::Kubernetes => "kubernetes",
+            RuntimeName::Opensandbox => "opensandbox",
         }
     }
 
     /// Whether the runtime's sandboxes run at a remote provider (not on
     /// this host: no OCI bundle, no local default runtime).
     pub fn is_remote(self) -> bool {
-        matches!(self, RuntimeName::E2b)
+        matches!(self, RuntimeName::E2b | RuntimeName::Opensandbox)
     }
 
     /// The runtimes whose sandboxes run on this host (the OCI binaries and
@@ -116,8 +122,14 @@ mod tests {
         assert!(!RuntimeName::Kubernetes.is_local_oci());
         assert!(RuntimeName::LOCAL.iter().all(|r| !r.is_remote()));
         assert_eq!(
+            "opensandbox".parse::<RuntimeName>().unwrap(),
+            RuntimeName::Opensandbox
+        );
+        assert!(RuntimeName::Opensandbox.is_remote() && RuntimeName::E2b.is_remote());
+        assert!(!RuntimeName::Opensandbox.is_local_oci());
+        assert_eq!(
             "kata".parse::<RuntimeName>().unwrap_err(),
-            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b|kubernetes)"
+            "unknown runtime \"kata\" (crun|runc|runsc|docker|e2b|kubernetes|opensandbox)"
         );
     }
 }

@@ -9,15 +9,17 @@
 //! stripped of control characters before they reach an error. The API key
 //! is never printed (`Debug` redacts it).
 
-use crate::RemoteError;
+use crate::http::{self, body, json, read_bounded, send, unreachable};
+pub use crate::http::{check_remote_id, clean, MAX_ANSWER};
+use crate::relay::{BRIDGE_PORT, PROTOCOL, SECRET_HEADER};
+use crate::{CreateRemote, Provider, RemoteError};
+pub use crate::{RemoteState, RunOutput};
+use async_trait::async_trait;
 use base64::Engine;
 use bytes::{Buf, BytesMut};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-/// Largest JSON answer read from the service.
-pub const MAX_ANSWER: usize = 4 << 20;
 /// Largest Connect envelope read from a process stream.
 pub const MAX_ENVELOPE: usize = 1 << 20;
 /// Output of a setup command kept (per stream).
@@ -79,21 +81,6 @@ impl std::fmt::Debug for RemoteSandbox {
     }
 }
 
-/// What the service says about one sandbox.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RemoteState {
-    Running,
-    Paused,
-}
-
-/// How a setup command ended.
-#[derive(Debug, Default)]
-pub struct RunOutput {
-    pub exit_code: i32,
-    pub stdout: Vec<u8>,
-    pub stderr: Vec<u8>,
-}
-
 /// The client. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct E2bClient {
@@ -121,42 +108,12 @@ struct DetailJson {
     metadata: Option<BTreeMap<String, String>>,
 }
 
-/// A remote sandbox id: the service's own, so checked before it is put in a
-/// path or a host name.
-pub fn check_remote_id(id: &str) -> Result<(), RemoteError> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(RemoteError::Protocol {
-            action: "read a sandbox id".into(),
-            detail: format!("{:?} is not a sandbox id", clean(id)),
-        })
-    }
-}
-
-/// A message from the service, fit for an error: at most 300 characters,
-/// no control characters.
-pub fn clean(s: &str) -> String {
-    s.chars()
-        .filter(|c| !c.is_control())
-        .take(300)
-        .collect::<String>()
-}
-
 impl E2bClient {
     pub fn new(ep: E2bEndpoint) -> Result<E2bClient, RemoteError> {
-        let http = reqwest::Client::builder()
-            .http1_only()
-            .connect_timeout(Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| RemoteError::Setup(e.to_string()))?;
-        Ok(E2bClient { ep, http })
+        Ok(E2bClient {
+            ep,
+            http: http::client()?,
+        })
     }
 
     pub fn endpoint(&self) -> &E2bEndpoint {
@@ -170,35 +127,6 @@ impl E2bClient {
             .timeout(Duration::from_secs(60))
     }
 
-    /// Sends a request; a transport failure is `Unreachable`.
-    async fn send(
-        &self,
-        action: &str,
-        req: reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, RemoteError> {
-        req.send().await.map_err(|e| RemoteError::Unreachable {
-            action: action.into(),
-            detail: clean(&without_url(&e)),
-        })
-    }
-
-    /// The body of a successful answer (bounded), or the service's refusal.
-    async fn body(action: &str, resp: reqwest::Response) -> Result<Vec<u8>, RemoteError> {
-        let status = resp.status();
-        let bytes = read_bounded(action, resp, MAX_ANSWER).await?;
-        if status.is_success() {
-            return Ok(bytes);
-        }
-        Err(RemoteError::from_status(action, status.as_u16(), &bytes))
-    }
-
-    fn json<T: serde::de::DeserializeOwned>(action: &str, body: &[u8]) -> Result<T, RemoteError> {
-        serde_json::from_slice(body).map_err(|e| RemoteError::Protocol {
-            action: action.into(),
-            detail: format!("unexpected answer: {e}"),
-        })
-    }
-
     /// `POST /sandboxes`: a new sandbox of `template`, without internet
     /// access, alive for `timeout_s`, with `metadata` and `env`.
     pub async fn create(
@@ -209,20 +137,19 @@ impl E2bClient {
         env: &BTreeMap<String, String>,
     ) -> Result<RemoteSandbox, RemoteError> {
         let action = "create a sandbox";
-        let body = serde_json::json!({
+        let request = serde_json::json!({
             "templateID": template,
             "timeout": timeout_s,
             "metadata": metadata,
             "envVars": env,
             "allow_internet_access": false,
         });
-        let resp = self
-            .send(
-                action,
-                self.api(reqwest::Method::POST, "/sandboxes").json(&body),
-            )
-            .await?;
-        let created: CreatedJson = Self::json(action, &Self::body(action, resp).await?)?;
+        let resp = send(
+            action,
+            self.api(reqwest::Method::POST, "/sandboxes").json(&request),
+        )
+        .await?;
+        let created: CreatedJson = json(action, &body(action, resp).await?)?;
         check_remote_id(&created.sandbox_id)?;
         Ok(RemoteSandbox {
             remote_id: created.sandbox_id,
@@ -236,16 +163,15 @@ impl E2bClient {
     pub async fn state(&self, remote_id: &str) -> Result<Option<RemoteState>, RemoteError> {
         let action = "read a sandbox";
         check_remote_id(remote_id)?;
-        let resp = self
-            .send(
-                action,
-                self.api(reqwest::Method::GET, &format!("/sandboxes/{remote_id}")),
-            )
-            .await?;
+        let resp = send(
+            action,
+            self.api(reqwest::Method::GET, &format!("/sandboxes/{remote_id}")),
+        )
+        .await?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return Ok(None);
         }
-        let d: DetailJson = Self::json(action, &Self::body(action, resp).await?)?;
+        let d: DetailJson = json(action, &body(action, resp).await?)?;
         Ok(Some(parse_state(action, d.state.as_deref())?))
     }
 
@@ -253,16 +179,15 @@ impl E2bClient {
     pub async fn kill(&self, remote_id: &str) -> Result<(), RemoteError> {
         let action = "kill a sandbox";
         check_remote_id(remote_id)?;
-        let resp = self
-            .send(
-                action,
-                self.api(reqwest::Method::DELETE, &format!("/sandboxes/{remote_id}")),
-            )
-            .await?;
+        let resp = send(
+            action,
+            self.api(reqwest::Method::DELETE, &format!("/sandboxes/{remote_id}")),
+        )
+        .await?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
             return Ok(());
         }
-        Self::body(action, resp).await.map(|_| ())
+        body(action, resp).await.map(|_| ())
     }
 
     /// `POST /sandboxes/{id}/pause`.
@@ -292,8 +217,8 @@ impl E2bClient {
         if let Some(t) = timeout_s {
             req = req.json(&serde_json::json!({ "timeout": t }));
         }
-        let resp = self.send(action, req).await?;
-        Self::body(action, resp).await.map(|_| ())
+        let resp = send(action, req).await?;
+        body(action, resp).await.map(|_| ())
     }
 
     /// Every running or paused sandbox whose metadata has `key=value`
@@ -317,19 +242,18 @@ impl E2bClient {
             if let Some(n) = &next {
                 q.push(("nextToken", n));
             }
-            let resp = self
-                .send(
-                    action,
-                    self.api(reqwest::Method::GET, "/v2/sandboxes").query(&q),
-                )
-                .await?;
+            let resp = send(
+                action,
+                self.api(reqwest::Method::GET, "/v2/sandboxes").query(&q),
+            )
+            .await?;
             next = resp
                 .headers()
                 .get("x-next-token")
                 .and_then(|v| v.to_str().ok())
                 .filter(|v| !v.is_empty() && v.len() <= 256)
                 .map(str::to_owned);
-            let page: Vec<DetailJson> = Self::json(action, &Self::body(action, resp).await?)?;
+            let page: Vec<DetailJson> = json(action, &body(action, resp).await?)?;
             for d in page {
                 if check_remote_id(&d.sandbox_id).is_ok() {
                     out.push((d.sandbox_id, d.metadata.unwrap_or_default()));
@@ -381,8 +305,8 @@ impl E2bClient {
             .header("content-type", "application/octet-stream")
             .timeout(Duration::from_secs(300))
             .body(data);
-        let resp = self.send(action, req).await?;
-        Self::body(action, resp).await.map(|_| ())
+        let resp = send(action, req).await?;
+        body(action, resp).await.map(|_| ())
     }
 
     /// Runs `/bin/sh -c script` in the sandbox through envd's
@@ -405,14 +329,15 @@ impl E2bClient {
             .header("connect-timeout-ms", timeout.as_millis().to_string())
             .timeout(timeout + Duration::from_secs(10))
             .body(envelope(0, &serde_json::to_vec(&msg).expect("json")));
-        let mut resp = self.send(action, req).await?;
+        let mut resp = send(action, req).await?;
         if !resp.status().is_success() {
-            return Err(Self::body(action, resp).await.err().unwrap_or_else(|| {
-                RemoteError::Protocol {
+            return Err(body(action, resp)
+                .await
+                .err()
+                .unwrap_or_else(|| RemoteError::Protocol {
                     action: action.into(),
                     detail: "unexpected status".into(),
-                }
-            }));
+                }));
         }
         let mut buf = BytesMut::new();
         let mut out = RunOutput::default();
@@ -440,12 +365,7 @@ impl E2bClient {
                         detail: "the stream was cut".into(),
                     })
                 }
-                Err(e) => {
-                    return Err(RemoteError::Unreachable {
-                        action: action.into(),
-                        detail: clean(&without_url(&e)),
-                    })
-                }
+                Err(e) => return Err(unreachable(action, &e)),
             }
         }
     }
@@ -483,16 +403,91 @@ impl E2bClient {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let resp = self.send(action, req).await?;
+        let resp = send(action, req).await?;
         if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
             let status = resp.status().as_u16();
             let body = read_bounded(action, resp, 4096).await.unwrap_or_default();
             return Err(RemoteError::from_status(action, status, &body));
         }
-        resp.upgrade().await.map_err(|e| RemoteError::Unreachable {
-            action: action.into(),
-            detail: clean(&without_url(&e)),
-        })
+        resp.upgrade().await.map_err(|e| unreachable(action, &e))
+    }
+}
+
+/// The E2B wire behind the shared remote runtime: the control API for the
+/// lifecycle, envd's `/files` and process API for the setup, the port proxy
+/// for the bridge.
+#[async_trait]
+impl Provider for E2bClient {
+    type Sandbox = RemoteSandbox;
+
+    fn remote_id(sandbox: &RemoteSandbox) -> &str {
+        &sandbox.remote_id
+    }
+
+    async fn create(&self, req: &CreateRemote<'_>) -> Result<RemoteSandbox, RemoteError> {
+        // E2B's templates fix CPU and memory; the limits are not asked
+        E2bClient::create(
+            self,
+            req.template,
+            req.timeout_s,
+            req.metadata,
+            &BTreeMap::new(),
+        )
+        .await
+    }
+
+    async fn state(&self, remote_id: &str) -> Result<Option<RemoteState>, RemoteError> {
+        E2bClient::state(self, remote_id).await
+    }
+
+    async fn kill(&self, remote_id: &str) -> Result<(), RemoteError> {
+        E2bClient::kill(self, remote_id).await
+    }
+
+    async fn pause(&self, sandbox: &RemoteSandbox) -> Result<(), RemoteError> {
+        E2bClient::pause(self, &sandbox.remote_id).await
+    }
+
+    async fn resume(&self, sandbox: &RemoteSandbox, timeout_s: u64) -> Result<(), RemoteError> {
+        E2bClient::resume(self, &sandbox.remote_id, timeout_s).await
+    }
+
+    async fn list(
+        &self,
+        key: &str,
+        value: &str,
+    ) -> Result<Vec<(String, BTreeMap<String, String>)>, RemoteError> {
+        E2bClient::list(self, key, value).await
+    }
+
+    /// `mode` is set by the start script (E2B's `/files` takes none).
+    async fn upload(
+        &self,
+        sandbox: &RemoteSandbox,
+        path: &str,
+        data: Vec<u8>,
+        _mode: u32,
+    ) -> Result<(), RemoteError> {
+        E2bClient::upload(self, sandbox, path, data).await
+    }
+
+    async fn run(
+        &self,
+        sandbox: &RemoteSandbox,
+        script: &str,
+        env: &BTreeMap<String, String>,
+        timeout: Duration,
+    ) -> Result<RunOutput, RemoteError> {
+        E2bClient::run(self, sandbox, script, env, timeout).await
+    }
+
+    async fn open_bridge(
+        &self,
+        sandbox: &RemoteSandbox,
+        secret: &str,
+    ) -> Result<reqwest::Upgraded, RemoteError> {
+        self.upgrade(sandbox, BRIDGE_PORT, PROTOCOL, &[(SECRET_HEADER, secret)])
+            .await
     }
 }
 
@@ -504,65 +499,6 @@ fn parse_state(action: &str, s: Option<&str>) -> Result<RemoteState, RemoteError
             action: action.into(),
             detail: format!("unknown sandbox state {:?}", other.map(clean)),
         }),
-    }
-}
-
-/// A reqwest error without its URL (which names the service's hosts, fine,
-/// but never a key: keys travel in headers only) and with its causes.
-fn without_url(e: &reqwest::Error) -> String {
-    let mut s = e.without_url_ref();
-    let mut cur = std::error::Error::source(e);
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
-trait WithoutUrl {
-    fn without_url_ref(&self) -> String;
-}
-
-impl WithoutUrl for reqwest::Error {
-    fn without_url_ref(&self) -> String {
-        if self.is_timeout() {
-            "timed out".into()
-        } else if self.is_connect() {
-            "connection failed".into()
-        } else if self.is_body() || self.is_decode() {
-            "reading the answer failed".into()
-        } else {
-            "request failed".into()
-        }
-    }
-}
-
-async fn read_bounded(
-    action: &str,
-    mut resp: reqwest::Response,
-    max: usize,
-) -> Result<Vec<u8>, RemoteError> {
-    let mut out = Vec::new();
-    loop {
-        match resp.chunk().await {
-            Ok(Some(c)) => {
-                if out.len() + c.len() > max {
-                    return Err(RemoteError::Protocol {
-                        action: action.into(),
-                        detail: format!("answer larger than {max} bytes"),
-                    });
-                }
-                out.extend_from_slice(&c);
-            }
-            Ok(None) => return Ok(out),
-            Err(e) => {
-                return Err(RemoteError::Unreachable {
-                    action: action.into(),
-                    detail: clean(&without_url(&e)),
-                })
-            }
-        }
     }
 }
 

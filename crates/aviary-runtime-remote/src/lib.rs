@@ -1,27 +1,34 @@
 //! Runtime adapters for remote sandbox providers: Aviary's planner, policy,
-//! leases and registry in front of sandboxes that an E2B-compatible service
-//! runs (E2B's cloud, or another Aviary's `/e2b` surface).
+//! leases and registry in front of sandboxes that another service runs:
+//! an E2B-compatible one (runtime `e2b`, [`e2b`]: E2B's cloud, or another
+//! Aviary's `/e2b` surface) or an OpenSandbox-compatible one (runtime
+//! `opensandbox`, [`opensandbox`]: an OpenSandbox server, or another
+//! Aviary's `/opensandbox` surface).
+//!
+//! One [`RemoteRuntime`] holds everything the two share (records, the
+//! relay, how envd is started, usage, the owner tag); a [`Provider`] is one
+//! service's wire protocol, and nothing else.
 //!
 //! **How a sandbox comes up.** [`RemoteRuntime::create`] asks the service
-//! for a sandbox of the template the class's template is mapped to (no
-//! internet access; metadata `aviary_sandbox` = the Aviary id and
-//! `aviary_owner` = this runtime's own tag), uploads Aviary's static envd
-//! (the file the spec binds at its init path) and a fresh random bridge
-//! secret through the service's `/files`, and starts envd through its
-//! process API as a daemon in the sandbox: `--socket` in a private dir,
-//! `--bridge 127.0.0.1:`[`relay::BRIDGE_PORT`] with the secret (read and
-//! removed by envd), `--daemon` (it returns once both listen).
+//! for a sandbox of the template the class's template is mapped to
+//! (metadata `aviary_sandbox` = the Aviary id and `aviary_owner` = this
+//! runtime's own tag), uploads Aviary's static envd (the file the spec
+//! binds at its init path) and a fresh random bridge secret through the
+//! service's file API, and starts envd through its command API as a daemon
+//! in the sandbox: `--socket` in a private dir, `--bridge
+//! 127.0.0.1:`[`relay::BRIDGE_PORT`] with the secret (read and removed by
+//! envd), `--daemon` (it returns once both listen).
 //!
 //! **How the host reaches envd.** The sandbox has no host-only socket, so the
 //! runtime serves one: `<state>/<id>/control/envd.sock`, listened on by this
-//! process ([`relay`]); every connection is carried through the service's
-//! port proxy (`{port}-{id}.{domain}`, an HTTP/1.1 upgrade with the secret)
-//! to envd's bridge, which splices it to envd's socket. The control plane
-//! uses it like a local sandbox's socket ([`aviary_runtime::EnvdEndpoint`]:
-//! the peer it checks is this process). The port proxy was chosen over the
-//! process API as the byte stream because one upgrade is one connection,
-//! binary and full duplex, while a process stream is base64 JSON events
-//! with input as separate calls.
+//! process ([`relay`]); every connection is carried by the service to the
+//! bridge port (E2B: its port proxy `{port}-{id}.{domain}`; OpenSandbox: the
+//! port's endpoint with its headers), an HTTP/1.1 upgrade with the secret,
+//! and envd's bridge splices it to envd's socket. The control plane uses it
+//! like a local sandbox's socket ([`aviary_runtime::EnvdEndpoint`]: the peer
+//! it checks is this process). A port was chosen over the command API as
+//! the byte stream because one upgrade is one connection, binary and full
+//! duplex, while a command stream is text events with no input.
 //!
 //! **Fencing.** Every envd call still carries the lease token and envd
 //! checks it against its fence; only the bridge's connections may move the
@@ -32,26 +39,28 @@
 //! controls: root in the remote sandbox can end it (the sandbox then turns
 //! `lost`), so envd's own check is a second line, not the first.
 //!
-//! What it does not do: resource limits (the provider's template decides
-//! CPU and memory), network profiles other than `none`, bind mounts, host
-//! workspaces and snapshots (no [`aviary_runtime::Snapshottable`]). Pause
-//! and resume are the provider's.
+//! What it does not do: network profiles other than `none`, bind mounts,
+//! host workspaces and snapshots (no [`aviary_runtime::Snapshottable`]).
+//! Resource limits are the provider's: E2B's template decides them,
+//! OpenSandbox is asked for the spec's CPU and memory. Pause and resume are
+//! the provider's ([`Pausable`], when the provider has them).
 //!
 //! Concurrency: callers serialise operations on one sandbox; the relay
 //! table is one mutex, never held across an await.
 #![forbid(unsafe_code)]
 
 pub mod e2b;
+pub mod http;
+pub mod opensandbox;
 pub mod relay;
 
 use async_trait::async_trait;
-use aviary_core::{NetworkProfile, SandboxId};
+use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
 use aviary_envd_proto::EnvdClient;
 use aviary_runtime::{
     EnvdEndpoint, Pausable, ResourceUsage, Runtime, RuntimeError, RuntimeStatus, SandboxHandle,
     SandboxSpec, ENVD_SOCKET_NAME,
 };
-use e2b::{E2bClient, E2bEndpoint, RemoteSandbox, RemoteState};
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -104,7 +113,7 @@ impl RemoteError {
             .ok()
             .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(str::to_owned))
             .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
-        let message = e2b::clean(&message);
+        let message = http::clean(&message);
         let action = action.to_owned();
         match status {
             401 | 403 => RemoteError::Unauthorized { action, status },
@@ -139,16 +148,107 @@ impl RemoteError {
     }
 }
 
-/// One remote runtime's settings.
+/// What the service says about one sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemoteState {
+    Running,
+    Paused,
+    /// It exists but no longer runs (failed).
+    Stopped,
+}
+
+/// How a setup command ended.
+#[derive(Debug, Default)]
+pub struct RunOutput {
+    pub exit_code: i32,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+/// What a create asks of the provider.
+#[derive(Debug)]
+pub struct CreateRemote<'a> {
+    /// The provider's template (E2B) or image (OpenSandbox).
+    pub template: &'a str,
+    /// The lifetime asked of the provider.
+    pub timeout_s: u64,
+    /// `aviary_sandbox` and `aviary_owner`.
+    pub metadata: &'a BTreeMap<String, String>,
+    /// The spec's limits (a provider that sizes by template ignores them).
+    pub resources: &'a ResourceLimits,
+}
+
+/// One provider's wire protocol: everything [`RemoteRuntime`] asks of a
+/// remote service. Every call is bounded in time and in what it reads, and
+/// checks what the service answers (it is not trusted blindly).
+#[async_trait]
+pub trait Provider: Clone + Send + Sync + std::fmt::Debug + 'static {
+    /// What reaching one of its sandboxes needs (kept in the sandbox's
+    /// record, 0600: it may hold tokens).
+    type Sandbox: Clone
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static;
+
+    /// The provider's id of the sandbox (checked by [`http::check_remote_id`]).
+    fn remote_id(sandbox: &Self::Sandbox) -> &str;
+
+    /// A new sandbox, running once this returns (or none left behind).
+    async fn create(&self, req: &CreateRemote<'_>) -> Result<Self::Sandbox, RemoteError>;
+    /// Its state; `None` when the service has no such (live) sandbox.
+    async fn state(&self, remote_id: &str) -> Result<Option<RemoteState>, RemoteError>;
+    /// Ends it; an unknown one is fine.
+    async fn kill(&self, remote_id: &str) -> Result<(), RemoteError>;
+    /// Freezes it, memory and files kept; paused when this returns.
+    async fn pause(&self, sandbox: &Self::Sandbox) -> Result<(), RemoteError>;
+    /// Thaws it (its lifetime renewed to `timeout_s`); running when this returns.
+    async fn resume(&self, sandbox: &Self::Sandbox, timeout_s: u64) -> Result<(), RemoteError>;
+    /// Every live sandbox whose metadata has `key=value`: id and metadata.
+    async fn list(
+        &self,
+        key: &str,
+        value: &str,
+    ) -> Result<Vec<(String, BTreeMap<String, String>)>, RemoteError>;
+    /// Writes `data` at `path` in the sandbox (parents made), with `mode`
+    /// where the file API takes one.
+    async fn upload(
+        &self,
+        sandbox: &Self::Sandbox,
+        path: &str,
+        data: Vec<u8>,
+        mode: u32,
+    ) -> Result<(), RemoteError>;
+    /// Runs `/bin/sh -c script` in the sandbox and waits for its end.
+    async fn run(
+        &self,
+        sandbox: &Self::Sandbox,
+        script: &str,
+        env: &BTreeMap<String, String>,
+        timeout: Duration,
+    ) -> Result<RunOutput, RemoteError>;
+    /// One upgraded connection to envd's bridge in the sandbox
+    /// ([`relay::BRIDGE_PORT`], protocol [`relay::PROTOCOL`], the secret in
+    /// [`relay::SECRET_HEADER`]).
+    async fn open_bridge(
+        &self,
+        sandbox: &Self::Sandbox,
+        secret: &str,
+    ) -> Result<reqwest::Upgraded, RemoteError>;
+}
+
+/// One remote runtime's settings (the provider's own are its client's).
 #[derive(Clone, Debug)]
 pub struct RemoteConfig {
-    /// The runtime's name (`e2b`): what classes list and records keep.
+    /// The runtime's name (`e2b`, `opensandbox`): what classes list and
+    /// records keep.
     pub name: String,
-    pub endpoint: E2bEndpoint,
     /// Host-only state: per sandbox its record and envd socket.
     pub state_dir: PathBuf,
-    /// Aviary template (its digest, or its name) → the provider's template.
-    /// A template with no entry is refused.
+    /// Aviary template (its digest, or its name) → the provider's template
+    /// (E2B) or image (OpenSandbox). A template with no entry is refused.
     pub templates: BTreeMap<String, String>,
     /// The lifetime asked of the provider for each sandbox (Aviary's own
     /// TTL ends it earlier; the provider's ends it at the latest).
@@ -157,24 +257,31 @@ pub struct RemoteConfig {
 
 /// What the runtime keeps per sandbox (`remote.json`, 0600).
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Record {
-    sandbox: RemoteSandbox,
+#[serde(bound = "")]
+struct Record<P: Provider> {
+    sandbox: P::Sandbox,
     secret: String,
 }
 
-/// A runtime whose sandboxes an E2B-compatible service runs.
-pub struct RemoteRuntime {
+/// A runtime whose sandboxes a remote service runs, through provider `P`.
+pub struct RemoteRuntime<P: Provider> {
     cfg: RemoteConfig,
-    client: E2bClient,
+    client: P,
     /// `aviary_owner` of this runtime's sandboxes (`<state>/owner`).
     owner: String,
     relays: Mutex<HashMap<SandboxId, relay::Relay>>,
 }
 
-impl std::fmt::Debug for RemoteRuntime {
+/// Runtime `e2b`.
+pub type E2bRuntime = RemoteRuntime<e2b::E2bClient>;
+/// Runtime `opensandbox`.
+pub type OpenSandboxRuntime = RemoteRuntime<opensandbox::OsbClient>;
+
+impl<P: Provider> std::fmt::Debug for RemoteRuntime<P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RemoteRuntime")
             .field("cfg", &self.cfg)
+            .field("client", &self.client)
             .field("owner", &self.owner)
             .finish_non_exhaustive()
     }
@@ -187,9 +294,29 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
     }
 }
 
-impl RemoteRuntime {
+impl E2bRuntime {
+    /// Runtime `e2b` on the service at `endpoint`.
+    pub fn e2b(cfg: RemoteConfig, endpoint: e2b::E2bEndpoint) -> Result<Self, RuntimeError> {
+        let client = e2b::E2bClient::new(endpoint).map_err(|e| e.into_runtime(&cfg.name))?;
+        RemoteRuntime::new(cfg, client)
+    }
+}
+
+impl OpenSandboxRuntime {
+    /// Runtime `opensandbox` on the service at `endpoint`.
+    pub fn opensandbox(
+        cfg: RemoteConfig,
+        endpoint: opensandbox::OsbEndpoint,
+    ) -> Result<Self, RuntimeError> {
+        let client =
+            opensandbox::OsbClient::new(endpoint).map_err(|e| e.into_runtime(&cfg.name))?;
+        RemoteRuntime::new(cfg, client)
+    }
+}
+
+impl<P: Provider> RemoteRuntime<P> {
     /// Opens the state dir (made 0700 if missing) and its owner tag.
-    pub fn new(cfg: RemoteConfig) -> Result<RemoteRuntime, RuntimeError> {
+    pub fn new(cfg: RemoteConfig, client: P) -> Result<RemoteRuntime<P>, RuntimeError> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -207,7 +334,6 @@ impl RemoteRuntime {
                 tag
             }
         };
-        let client = E2bClient::new(cfg.endpoint.clone()).map_err(|e| e.into_runtime(&cfg.name))?;
         Ok(RemoteRuntime {
             cfg,
             client,
@@ -223,7 +349,10 @@ impl RemoteRuntime {
 
     /// The provider's id of sandbox `id`, if this runtime has it.
     pub fn remote_id(&self, id: &SandboxId) -> Option<String> {
-        self.record(id).ok().flatten().map(|r| r.sandbox.remote_id)
+        self.record(id)
+            .ok()
+            .flatten()
+            .map(|r| P::remote_id(&r.sandbox).to_owned())
     }
 
     fn remote(&self, e: RemoteError) -> RuntimeError {
@@ -238,7 +367,7 @@ impl RemoteRuntime {
         self.dir(id).join("control")
     }
 
-    fn record(&self, id: &SandboxId) -> Result<Option<Record>, RuntimeError> {
+    fn record(&self, id: &SandboxId) -> Result<Option<Record<P>>, RuntimeError> {
         let path = self.dir(id).join("remote.json");
         match std::fs::read(&path) {
             Ok(b) => serde_json::from_slice(&b)
@@ -251,7 +380,7 @@ impl RemoteRuntime {
         }
     }
 
-    fn write_record(&self, id: &SandboxId, rec: &Record) -> Result<(), RuntimeError> {
+    fn write_record(&self, id: &SandboxId, rec: &Record<P>) -> Result<(), RuntimeError> {
         let path = self.dir(id).join("remote.json");
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -305,14 +434,14 @@ impl RemoteRuntime {
     }
 
     /// Starts (or keeps) the relay of `id`; its socket.
-    fn ensure_relay(&self, id: &SandboxId, rec: Record) -> Result<PathBuf, RuntimeError> {
+    fn ensure_relay(&self, id: &SandboxId, rec: Record<P>) -> Result<PathBuf, RuntimeError> {
         let socket = self.control_dir(id).join(ENVD_SOCKET_NAME);
         let mut relays = self.relays.lock().expect("relay table poisoned");
         if !relays.contains_key(id) {
             let r = relay::start(
                 &socket,
                 relay::Target {
-                    client: self.client.clone(),
+                    provider: self.client.clone(),
                     sandbox: rec.sandbox,
                     secret: rec.secret,
                 },
@@ -331,7 +460,7 @@ impl RemoteRuntime {
         &self,
         spec: &SandboxSpec,
         envd: &Path,
-        sandbox: &RemoteSandbox,
+        sandbox: &P::Sandbox,
         secret: &str,
     ) -> Result<(), RuntimeError> {
         let binary = tokio::fs::read(envd)
@@ -340,16 +469,17 @@ impl RemoteRuntime {
                 path: envd.to_path_buf(),
                 source,
             })?;
-        let upload = |path: String, data: Vec<u8>| async move {
+        let upload = |path: String, data: Vec<u8>, mode: u32| async move {
             self.client
-                .upload(sandbox, &path, data)
+                .upload(sandbox, &path, data, mode)
                 .await
                 .map_err(|e| self.remote(e))
         };
-        upload(format!("{REMOTE_DIR}/envd"), binary).await?;
+        upload(format!("{REMOTE_DIR}/envd"), binary, 0o755).await?;
         upload(
             format!("{REMOTE_DIR}/secret"),
             format!("{secret}\n").into_bytes(),
+            0o600,
         )
         .await?;
         let env: BTreeMap<String, String> = spec
@@ -375,7 +505,7 @@ impl RemoteRuntime {
                 detail: format!(
                     "exit {}: {}",
                     out.exit_code,
-                    e2b::clean(&String::from_utf8_lossy(&out.stderr))
+                    http::clean(&String::from_utf8_lossy(&out.stderr))
                 ),
             });
         }
@@ -449,7 +579,7 @@ fn is_tag(s: &str) -> bool {
 }
 
 #[async_trait]
-impl Runtime for RemoteRuntime {
+impl<P: Provider> Runtime for RemoteRuntime<P> {
     fn name(&self) -> &str {
         &self.cfg.name
     }
@@ -480,11 +610,13 @@ impl Runtime for RemoteRuntime {
             (META_SANDBOX.to_owned(), id.to_string()),
             (META_OWNER.to_owned(), self.owner.clone()),
         ]);
-        let sandbox = match self
-            .client
-            .create(&template, self.cfg.timeout_s, &metadata, &BTreeMap::new())
-            .await
-        {
+        let req = CreateRemote {
+            template: &template,
+            timeout_s: self.cfg.timeout_s,
+            metadata: &metadata,
+            resources: &spec.resources,
+        };
+        let sandbox = match self.client.create(&req).await {
             Ok(s) => s,
             Err(e) => {
                 let e = match e {
@@ -522,7 +654,7 @@ impl Runtime for RemoteRuntime {
             Ok(socket) => Ok(SandboxHandle {
                 id: id.clone(),
                 runtime: self.cfg.name.clone(),
-                runtime_instance_id: sandbox.remote_id,
+                runtime_instance_id: P::remote_id(&sandbox).to_owned(),
                 control_dir: socket.parent().map(Path::to_path_buf).unwrap_or_default(),
                 // the workspace is the remote sandbox's own
                 workspace_dir: PathBuf::new(),
@@ -545,7 +677,7 @@ impl Runtime for RemoteRuntime {
         match self.record(id)? {
             Some(rec) => self
                 .client
-                .kill(&rec.sandbox.remote_id)
+                .kill(P::remote_id(&rec.sandbox))
                 .await
                 .map_err(|e| self.remote(e))?,
             None => self.kill_by_metadata(id).await?,
@@ -560,13 +692,14 @@ impl Runtime for RemoteRuntime {
         Ok(
             match self
                 .client
-                .state(&rec.sandbox.remote_id)
+                .state(P::remote_id(&rec.sandbox))
                 .await
                 .map_err(|e| self.remote(e))?
             {
                 None => RuntimeStatus::NotFound,
                 Some(RemoteState::Running) => RuntimeStatus::Running,
                 Some(RemoteState::Paused) => RuntimeStatus::Paused,
+                Some(RemoteState::Stopped) => RuntimeStatus::Stopped,
             },
         )
     }
@@ -660,18 +793,15 @@ impl Runtime for RemoteRuntime {
 }
 
 #[async_trait]
-impl Pausable for RemoteRuntime {
+impl<P: Provider> Pausable for RemoteRuntime<P> {
     async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let rec = self
             .record(id)?
             .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })?;
-        self.client
-            .pause(&rec.sandbox.remote_id)
-            .await
-            .map_err(|e| match e {
-                RemoteError::NotFound { .. } => RuntimeError::NotFound { id: id.clone() },
-                e => self.remote(e),
-            })
+        self.client.pause(&rec.sandbox).await.map_err(|e| match e {
+            RemoteError::NotFound { .. } => RuntimeError::NotFound { id: id.clone() },
+            e => self.remote(e),
+        })
     }
 
     async fn resume(&self, id: &SandboxId) -> Result<(), RuntimeError> {
@@ -679,7 +809,7 @@ impl Pausable for RemoteRuntime {
             .record(id)?
             .ok_or_else(|| RuntimeError::NotFound { id: id.clone() })?;
         self.client
-            .resume(&rec.sandbox.remote_id, self.cfg.timeout_s)
+            .resume(&rec.sandbox, self.cfg.timeout_s)
             .await
             .map_err(|e| match e {
                 RemoteError::NotFound { .. } => RuntimeError::NotFound { id: id.clone() },
@@ -691,6 +821,7 @@ impl Pausable for RemoteRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use e2b::E2bEndpoint;
 
     #[test]
     fn provider_answers_become_clear_runtime_errors() {
@@ -740,19 +871,21 @@ mod tests {
             api_key: "sekrit-key".into(),
         };
         let dir = tempfile::tempdir().unwrap();
-        let rt = RemoteRuntime::new(RemoteConfig {
-            name: "e2b".into(),
-            endpoint: ep,
-            state_dir: dir.path().join("state"),
-            templates: BTreeMap::new(),
-            timeout_s: 60,
-        })
+        let rt = RemoteRuntime::e2b(
+            RemoteConfig {
+                name: "e2b".into(),
+                state_dir: dir.path().join("state"),
+                templates: BTreeMap::new(),
+                timeout_s: 60,
+            },
+            ep,
+        )
         .unwrap();
         let printed = format!("{rt:?}");
         assert!(!printed.contains("sekrit"), "{printed}");
         assert!(printed.contains("<redacted>"), "{printed}");
         // the owner tag is kept across restarts
-        let again = RemoteRuntime::new(rt.cfg.clone()).unwrap();
+        let again = RemoteRuntime::new(rt.cfg.clone(), rt.client.clone()).unwrap();
         assert_eq!(again.owner(), rt.owner());
     }
 
@@ -763,9 +896,14 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         drop(l);
-        let rt = RemoteRuntime::new(RemoteConfig {
-            name: "e2b".into(),
-            endpoint: E2bEndpoint {
+        let rt = RemoteRuntime::e2b(
+            RemoteConfig {
+                name: "e2b".into(),
+                state_dir: dir.path().join("state"),
+                templates: BTreeMap::from([("t".to_owned(), "base".to_owned())]),
+                timeout_s: 60,
+            },
+            E2bEndpoint {
                 api_url: format!("http://{addr}"),
                 sandbox_url: None,
                 domain: "example".into(),
@@ -773,10 +911,7 @@ mod tests {
                 proxy_key: false,
                 api_key: "k".into(),
             },
-            state_dir: dir.path().join("state"),
-            templates: BTreeMap::from([("t".to_owned(), "base".to_owned())]),
-            timeout_s: 60,
-        })
+        )
         .unwrap();
         let envd = dir.path().join("envd");
         std::fs::write(&envd, b"binary").unwrap();

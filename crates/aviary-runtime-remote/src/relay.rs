@@ -1,12 +1,13 @@
 //! The host end of a remote sandbox's envd: a unix socket in the sandbox's
 //! host-only control dir, served by this process. Each connection accepted
 //! there is carried to envd in the remote sandbox over one upgraded HTTP/1.1
-//! connection through the provider's port proxy (envd's bridge, see
+//! connection that the provider carries to envd's bridge (E2B's port proxy,
+//! an OpenSandbox endpoint; see
 //! `aviary-envd`'s `bridge.rs`), byte for byte. The control plane's envd
 //! client connects here like to any local sandbox and checks, as always,
 //! that the socket's listener is the process it expects: this one.
 
-use crate::e2b::{E2bClient, RemoteSandbox};
+use crate::Provider;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
@@ -21,9 +22,9 @@ pub const SECRET_HEADER: &str = "x-aviary-envd-secret";
 pub const PROTOCOL: &str = "aviary-envd";
 
 /// What one relay needs to reach its sandbox's envd.
-pub struct Target {
-    pub client: E2bClient,
-    pub sandbox: RemoteSandbox,
+pub struct Target<P: Provider> {
+    pub provider: P,
+    pub sandbox: P::Sandbox,
     pub secret: String,
 }
 
@@ -40,7 +41,7 @@ impl Drop for Relay {
 
 /// Binds `socket` (replacing a stale socket file, never anything else) and
 /// relays every connection to `target`.
-pub fn start(socket: &Path, target: Target) -> std::io::Result<Relay> {
+pub fn start<P: Provider>(socket: &Path, target: Target<P>) -> std::io::Result<Relay> {
     if let Ok(meta) = std::fs::symlink_metadata(socket) {
         if meta.file_type().is_socket() {
             std::fs::remove_file(socket)?;
@@ -57,13 +58,8 @@ pub fn start(socket: &Path, target: Target) -> std::io::Result<Relay> {
             let target = Arc::clone(&target);
             tokio::spawn(async move {
                 let opened = target
-                    .client
-                    .upgrade(
-                        &target.sandbox,
-                        BRIDGE_PORT,
-                        PROTOCOL,
-                        &[(SECRET_HEADER, &target.secret)],
-                    )
+                    .provider
+                    .open_bridge(&target.sandbox, &target.secret)
                     .await;
                 match opened {
                     Ok(mut remote) => {
@@ -71,7 +67,7 @@ pub fn start(socket: &Path, target: Target) -> std::io::Result<Relay> {
                     }
                     // the client sees the connection close: envd unreachable
                     Err(e) => tracing::debug!(
-                        remote = %target.sandbox.remote_id,
+                        remote = %P::remote_id(&target.sandbox),
                         error = %e,
                         "remote envd connection failed"
                     ),

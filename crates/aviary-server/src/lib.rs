@@ -82,7 +82,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             continue;
         }
         if name.is_remote() {
-            runtimes.push(remote_runtime(&cfg, name, state)?);
+            runtimes.push(remote_runtime(&cfg, name, state).await?);
             continue;
         }
         let binary = aviary_runtime_oci::OciBinary::try_from(name)?;
@@ -135,20 +135,95 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     Ok(cp)
 }
 
-/// A remote provider's runtime (`[remote_e2b]`), its key read from the
-/// variable or file the configuration names (never logged).
-fn remote_runtime(
+/// A remote provider's runtime (`[remote_e2b]`, `[remote_opensandbox]`),
+/// its key read from the variable or file the configuration names (never
+/// logged), checked before the server takes requests: the provider must
+/// answer a listing of this runtime's sandboxes (start-up needs it anyway,
+/// and a refused key or a wrong URL is clearest said here).
+async fn remote_runtime(
     cfg: &ServerConfig,
     name: aviary_core::RuntimeName,
     state_dir: std::path::PathBuf,
 ) -> anyhow::Result<aviary_runtime::CapableRuntime> {
-    let settings = cfg
-        .control
-        .settings
-        .remote_e2b
-        .as_ref()
-        .with_context(|| format!("runtime {name} needs a [remote_{name}] table"))?;
-    let api_key = match (&settings.api_key_env, &settings.api_key_file) {
+    use aviary_runtime_remote::{RemoteConfig, RemoteRuntime};
+    let settings = &cfg.control.settings;
+    let missing = || format!("runtime {name} needs a [remote_{name}] table");
+    let capable = |runtime: Arc<dyn aviary_runtime::Runtime>,
+                   pausable: Option<Arc<dyn aviary_runtime::Pausable>>| async move {
+        let found = runtime.list().await.with_context(|| {
+            format!("runtime {name}: the provider did not answer as configured in [remote_{name}]")
+        })?;
+        tracing::info!(runtime = %name, sandboxes = found.len(), "remote runtime ready");
+        anyhow::Ok(aviary_runtime::CapableRuntime {
+            runtime,
+            pausable,
+            snapshottable: None,
+            checkpointable: None,
+        })
+    };
+    match name {
+        aviary_core::RuntimeName::Opensandbox => {
+            let s = settings.remote_opensandbox.as_ref().with_context(missing)?;
+            let api_key =
+                remote_api_key(name, s.api_key_env.as_deref(), s.api_key_file.as_deref())?;
+            let runtime = RemoteRuntime::opensandbox(
+                RemoteConfig {
+                    name: name.as_str().to_owned(),
+                    state_dir,
+                    templates: s.templates.clone(),
+                    timeout_s: s.timeout_s,
+                },
+                aviary_runtime_remote::opensandbox::OsbEndpoint {
+                    url: s.url.clone(),
+                    api_key,
+                    request_timeout: Duration::from_secs(s.request_timeout_s),
+                    ready_timeout: Duration::from_secs(s.ready_timeout_s),
+                    deny_egress: s.deny_egress,
+                },
+            )
+            .with_context(|| format!("setting up runtime {name}"))?;
+            let runtime = Arc::new(runtime);
+            // a provider that cannot pause: the runtime has no Pausable
+            let pausable = s
+                .pausable
+                .then(|| runtime.clone() as Arc<dyn aviary_runtime::Pausable>);
+            capable(runtime, pausable).await
+        }
+        _ => {
+            let s = settings.remote_e2b.as_ref().with_context(missing)?;
+            let api_key =
+                remote_api_key(name, s.api_key_env.as_deref(), s.api_key_file.as_deref())?;
+            let runtime = RemoteRuntime::e2b(
+                RemoteConfig {
+                    name: name.as_str().to_owned(),
+                    state_dir,
+                    templates: s.templates.clone(),
+                    timeout_s: s.timeout_s,
+                },
+                aviary_runtime_remote::e2b::E2bEndpoint {
+                    api_url: s.api_url.clone(),
+                    sandbox_url: s.sandbox_url.clone(),
+                    domain: s.domain.clone(),
+                    port_url: s.port_url.clone(),
+                    proxy_key: s.proxy_key,
+                    api_key,
+                },
+            )
+            .with_context(|| format!("setting up runtime {name}"))?;
+            let runtime = Arc::new(runtime);
+            capable(runtime.clone(), Some(runtime)).await
+        }
+    }
+}
+
+/// A remote runtime's API key, from the variable or the file (its first
+/// line) its table names; never empty.
+fn remote_api_key(
+    name: aviary_core::RuntimeName,
+    env: Option<&str>,
+    file: Option<&std::path::Path>,
+) -> anyhow::Result<String> {
+    let api_key = match (env, file) {
         (Some(var), _) => std::env::var(var)
             .with_context(|| format!("[remote_{name}] api_key_env: {var} is not set"))?,
         (None, Some(file)) => std::fs::read_to_string(file)
@@ -163,28 +238,7 @@ fn remote_runtime(
         !api_key.trim().is_empty(),
         "[remote_{name}]: the API key is empty"
     );
-    let runtime = aviary_runtime_remote::RemoteRuntime::new(aviary_runtime_remote::RemoteConfig {
-        name: name.as_str().to_owned(),
-        endpoint: aviary_runtime_remote::e2b::E2bEndpoint {
-            api_url: settings.api_url.clone(),
-            sandbox_url: settings.sandbox_url.clone(),
-            domain: settings.domain.clone(),
-            port_url: settings.port_url.clone(),
-            proxy_key: settings.proxy_key,
-            api_key: api_key.trim().to_owned(),
-        },
-        state_dir,
-        templates: settings.templates.clone(),
-        timeout_s: settings.timeout_s,
-    })
-    .with_context(|| format!("setting up runtime {name}"))?;
-    let runtime = Arc::new(runtime);
-    Ok(aviary_runtime::CapableRuntime {
-        runtime: runtime.clone(),
-        pausable: Some(runtime),
-        snapshottable: None,
-        checkpointable: None,
-    })
+    Ok(api_key.trim().to_owned())
 }
 
 /// The `docker` runtime on the dockerd of `[server] docker_socket`, checked

@@ -26,7 +26,7 @@ use aviary_envd_proto::{EnvdClient, EnvdError, ExecSpec};
 use aviary_runtime::conformance;
 use aviary_runtime::{BindMount, Runtime, RuntimeError, RuntimeStatus, SandboxSpec, TemplateRef};
 use aviary_runtime_remote::e2b::E2bEndpoint;
-use aviary_runtime_remote::{RemoteConfig, RemoteRuntime};
+use aviary_runtime_remote::{E2bRuntime, RemoteConfig, RemoteRuntime};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -64,14 +64,16 @@ fn endpoint(p: &Provider, key: &str) -> E2bEndpoint {
     }
 }
 
-fn runtime(p: &Provider, state: &Path, key: &str) -> RemoteRuntime {
-    RemoteRuntime::new(RemoteConfig {
-        name: "e2b".into(),
-        endpoint: endpoint(p, key),
-        state_dir: state.to_path_buf(),
-        templates: BTreeMap::from([(p.digest.clone(), "base".to_owned())]),
-        timeout_s: 600,
-    })
+fn runtime(p: &Provider, state: &Path, key: &str) -> E2bRuntime {
+    RemoteRuntime::e2b(
+        RemoteConfig {
+            name: "e2b".into(),
+            state_dir: state.to_path_buf(),
+            templates: BTreeMap::from([(p.digest.clone(), "base".to_owned())]),
+            timeout_s: 600,
+        },
+        endpoint(p, key),
+    )
     .unwrap()
 }
 
@@ -263,13 +265,15 @@ async fn provider_refusals_are_clear_runtime_errors() {
     assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::NotFound);
 
     // a template the provider does not have
-    let rt = RemoteRuntime::new(RemoteConfig {
-        name: "e2b".into(),
-        endpoint: endpoint(&p, &p.ts.key),
-        state_dir: state.path().to_path_buf(),
-        templates: BTreeMap::from([(p.digest.clone(), "no-such-template".to_owned())]),
-        timeout_s: 600,
-    })
+    let rt = RemoteRuntime::e2b(
+        RemoteConfig {
+            name: "e2b".into(),
+            state_dir: state.path().to_path_buf(),
+            templates: BTreeMap::from([(p.digest.clone(), "no-such-template".to_owned())]),
+            timeout_s: 600,
+        },
+        endpoint(&p, &p.ts.key),
+    )
     .unwrap();
     let e = rt.create(&spec_for(&p.digest)).await.unwrap_err();
     assert!(
