@@ -291,6 +291,7 @@ try {
 
   // a create with a task context: its timeline lists the planner's trace
   const planned = await apiCall("POST", "/v1/sandboxes", { intent: { task: "print hello world in python", languages: ["python"] } });
+  out.planned_sandbox = planned.id;
   await page.goto(`${base}/#/sandboxes/${encodeURIComponent(planned.id)}`);
   await page.waitForSelector("[data-testid=planned-trace] li", WAIT);
   out.planned_trace = await page.$$eval("[data-testid=planned-trace] li", (ls) => ls.map((l) => l.textContent));

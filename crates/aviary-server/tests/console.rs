@@ -336,7 +336,8 @@ async fn browser_flow() {
     ids.sort_unstable();
     let probe_sbx = o["chart_probe_sandbox"].as_str().unwrap();
     let fork_sbx = o["fork_id"].as_str().unwrap();
-    let mut want = vec![id, api_id, team_sbx, probe_sbx, fork_sbx];
+    let planned_sbx = o["planned_sandbox"].as_str().unwrap();
+    let mut want = vec![id, api_id, team_sbx, probe_sbx, fork_sbx, planned_sbx];
     want.sort_unstable();
     assert_eq!(ids, want, "the denied create made nothing: {all:?}");
     let sbx = all.iter().find(|s| s.id.as_str() == id).unwrap();
