@@ -27,7 +27,7 @@ mod remote;
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::{RuntimeName, SandboxId};
 use aviary_envd_proto::{EnvdClient, ExecSpec};
-use aviary_runtime::{Pausable, Runtime, RuntimeError, RuntimeStatus};
+use aviary_runtime::{Pausable, Runtime, RuntimeError, RuntimeStatus, TemplateRef};
 use aviary_runtime_remote::opensandbox::OsbEndpoint;
 use aviary_runtime_remote::{OpenSandboxRuntime, RemoteConfig, RemoteRuntime};
 use remote::{provider, provider_sandboxes, spec_for, Provider};
