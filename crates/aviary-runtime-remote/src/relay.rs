@@ -1,24 +1,16 @@
 //! The host end of a remote sandbox's envd: a unix socket in the sandbox's
-//! host-only control dir, served by this process. Each connection accepted
-//! there is carried to envd in the remote sandbox over one upgraded HTTP/1.1
-//! connection through the provider's port proxy (envd's bridge, see
-//! `aviary-envd`'s `bridge.rs`), byte for byte. The control plane's envd
-//! client connects here like to any local sandbox and checks, as always,
-//! that the socket's listener is the process it expects: this one.
+//! host-only control dir, served by this process (`aviary-relay`). Each
+//! connection accepted there is carried to envd in the remote sandbox over
+//! one upgraded HTTP/1.1 connection through the provider's port proxy
+//! (envd's bridge, see `aviary-envd`'s `bridge.rs`), byte for byte. The
+//! control plane's envd client connects here like to any local sandbox and
+//! checks, as always, that the socket's listener is the process it expects:
+//! this one.
 
 use crate::e2b::{E2bClient, RemoteSandbox};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+pub use aviary_relay::{Relay, BRIDGE_PORT, PROTOCOL, SECRET_HEADER};
+use std::future::Future;
 use std::path::Path;
-use std::sync::Arc;
-use tokio::net::UnixListener;
-use tokio::task::JoinHandle;
-
-/// The port envd's bridge listens on inside a remote sandbox (loopback).
-pub const BRIDGE_PORT: u16 = 49_877;
-/// The header the bridge secret travels in.
-pub const SECRET_HEADER: &str = "x-aviary-envd-secret";
-/// The bridge's upgrade protocol.
-pub const PROTOCOL: &str = "aviary-envd";
 
 /// What one relay needs to reach its sandbox's envd.
 pub struct Target {
@@ -27,57 +19,30 @@ pub struct Target {
     pub secret: String,
 }
 
-/// A running relay; dropping it stops accepting (open connections finish).
-pub struct Relay {
-    accept: JoinHandle<()>,
-}
+impl aviary_relay::Connect for Target {
+    type Stream = reqwest::Upgraded;
 
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.accept.abort();
+    fn connect(&self) -> impl Future<Output = std::io::Result<reqwest::Upgraded>> + Send {
+        async move {
+            self.client
+                .upgrade(
+                    &self.sandbox,
+                    BRIDGE_PORT,
+                    PROTOCOL,
+                    &[(SECRET_HEADER, &self.secret)],
+                )
+                .await
+                .map_err(|e| std::io::Error::other(e.to_string()))
+        }
+    }
+
+    fn describe(&self) -> String {
+        self.sandbox.remote_id.clone()
     }
 }
 
 /// Binds `socket` (replacing a stale socket file, never anything else) and
 /// relays every connection to `target`.
 pub fn start(socket: &Path, target: Target) -> std::io::Result<Relay> {
-    if let Ok(meta) = std::fs::symlink_metadata(socket) {
-        if meta.file_type().is_socket() {
-            std::fs::remove_file(socket)?;
-        }
-    }
-    let listener = UnixListener::bind(socket)?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
-    let target = Arc::new(target);
-    let accept = tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                continue;
-            };
-            let target = Arc::clone(&target);
-            tokio::spawn(async move {
-                let opened = target
-                    .client
-                    .upgrade(
-                        &target.sandbox,
-                        BRIDGE_PORT,
-                        PROTOCOL,
-                        &[(SECRET_HEADER, &target.secret)],
-                    )
-                    .await;
-                match opened {
-                    Ok(mut remote) => {
-                        let _ = tokio::io::copy_bidirectional(&mut conn, &mut remote).await;
-                    }
-                    // the client sees the connection close: envd unreachable
-                    Err(e) => tracing::debug!(
-                        remote = %target.sandbox.remote_id,
-                        error = %e,
-                        "remote envd connection failed"
-                    ),
-                }
-            });
-        }
-    });
-    Ok(Relay { accept })
+    aviary_relay::start(socket, target)
 }
