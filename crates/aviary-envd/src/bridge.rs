@@ -1,9 +1,11 @@
 //! The bridge (`--bridge ADDR`): how the host reaches envd in a sandbox it
-//! did not start itself (a remote provider's: `aviary-runtime-remote`).
+//! did not start itself (a remote provider's: `aviary-runtime-remote`; a
+//! Kubernetes Pod's: `aviary-runtime-kube`).
 //!
 //! There is no host-only socket there: the host reaches the sandbox only
-//! through the provider's port proxy, as HTTP. So envd also listens on a TCP
-//! address inside the sandbox (loopback) and accepts one HTTP/1.1 request
+//! through the provider's port proxy, as HTTP, or over the Pod network. So
+//! envd also listens on a TCP address inside the sandbox (loopback behind a
+//! port proxy; `0.0.0.0` in a Pod) and accepts one HTTP/1.1 request
 //! per connection: `Upgrade: aviary-envd` with the bridge secret in
 //! `x-aviary-envd-secret`. It answers `101 Switching Protocols` and from
 //! then on splices the connection byte for byte to envd's own unix socket,
@@ -12,7 +14,9 @@
 //!
 //! The secret comes from a file that envd reads and removes at start (the
 //! sandbox is fresh then, nothing else runs in it); afterwards it lives only
-//! in envd's memory. The bridge's connections to the unix socket have envd's
+//! in envd's memory. A Kubernetes Secret volume is read-only, so in a Pod an
+//! init container copies it to the control volume first (`--stage-secret`,
+//! [`stage_secret`]) and the sandbox's container never mounts the Secret. The bridge's connections to the unix socket have envd's
 //! own pid as their peer, and only those may move the fence (`set_fence`,
 //! `kill_all`): code in the sandbox that connects to the socket directly may
 //! not. A remote sandbox's own root can still end envd (it is not PID 1 of

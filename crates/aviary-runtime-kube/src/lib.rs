@@ -6,42 +6,66 @@
 //! project is built; the tests replay exchanges written from the Kubernetes
 //! API reference (`tests/fixtures/`), not captured from a cluster.
 //!
-//! What it owns: turning a [`SandboxSpec`] into a Pod (`pod.rs`: the image
-//! the template maps to, limits = requests from the class, the tier's
-//! `runtimeClassName`, every security setting locked down, no host path, no
-//! service-account token) and a deny-all NetworkPolicy selecting it; waiting
-//! for the Pod to run; deleting both and waiting until the Pod is gone.
+//! What it owns: turning a [`SandboxSpec`] into a NetworkPolicy, a Secret
+//! and a Pod (`pod.rs`: the image the template maps to, limits = requests
+//! from the class, the tier's `runtimeClassName`, every security setting
+//! locked down, no host path, no service-account token); waiting for the
+//! Pod to run; serving the host end of envd's transport; deleting all of it
+//! and waiting until the Pod is gone.
+//!
+//! **How the control plane reaches envd in a Pod.** envd is the sandbox
+//! container's entrypoint with `--socket /run/aviary/envd.sock` (the Pod's
+//! in-memory control volume) and its bridge (`--bridge 0.0.0.0:<envd_port>
+//! --bridge-secret-file …`: HTTP/1.1 upgrades carrying a secret, spliced to
+//! that socket; `aviary-envd`'s `bridge.rs`). The secret is 32 random bytes
+//! (hex) made per sandbox and sent only in the sandbox's Secret; an init
+//! container mounts the Secret read-only (0400) and copies it onto the
+//! control volume (`envd --stage-secret`), where envd reads and removes it
+//! before it runs anything. The sandbox container never mounts the Secret,
+//! and nothing of it is in the Pod's env or args. Once the Pod runs with an
+//! address (`status.podIPs`/`podIP`, checked: the cluster's answer is not
+//! trusted), this process serves a relay socket, `<relay_dir>/<id>/envd.sock`
+//! (0600 in a 0700 dir), whose every connection is carried over one
+//! upgraded TCP connection to `podIP:envd_port` (`aviary-relay`, shared with
+//! the remote runtime). [`SandboxHandle::envd`] names that socket and this
+//! process's pid, which the control plane checks as the socket's peer. After
+//! a restart [`Runtime::envd_endpoint`] reads the Pod and the Secret again
+//! and starts the relay anew; destroy stops it and removes the socket.
+//! Only the bridge's connections may move envd's fence; code in the sandbox
+//! can reach the bridge port over loopback but lacks the secret.
 //!
 //! Invariants:
 //! - every object carries `aviary.dev/sandbox=<id>` and
 //!   `aviary.dev/deployment=<deployment>`; the runtime reads, lists and
 //!   deletes only objects with both (a Pod of the same name without them is
 //!   another party's and is never deleted);
-//! - the NetworkPolicy exists before the Pod, so the Pod never runs without
-//!   it (the cluster's network plugin enforces it; one without NetworkPolicy
-//!   support does not, and then `none` is not loopback-only: say so to the
-//!   operator, this runtime cannot see it);
-//! - a create that fails after the Pod was sent deletes what it made and
-//!   reports a failed cleanup together with the original failure;
+//! - the NetworkPolicy exists before the Secret and the Pod, so the Pod
+//!   never runs without it, and is deleted last, so `list` (Pods and
+//!   policies) finds every partial sandbox. It allows no egress and one
+//!   ingress: TCP to `envd_port` from the `envd_from` CIDRs. The cluster's
+//!   network plugin enforces it; one without NetworkPolicy support does
+//!   not, and then `none` is not loopback-only: say so to the operator,
+//!   this runtime cannot see it;
+//! - a create that fails after the policy was sent deletes what it made
+//!   and reports a failed cleanup together with the original failure;
 //! - what the API server answers is the cluster's: parsed by typed structs,
-//!   quantities checked, never a host path.
+//!   quantities and addresses checked, never a host path.
 //!
-//! Not here (plainly): envd in the Pod serves a unix socket on the Pod's
-//! in-memory control volume, and the control plane has **no transport to
-//! it** yet. The [`SandboxHandle`] this runtime returns names no host
-//! socket (its directories are under `/dev/null`, which can hold nothing,
-//! and its init pid is 0, which no peer has), so the control plane's wait
-//! for envd would fail. Before that, the control plane refuses a local
-//! runtime that cannot pause, which this one cannot (Kubernetes has no
-//! pause, so this runtime is not `Pausable`): a create through the server
-//! does not reach the cluster yet. The lifecycle (create, status, list,
-//! usage, destroy) works on its own. This runtime
-//! cannot snapshot. A per-Pod pids limit has no field in the Pod spec (the
-//! kubelet's `podPidsLimit` is node-wide), so `pids` is not applied.
+//! Not here (plainly): **untested against a live cluster**, and the
+//! transport assumes the control plane can open TCP connections to Pod IPs
+//! (in the cluster, or on a network that routes to the Pod network). The
+//! API server's port-forward, for a control plane outside the Pod network,
+//! is **not built**. Kubernetes has no pause, so this runtime is not
+//! `Pausable` (the control plane answers `unsupported` for pause and skips
+//! freezing); it cannot snapshot. A per-Pod pids limit has no field in the
+//! Pod spec (the kubelet's `podPidsLimit` is node-wide), so `pids` is not
+//! applied. The Pod's image must carry an envd that knows
+//! `--stage-secret` (this version's).
 //!
 //! Concurrency: the runtime holds a `kube::Client` (cheap to clone, shared
-//! connection pool) and a map of memory peaks; it is called concurrently
-//! for different sandboxes.
+//! connection pool), a map of memory peaks and a map of relays (each a
+//! mutex never held across an await); it is called concurrently for
+//! different sandboxes.
 #![forbid(unsafe_code)]
 
 mod error;
