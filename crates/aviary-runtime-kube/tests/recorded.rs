@@ -13,7 +13,9 @@
 
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
+#[allow(dead_code)] // shared with the server's test
 mod bridge_envd;
+#[allow(dead_code)] // shared with the server's test
 mod replay;
 
 use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
