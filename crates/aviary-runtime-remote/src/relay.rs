@@ -9,7 +9,6 @@
 
 use crate::e2b::{E2bClient, RemoteSandbox};
 pub use aviary_relay::{Relay, BRIDGE_PORT, PROTOCOL, SECRET_HEADER};
-use std::future::Future;
 use std::path::Path;
 
 /// What one relay needs to reach its sandbox's envd.
@@ -22,18 +21,16 @@ pub struct Target {
 impl aviary_relay::Connect for Target {
     type Stream = reqwest::Upgraded;
 
-    fn connect(&self) -> impl Future<Output = std::io::Result<reqwest::Upgraded>> + Send {
-        async move {
-            self.client
-                .upgrade(
-                    &self.sandbox,
-                    BRIDGE_PORT,
-                    PROTOCOL,
-                    &[(SECRET_HEADER, &self.secret)],
-                )
-                .await
-                .map_err(|e| std::io::Error::other(e.to_string()))
-        }
+    async fn connect(&self) -> std::io::Result<reqwest::Upgraded> {
+        self.client
+            .upgrade(
+                &self.sandbox,
+                BRIDGE_PORT,
+                PROTOCOL,
+                &[(SECRET_HEADER, &self.secret)],
+            )
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))
     }
 
     fn describe(&self) -> String {
