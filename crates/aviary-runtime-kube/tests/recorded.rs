@@ -364,12 +364,14 @@ async fn an_unreachable_api_server_is_a_clear_error() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = kubeconfig(dir.path(), &format!("http://{addr}"));
+    let mut s = settings();
+    s.relay_dir = dir.path().join("relays");
     let rt = KubeRuntime::connect(
         &ApiAccess::Kubeconfig {
             path,
             context: None,
         },
-        settings(),
+        s,
     )
     .await
     .unwrap();
