@@ -9,8 +9,10 @@
 //! runs at 127.0.0.1, where this test starts a real envd with its bridge
 //! (the arguments the Pod gives it, on loopback) and the secret the runtime
 //! put in the Secret it sent; the control plane reaches it through the
-//! runtime's relay socket, so the create succeeds and commands run. No
-//! kubelet, init container or network plugin is involved.
+//! runtime's relay socket, so the create succeeds and commands run, also
+//! after a server restart (the relay is made again from the Pod and the
+//! Secret read back). No kubelet, init container or network plugin is
+//! involved.
 
 #![cfg(feature = "kubernetes")]
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
@@ -48,9 +50,10 @@ async fn a_server_with_kubernetes_creates_a_pod_and_runs_commands_through_envd_i
                 .unwrap()
                 .to_owned();
             let secret = base64::engine::general_purpose::STANDARD
-                .decode(b64)
+                .decode(&b64)
                 .unwrap();
-            bridge_envd::BridgeEnvd::start(port, std::str::from_utf8(&secret).unwrap())
+            let envd = bridge_envd::BridgeEnvd::start(port, std::str::from_utf8(&secret).unwrap());
+            (envd, b64)
         })
     };
     let (ts, _dir) = common::start_edited(|cfg| {
@@ -87,16 +90,40 @@ async fn a_server_with_kubernetes_creates_a_pod_and_runs_commands_through_envd_i
         .await
         .unwrap()
         .sandbox;
-    let _envd = envd.await.unwrap();
+    let (_envd, secret_base64) = envd.await.unwrap();
     assert_eq!(created.runtime, "kubernetes");
     assert_eq!(created.state, SandboxState::Idle);
     let id = created.id.to_string();
+    // from now on the recorded pod list names the sandbox's pod
+    replay.bind("listed", &id);
     let r = c
         .exec(&id, &common::shell("echo hello from the pod; exit 3"))
         .await
         .unwrap();
     assert_eq!(r.exit_code, 3);
     assert_eq!(r.stdout, "hello from the pod\n");
+
+    // a restart: the new server's runtime has no relay; it reads the Pod
+    // and the Secret back and makes one
+    replay.bind("secret_base64", &secret_base64);
+    let cfg = ts.server_cfg().clone();
+    let mut ts = ts;
+    ts.stop().await;
+    let ts = common::start_cfg(cfg).await;
+    let c = ts.client.clone();
+    let r = c.exec(&id, &common::shell("echo again")).await.unwrap();
+    assert_eq!(r.stdout, "again\n");
+    let secret_reads = replay
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.method == "GET" && r.path == format!("/api/v1/namespaces/aviary/secrets/{id}")
+        })
+        .count();
+    assert_eq!(
+        secret_reads, 1,
+        "the secret was read back once, after the restart"
+    );
 
     c.delete_sandbox(&id, None).await.unwrap();
     // delete answers first and reclaims the compute in the background
