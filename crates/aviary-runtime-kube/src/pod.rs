@@ -11,8 +11,9 @@
 //! Pod's in-memory control volume; the sandbox container does not mount
 //! the Secret, and envd, its PID 1, reads and removes the copy before it
 //! starts anything (`--bridge-secret-file`). The kubelet adds group read
-//! for `fsGroup` (= `run_as_user`) to Secret files, which is how the init
-//! container, running as that uid, reads a 0400 file owned by root.
+//! for `fsGroup` (= `run_as_user`) to Secret files (a 0400 `defaultMode`
+//! becomes 0440, group `fsGroup`: kubernetes/kubernetes#57923), which is
+//! how the init container, running as that uid, reads a file owned by root.
 
 use crate::KubeSettings;
 use aviary_core::SandboxId;
