@@ -231,10 +231,13 @@ async fn files_round_trip_and_confinement() {
                 host_hostname,
                 "{p} leaked the host file"
             ),
-            Err(e) => assert!(matches!(
-                code(e),
-                ErrorCode::NotFound | ErrorCode::InvalidPath
-            )),
+            Err(e) => {
+                let c = code(e);
+                assert!(
+                    matches!(c, ErrorCode::NotFound | ErrorCode::InvalidPath),
+                    "{p}: {c:?}"
+                )
+            }
         }
     }
     // the template is never written
