@@ -398,7 +398,11 @@ impl Metrics {
             .lock()
             .expect("metrics lock poisoned")
             .insert(labels.clone(), (hits.clone(), misses.clone()));
-        (hits, misses, self.pool_handed_out.get_or_create(labels).clone())
+        (
+            hits,
+            misses,
+            self.pool_handed_out.get_or_create(labels).clone(),
+        )
     }
 
     /// Takes one sample of the history (the oldest is dropped past

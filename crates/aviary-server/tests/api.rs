@@ -1253,7 +1253,8 @@ async fn exec_with_streamed_stdin() {
 /// the admin or the metrics token only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_history_samples_the_servers_own_figures() {
-    let (ts, _dir) = common::start_edited(|cfg| cfg.control.metrics_history_interval_ms = 200).await;
+    let (ts, _dir) =
+        common::start_edited(|cfg| cfg.control.metrics_history_interval_ms = 200).await;
     let c = &ts.client;
     let id = common::new_sandbox(c).await;
     let http = reqwest::Client::new();
@@ -1277,26 +1278,48 @@ async fn the_metrics_history_samples_the_servers_own_figures() {
         }) {
             break h;
         }
-        assert!(std::time::Instant::now() < deadline, "no sample saw the create: {h}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no sample saw the create: {h}"
+        );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     assert_eq!(h["interval_ms"], 200);
     let samples = h["samples"].as_array().unwrap();
     let newest = samples.last().unwrap();
     assert!(newest["live"].as_u64().unwrap() >= 1, "{newest}");
-    assert!(newest["create_seconds_sum"].as_f64().unwrap() > 0.0, "{newest}");
+    assert!(
+        newest["create_seconds_sum"].as_f64().unwrap() > 0.0,
+        "{newest}"
+    );
     // oldest first, counters never go down
     for w in samples.windows(2) {
         assert!(w[0]["at"].as_str() <= w[1]["at"].as_str(), "{h}");
-        assert!(w[0]["creates_served"].as_u64() <= w[1]["creates_served"].as_u64(), "{h}");
+        assert!(
+            w[0]["creates_served"].as_u64() <= w[1]["creates_served"].as_u64(),
+            "{h}"
+        );
     }
     // a tenant key may not read it; no key is 401; a query parameter is 400
     let tenant = c.create_key("history-tenant", false).await.unwrap();
     let s = |r: reqwest::Response| r.status().as_u16();
-    assert_eq!(s(http.get(&url).bearer_auth(&tenant.key).send().await.unwrap()), 403);
+    assert_eq!(
+        s(http
+            .get(&url)
+            .bearer_auth(&tenant.key)
+            .send()
+            .await
+            .unwrap()),
+        403
+    );
     assert_eq!(s(http.get(&url).send().await.unwrap()), 401);
     assert_eq!(
-        s(http.get(format!("{url}?since=0")).bearer_auth(&ts.key).send().await.unwrap()),
+        s(http
+            .get(format!("{url}?since=0"))
+            .bearer_auth(&ts.key)
+            .send()
+            .await
+            .unwrap()),
         400
     );
     c.delete_sandbox(&id, None).await.unwrap();

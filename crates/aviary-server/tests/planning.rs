@@ -50,10 +50,7 @@ async fn create_with_an_intent_runs_plan_then_policy() {
     assert_eq!(m["approved_class"], "python-small", "{m}");
     assert_eq!(m["source"], "heuristic", "{m}");
     let steps = m["trace"]["steps"].as_array().expect("trace steps");
-    assert!(
-        steps.iter().any(|s| s["planner"] == "heuristic"),
-        "{m}"
-    );
+    assert!(steps.iter().any(|s| s["planner"] == "heuristic"), "{m}");
     // a create naming its class has no planner trace
     let plain = c
         .create_sandbox(&CreateSandboxRequest {
