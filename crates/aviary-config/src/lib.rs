@@ -444,6 +444,14 @@ pub struct KubernetesSettings {
     pub ready_timeout_s: u64,
     /// Longest a deleted Pod may take to disappear.
     pub delete_timeout_s: u64,
+    /// CIDRs the control plane reaches Pods from: the only sources each
+    /// sandbox's NetworkPolicy admits, and only to `envd_port`. Required.
+    pub envd_from: Vec<String>,
+    /// The port envd's bridge listens on in every Pod (default 49877).
+    pub envd_port: u16,
+    /// Host-only directory of the relay sockets (default: the runtime's
+    /// state dir under the server's data dir).
+    pub relay_dir: Option<PathBuf>,
 }
 
 /// `[snapshots]`: the snapshot store (seed 000's snapshot specs: local,

@@ -82,6 +82,9 @@ struct RawKubernetes {
     run_as_user: Option<Spanned<i64>>,
     ready_timeout_s: Option<Spanned<u64>>,
     delete_timeout_s: Option<Spanned<u64>>,
+    envd_from: Option<Spanned<Vec<String>>>,
+    envd_port: Option<Spanned<u64>>,
+    relay_dir: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -1758,6 +1761,68 @@ fn check_kubernetes(
             timeouts[slot] = n;
         }
     }
+    let Some(raw_from) = raw.envd_from else {
+        return Err(ck.fail(
+            &ns_span,
+            "kubernetes.envd_from".into(),
+            "kubernetes: envd_from lists the CIDRs the control plane reaches Pods from \
+             (e.g. [\"10.0.0.0/8\"]): the only sources the sandbox's NetworkPolicy admits, \
+             and only to envd's bridge port"
+                .into(),
+        ));
+    };
+    let from_span = raw_from.span();
+    let envd_from = raw_from.into_inner();
+    ck.check(
+        !envd_from.is_empty(),
+        &from_span,
+        || "kubernetes.envd_from".into(),
+        || "kubernetes: envd_from names at least one CIDR".into(),
+    )?;
+    for cidr in &envd_from {
+        ck.check(
+            is_cidr(cidr),
+            &from_span,
+            || "kubernetes.envd_from".into(),
+            || {
+                format!(
+                    "kubernetes: envd_from entry {cidr:?} is not a CIDR \
+                     (address/prefix, no host bits set, e.g. \"10.0.0.0/8\")"
+                )
+            },
+        )?;
+    }
+    let envd_port = match raw.envd_port {
+        Some(p) => {
+            let n = *p.get_ref();
+            ck.check(
+                (1024..=65535).contains(&n),
+                &p.span(),
+                || "kubernetes.envd_port".into(),
+                || format!("kubernetes: envd_port must be between 1024 and 65535, got {n}"),
+            )?;
+            u16::try_from(n).unwrap_or(KUBE_ENVD_PORT)
+        }
+        None => KUBE_ENVD_PORT,
+    };
+    let relay_dir = match raw.relay_dir {
+        Some(d) => {
+            let path = PathBuf::from(d.get_ref());
+            ck.check(
+                path.is_absolute(),
+                &d.span(),
+                || "kubernetes.relay_dir".into(),
+                || {
+                    format!(
+                        "kubernetes: relay_dir {:?} must be an absolute path",
+                        d.get_ref()
+                    )
+                },
+            )?;
+            Some(path)
+        }
+        None => None,
+    };
     Ok(Some(crate::KubernetesSettings {
         kubeconfig,
         context,
@@ -1768,7 +1833,37 @@ fn check_kubernetes(
         run_as_user,
         ready_timeout_s: timeouts[0],
         delete_timeout_s: timeouts[1],
+        envd_from,
+        envd_port,
+        relay_dir,
     }))
+}
+
+/// envd's bridge port in a Pod unless `envd_port` says otherwise (the
+/// bridge's usual port, `aviary-relay`'s `BRIDGE_PORT`).
+const KUBE_ENVD_PORT: u16 = 49_877;
+
+/// `10.0.0.0/8`, `fd00::/8`: an address, a prefix within its family, no
+/// host bits set (the form a NetworkPolicy's ipBlock takes).
+fn is_cidr(s: &str) -> bool {
+    let Some((addr, len)) = s.split_once('/') else {
+        return false;
+    };
+    let Ok(n) = len.parse::<u8>() else {
+        return false;
+    };
+    if n.to_string() != len {
+        return false;
+    }
+    match addr.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V4(a)) => {
+            n <= 32 && u32::from(a).checked_shl(u32::from(n)).unwrap_or(0) == 0
+        }
+        Ok(std::net::IpAddr::V6(a)) => {
+            n <= 128 && u128::from(a).checked_shl(u32::from(n)).unwrap_or(0) == 0
+        }
+        Err(_) => false,
+    }
 }
 
 /// Sandbox paths the platform owns (envd and its socket); never projected into.

@@ -1424,6 +1424,7 @@ kubeconfig = "/etc/aviary/kubeconfig"
 namespace = "aviary-sandboxes"
 deployment = "prod"
 runtime_class = "gvisor"
+envd_from = ["10.0.0.0/8", "192.168.7.0/24"]
 
 [kubernetes.images]
 python = "registry.example/aviary/python@sha256:00"
@@ -1445,6 +1446,19 @@ fn a_kubernetes_table_configures_the_kubernetes_runtime() {
         (k.run_as_user, k.ready_timeout_s, k.delete_timeout_s),
         (1000, 120, 60)
     );
+    assert_eq!(k.envd_from, ["10.0.0.0/8", "192.168.7.0/24"]);
+    assert_eq!((k.envd_port, k.relay_dir), (49_877, None));
+    let c = Config::from_str(
+        &KUBE.replace(
+            "runtime_class",
+            "envd_port = 40000\nrelay_dir = \"/run/aviary/relays\"\nruntime_class",
+        ),
+        ORIGIN,
+    )
+    .unwrap();
+    let k = c.kubernetes.unwrap();
+    assert_eq!(k.envd_port, 40_000);
+    assert_eq!(k.relay_dir, Some(PathBuf::from("/run/aviary/relays")));
     let c = Config::from_str(
         &KUBE.replace(
             "kubeconfig = \"/etc/aviary/kubeconfig\"",
@@ -1495,6 +1509,30 @@ fn kubernetes_settings_are_checked() {
         (
             KUBE.replace("runtime_class", "in_cluster = true\nruntime_class"),
             "kubernetes.kubeconfig",
+        ),
+        (
+            KUBE.replace("envd_from = [\"10.0.0.0/8\", \"192.168.7.0/24\"]\n", ""),
+            "kubernetes.envd_from",
+        ),
+        (
+            KUBE.replace("\"192.168.7.0/24\"", "\"192.168.7.1/24\""),
+            "kubernetes.envd_from",
+        ),
+        (
+            KUBE.replace("\"192.168.7.0/24\"", "\"the-control-plane\""),
+            "kubernetes.envd_from",
+        ),
+        (
+            KUBE.replace("[\"10.0.0.0/8\", \"192.168.7.0/24\"]", "[]"),
+            "kubernetes.envd_from",
+        ),
+        (
+            KUBE.replace("runtime_class", "envd_port = 80\nruntime_class"),
+            "kubernetes.envd_port",
+        ),
+        (
+            KUBE.replace("runtime_class", "relay_dir = \"relays\"\nruntime_class"),
+            "kubernetes.relay_dir",
         ),
         // the table without the runtime listed, and the runtime without the table
         (KUBE.replace(", \"kubernetes\"", ""), "kubernetes"),

@@ -1301,7 +1301,7 @@ impl ControlPlane {
         };
         // the claimed row counts against the quota now
         drop(quota.take());
-        self.record_plan(&rec, &approved, request_id).await?;
+        self.record_plan(&rec, approved, request_id).await?;
         let id = rec.id.clone();
         let mut allocation = approved.allocation.clone();
         allocation.sandbox_id = Some(id.clone());

@@ -1,9 +1,11 @@
 //! The bridge (`--bridge ADDR`): how the host reaches envd in a sandbox it
-//! did not start itself (a remote provider's: `aviary-runtime-remote`).
+//! did not start itself (a remote provider's: `aviary-runtime-remote`; a
+//! Kubernetes Pod's: `aviary-runtime-kube`).
 //!
 //! There is no host-only socket there: the host reaches the sandbox only
-//! through the provider's port proxy, as HTTP. So envd also listens on a TCP
-//! address inside the sandbox (loopback) and accepts one HTTP/1.1 request
+//! through the provider's port proxy, as HTTP, or over the Pod network. So
+//! envd also listens on a TCP address inside the sandbox (loopback behind a
+//! port proxy; `0.0.0.0` in a Pod) and accepts one HTTP/1.1 request
 //! per connection: `Upgrade: aviary-envd` with the bridge secret in
 //! `x-aviary-envd-secret`. It answers `101 Switching Protocols` and from
 //! then on splices the connection byte for byte to envd's own unix socket,
@@ -12,7 +14,9 @@
 //!
 //! The secret comes from a file that envd reads and removes at start (the
 //! sandbox is fresh then, nothing else runs in it); afterwards it lives only
-//! in envd's memory. The bridge's connections to the unix socket have envd's
+//! in envd's memory. A Kubernetes Secret volume is read-only, so in a Pod an
+//! init container copies it to the control volume first (`--stage-secret`,
+//! [`stage_secret`]) and the sandbox's container never mounts the Secret. The bridge's connections to the unix socket have envd's
 //! own pid as their peer, and only those may move the fence (`set_fence`,
 //! `kill_all`): code in the sandbox that connects to the socket directly may
 //! not. A remote sandbox's own root can still end envd (it is not PID 1 of
@@ -55,6 +59,28 @@ pub struct Bridge {
 pub fn read_secret(path: &std::path::Path) -> io::Result<Vec<u8>> {
     let text = std::fs::read(path)?;
     std::fs::remove_file(path)?;
+    parse_secret(&text)
+}
+
+/// `--stage-secret SRC DST`: copies the secret of `src` (a file envd cannot
+/// remove, e.g. a Kubernetes Secret volume, read-only) to a new file `dst`
+/// (0600, never an existing file), which envd's `--bridge-secret-file`
+/// then reads and removes. For a Pod's init container: the sandbox's own
+/// container never mounts `src`, so once envd has started the secret is in
+/// its memory only.
+pub fn stage_secret(src: &std::path::Path, dst: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let line = parse_secret(&std::fs::read(src)?)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)?;
+    f.write_all(&line)?;
+    f.write_all(b"\n")
+}
+
+fn parse_secret(text: &[u8]) -> io::Result<Vec<u8>> {
     let line: Vec<u8> = text
         .split(|b| *b == b'\n')
         .next()
@@ -302,5 +328,29 @@ mod tests {
         assert!(!p.exists(), "the secret file is removed");
         std::fs::write(&p, "short\n").unwrap();
         read_secret(&p).unwrap_err();
+    }
+
+    #[test]
+    fn a_staged_secret_is_a_new_private_file_and_the_source_stays() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("mounted");
+        std::fs::write(&src, "0123456789abcdef0123").unwrap();
+        let dst = dir.path().join("secret");
+        stage_secret(&src, &dst).unwrap();
+        assert!(
+            src.exists(),
+            "the source is left alone (read-only in a Pod)"
+        );
+        let mode = std::fs::metadata(&dst).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert_eq!(read_secret(&dst).unwrap(), SECRET);
+        // never over an existing file, never a short secret
+        std::fs::write(&dst, "x").unwrap();
+        stage_secret(&src, &dst).unwrap_err();
+        assert_eq!(std::fs::read(&dst).unwrap(), b"x");
+        std::fs::write(&src, "short").unwrap();
+        stage_secret(&src, &dir.path().join("other")).unwrap_err();
+        assert!(!dir.path().join("other").exists());
     }
 }

@@ -74,6 +74,7 @@ use crate::server::{ConnectionSlot, Envd, Lane};
 
 const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH [--gvisor-host-socket]) [--root DIR] [--trust-all-peers] [--no-openat2]
                    [--bridge ADDR --bridge-secret-file FILE] [--daemon]
+       aviary-envd --stage-secret SRC DST
 
   --listen-fd N       serve the inherited socket N (socket activation): an AF_UNIX
                       SOCK_STREAM socket, bound by the host and not yet listening.
@@ -100,6 +101,10 @@ const USAGE: &str = "usage: aviary-envd (--listen-fd N | --socket PATH [--gvisor
   --bridge-secret-file FILE
                       the secret every upgrade must carry (x-aviary-envd-secret);
                       read, then removed
+  --stage-secret SRC DST
+                      copy the bridge secret of SRC (a read-only file, e.g. a
+                      Kubernetes Secret volume in an init container) to a new
+                      file DST (0600) for --bridge-secret-file, and exit
   --daemon            detach once listening (fork, new session, stdio /dev/null)
   --version";
 
@@ -218,6 +223,19 @@ pub(crate) fn bind(socket: &Path) -> std::io::Result<UnixListener> {
 }
 
 fn main() {
+    // `--stage-secret SRC DST` (a Pod's init container): nothing else runs
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if args.first().is_some_and(|a| a == "--stage-secret") {
+        let [_, src, dst] = &args[..] else {
+            eprintln!("envd: --stage-secret needs SRC and DST and nothing else\n{USAGE}");
+            std::process::exit(2);
+        };
+        if let Err(e) = bridge::stage_secret(Path::new(src), Path::new(dst)) {
+            eprintln!("envd: --stage-secret {src:?} {dst:?}: {e}");
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
     // Before any thread exists, so that every thread inherits the mask and only
     // the signal thread receives these (children get a clean mask from std).
     if let Err(e) = sys::block_signals(HANDLED_SIGNALS) {

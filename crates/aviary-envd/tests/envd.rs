@@ -1654,4 +1654,58 @@ mod e2e {
         assert!(matches!(e, EnvdError::PermissionDenied(_)), "{e:?}");
         assert_eq!(d.client().health().await.unwrap().fence, Some(9));
     }
+
+    /// `--stage-secret SRC DST` (a Pod's init container): the secret of a
+    /// read-only file lands in a new 0600 file that `--bridge-secret-file`
+    /// takes, and the bridge then accepts it; anything else in the
+    /// arguments is refused.
+    #[tokio::test]
+    async fn a_staged_secret_is_what_the_bridge_then_takes() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("mounted");
+        let secret = "0123456789abcdef0123456789abcdef";
+        std::fs::write(&src, secret).unwrap();
+        std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o400)).unwrap();
+        let dst = dir.path().join("staged");
+        let status = Command::new(envd_bin())
+            .arg("--stage-secret")
+            .args([&src, &dst])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert!(src.exists());
+        let mode = std::fs::metadata(&dst).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let status = Command::new(envd_bin())
+            .arg("--stage-secret")
+            .args([&src, &dst, &src])
+            .status()
+            .unwrap();
+        assert_eq!(status.code(), Some(2));
+        // envd with the staged file: the bridge takes the secret
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let _d = Daemon::start(&[
+            "--bridge",
+            &addr,
+            "--bridge-secret-file",
+            dst.to_str().unwrap(),
+        ])
+        .await;
+        assert!(!dst.exists(), "envd removed the staged copy");
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            c,
+            "GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: aviary-envd\r\nx-aviary-envd-secret: {secret}\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        c.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 101");
+    }
 }

@@ -32,6 +32,12 @@ pub enum KubeError {
     },
     #[error("invalid kubernetes settings: {reason}")]
     InvalidSettings { reason: String },
+    #[error("create relay dir {path:?}")]
+    CreateRelayDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// An error and its sources, one line (`RuntimeError`'s string variants
@@ -80,7 +86,7 @@ pub(crate) fn api_error(
                 reason: format!(
                     "the Kubernetes API server {server} forbade {action} in namespace \
                      {namespace:?} (403 {}: {}); the account needs get, list, create and \
-                     delete on pods and networkpolicies there",
+                     delete on pods, secrets and networkpolicies there",
                     r.reason, r.message
                 ),
             },

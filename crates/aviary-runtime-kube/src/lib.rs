@@ -6,42 +6,66 @@
 //! project is built; the tests replay exchanges written from the Kubernetes
 //! API reference (`tests/fixtures/`), not captured from a cluster.
 //!
-//! What it owns: turning a [`SandboxSpec`] into a Pod (`pod.rs`: the image
-//! the template maps to, limits = requests from the class, the tier's
-//! `runtimeClassName`, every security setting locked down, no host path, no
-//! service-account token) and a deny-all NetworkPolicy selecting it; waiting
-//! for the Pod to run; deleting both and waiting until the Pod is gone.
+//! What it owns: turning a [`SandboxSpec`] into a NetworkPolicy, a Secret
+//! and a Pod (`pod.rs`: the image the template maps to, limits = requests
+//! from the class, the tier's `runtimeClassName`, every security setting
+//! locked down, no host path, no service-account token); waiting for the
+//! Pod to run; serving the host end of envd's transport; deleting all of it
+//! and waiting until the Pod is gone.
+//!
+//! **How the control plane reaches envd in a Pod.** envd is the sandbox
+//! container's entrypoint with `--socket /run/aviary/envd.sock` (the Pod's
+//! in-memory control volume) and its bridge (`--bridge 0.0.0.0:<envd_port>
+//! --bridge-secret-file …`: HTTP/1.1 upgrades carrying a secret, spliced to
+//! that socket; `aviary-envd`'s `bridge.rs`). The secret is 32 random bytes
+//! (hex) made per sandbox and sent only in the sandbox's Secret; an init
+//! container mounts the Secret read-only (0400) and copies it onto the
+//! control volume (`envd --stage-secret`), where envd reads and removes it
+//! before it runs anything. The sandbox container never mounts the Secret,
+//! and nothing of it is in the Pod's env or args. Once the Pod runs with an
+//! address (`status.podIPs`/`podIP`, checked: the cluster's answer is not
+//! trusted), this process serves a relay socket, `<relay_dir>/<id>/envd.sock`
+//! (0600 in a 0700 dir), whose every connection is carried over one
+//! upgraded TCP connection to `podIP:envd_port` (`aviary-relay`, shared with
+//! the remote runtime). [`SandboxHandle::envd`] names that socket and this
+//! process's pid, which the control plane checks as the socket's peer. After
+//! a restart [`Runtime::envd_endpoint`] reads the Pod and the Secret again
+//! and starts the relay anew; destroy stops it and removes the socket.
+//! Only the bridge's connections may move envd's fence; code in the sandbox
+//! can reach the bridge port over loopback but lacks the secret.
 //!
 //! Invariants:
 //! - every object carries `aviary.dev/sandbox=<id>` and
 //!   `aviary.dev/deployment=<deployment>`; the runtime reads, lists and
 //!   deletes only objects with both (a Pod of the same name without them is
 //!   another party's and is never deleted);
-//! - the NetworkPolicy exists before the Pod, so the Pod never runs without
-//!   it (the cluster's network plugin enforces it; one without NetworkPolicy
-//!   support does not, and then `none` is not loopback-only: say so to the
-//!   operator, this runtime cannot see it);
-//! - a create that fails after the Pod was sent deletes what it made and
-//!   reports a failed cleanup together with the original failure;
+//! - the NetworkPolicy exists before the Secret and the Pod, so the Pod
+//!   never runs without it, and is deleted last, so `list` (Pods and
+//!   policies) finds every partial sandbox. It allows no egress and one
+//!   ingress: TCP to `envd_port` from the `envd_from` CIDRs. The cluster's
+//!   network plugin enforces it; one without NetworkPolicy support does
+//!   not, and then `none` is not loopback-only: say so to the operator,
+//!   this runtime cannot see it;
+//! - a create that fails after the policy was sent deletes what it made
+//!   and reports a failed cleanup together with the original failure;
 //! - what the API server answers is the cluster's: parsed by typed structs,
-//!   quantities checked, never a host path.
+//!   quantities and addresses checked, never a host path.
 //!
-//! Not here (plainly): envd in the Pod serves a unix socket on the Pod's
-//! in-memory control volume, and the control plane has **no transport to
-//! it** yet. The [`SandboxHandle`] this runtime returns names no host
-//! socket (its directories are under `/dev/null`, which can hold nothing,
-//! and its init pid is 0, which no peer has), so the control plane's wait
-//! for envd would fail. Before that, the control plane refuses a local
-//! runtime that cannot pause, which this one cannot (Kubernetes has no
-//! pause, so this runtime is not `Pausable`): a create through the server
-//! does not reach the cluster yet. The lifecycle (create, status, list,
-//! usage, destroy) works on its own. This runtime
-//! cannot snapshot. A per-Pod pids limit has no field in the Pod spec (the
-//! kubelet's `podPidsLimit` is node-wide), so `pids` is not applied.
+//! Not here (plainly): **untested against a live cluster**, and the
+//! transport assumes the control plane can open TCP connections to Pod IPs
+//! (in the cluster, or on a network that routes to the Pod network). The
+//! API server's port-forward, for a control plane outside the Pod network,
+//! is **not built**. Kubernetes has no pause, so this runtime is not
+//! `Pausable` (the control plane answers `unsupported` for pause and skips
+//! freezing); it cannot snapshot. A per-Pod pids limit has no field in the
+//! Pod spec (the kubelet's `podPidsLimit` is node-wide), so `pids` is not
+//! applied. The Pod's image must carry an envd that knows
+//! `--stage-secret` (this version's).
 //!
 //! Concurrency: the runtime holds a `kube::Client` (cheap to clone, shared
-//! connection pool) and a map of memory peaks; it is called concurrently
-//! for different sandboxes.
+//! connection pool), a map of memory peaks and a map of relays (each a
+//! mutex never held across an await); it is called concurrently for
+//! different sandboxes.
 #![forbid(unsafe_code)]
 
 mod error;
@@ -51,14 +75,18 @@ pub use error::KubeError;
 
 use async_trait::async_trait;
 use aviary_core::{NetworkProfile, SandboxId};
+use aviary_relay::{Relay, TcpBridge};
 use aviary_runtime::{
-    validate_spec, ResourceUsage, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec,
+    validate_spec, EnvdEndpoint, ResourceUsage, Runtime, RuntimeError, RuntimeStatus,
+    SandboxHandle, SandboxSpec, ENVD_SOCKET_NAME,
 };
 use error::{api_error, chain, status_code};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -66,8 +94,9 @@ use std::time::Duration;
 /// The name this runtime is recorded and placed by.
 pub const RUNTIME_NAME: &str = "kubernetes";
 
-/// Where a [`SandboxHandle`] of this runtime points on the host: nowhere
-/// (nothing can exist below `/dev/null`). A Pod has no host directory.
+/// Where a [`SandboxHandle`]'s workspace of this runtime points on the
+/// host: nowhere (nothing can exist below `/dev/null`). A Pod's workspace
+/// is its own `emptyDir`.
 pub const NO_HOST_DIR: &str = "/dev/null/aviary-kubernetes";
 
 /// How the runtime authenticates to the API server.
@@ -108,6 +137,14 @@ pub struct KubeSettings {
     pub delete_timeout: Duration,
     /// Interval between two reads of a Pod while waiting.
     pub poll_interval: Duration,
+    /// The port envd's bridge listens on in every Pod.
+    pub envd_port: u16,
+    /// CIDRs the control plane reaches Pods from: the only sources the
+    /// NetworkPolicy admits, and only to `envd_port`.
+    pub envd_from: Vec<String>,
+    /// Host-only directory (made 0700) where this process serves each
+    /// sandbox's relay socket (`<relay_dir>/<id>/envd.sock`).
+    pub relay_dir: PathBuf,
 }
 
 impl KubeSettings {
@@ -145,6 +182,28 @@ impl KubeSettings {
         if self.poll_interval.is_zero() {
             return invalid("poll interval is zero".into());
         }
+        if self.envd_port < 1024 {
+            return invalid(format!(
+                "envd_port {} is below 1024 (envd runs without capabilities)",
+                self.envd_port
+            ));
+        }
+        if self.envd_from.is_empty() {
+            return invalid(
+                "envd_from names no CIDR: nothing could reach envd's bridge in a Pod".into(),
+            );
+        }
+        if let Some(bad) = self.envd_from.iter().find(|c| !pod::is_cidr(c)) {
+            return invalid(format!(
+                "envd_from entry {bad:?} is not a CIDR (e.g. \"10.0.0.0/8\", no host bits set)"
+            ));
+        }
+        if !self.relay_dir.is_absolute() {
+            return invalid(format!(
+                "relay_dir {:?} is not an absolute path",
+                self.relay_dir
+            ));
+        }
         Ok(())
     }
 
@@ -164,6 +223,9 @@ impl KubeSettings {
             ready_timeout: Duration::from_secs(120),
             delete_timeout: Duration::from_secs(60),
             poll_interval: Duration::from_millis(500),
+            envd_port: aviary_relay::BRIDGE_PORT,
+            envd_from: vec!["10.0.0.0/8".into()],
+            relay_dir: std::env::temp_dir().join("aviary-kube-relays"),
         }
     }
 }
@@ -212,6 +274,9 @@ pub struct KubeRuntime {
     /// Highest memory each sandbox was seen using (the metrics API gives
     /// only the current value).
     memory_peaks: Mutex<HashMap<SandboxId, u64>>,
+    /// The relay of each sandbox whose envd this process serves (never held
+    /// across an await).
+    relays: Mutex<HashMap<SandboxId, Relay>>,
 }
 
 impl std::fmt::Debug for KubeRuntime {
@@ -260,6 +325,14 @@ impl KubeRuntime {
                 kube::Config::incluster().map_err(|source| KubeError::LoadInCluster { source })?
             }
         };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&settings.relay_dir)
+            .map_err(|source| KubeError::CreateRelayDir {
+                path: settings.relay_dir.clone(),
+                source,
+            })?;
         let mut config = config;
         // No request of this runtime streams (no watch, no exec): one that
         // hangs longer is an API server in trouble, not a slow answer.
@@ -274,6 +347,7 @@ impl KubeRuntime {
             settings,
             server,
             memory_peaks: Mutex::new(HashMap::new()),
+            relays: Mutex::new(HashMap::new()),
         })
     }
 
@@ -287,6 +361,97 @@ impl KubeRuntime {
 
     fn policies(&self) -> Api<NetworkPolicy> {
         Api::namespaced(self.client.clone(), &self.settings.namespace)
+    }
+
+    fn secrets(&self) -> Api<Secret> {
+        Api::namespaced(self.client.clone(), &self.settings.namespace)
+    }
+
+    /// The host-only directory of sandbox `id`'s relay socket.
+    fn relay_dir_of(&self, id: &SandboxId) -> PathBuf {
+        self.settings.relay_dir.join(id.as_str())
+    }
+
+    /// Starts (or keeps) the relay of `id` to `bridge`; its socket.
+    fn ensure_relay(&self, id: &SandboxId, bridge: TcpBridge) -> Result<PathBuf, RuntimeError> {
+        let dir = self.relay_dir_of(id);
+        let socket = dir.join(ENVD_SOCKET_NAME);
+        let mut relays = self.relays.lock().unwrap_or_else(|e| e.into_inner());
+        if relays.contains_key(id) {
+            return Ok(socket);
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(source) => return Err(RuntimeError::CreateDir { path: dir, source }),
+        }
+        let relay =
+            aviary_relay::start(&socket, bridge).map_err(|source| RuntimeError::WriteFile {
+                path: socket.clone(),
+                source,
+            })?;
+        relays.insert(id.clone(), relay);
+        Ok(socket)
+    }
+
+    /// Stops the relay of `id` and removes its socket and directory.
+    fn stop_relay(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.relays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        let dir = self.relay_dir_of(id);
+        let gone = |r: std::io::Result<()>| match r {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+        gone(std::fs::remove_file(dir.join(ENVD_SOCKET_NAME)))
+            .and_then(|()| gone(std::fs::remove_dir(&dir)))
+            .map_err(|source| RuntimeError::RemoveDir { path: dir, source })
+    }
+
+    /// The bridge of sandbox `id`'s envd in running Pod `p`, with `secret`.
+    fn bridge(&self, p: &Pod, secret: String) -> Result<TcpBridge, RuntimeError> {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let ip = pod::pod_address(p).map_err(|detail| RuntimeError::ParseState {
+            detail: format!("pod {name}: {detail}"),
+        })?;
+        TcpBridge::new(SocketAddr::new(ip, self.settings.envd_port), secret).ok_or_else(|| {
+            RuntimeError::ParseState {
+                detail: format!(
+                    "secret {name}: key {} is not a bridge secret (16 to 1024 printable bytes)",
+                    pod::SECRET_KEY
+                ),
+            }
+        })
+    }
+
+    /// The bridge secret of sandbox `id`, read back from its Secret.
+    async fn read_secret(&self, id: &SandboxId) -> Result<String, RuntimeError> {
+        let name = pod::object_name(id);
+        let found = self
+            .secrets()
+            .get_opt(&name)
+            .await
+            .map_err(|e| self.error(&format!("read secret {name}"), e))?;
+        let Some(secret) =
+            found.filter(|s| pod::is_ours(&self.settings, id, s.metadata.labels.as_ref()))
+        else {
+            return Err(RuntimeError::InvokeRuntime {
+                action: format!("reach envd of {id}"),
+                detail: format!(
+                    "its secret {name} is missing (or not labelled for this deployment)"
+                ),
+            });
+        };
+        let bytes = secret
+            .data
+            .and_then(|mut d| d.remove(pod::SECRET_KEY))
+            .map(|b| b.0)
+            .unwrap_or_default();
+        String::from_utf8(bytes).map_err(|_| RuntimeError::ParseState {
+            detail: format!("secret {name}: key {} is not text", pod::SECRET_KEY),
+        })
     }
 
     fn error(&self, action: &str, e: kube::Error) -> RuntimeError {
@@ -371,7 +536,7 @@ impl KubeRuntime {
     }
 
     /// Polls the Pod until it runs, fails, vanishes or the timeout passes.
-    async fn wait_running(&self, id: &SandboxId, uid: &str) -> Result<(), RuntimeError> {
+    async fn wait_running(&self, id: &SandboxId, uid: &str) -> Result<Pod, RuntimeError> {
         let action = format!("start pod {id}");
         let deadline = tokio::time::Instant::now() + self.settings.ready_timeout;
         loop {
@@ -384,8 +549,8 @@ impl KubeRuntime {
                     })
                 }
             };
-            let why = match self.progress(p) {
-                Progress::Running => return Ok(()),
+            let why = match self.progress(p.clone()) {
+                Progress::Running => return Ok(p),
                 Progress::Failed(detail) => {
                     return Err(RuntimeError::InvokeRuntime { action, detail })
                 }
@@ -445,33 +610,52 @@ impl KubeRuntime {
             }
             self.wait_gone(&name, uid.as_deref()).await?;
         }
-        self.delete_policy(id).await
+        self.delete_rest(id).await
     }
 
-    async fn delete_policy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+    /// Deletes the Secret, then the policy, of `id`: the policy is the
+    /// first object a create makes and the last one deleted, so `list`
+    /// finds every partial sandbox through it.
+    async fn delete_rest(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.delete_labelled(self.secrets(), "secret", id).await?;
+        self.delete_labelled(self.policies(), "networkpolicy", id)
+            .await
+    }
+
+    /// Deletes object `id` of `api` (a `kind`) if it exists and carries
+    /// both labels, bound to the uid it read.
+    async fn delete_labelled<K>(
+        &self,
+        api: Api<K>,
+        kind: &str,
+        id: &SandboxId,
+    ) -> Result<(), RuntimeError>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
         let name = pod::object_name(id);
-        let action = format!("delete networkpolicy {name}");
-        let found = match self.policies().get_opt(&name).await {
+        let action = format!("delete {kind} {name}");
+        let found = match api.get_opt(&name).await {
             Ok(p) => p,
-            Err(e) => return Err(self.error(&format!("read networkpolicy {name}"), e)),
+            Err(e) => return Err(self.error(&format!("read {kind} {name}"), e)),
         };
-        let Some(policy) = found else { return Ok(()) };
-        if !pod::is_ours(&self.settings, id, policy.metadata.labels.as_ref()) {
+        let Some(object) = found else { return Ok(()) };
+        if !pod::is_ours(&self.settings, id, object.meta().labels.as_ref()) {
             return Err(RuntimeError::InvokeRuntime {
                 action,
-                detail:
-                    "the networkpolicy is not labelled for this deployment: not ours, not deleted"
-                        .into(),
+                detail: format!(
+                    "the {kind} is not labelled for this deployment: not ours, not deleted"
+                ),
             });
         }
         let dp = DeleteParams {
             preconditions: Some(Preconditions {
-                uid: policy.metadata.uid.clone(),
+                uid: object.meta().uid.clone(),
                 resource_version: None,
             }),
             ..DeleteParams::default()
         };
-        match self.policies().delete(&name, &dp).await {
+        match api.delete(&name, &dp).await {
             Ok(_) => Ok(()),
             Err(e) if status_code(&e) == Some(404) => Ok(()),
             Err(e) => Err(self.error(&action, e)),
@@ -550,20 +734,38 @@ impl KubeRuntime {
             }
             Err(e) => return Err(self.error(&format!("create networkpolicy {name}"), e)),
         }
+        // A fresh secret per sandbox; it leaves this process only in the
+        // Secret (and in this process's memory, for the relay).
+        let secret = hex::encode(rand::random::<[u8; 32]>());
+        match self
+            .secrets()
+            .create(&pp, &pod::bridge_secret(&self.settings, id, &secret))
+            .await
+        {
+            Ok(_) => {}
+            // The policy stays (as below): destroy(id) removes all of it.
+            Err(e) if status_code(&e) == Some(409) => {
+                return Err(RuntimeError::AlreadyExists { id: id.clone() })
+            }
+            Err(e) => {
+                let err = self.error(&format!("create secret {name}"), e);
+                return Err(err.with_cleanup(self.delete_rest(id).await));
+            }
+        }
         let created = match self
             .pods()
             .create(&pp, &pod::pod(&self.settings, spec, image))
             .await
         {
             Ok(p) => p,
-            // The policy stays: it denies traffic to the existing Pod of
-            // this id too, and destroy(id) removes both.
+            // The policy and the secret stay: the policy denies traffic to
+            // the existing Pod of this id too, and destroy(id) removes all.
             Err(e) if status_code(&e) == Some(409) => {
                 return Err(RuntimeError::AlreadyExists { id: id.clone() })
             }
             Err(e) => {
                 let err = self.error(&format!("create pod {name}"), e);
-                return Err(err.with_cleanup(self.delete_policy(id).await));
+                return Err(err.with_cleanup(self.delete_rest(id).await));
             }
         };
         let Some(uid) = created.metadata.uid.clone() else {
@@ -572,17 +774,30 @@ impl KubeRuntime {
             };
             return Err(err.with_cleanup(self.delete_all(id).await));
         };
-        match self.wait_running(id, &uid).await {
-            Ok(()) => Ok(SandboxHandle {
+        let relayed = async {
+            let running = self.wait_running(id, &uid).await?;
+            let bridge = self.bridge(&running, secret)?;
+            self.ensure_relay(id, bridge)
+        }
+        .await;
+        match relayed {
+            Ok(socket) => Ok(SandboxHandle {
                 id: id.clone(),
                 runtime: RUNTIME_NAME.into(),
                 runtime_instance_id: uid,
-                control_dir: PathBuf::from(NO_HOST_DIR),
+                control_dir: self.relay_dir_of(id),
                 workspace_dir: PathBuf::from(NO_HOST_DIR),
-                init_pid: 0,
-                envd: None,
+                // the relay's listener: this process
+                init_pid: std::process::id(),
+                envd: Some(EnvdEndpoint {
+                    socket,
+                    peer_pid: std::process::id(),
+                }),
             }),
-            Err(e) => Err(e.with_cleanup(self.delete_all(id).await)),
+            Err(e) => {
+                let cleanup = self.stop_relay(id).and(self.delete_all(id).await);
+                Err(e.with_cleanup(cleanup))
+            }
         }
     }
 }
@@ -610,6 +825,7 @@ impl Runtime for KubeRuntime {
 
     #[tracing::instrument(skip_all, fields(sandbox.id = %id))]
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        self.stop_relay(id)?;
         self.delete_all(id).await?;
         self.memory_peaks
             .lock()
@@ -701,6 +917,36 @@ impl Runtime for KubeRuntime {
             oom_kills,
             pids_current: 0,
             disk_free_bytes: None,
+        })
+    }
+
+    /// The relay of `id`, started again if this process has none (after a
+    /// restart): the Pod's address and the Secret are read back.
+    async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
+        let known = self
+            .relays
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(id);
+        if !known {
+            let Some(p) = self.our_pod(id).await? else {
+                return Err(RuntimeError::NotFound { id: id.clone() });
+            };
+            if !matches!(self.progress(p.clone()), Progress::Running)
+                || p.metadata.deletion_timestamp.is_some()
+            {
+                return Err(RuntimeError::InvokeRuntime {
+                    action: format!("reach envd of {id}"),
+                    detail: "its pod is not running".into(),
+                });
+            }
+            let secret = self.read_secret(id).await?;
+            let bridge = self.bridge(&p, secret)?;
+            self.ensure_relay(id, bridge)?;
+        }
+        Ok(EnvdEndpoint {
+            socket: self.relay_dir_of(id).join(ENVD_SOCKET_NAME),
+            peer_pid: std::process::id(),
         })
     }
 

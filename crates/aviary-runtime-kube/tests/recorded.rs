@@ -2,16 +2,27 @@
 //! `replay/mod.rs`). **Not a live cluster**: the fixtures are written from
 //! the Kubernetes API reference. What these tests pin down is what the
 //! runtime sends (the Pod's security settings, limits, runtime class,
-//! labels, the order of requests) and how it reads each answer (phases,
-//! container states, Status errors).
+//! labels, the Secret, the policy, the order of requests) and how it reads
+//! each answer (phases, container states, addresses, Status errors).
+//!
+//! The envd transport is tested with a real envd (`bridge_envd`): the
+//! recorded Pod's address is 127.0.0.1 and its bridge port is where the
+//! test started envd, with the secret the runtime put in the Secret it
+//! sent. No Pod, no kubelet, no network plugin is involved: the init
+//! container and the NetworkPolicy are checked as objects only.
 
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
+#[allow(dead_code)] // shared with the server's test
+mod bridge_envd;
+#[allow(dead_code)] // shared with the server's test
 mod replay;
 
 use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
+use aviary_envd_proto::{EnvdClient, ExecSpec};
 use aviary_runtime::{BindMount, Runtime, RuntimeError, RuntimeStatus, SandboxSpec, TemplateRef};
 use aviary_runtime_kube::{ApiAccess, KubeError, KubeRuntime, KubeSettings, NO_HOST_DIR};
+use base64::Engine as _;
 use replay::{kubeconfig, Replay};
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -67,10 +78,21 @@ fn spec(sandbox: &str) -> SandboxSpec {
     }
 }
 
+/// The runtime against `replay`, its relays under the returned dir.
 async fn runtime(replay: &Replay, settings: KubeSettings) -> (KubeRuntime, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let path = kubeconfig(dir.path(), &replay.url());
-    let rt = KubeRuntime::connect(
+    let rt = runtime_in(replay, settings, dir.path()).await;
+    (rt, dir)
+}
+
+async fn runtime_in(
+    replay: &Replay,
+    mut settings: KubeSettings,
+    dir: &std::path::Path,
+) -> KubeRuntime {
+    settings.relay_dir = dir.join("relays");
+    let path = kubeconfig(dir, &replay.url());
+    KubeRuntime::connect(
         &ApiAccess::Kubeconfig {
             path,
             context: None,
@@ -78,8 +100,7 @@ async fn runtime(replay: &Replay, settings: KubeSettings) -> (KubeRuntime, tempf
         settings,
     )
     .await
-    .unwrap();
-    (rt, dir)
+    .unwrap()
 }
 
 fn sent(replay: &Replay, method: &str, path: &str) -> Value {
@@ -89,6 +110,18 @@ fn sent(replay: &Replay, method: &str, path: &str) -> Value {
         .find(|r| r.method == method && r.path == path)
         .and_then(|r| r.body)
         .unwrap_or_else(|| panic!("no {method} {path} with a body was sent"))
+}
+
+/// The bridge secret the runtime sent in its Secret.
+fn secret_of(replay: &Replay) -> String {
+    let secret = sent(replay, "POST", "/api/v1/namespaces/aviary/secrets");
+    let b64 = secret["data"]["bridge-secret"].as_str().unwrap();
+    String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .unwrap(),
+    )
+    .unwrap()
 }
 
 #[tokio::test]
@@ -103,9 +136,16 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         handle.runtime_instance_id,
         "6f1c2a7e-2b1d-4c57-9a51-0c6f8e0b1a01"
     );
-    // no host socket, no host pid: nothing on the host stands for a Pod
-    assert!(handle.control_dir.starts_with(NO_HOST_DIR));
-    assert_eq!(handle.init_pid, 0);
+    // envd is reached through a relay socket this process serves; the
+    // workspace is the Pod's own
+    let ep = handle.envd.clone().unwrap();
+    assert_eq!(ep.peer_pid, std::process::id());
+    assert_eq!(
+        ep.socket,
+        _dir.path().join("relays").join(A).join("envd.sock")
+    );
+    assert!(ep.socket.exists());
+    assert!(handle.workspace_dir.starts_with(NO_HOST_DIR));
 
     assert_eq!(rt.status(&id(A)).await.unwrap(), RuntimeStatus::Running);
     let usage = rt.usage(&id(A)).await.unwrap();
@@ -114,6 +154,8 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
     assert_eq!(usage.oom_kills, 0);
     assert_eq!(rt.list().await.unwrap(), vec![id(A), id(B)]);
     rt.destroy(&id(A)).await.unwrap();
+    assert!(!ep.socket.exists(), "the relay socket is gone");
+    assert!(!ep.socket.parent().unwrap().exists());
     assert_eq!(rt.status(&id(A)).await.unwrap(), RuntimeStatus::NotFound);
     rt.destroy(&id(A)).await.unwrap();
     replay.finish();
@@ -123,7 +165,8 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         assert_eq!(r.authorization.as_deref(), Some("Bearer replay-token"));
     }
 
-    // The policy selects exactly this sandbox and allows nothing.
+    // The policy selects exactly this sandbox, allows no egress and one
+    // ingress: envd's bridge port from envd_from.
     let policy = sent(
         &replay,
         "POST",
@@ -134,8 +177,28 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         json!({
             "podSelector": {"matchLabels": {"aviary.dev/sandbox": A, "aviary.dev/deployment": "test"}},
             "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{
+                "from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+                "ports": [{"protocol": "TCP", "port": 49877}],
+            }],
         })
     );
+
+    // The Secret: labelled, immutable, one key, a fresh 64-hex secret.
+    let secret = sent(&replay, "POST", "/api/v1/namespaces/aviary/secrets");
+    assert_eq!(secret["metadata"]["name"], A);
+    assert_eq!(secret["metadata"]["labels"]["aviary.dev/sandbox"], A);
+    assert_eq!(
+        secret["metadata"]["labels"]["aviary.dev/deployment"],
+        "test"
+    );
+    assert_eq!(secret["immutable"], true);
+    assert!(secret.get("stringData").is_none());
+    let data = secret["data"].as_object().unwrap();
+    assert_eq!(data.keys().collect::<Vec<_>>(), ["bridge-secret"]);
+    let value = secret_of(&replay);
+    assert_eq!(value.len(), 64);
+    assert!(value.bytes().all(|b| b.is_ascii_hexdigit()), "{value}");
 
     // The Pod, field by field: where bugs would hide.
     let pod = sent(&replay, "POST", "/api/v1/namespaces/aviary/pods");
@@ -164,11 +227,37 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         })
     );
     let volumes = ps["volumes"].as_array().unwrap();
-    assert_eq!(volumes.len(), 2);
-    for v in volumes {
+    assert_eq!(volumes.len(), 3);
+    for v in &volumes[..2] {
         let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
-        assert_eq!(keys, ["emptyDir", "name"], "only emptyDir volumes: {v}");
+        assert_eq!(keys, ["emptyDir", "name"], "no host path: {v}");
     }
+    assert_eq!(
+        volumes[2],
+        json!({"name": "bridge-secret", "secret": {
+            "secretName": A, "defaultMode": 0o400, "optional": false,
+            "items": [{"key": "bridge-secret", "path": "bridge-secret"}],
+        }})
+    );
+    // The init container stages the secret; only it mounts the Secret.
+    let inits = ps["initContainers"].as_array().unwrap();
+    assert_eq!(inits.len(), 1);
+    assert_eq!(inits[0]["command"], json!(["/.aviary/envd"]));
+    assert_eq!(
+        inits[0]["args"],
+        json!([
+            "--stage-secret",
+            "/var/run/aviary-secret/bridge-secret",
+            "/run/aviary/bridge-secret"
+        ])
+    );
+    assert_eq!(
+        inits[0]["volumeMounts"],
+        json!([
+            {"name": "bridge-secret", "mountPath": "/var/run/aviary-secret", "readOnly": true},
+            {"name": "control", "mountPath": "/run/aviary"},
+        ])
+    );
     let containers = ps["containers"].as_array().unwrap();
     assert_eq!(containers.len(), 1);
     let c = &containers[0];
@@ -177,7 +266,31 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         format!("registry.example/aviary/python@sha256:{}", "0".repeat(64))
     );
     assert_eq!(c["command"], json!(["/.aviary/envd"]));
-    assert_eq!(c["args"], json!(["--socket", "/run/aviary/envd.sock"]));
+    assert_eq!(
+        c["args"],
+        json!([
+            "--socket",
+            "/run/aviary/envd.sock",
+            "--bridge",
+            "0.0.0.0:49877",
+            "--bridge-secret-file",
+            "/run/aviary/bridge-secret",
+        ])
+    );
+    // the secret is nowhere in the Pod spec: not in env, args or mounts
+    let pod_text = pod.to_string();
+    assert!(
+        !pod_text.contains(&value),
+        "the secret leaked into the Pod spec"
+    );
+    assert_eq!(
+        c["volumeMounts"],
+        json!([
+            {"name": "workspace", "mountPath": "/workspace"},
+            {"name": "control", "mountPath": "/run/aviary"},
+        ])
+    );
+    assert_eq!(inits[0]["securityContext"], c["securityContext"]);
     assert_eq!(
         c["securityContext"],
         json!({
@@ -192,7 +305,7 @@ async fn a_sandbox_is_created_read_listed_and_destroyed() {
         c["resources"],
         json!({"limits": limits, "requests": limits})
     );
-    assert!(c.get("ports").is_none(), "no port is opened: {c}");
+    assert!(c.get("ports").is_none(), "no port is declared: {c}");
     assert_eq!(c["env"][1], json!({"name": "HOME", "value": "/root"}));
 
     // The delete is graceful (1 s) and bound to the uid that was read.
@@ -251,12 +364,14 @@ async fn an_unreachable_api_server_is_a_clear_error() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = kubeconfig(dir.path(), &format!("http://{addr}"));
+    let mut s = settings();
+    s.relay_dir = dir.path().join("relays");
     let rt = KubeRuntime::connect(
         &ApiAccess::Kubeconfig {
             path,
             context: None,
         },
-        settings(),
+        s,
     )
     .await
     .unwrap();
@@ -404,4 +519,125 @@ async fn a_pod_the_api_server_finds_invalid_is_an_invalid_spec_and_its_policy_go
     assert!(reason.contains("invalid reference format"), "{reason}");
     assert_eq!(e.code(), aviary_core::ErrorCode::InvalidRequest);
     replay.finish();
+}
+
+/// The transport: the runtime's create returns a handle whose relay socket
+/// (served by this process) reaches a real envd's bridge with the secret
+/// the runtime generated; envd answers health and runs a command through
+/// it; a wrong secret is refused by envd; after a restart the relay is
+/// made again from the Pod and the Secret read back; destroy removes the
+/// Pod, the Secret, the policy and the relay socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_in_the_pod_is_reached_through_the_relay_with_the_generated_secret() {
+    let replay = Replay::start("envd_bridge").await;
+    let port = bridge_envd::free_port();
+    let mut s = settings();
+    s.envd_port = port;
+    let dir = tempfile::tempdir().unwrap();
+    let rt = runtime_in(&replay, s.clone(), dir.path()).await;
+    let handle = rt.create(&spec(A)).await.unwrap();
+    // envd in the "Pod": started with what the runtime put in the Secret
+    let secret = secret_of(&replay);
+    let envd = bridge_envd::BridgeEnvd::start(port, &secret);
+    let ep = handle.envd.clone().unwrap();
+    let client = EnvdClient::new(&ep.socket).expect_peer_pid(ep.peer_pid);
+    client.wait_ready(Duration::from_secs(10)).await.unwrap();
+    let health = client.health().await.unwrap();
+    assert!(!health.pid1, "the test's envd is an ordinary process");
+    let out = client
+        .exec_collect(
+            ExecSpec {
+                argv: vec![
+                    "/bin/sh".into(),
+                    "-c".into(),
+                    "echo hello from the pod".into(),
+                ],
+                ..ExecSpec::default()
+            },
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello from the pod\n");
+    // only the bridge's connections may move the fence: these are
+    client.set_fence(Some(3)).await.unwrap();
+    assert_eq!(client.health().await.unwrap().fence, Some(3));
+
+    // a wrong secret is refused by envd itself
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let wrong = aviary_relay::TcpBridge::new(addr, "f".repeat(64)).unwrap();
+    let e = wrong.open().await.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    // ...and so is a relay that carries it
+    let wrong_socket = dir.path().join("wrong.sock");
+    let _wrong_relay = aviary_relay::start(&wrong_socket, wrong).unwrap();
+    EnvdClient::new(&wrong_socket).health().await.unwrap_err();
+
+    // a restart: a new runtime, no relay, reads the Pod and the Secret again
+    drop(rt);
+    replay.bind(
+        "secret_base64",
+        &base64::engine::general_purpose::STANDARD.encode(&secret),
+    );
+    let rt = runtime_in(&replay, s, dir.path()).await;
+    let again = rt.envd_endpoint(&id(A)).await.unwrap();
+    assert_eq!(again, ep);
+    let client = EnvdClient::new(&again.socket).expect_peer_pid(again.peer_pid);
+    assert_eq!(client.health().await.unwrap().fence, Some(3));
+    // a second call reuses the relay: no request to the API server
+    rt.envd_endpoint(&id(A)).await.unwrap();
+
+    rt.destroy(&id(A)).await.unwrap();
+    assert!(!ep.socket.exists(), "the relay socket is gone");
+    assert!(!ep.socket.parent().unwrap().exists());
+    client.health().await.unwrap_err();
+    replay.finish();
+    let deleted: Vec<String> = replay
+        .requests()
+        .into_iter()
+        .filter(|r| r.method == "DELETE")
+        .map(|r| r.path)
+        .collect();
+    assert_eq!(
+        deleted,
+        [
+            format!("/api/v1/namespaces/aviary/pods/{A}"),
+            format!("/api/v1/namespaces/aviary/secrets/{A}"),
+            format!("/apis/networking.k8s.io/v1/namespaces/aviary/networkpolicies/{A}"),
+        ]
+    );
+    drop(envd);
+}
+
+#[tokio::test]
+async fn bridge_settings_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = kubeconfig(dir.path(), "http://127.0.0.1:1");
+    let access = ApiAccess::Kubeconfig {
+        path,
+        context: None,
+    };
+    for (edit, what) in [
+        (
+            Box::new(|s: &mut KubeSettings| s.envd_from.clear()) as Box<dyn Fn(&mut KubeSettings)>,
+            "names no CIDR",
+        ),
+        (
+            Box::new(|s| s.envd_from = vec!["10.0.0.1/8".into()]),
+            "not a CIDR",
+        ),
+        (
+            Box::new(|s| s.envd_from = vec!["everywhere".into()]),
+            "not a CIDR",
+        ),
+        (Box::new(|s| s.envd_port = 80), "below 1024"),
+        (Box::new(|s| s.relay_dir = "relative".into()), "absolute"),
+    ] {
+        let mut s = settings();
+        s.relay_dir = dir.path().join("relays");
+        edit(&mut s);
+        let e = KubeRuntime::connect(&access, s).await.unwrap_err();
+        assert!(matches!(e, KubeError::InvalidSettings { .. }), "{e:?}");
+        assert!(e.to_string().contains(what), "{e}");
+    }
 }

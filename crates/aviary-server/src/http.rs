@@ -415,7 +415,7 @@ async fn authorize_metrics(cp: &AppState, headers: &HeaderMap) -> Result<(), Api
 async fn metrics_history(
     State(cp): State<AppState>,
     headers: HeaderMap,
-    ApiQuery(_): ApiQuery<NoQuery>,
+    ApiQuery(NoQuery {}): ApiQuery<NoQuery>,
 ) -> Result<Json<aviary_control::metrics::MetricsHistory>, ApiError> {
     authorize_metrics(&cp, &headers).await?;
     Ok(Json(aviary_control::metrics::MetricsHistory {

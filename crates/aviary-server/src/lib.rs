@@ -72,7 +72,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
     };
     for name in names {
         if name == aviary_core::RuntimeName::Kubernetes {
-            runtimes.push(kubernetes_runtime(&cfg.control.settings).await?);
+            runtimes.push(kubernetes_runtime(&cfg).await?);
             continue;
         }
         let state = cfg.runtime_state_dir_of(name);
@@ -265,12 +265,14 @@ async fn docker_runtime(
 
 /// The Kubernetes runtime of `[kubernetes]` (the configuration guarantees
 /// the table when `server.runtimes` lists it). Connecting reads the
-/// credentials only: an unreachable API server shows on the first create.
+/// credentials and makes the relay dir (default: the runtime's state dir
+/// under the data dir) only: an unreachable API server shows on the first
+/// create.
 #[cfg(feature = "kubernetes")]
-async fn kubernetes_runtime(
-    settings: &aviary_config::Config,
-) -> anyhow::Result<aviary_runtime::CapableRuntime> {
-    let k = settings
+async fn kubernetes_runtime(cfg: &ServerConfig) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+    let k = cfg
+        .control
+        .settings
         .kubernetes
         .as_ref()
         .context("server.runtimes lists kubernetes but [kubernetes] is missing")?;
@@ -292,6 +294,12 @@ async fn kubernetes_runtime(
             ready_timeout: Duration::from_secs(k.ready_timeout_s),
             delete_timeout: Duration::from_secs(k.delete_timeout_s),
             poll_interval: Duration::from_millis(500),
+            envd_port: k.envd_port,
+            envd_from: k.envd_from.clone(),
+            relay_dir: k
+                .relay_dir
+                .clone()
+                .unwrap_or_else(|| cfg.runtime_state_dir_of(aviary_core::RuntimeName::Kubernetes)),
         },
     )
     .await
@@ -300,9 +308,7 @@ async fn kubernetes_runtime(
 }
 
 #[cfg(not(feature = "kubernetes"))]
-async fn kubernetes_runtime(
-    _settings: &aviary_config::Config,
-) -> anyhow::Result<aviary_runtime::CapableRuntime> {
+async fn kubernetes_runtime(_cfg: &ServerConfig) -> anyhow::Result<aviary_runtime::CapableRuntime> {
     anyhow::bail!(
         "this build has no Kubernetes runtime (cargo feature `kubernetes` of aviary-server)"
     )

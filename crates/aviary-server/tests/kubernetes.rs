@@ -2,18 +2,24 @@
 //! exchanges (**not a live cluster**: the fixture is written from the
 //! Kubernetes API reference; see `aviary-runtime-kube/tests/replay`).
 //!
-//! What works: a server configured with `[kubernetes]` starts, holds the
-//! runtime in its `RuntimeSet` (without `Pausable`), its start-up and
-//! reconciler passes list the deployment's Pods and policies, and a create
-//! placed on `kubernetes` sends the policy and the Pod. What does not yet
-//! (README, "Kubernetes runtime"): envd in the Pod is unreachable (no
-//! transport to it), so the control plane's wait for envd fails and the
-//! create fails cleanly: a 5xx, the sandbox `terminated`, its Pod and policy
-//! deleted again. When the transport lands, this test must change with it.
+//! A server configured with `[kubernetes]` starts, holds the runtime in its
+//! `RuntimeSet` (without `Pausable`), its start-up and reconciler passes
+//! list the deployment's Pods and policies, and a create placed on
+//! `kubernetes` sends the policy, the Secret and the Pod. The recorded Pod
+//! runs at 127.0.0.1, where this test starts a real envd with its bridge
+//! (the arguments the Pod gives it, on loopback) and the secret the runtime
+//! put in the Secret it sent; the control plane reaches it through the
+//! runtime's relay socket, so the create succeeds and commands run, also
+//! after a server restart (the relay is made again from the Pod and the
+//! Secret read back). No kubelet, init container or network plugin is
+//! involved.
 
 #![cfg(feature = "kubernetes")]
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
+#[path = "../../aviary-runtime-kube/tests/bridge_envd/mod.rs"]
+#[allow(dead_code)] // shared with the runtime's own tests
+mod bridge_envd;
 mod common;
 #[path = "../../aviary-runtime-kube/tests/replay/mod.rs"]
 #[allow(dead_code)] // shared with the runtime's own tests
@@ -21,13 +27,35 @@ mod replay;
 
 use aviary_core::api::CreateSandboxRequest;
 use aviary_core::{RuntimeName, SandboxState};
+use base64::Engine as _;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_with_kubernetes_creates_the_pod_and_removes_it_when_envd_is_unreachable() {
-    let replay = replay::Replay::start("server_create_no_envd").await;
+async fn a_server_with_kubernetes_creates_a_pod_and_runs_commands_through_envd_in_it() {
+    let replay = Arc::new(replay::Replay::start("server_create").await);
     let kube_dir = tempfile::tempdir().unwrap();
     let kubeconfig = replay::kubeconfig(kube_dir.path(), &replay.url());
+    let port = bridge_envd::free_port();
+    // envd "in the Pod": started once the runtime has sent the Secret,
+    // with the secret in it
+    let envd = {
+        let replay = replay.clone();
+        tokio::spawn(async move {
+            let sent = replay
+                .wait_for("POST", "/api/v1/namespaces/aviary/secrets")
+                .await;
+            let b64 = sent.body.unwrap()["data"]["bridge-secret"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            let secret = base64::engine::general_purpose::STANDARD
+                .decode(&b64)
+                .unwrap();
+            let envd = bridge_envd::BridgeEnvd::start(port, std::str::from_utf8(&secret).unwrap());
+            (envd, b64)
+        })
+    };
     let (ts, _dir) = common::start_edited(|cfg| {
         let s = &mut cfg.control.settings;
         s.server.runtimes = vec![RuntimeName::Crun, RuntimeName::Kubernetes];
@@ -47,27 +75,61 @@ async fn a_server_with_kubernetes_creates_the_pod_and_removes_it_when_envd_is_un
             run_as_user: 1000,
             ready_timeout_s: 30,
             delete_timeout_s: 30,
+            envd_from: vec!["127.0.0.0/8".into()],
+            envd_port: port,
+            relay_dir: None,
         });
     })
     .await;
     let c = ts.client.clone();
-    let e = c
+    let created = c
         .create_sandbox(&CreateSandboxRequest {
             runtime: Some("kubernetes".into()),
             ..Default::default()
         })
         .await
-        .unwrap_err();
-    assert!(
-        e.code().is_some_and(|c| c.http_status() >= 500),
-        "envd in a Pod is not reachable yet: {e}"
+        .unwrap()
+        .sandbox;
+    let (_envd, secret_base64) = envd.await.unwrap();
+    assert_eq!(created.runtime, "kubernetes");
+    assert_eq!(created.state, SandboxState::Idle);
+    let id = created.id.to_string();
+    // from now on the recorded pod list names the sandbox's pod
+    replay.bind("listed", &id);
+    let r = c
+        .exec(&id, &common::shell("echo hello from the pod; exit 3"))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, 3);
+    assert_eq!(r.stdout, "hello from the pod\n");
+
+    // a restart: the new server's runtime has no relay; it reads the Pod
+    // and the Secret back and makes one
+    replay.bind("secret_base64", &secret_base64);
+    let cfg = ts.server_cfg().clone();
+    let mut ts = ts;
+    ts.stop().await;
+    let ts = common::start_cfg(cfg).await;
+    let c = ts.client.clone();
+    let r = c.exec(&id, &common::shell("echo again")).await.unwrap();
+    assert_eq!(r.stdout, "again\n");
+    let secret_reads = replay
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.method == "GET" && r.path == format!("/api/v1/namespaces/aviary/secrets/{id}")
+        })
+        .count();
+    assert_eq!(
+        secret_reads, 1,
+        "the secret was read back once, after the restart"
     );
-    // the failed sandbox: on kubernetes, terminated
-    let all = c.list_sandboxes(true).await.unwrap().sandboxes;
-    assert_eq!(all.len(), 1, "{all:?}");
-    assert_eq!(all[0].runtime, "kubernetes");
-    assert_eq!(all[0].state, SandboxState::Terminated, "{all:?}");
-    // the policy and the Pod were sent, then deleted (every exchange used)
+
+    c.delete_sandbox(&id, None).await.unwrap();
+    // delete answers first and reclaims the compute in the background
+    ts.cp().reclaims.settled().await;
+    // the policy, the Secret and the Pod were sent, then deleted (every
+    // exchange used)
     replay.finish();
     let writes: Vec<(String, String)> = replay
         .requests()
@@ -75,7 +137,6 @@ async fn a_server_with_kubernetes_creates_the_pod_and_removes_it_when_envd_is_un
         .filter(|r| r.method != "GET")
         .map(|r| (r.method.clone(), r.path.clone()))
         .collect();
-    let id = all[0].id.as_str();
     assert_eq!(
         writes,
         [
@@ -83,8 +144,10 @@ async fn a_server_with_kubernetes_creates_the_pod_and_removes_it_when_envd_is_un
                 "POST",
                 "/apis/networking.k8s.io/v1/namespaces/aviary/networkpolicies".to_owned()
             ),
+            ("POST", "/api/v1/namespaces/aviary/secrets".to_owned()),
             ("POST", "/api/v1/namespaces/aviary/pods".to_owned()),
             ("DELETE", format!("/api/v1/namespaces/aviary/pods/{id}")),
+            ("DELETE", format!("/api/v1/namespaces/aviary/secrets/{id}")),
             (
                 "DELETE",
                 format!("/apis/networking.k8s.io/v1/namespaces/aviary/networkpolicies/{id}")
@@ -96,6 +159,11 @@ async fn a_server_with_kubernetes_creates_the_pod_and_removes_it_when_envd_is_un
     for r in replay.requests() {
         assert_eq!(r.authorization.as_deref(), Some("Bearer replay-token"));
     }
+    // the relay socket went with the sandbox
+    let relays = ts
+        .server_cfg()
+        .runtime_state_dir_of(RuntimeName::Kubernetes);
+    assert!(!relays.join(&id).exists(), "{}", relays.display());
     // the local runtime still serves
     let local = c
         .create_sandbox(&CreateSandboxRequest::default())

@@ -19,38 +19,18 @@
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
 mod common;
+#[path = "common/remote.rs"]
+mod remote;
 
 use aviary_core::api::CreateSandboxRequest;
-use aviary_core::{NetworkProfile, ResourceLimits, RuntimeName, SandboxId};
-use aviary_envd_proto::{EnvdClient, EnvdError, ExecSpec};
-use aviary_runtime::conformance;
-use aviary_runtime::{BindMount, Runtime, RuntimeError, RuntimeStatus, SandboxSpec, TemplateRef};
+use aviary_core::RuntimeName;
+use aviary_envd_proto::EnvdClient;
+use aviary_runtime::{Runtime, RuntimeError, RuntimeStatus};
 use aviary_runtime_remote::e2b::E2bEndpoint;
 use aviary_runtime_remote::{E2bRuntime, RemoteConfig, RemoteRuntime};
+use remote::{provider, provider_sandboxes, spec_for, Provider};
 use std::collections::BTreeMap;
 use std::path::Path;
-
-/// The provider: an Aviary server whose `/e2b` surface the runtime uses.
-struct Provider {
-    ts: common::TestServer,
-    /// Its default template's digest (the template the runtime maps).
-    digest: String,
-}
-
-async fn provider() -> Provider {
-    let ts = common::start().await;
-    let digest = ts
-        .client
-        .templates()
-        .await
-        .unwrap()
-        .templates
-        .into_iter()
-        .find(|t| t.name == "busybox")
-        .expect("the provider's default template")
-        .digest;
-    Provider { ts, digest }
-}
 
 fn endpoint(p: &Provider, key: &str) -> E2bEndpoint {
     let base = p.ts.url();
@@ -77,72 +57,12 @@ fn runtime(p: &Provider, state: &Path, key: &str) -> E2bRuntime {
     .unwrap()
 }
 
-fn spec_for(digest: &str) -> SandboxSpec {
-    let envd = common::envd_binary();
-    SandboxSpec {
-        id: SandboxId::generate(),
-        template: TemplateRef {
-            name: "busybox".into(),
-            digest: digest.into(),
-        },
-        resources: ResourceLimits::default(),
-        network: NetworkProfile::None,
-        egress: None,
-        hostname: "sandbox".into(),
-        init: vec!["/.aviary/envd".into(), "--listen-fd".into(), "3".into()],
-        env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
-        binds: vec![BindMount {
-            host: envd,
-            sandbox: "/.aviary/envd".into(),
-            read_only: true,
-        }],
-    }
-}
-
-/// Sandboxes the provider still runs (its admin sees every tenant's).
-async fn provider_sandboxes(p: &Provider) -> usize {
-    p.ts.client
-        .list_sandboxes(false)
-        .await
-        .unwrap()
-        .sandboxes
-        .into_iter()
-        .filter(|s| !s.state.is_terminal())
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_e2b_runtime_passes_the_conformance_checks_that_apply() {
     let p = provider().await;
     let state = tempfile::tempdir().unwrap();
     let rt = runtime(&p, state.path(), &p.ts.key);
-    let make = || spec_for(&p.digest);
-
-    conformance::check_unknown_ids(&rt).await;
-    conformance::check_lifecycle_off_host(&rt, &make).await;
-    conformance::check_refusals(&rt, &make).await;
-    conformance::check_pause_resume(&rt, &make).await;
-    // create/destroy cycles leave no host state behind (the runtime's state
-    // dir holds its owner tag only)
-    let dir = state.path().to_path_buf();
-    let footprint = move || {
-        conformance::Footprint::from([(
-            "state entries".to_owned(),
-            std::fs::read_dir(&dir).unwrap().count() as u64,
-        )])
-    };
-    let (creates, destroys) = conformance::check_teardown(&rt, &make, 3, &footprint).await;
-    eprintln!(
-        "e2b runtime against a local Aviary: create median {:?}, destroy median {:?}",
-        conformance::median(&creates),
-        conformance::median(&destroys)
-    );
-    assert!(rt.list().await.unwrap().is_empty(), "nothing left listed");
-    assert_eq!(
-        provider_sandboxes(&p).await,
-        0,
-        "nothing left at the provider"
-    );
+    remote::check_conformance(&rt, &p, state.path(), "e2b").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -158,75 +78,14 @@ async fn envd_in_a_remote_sandbox_runs_commands_and_enforces_fences() {
 
     let ep = rt.envd_endpoint(&spec.id).await.unwrap();
     let envd = EnvdClient::new(&ep.socket).expect_peer_pid(ep.peer_pid);
-    let health = envd.health().await.unwrap();
-    assert!(!health.pid1, "envd runs as a daemon in the remote sandbox");
-    let out = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "echo remote; hostname >&2; exit 3".into(),
-                ],
-                ..Default::default()
-            },
-            None,
-        )
-        .await
-        .unwrap();
-    assert_eq!(out.exit.exit_code, 3);
-    assert_eq!(out.stdout, b"remote\n");
-
-    // the fence moves through the bridge (the host), and envd holds it
-    envd.set_fence(Some(7)).await.unwrap();
-    let refused = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec!["true".into()],
-                ..Default::default()
-            },
-            None,
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(refused, EnvdError::LeaseRequired), "{refused:?}");
-    let stale = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec!["true".into()],
-                ..Default::default()
-            },
-            Some(6),
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(stale, EnvdError::StaleToken), "{stale:?}");
-    envd.write_file("/tmp/fenced.txt", None, &mut &b"ok"[..], Some(7))
-        .await
-        .unwrap();
+    remote::check_envd_and_fence(&envd).await;
 
     // code in the sandbox reaches envd's socket but may not move the fence
-    let inside = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "ls /tmp/.aviary-envd; test -e /tmp/.aviary-envd/secret && echo secret-left"
-                        .into(),
-                ],
-                ..Default::default()
-            },
-            Some(7),
-        )
-        .await
-        .unwrap();
-    let listing = String::from_utf8_lossy(&inside.stdout).to_string();
-    assert!(listing.contains("envd.sock"), "{listing}");
-    assert!(
-        !listing.contains("secret"),
-        "the secret file is gone: {listing}"
-    );
+    remote::inside_envd_dir(
+        &envd,
+        "ls /tmp/.aviary-envd; test -e /tmp/.aviary-envd/secret && echo secret-left",
+    )
+    .await;
 
     // a relay restarted from the record (a server restart) reaches the same envd
     let again = runtime(&p, state.path(), &p.ts.key);
@@ -247,7 +106,7 @@ async fn envd_in_a_remote_sandbox_runs_commands_and_enforces_fences() {
     rt.destroy(&spec.id).await.unwrap();
     drop(again);
     assert_eq!(rt.status(&spec.id).await.unwrap(), RuntimeStatus::NotFound);
-    assert_eq!(provider_sandboxes(&p).await, 0);
+    assert_eq!(provider_sandboxes(&p).await.len(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -284,7 +143,7 @@ async fn provider_refusals_are_clear_runtime_errors() {
         "{e:?}"
     );
     assert!(e.to_string().contains("no-such-template"), "{e}");
-    assert_eq!(provider_sandboxes(&p).await, 0);
+    assert_eq!(provider_sandboxes(&p).await.len(), 0);
 
     // the provider down: unavailable
     let mut p = p;
@@ -351,7 +210,11 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
     let s = created.sandbox;
     assert_eq!(s.runtime, "e2b");
     let id = s.id.to_string();
-    assert_eq!(provider_sandboxes(&p).await, 1, "the provider runs it");
+    assert_eq!(
+        provider_sandboxes(&p).await.len(),
+        1,
+        "the provider runs it"
+    );
 
     let r = a
         .client
@@ -379,7 +242,7 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
     // delete answers first and reclaims the compute in the background
     a.cp().reclaims.settled().await;
     assert_eq!(
-        provider_sandboxes(&p).await,
+        provider_sandboxes(&p).await.len(),
         0,
         "destroy removed the provider's sandbox"
     );
@@ -395,5 +258,5 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
         .await
         .unwrap_err();
     assert!(!e.to_string().is_empty());
-    assert_eq!(provider_sandboxes(&p).await, 0);
+    assert_eq!(provider_sandboxes(&p).await.len(), 0);
 }

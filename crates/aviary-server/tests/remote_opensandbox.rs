@@ -21,42 +21,19 @@
 #![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
 mod common;
+#[path = "common/remote.rs"]
+mod remote;
 
 use aviary_core::api::CreateSandboxRequest;
-use aviary_core::{NetworkProfile, ResourceLimits, RuntimeName, SandboxId};
-use aviary_envd_proto::{EnvdClient, EnvdError, ExecSpec};
-use aviary_runtime::conformance;
-use aviary_runtime::{
-    BindMount, Pausable, Runtime, RuntimeError, RuntimeStatus, SandboxSpec, TemplateRef,
-};
+use aviary_core::{RuntimeName, SandboxId};
+use aviary_envd_proto::{EnvdClient, ExecSpec};
+use aviary_runtime::{Pausable, Runtime, RuntimeError, RuntimeStatus, TemplateRef};
 use aviary_runtime_remote::opensandbox::OsbEndpoint;
 use aviary_runtime_remote::{OpenSandboxRuntime, RemoteConfig, RemoteRuntime};
+use remote::{provider, provider_sandboxes, spec_for, Provider};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
-
-/// The provider: an Aviary server whose `/opensandbox` surface the runtime
-/// uses.
-struct Provider {
-    ts: common::TestServer,
-    /// Its default template's digest (the template the runtime maps).
-    digest: String,
-}
-
-async fn provider() -> Provider {
-    let ts = common::start().await;
-    let digest = ts
-        .client
-        .templates()
-        .await
-        .unwrap()
-        .templates
-        .into_iter()
-        .find(|t| t.name == "busybox")
-        .expect("the provider's default template")
-        .digest;
-    Provider { ts, digest }
-}
 
 fn endpoint(p: &Provider, key: &str) -> OsbEndpoint {
     OsbEndpoint {
@@ -84,71 +61,12 @@ fn runtime(p: &Provider, state: &Path, key: &str) -> OpenSandboxRuntime {
     .unwrap()
 }
 
-fn spec_for(digest: &str) -> SandboxSpec {
-    let envd = common::envd_binary();
-    SandboxSpec {
-        id: SandboxId::generate(),
-        template: TemplateRef {
-            name: "busybox".into(),
-            digest: digest.into(),
-        },
-        resources: ResourceLimits::default(),
-        network: NetworkProfile::None,
-        egress: None,
-        hostname: "sandbox".into(),
-        init: vec!["/.aviary/envd".into(), "--listen-fd".into(), "3".into()],
-        env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
-        binds: vec![BindMount {
-            host: envd,
-            sandbox: "/.aviary/envd".into(),
-            read_only: true,
-        }],
-    }
-}
-
-/// Sandboxes the provider still runs (its admin sees every tenant's).
-async fn provider_sandboxes(p: &Provider) -> Vec<aviary_core::api::Sandbox> {
-    p.ts.client
-        .list_sandboxes(false)
-        .await
-        .unwrap()
-        .sandboxes
-        .into_iter()
-        .filter(|s| !s.state.is_terminal())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_opensandbox_runtime_passes_the_conformance_checks_that_apply() {
     let p = provider().await;
     let state = tempfile::tempdir().unwrap();
     let rt = runtime(&p, state.path(), &p.ts.key);
-    let make = || spec_for(&p.digest);
-
-    conformance::check_unknown_ids(&rt).await;
-    conformance::check_lifecycle_off_host(&rt, &make).await;
-    conformance::check_refusals(&rt, &make).await;
-    conformance::check_pause_resume(&rt, &make).await;
-    // create/destroy cycles leave no host state behind (the runtime's state
-    // dir holds its owner tag only)
-    let dir = state.path().to_path_buf();
-    let footprint = move || {
-        conformance::Footprint::from([(
-            "state entries".to_owned(),
-            std::fs::read_dir(&dir).unwrap().count() as u64,
-        )])
-    };
-    let (creates, destroys) = conformance::check_teardown(&rt, &make, 3, &footprint).await;
-    eprintln!(
-        "opensandbox runtime against a local Aviary: create median {:?}, destroy median {:?}",
-        conformance::median(&creates),
-        conformance::median(&destroys)
-    );
-    assert!(rt.list().await.unwrap().is_empty(), "nothing left listed");
-    assert!(
-        provider_sandboxes(&p).await.is_empty(),
-        "nothing left at the provider"
-    );
+    remote::check_conformance(&rt, &p, state.path(), "opensandbox").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -198,27 +116,10 @@ async fn envd_in_an_opensandbox_sandbox_runs_commands_and_enforces_fences() {
 
     let ep = rt.envd_endpoint(&spec.id).await.unwrap();
     let envd = EnvdClient::new(&ep.socket).expect_peer_pid(ep.peer_pid);
-    let health = envd.health().await.unwrap();
-    assert!(!health.pid1, "envd runs as a daemon in the remote sandbox");
-    let out = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "echo remote; hostname >&2; exit 3".into(),
-                ],
-                ..Default::default()
-            },
-            None,
-        )
-        .await
-        .unwrap();
-    assert_eq!(out.exit.exit_code, 3);
-    assert_eq!(out.stdout, b"remote\n");
+    remote::check_envd_and_fence(&envd).await;
 
     // files survive a pause and resume of the provider's sandbox
-    envd.write_file("/tmp/kept.txt", None, &mut &b"kept"[..], None)
+    envd.write_file("/tmp/kept.txt", None, &mut &b"kept"[..], Some(7))
         .await
         .unwrap();
     rt.pause(&spec.id).await.unwrap();
@@ -231,60 +132,19 @@ async fn envd_in_an_opensandbox_sandbox_runs_commands_and_enforces_fences() {
                 argv: vec!["cat".into(), "/tmp/kept.txt".into()],
                 ..Default::default()
             },
-            None,
+            Some(7),
         )
         .await
         .unwrap();
     assert_eq!(out.stdout, b"kept");
 
-    // the fence moves through the bridge (the host), and envd holds it
-    envd.set_fence(Some(7)).await.unwrap();
-    let refused = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec!["true".into()],
-                ..Default::default()
-            },
-            None,
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(refused, EnvdError::LeaseRequired), "{refused:?}");
-    let stale = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec!["true".into()],
-                ..Default::default()
-            },
-            Some(6),
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(stale, EnvdError::StaleToken), "{stale:?}");
-
     // the secret was consumed; envd's files are not the sandbox's to read
     // through the upload's mode
-    let inside = envd
-        .exec_collect(
-            ExecSpec {
-                argv: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "ls /tmp/.aviary-envd; stat -c %a /tmp/.aviary-envd /tmp/.aviary-envd/envd"
-                        .into(),
-                ],
-                ..Default::default()
-            },
-            Some(7),
-        )
-        .await
-        .unwrap();
-    let listing = String::from_utf8_lossy(&inside.stdout).to_string();
-    assert!(listing.contains("envd.sock"), "{listing}");
-    assert!(
-        !listing.contains("secret"),
-        "the secret file is gone: {listing}"
-    );
+    let listing = remote::inside_envd_dir(
+        &envd,
+        "ls /tmp/.aviary-envd; stat -c %a /tmp/.aviary-envd /tmp/.aviary-envd/envd",
+    )
+    .await;
     assert!(listing.contains("700\n755"), "{listing}");
 
     // a relay restarted from the record (a server restart) reaches the same envd

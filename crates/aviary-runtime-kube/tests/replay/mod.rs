@@ -11,8 +11,12 @@
 //! the id the request named. Any request the script does not
 //! expect is answered 500 and recorded, and [`Replay::finish`] fails the
 //! test on it and on any exchange never reached. Every request is recorded
-//! (with its `Authorization` header) so a test can assert exactly what the
-//! runtime sent.
+//! (with its `Authorization` header and JSON body) so a test can assert
+//! exactly what the runtime sent, and wait for one to arrive
+//! ([`Replay::wait_for`]: e.g. the Secret the runtime generated, to start
+//! a real envd with it). Values known only while a test runs (that
+//! secret) are bound with [`Replay::bind`]: `{name}` in an answer stands
+//! for the bound value.
 //!
 //! The fixtures are written from the Kubernetes API reference (v1.30
 //! objects, `Status` errors, `metrics.k8s.io/v1beta1`), not captured from a
@@ -70,6 +74,8 @@ pub struct Recorded {
 #[derive(Default)]
 struct Script {
     exchanges: Vec<Exchange>,
+    /// `{name}` → value in answers (see [`Replay::bind`]).
+    bindings: BTreeMap<String, String>,
     /// Index of the next exchange expected.
     at: usize,
     /// How often the exchange at `at` answered.
@@ -81,7 +87,15 @@ struct Script {
 pub struct Replay {
     pub addr: SocketAddr,
     script: Arc<Mutex<Script>>,
+    /// Woken on every request.
+    arrived: Arc<tokio::sync::Notify>,
     task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Clone)]
+struct Shared {
+    script: Arc<Mutex<Script>>,
+    arrived: Arc<tokio::sync::Notify>,
 }
 
 fn contains(actual: &Value, expected: &Value) -> bool {
@@ -115,8 +129,11 @@ fn path_matches(pattern: &str, path: &str) -> bool {
 
 /// The answer of `x` to `r`: `{sandbox}` in it is replaced by the id the
 /// request named (in its path, or as the name of the object it sends).
-fn answer_text(x: &Exchange, r: &Recorded) -> String {
-    let text = x.response.to_string();
+fn answer_text(x: &Exchange, r: &Recorded, bindings: &BTreeMap<String, String>) -> String {
+    let mut text = x.response.to_string();
+    for (name, value) in bindings {
+        text = text.replace(&format!("{{{name}}}"), value);
+    }
     let id = path_id(&x.path, &r.path).map(str::to_owned).or_else(|| {
         r.body
             .as_ref()
@@ -140,7 +157,7 @@ fn matches(x: &Exchange, r: &Recorded) -> bool {
 }
 
 async fn answer(
-    State(script): State<Arc<Mutex<Script>>>,
+    State(shared): State<Shared>,
     method: Method,
     uri: Uri,
     headers: axum::http::HeaderMap,
@@ -165,8 +182,9 @@ async fn answer(
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned),
     };
-    let mut s = script.lock().unwrap();
+    let mut s = shared.script.lock().unwrap();
     s.requests.push(rec.clone());
+    shared.arrived.notify_waiters();
     let json = ("content-type", "application/json");
     loop {
         let at = s.at;
@@ -183,7 +201,7 @@ async fn answer(
             return (
                 StatusCode::from_u16(x.status).unwrap(),
                 [json],
-                answer_text(&x, &rec),
+                answer_text(&x, &rec, &s.bindings),
             );
         }
         if x.anytime {
@@ -202,7 +220,7 @@ async fn answer(
         return (
             StatusCode::from_u16(x.status).unwrap(),
             [json],
-            answer_text(x, &rec),
+            answer_text(x, &rec, &s.bindings),
         );
     }
     let line = format!(
@@ -244,15 +262,22 @@ impl Replay {
             exchanges,
             ..Script::default()
         }));
-        let app = axum::Router::new()
-            .fallback(answer)
-            .with_state(script.clone());
+        let arrived = Arc::new(tokio::sync::Notify::new());
+        let app = axum::Router::new().fallback(answer).with_state(Shared {
+            script: script.clone(),
+            arrived: arrived.clone(),
+        });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
-        Replay { addr, script, task }
+        Replay {
+            addr,
+            script,
+            arrived,
+            task,
+        }
     }
 
     /// A server that expects no request at all.
@@ -266,6 +291,32 @@ impl Replay {
 
     pub fn requests(&self) -> Vec<Recorded> {
         self.script.lock().unwrap().requests.clone()
+    }
+
+    /// From now on `{name}` in every answer stands for `value`.
+    pub fn bind(&self, name: &str, value: &str) {
+        self.script
+            .lock()
+            .unwrap()
+            .bindings
+            .insert(name.to_owned(), value.to_owned());
+    }
+
+    /// The first request `method path` received, waiting until one arrives.
+    pub async fn wait_for(&self, method: &str, path: &str) -> Recorded {
+        loop {
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            if let Some(r) = self
+                .requests()
+                .into_iter()
+                .find(|r| r.method == method && r.path == path)
+            {
+                return r;
+            }
+            arrived.await;
+        }
     }
 
     /// Fails on any unexpected request and on any exchange never reached.
