@@ -397,10 +397,16 @@ mod tests {
             live: true,
             token: None,
         };
-        let e = p.cp.fork(&alice, OnSandbox::new(sid, live(None))).await.unwrap_err();
+        let e =
+            p.cp.fork(&alice, OnSandbox::new(sid, live(None)))
+                .await
+                .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
         assert_eq!(e.code().http_status(), 409);
-        assert!(e.to_string().contains("cannot fork a running sandbox"), "{e}");
+        assert!(
+            e.to_string().contains("cannot fork a running sandbox"),
+            "{e}"
+        );
         assert_code(
             p.cp.fork(&alice, OnSandbox::new(sid, live(Some("snap".into()))))
                 .await,

@@ -251,7 +251,7 @@ fn with_token(
     mut req: aviary_core::api::ExecRequest,
     token: &aviary_core::LeaseToken,
 ) -> aviary_core::api::ExecRequest {
-    req.token = Some(token.clone());
+    req.token = Some(*token);
     req
 }
 
@@ -275,15 +275,10 @@ async fn a_live_fork_on_runsc_runs_the_parents_processes() {
     let id = s.id.to_string();
     // the parent is leased: its holder forks it
     let lease = c.acquire_lease(&id, "alice", None).await.unwrap();
-    let t = lease.token.clone();
-    c.write_file(
-        &id,
-        "/tmp/repl.py",
-        REPL.as_bytes().to_vec(),
-        Some(t.clone()),
-    )
-    .await
-    .unwrap();
+    let t = lease.token;
+    c.write_file(&id, "/tmp/repl.py", REPL.as_bytes().to_vec(), Some(t))
+        .await
+        .unwrap();
     let out = c
         .exec(
             &id,
@@ -319,7 +314,7 @@ async fn a_live_fork_on_runsc_runs_the_parents_processes() {
         ),
         "{err:?}"
     );
-    let f = c.fork_live(&id, Some(t.clone())).await.unwrap();
+    let f = c.fork_live(&id, Some(t)).await.unwrap();
     let child = f.sandbox;
     let cid = child.id.to_string();
     assert_eq!(child.state, SandboxState::Idle, "the child starts unleased");
