@@ -24,6 +24,18 @@
 //! runtime keeps the layers and whose ids own them is the runtime's
 //! business. A runtime or agent without the capability answers
 //! `invalid_request`.
+//!
+//! A *live* fork (`{"live": true}`, runtimes with memory checkpoints only,
+//! else 409 `unsupported`) takes no snapshot: the runtime forks the running
+//! parent ([`aviary_runtime::Checkpointable::fork_running`]). Fencing choice:
+//! the child is a new sandbox with its own lease counter, created unleased,
+//! and its envd forgets the fence restored from the parent's memory (the
+//! host's SIGHUP; envd ignores signals from inside), so the parent's lease
+//! token is refused by the child at both layers, while no fence move (which
+//! would end every process) happens at the child's create; its first lease
+//! ends the processes like any new lease. Resetting envd's fence keeps the
+//! "a new holder starts clean" rule intact and needs no new envd call that a
+//! stale host-side holder could use.
 
 use crate::backends::{LayerArchive, RuntimeLayers};
 use crate::context::OpContext;
