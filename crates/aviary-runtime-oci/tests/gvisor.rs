@@ -575,6 +575,42 @@ mod gvisor {
             (0, format!("{pid}-kept\n"))
         );
 
+        // a fork that fails once the parent was saved (the child's
+        // template is not there) leaves nothing of the child, and the
+        // parent running its process under its lease (behind a new gofer)
+        let mut bad = envd_spec(&f, &envd, "sbx-fork");
+        bad.template.digest = format!("sha256:{}", "0".repeat(64));
+        let err = rt.fork_running(&parent.id, &bad).await.unwrap_err();
+        assert!(
+            format!("{err}").contains("not in the template store"),
+            "{err}"
+        );
+        assert!(!rt.list().await.unwrap().contains(&bad.id));
+        for suffix in ["", ".checkpoint", ".seed"] {
+            assert!(!f.state.join(format!("{}{suffix}", bad.id)).exists());
+        }
+        let p = client_of(&SandboxHandle {
+            envd: Some(rt.envd_endpoint(&parent.id).await.unwrap()),
+            ..fork.parent.clone()
+        });
+        p.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(
+            sh_as(&p, Some(3), &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+        // an id that is taken is refused before the parent is touched
+        let before = rt.envd_endpoint(&parent.id).await.unwrap();
+        let err = rt.fork_running(&parent.id, &child).await.unwrap_err();
+        assert!(
+            matches!(err, aviary_runtime::RuntimeError::AlreadyExists { .. }),
+            "{err:?}"
+        );
+        assert_eq!(
+            rt.envd_endpoint(&parent.id).await.unwrap(),
+            before,
+            "the parent was not stopped"
+        );
+
         rt.destroy(&child.id).await.unwrap();
         rt.destroy(&parent.id).await.unwrap();
         assert!(rt.list().await.unwrap().is_empty());
