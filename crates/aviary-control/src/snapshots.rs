@@ -495,7 +495,19 @@ impl ControlPlane {
         }
         // no hibernate, wake or other live fork of the parent meanwhile
         let _lifecycle = self.lifecycle_guard(&parent.id).await?;
-        let (parent, _live) = self.writable(cx, id).await?;
+        let (parent, live) = self.writable(cx, id).await?;
+        // gVisor cannot save a sandbox with an open host connection (the
+        // save would end it): envd waits a bounded time for its connections
+        // to end, so a running command or terminal refuses the fork instead
+        let running = live.active_execs.load(Ordering::SeqCst);
+        if running > 0 {
+            return Err(OpError::InvalidState {
+                state: parent.state,
+                what: format!(
+                    "it has {running} running command(s) or terminal(s); a live fork needs them ended"
+                ),
+            });
+        }
         let create = CreateSandboxRequest {
             template: Some(parent.template.clone()),
             class: Some(parent.resource_class.clone()),

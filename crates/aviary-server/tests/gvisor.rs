@@ -302,6 +302,45 @@ async fn a_live_fork_on_runsc_runs_the_parents_processes() {
         .unwrap();
     assert_eq!(set.stdout, "ok\n", "{set:?}");
 
+    // a command still running in the parent: refused (gVisor cannot save
+    // its open connection), nothing made, the command goes on
+    let mut stream = c
+        .exec_stream(
+            &id,
+            &with_token(
+                shell("echo started; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo done"),
+                &t,
+            ),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(stream.next().await.unwrap(), Some(aviary_client::StreamItem::Stdout(b)) if b == b"started\n")
+    );
+    let err = c.fork_live(&id, Some(t)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ClientError::Api {
+                code: ErrorCode::InvalidState,
+                status: 409,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    c.exec(&id, &with_token(shell("touch /tmp/go"), &t))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await.unwrap() {
+        match item {
+            aviary_client::StreamItem::Stdout(b) => out.extend(b),
+            aviary_client::StreamItem::Exit(r) => assert_eq!(r.exit_code, 0, "{r:?}"),
+            aviary_client::StreamItem::Stderr(_) => {}
+        }
+    }
+    assert_eq!(out, b"done\n");
     // without the parent's token: refused, nothing made
     let err = c.fork_live(&id, None).await.unwrap_err();
     assert!(
