@@ -481,6 +481,9 @@ enum SandboxCmd {
         /// The checkpoint to fork from (default: a fresh one).
         #[arg(long)]
         snapshot: Option<String>,
+        /// Fork the running sandbox with its processes (runsc only).
+        #[arg(long, conflicts_with = "snapshot")]
+        live: bool,
         /// The lease token FENCE.SECRET, needed while the sandbox is leased.
         #[arg(long)]
         token: Option<LeaseToken>,
@@ -1627,11 +1630,16 @@ async fn sandbox(cmd: SandboxCmd, json: bool) -> Result<i32, Failure> {
         SandboxCmd::Fork {
             id,
             snapshot,
+            live,
             token,
         } => {
             let r = {
                 let _p = Progress::spinner(format!("forking {id}"), json);
-                c.fork(&id, snapshot.as_deref(), token).await?
+                if live {
+                    c.fork_live(&id, token).await?
+                } else {
+                    c.fork(&id, snapshot.as_deref(), token).await?
+                }
             };
             if json {
                 output::json(&r);

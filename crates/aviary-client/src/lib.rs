@@ -889,6 +889,21 @@ impl Client {
         .await
     }
 
+    /// `POST /v1/sandboxes/{id}/fork` with `{"live": true}`: a child
+    /// running the sandbox's processes (runsc only; `unsupported` elsewhere).
+    pub async fn fork_live(
+        &self,
+        id: &str,
+        token: Option<LeaseToken>,
+    ) -> Result<CreateSandboxResponse, ClientError> {
+        let body = serde_json::json!({"live": true, "token": token});
+        self.json(
+            self.req(Method::POST, &format!("/v1/sandboxes/{id}/fork"))
+                .json(&body),
+        )
+        .await
+    }
+
     /// `GET /v1/nodes` (admin).
     pub async fn nodes(&self) -> Result<serde_json::Value, ClientError> {
         self.json(self.req(Method::GET, "/v1/nodes")).await

@@ -950,6 +950,19 @@ impl ControlPlane {
         req: CreateSandboxRequest,
         seed: Option<crate::snapshots::SandboxSnapshot>,
     ) -> Result<CreateSandboxResponse, OpError> {
+        self.create_from(cx, req, seed, None).await
+    }
+
+    /// A create: empty, seeded from a snapshot (`seed`), or a live fork of
+    /// running `live_parent` (its processes and files, on its node; see
+    /// `snapshots::fork`).
+    pub(crate) async fn create_from(
+        &self,
+        cx: &OpContext,
+        req: CreateSandboxRequest,
+        seed: Option<crate::snapshots::SandboxSnapshot>,
+        live_parent: Option<&SandboxRecord>,
+    ) -> Result<CreateSandboxResponse, OpError> {
         let mut seed = seed;
         let (caller, request_id) = (&cx.caller, cx.request_id());
         self.ensure_ready()?;
@@ -998,7 +1011,7 @@ impl ControlPlane {
         let mut new_decision = None;
         // the checker's `fork_clean_snapshot`: the decision is final as it is
         let mut forked = false;
-        let bucket = if seed.is_some() {
+        let bucket = if seed.is_some() || live_parent.is_some() {
             None
         } else {
             self.bucket_of(caller, &req, scope)?
@@ -1050,7 +1063,7 @@ impl ControlPlane {
         // from here on the create adds a sandbox: it must fit the quota,
         // counted under a lock held until its row exists
         let mut quota = Some(self.quota_stage(cx, &approved).await?);
-        if seed.is_some() {
+        if seed.is_some() || live_parent.is_some() {
             // a fork restores into fresh layers: no pooled sandbox fits
         } else if let Some(hit) = self.try_pool(&stage, &mut quota).await? {
             return Ok(hit);
@@ -1065,7 +1078,10 @@ impl ControlPlane {
                 limits: resources,
                 template_digest: &template.digest,
                 runtime: &approved.runtime,
-                on: if seed.is_some() {
+                on: if let Some(parent) = live_parent {
+                    // a live fork runs beside its parent's memory image
+                    crate::nodes::PlaceOn::Node(&parent.node)
+                } else if seed.is_some() {
                     crate::nodes::PlaceOn::Stageable
                 } else {
                     crate::nodes::PlaceOn::Any
@@ -1152,10 +1168,17 @@ impl ControlPlane {
                 return Err(e);
             }
         }
-        match self
-            .start_runtime(&spec, rec, lease_req, allocation_id, request_id)
-            .await
-        {
+        let started = match live_parent {
+            Some(parent) => {
+                self.start_live_fork(&spec, rec, parent, allocation_id, request_id)
+                    .await
+            }
+            None => {
+                self.start_runtime(&spec, rec, lease_req, allocation_id, request_id)
+                    .await
+            }
+        };
+        match started {
             Ok((rec, lease)) => {
                 let sandbox = self.view(&rec).await?;
                 if forked {

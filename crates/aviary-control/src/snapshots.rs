@@ -24,6 +24,18 @@
 //! runtime keeps the layers and whose ids own them is the runtime's
 //! business. A runtime or agent without the capability answers
 //! `invalid_request`.
+//!
+//! A *live* fork (`{"live": true}`, runtimes with memory checkpoints only,
+//! else 409 `unsupported`) takes no snapshot: the runtime forks the running
+//! parent ([`aviary_runtime::Checkpointable::fork_running`]). Fencing choice:
+//! the child is a new sandbox with its own lease counter, created unleased,
+//! and its envd forgets the fence restored from the parent's memory (the
+//! host's SIGHUP; envd ignores signals from inside), so the parent's lease
+//! token is refused by the child at both layers, while no fence move (which
+//! would end every process) happens at the child's create; its first lease
+//! ends the processes like any new lease. Resetting envd's fence keeps the
+//! "a new holder starts clean" rule intact and needs no new envd call that a
+//! stale host-side holder could use.
 
 use crate::backends::{LayerArchive, RuntimeLayers};
 use crate::context::OpContext;
@@ -121,6 +133,12 @@ pub struct ForkRequest {
     /// Checkpoint to fork from; a fresh snapshot of the sandbox when absent.
     #[serde(default)]
     pub snapshot: Option<String>,
+    /// Fork the *running* sandbox with its live processes (their memory,
+    /// open files, listening servers) instead of its files only: runtimes
+    /// with memory checkpoints (runsc) only, `unsupported` (409) elsewhere.
+    /// The child starts unleased; the parent keeps running.
+    #[serde(default)]
+    pub live: bool,
     /// The lease token as the HTTP body may carry it (else the lease token
     /// header); the HTTP surface moves it into the operation's context,
     /// which is the only token the control plane checks.
@@ -397,6 +415,14 @@ impl ControlPlane {
         req: OnSandbox<ForkRequest>,
     ) -> Result<CreateSandboxResponse, OpError> {
         let OnSandbox { id, request: req } = req;
+        if req.live {
+            if req.snapshot.is_some() {
+                return Err(OpError::InvalidRequest(
+                    "a live fork forks the running sandbox: it takes no snapshot".into(),
+                ));
+            }
+            return self.fork_live(cx, &id).await;
+        }
         let parent = self.sandbox_for(&cx.caller, &id).await?;
         let snap = match &req.snapshot {
             Some(s) => {
@@ -440,6 +466,145 @@ impl ControlPlane {
             tracing::warn!(sandbox.id = %child.id, error = %e, "could not record the fork's lineage");
         }
         Ok(resp)
+    }
+
+    /// A live fork (`{"live": true}`): a new sandbox running the parent's
+    /// processes, from a memory image of the parent and a copy of its files
+    /// at that moment ([`aviary_runtime::Checkpointable::fork_running`]).
+    ///
+    /// Fencing: the caller must be able to write the parent (its lease
+    /// token, when it is leased). The child is a new sandbox with a lease
+    /// counter of its own, created unleased (`Idle`): its envd forgets the
+    /// parent's fence when it is restored (envd's SIGHUP), so the parent's
+    /// lease token is refused by the child both here (the child has no
+    /// lease) and in its envd; no fence is pushed to the child at create (it
+    /// is unleased already), so its processes survive it. Its first lease
+    /// moves the fence as for any sandbox, which ends them (a new holder
+    /// starts clean). The parent keeps its lease and processes; it stops
+    /// briefly for the image and is re-attached on its new compute.
+    async fn fork_live(&self, cx: &OpContext, id: &str) -> Result<CreateSandboxResponse, OpError> {
+        let (parent, _live) = self.writable(cx, id).await?;
+        if self.checkpoints_for(&parent).is_none() {
+            return Err(OpError::Coded {
+                code: aviary_core::ErrorCode::Unsupported,
+                message: format!(
+                    "runtime {} cannot fork a running sandbox with its processes (runsc can); fork without \"live\" copies its files",
+                    parent.runtime
+                ),
+            });
+        }
+        // no hibernate, wake or other live fork of the parent meanwhile
+        let _lifecycle = self.lifecycle_guard(&parent.id).await?;
+        let (parent, live) = self.writable(cx, id).await?;
+        // gVisor cannot save a sandbox with an open host connection (the
+        // save would end it): envd waits a bounded time for its connections
+        // to end, so a running command or terminal refuses the fork instead
+        let running = live.active_execs.load(Ordering::SeqCst);
+        if running > 0 {
+            return Err(OpError::InvalidState {
+                state: parent.state,
+                what: format!(
+                    "it has {running} running command(s) or terminal(s); a live fork needs them ended"
+                ),
+            });
+        }
+        let create = CreateSandboxRequest {
+            template: Some(parent.template.clone()),
+            class: Some(parent.resource_class.clone()),
+            runtime: Some(parent.runtime.clone()),
+            ..Default::default()
+        };
+        let mut resp = self.create_from(cx, create, None, Some(&parent)).await?;
+        resp.decision = Decision {
+            action: "fork".into(),
+            branch: "C".into(),
+            reason: format!("forked live from running sandbox {}", parent.id),
+            score: 1.0,
+        };
+        let child = &resp.sandbox;
+        if let Err(e) = self
+            .record_event(
+                &child.tenant,
+                Some(&child.id),
+                Some(child.state),
+                "forked",
+                cx.request_id(),
+                serde_json::json!({"live": true, "parent_sandbox": parent.id.as_str()}),
+            )
+            .await
+        {
+            tracing::warn!(sandbox.id = %child.id, error = %e, "could not record the fork's lineage");
+        }
+        Ok(resp)
+    }
+
+    /// The compute of a live fork's child (`rec`, `Provisioning`): the
+    /// runtime forks `parent`, the parent is attached again on its new
+    /// compute, and the child settles unleased in `Idle`.
+    pub(crate) async fn start_live_fork(
+        &self,
+        spec: &aviary_runtime::SandboxSpec,
+        rec: SandboxRecord,
+        parent: &SandboxRecord,
+        allocation_id: Option<i64>,
+        request_id: Option<&str>,
+    ) -> Result<(SandboxRecord, Option<aviary_leases::Lease>), OpError> {
+        let c = self.checkpoints_for(parent).ok_or_else(|| OpError::Coded {
+            code: aviary_core::ErrorCode::Unsupported,
+            message: format!("runtime {} cannot fork a running sandbox", parent.runtime),
+        })?;
+        let forked = c.fork_running(&parent.id, spec).await;
+        // the parent is on new compute (or gone, when its own restore
+        // failed): its envd has a new gofer either way
+        self.reattach_after_fork(c.as_ref(), parent).await;
+        let fork = forked.map_err(OpError::runtime(
+            "runtime could not fork the running sandbox",
+        ))?;
+        let (rec, live) = self.attach_compute(&fork.child, rec, allocation_id).await?;
+        self.finish_lock(rec, &live, &[SandboxState::Locking], None, request_id)
+            .await
+    }
+
+    /// Attaches the parent of a live fork to its envd again (new gofer,
+    /// same fence); a parent that did not come back is left to the
+    /// reconciler (no live handle: calls to it answer `unavailable`).
+    async fn reattach_after_fork(
+        &self,
+        c: &dyn aviary_runtime::Checkpointable,
+        parent: &SandboxRecord,
+    ) {
+        let id = &parent.id;
+        let allocation = self.live_opt(id).and_then(|l| {
+            let a = l.allocation_id.load(Ordering::SeqCst);
+            (a >= 0).then_some(a)
+        });
+        self.forget_live(id);
+        let running = matches!(
+            c.status(id).await,
+            Ok(aviary_runtime::RuntimeStatus::Running)
+        );
+        let endpoint = match c.envd_endpoint(id).await {
+            Ok(ep) if running => ep,
+            Ok(_) => {
+                tracing::error!(sandbox.id = %id, "the parent of a live fork did not come back");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(sandbox.id = %id, error = %e, "the parent of a live fork did not come back");
+                return;
+            }
+        };
+        let envd = crate::ops::envd_client(&endpoint);
+        if let Err(e) = envd.wait_ready(Duration::from_secs(10)).await {
+            tracing::error!(sandbox.id = %id, error = %e, "the parent's envd did not answer after a live fork");
+            return;
+        }
+        let live = self.attach(id, envd, allocation);
+        // the same fence again (a renewal: nothing ends), unless the lease
+        // moved meanwhile
+        if let Err(e) = self.push_fence(id, &live).await {
+            tracing::warn!(sandbox.id = %id, error = %e, "fence push to the parent after a live fork failed");
+        }
     }
 
     /// Idle → Hibernating: snapshot, then stop compute (the registry row

@@ -380,6 +380,53 @@ mod tests {
         assert_eq!(p.runtime.destroy_calls(), destroys);
     }
 
+    /// A live fork on a runtime without memory checkpoints is 409
+    /// `unsupported`; with a snapshot named it is 400; without the lease
+    /// token of a leased parent it is `lease_required`. Nothing is made and
+    /// the parent's row is untouched.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_fork_is_refused_where_it_cannot_be_made() {
+        let p = plane().await;
+        let alice = tenant("alice");
+        let (id, _envd) = idle_sandbox(&p).await;
+        let sid = id.as_str();
+        let creates = p.runtime.create_calls();
+        let before = row(&p, &id).await;
+        let live = |snapshot: Option<String>| ForkRequest {
+            snapshot,
+            live: true,
+            token: None,
+        };
+        let e =
+            p.cp.fork(&alice, OnSandbox::new(sid, live(None)))
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+        assert_eq!(e.code().http_status(), 409);
+        assert!(
+            e.to_string().contains("cannot fork a running sandbox"),
+            "{e}"
+        );
+        assert_code(
+            p.cp.fork(&alice, OnSandbox::new(sid, live(Some("snap".into()))))
+                .await,
+            ErrorCode::InvalidRequest,
+            "live fork of a snapshot",
+        );
+        let _lease = acquire(&p, &id).await;
+        let before_leased = row(&p, &id).await;
+        assert_code(
+            p.cp.fork(&alice, OnSandbox::new(sid, live(None))).await,
+            ErrorCode::LeaseRequired,
+            "live fork without the token",
+        );
+        assert_eq!(row(&p, &id).await, before_leased);
+        assert_ne!(before_leased, before);
+        assert_eq!(p.runtime.create_calls(), creates);
+        let all = p.registry.list_sandboxes(None, true).await.unwrap();
+        assert_eq!(all.len(), 1, "{all:?}");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deleting_a_leased_sandbox_needs_its_token() {
         let p = plane().await;

@@ -12,6 +12,10 @@
 //!   socket. The host checkpoints once it sees the marker.
 //! - `SIGUSR2` (resume, after a restore or a checkpoint that kept the
 //!   sandbox running): envd removes the marker and binds its socket again.
+//! - `SIGHUP` (resume as a live fork): the same, after envd forgot the lease
+//!   state of the sandbox whose memory it was restored from (fence back to
+//!   unleased, tunnels and background handles gone; processes kept). The
+//!   host sends it only to a *new* sandbox restored from another's image.
 //!
 //! The marker is in a directory the sandbox can write, so the sandbox could
 //! forge it; the only effect is a failed checkpoint of that same sandbox

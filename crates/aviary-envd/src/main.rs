@@ -398,13 +398,15 @@ fn main() {
 }
 
 /// Signals the signal thread waits for (blocked in every thread): SIGUSR1
-/// and SIGUSR2 are the host's quiesce / resume under gVisor (`hostsock`).
+/// and SIGUSR2 are the host's quiesce / resume under gVisor, SIGHUP its
+/// resume as a live fork (`hostsock`).
 const HANDLED_SIGNALS: &[libc::c_int] = &[
     libc::SIGCHLD,
     libc::SIGTERM,
     libc::SIGINT,
     libc::SIGUSR1,
     libc::SIGUSR2,
+    libc::SIGHUP,
 ];
 
 /// Gives `conn` a thread of its own, or the control thread when none can
@@ -486,7 +488,13 @@ fn signal_loop(envd: &Envd, socket: Option<&Path>, gate: Option<&hostsock::Gate>
         match (sig, gate) {
             (libc::SIGUSR1, Some(gate)) => gate.quiesce(),
             (libc::SIGUSR2, Some(gate)) => gate.resume(),
-            (libc::SIGUSR1 | libc::SIGUSR2, None) => {}
+            (libc::SIGHUP, Some(gate)) => {
+                // a live fork: a new sandbox restored from its parent's
+                // memory forgets the parent's lease before it serves
+                envd.forget_lease();
+                gate.resume();
+            }
+            (libc::SIGUSR1 | libc::SIGUSR2 | libc::SIGHUP, None) => {}
             _ => shutdown(envd, socket),
         }
     }

@@ -24,6 +24,9 @@
 //!   tunnel and forgets every background handle before the sweep, so the old
 //!   holder keeps no way into the sandbox and the new one reads none of its
 //!   output.
+//! - A live fork's envd (restored from its parent's memory image) forgets the
+//!   parent's fence without ending any process ([`Envd::forget_lease`]): the
+//!   child starts unleased, and its first lease moves the fence as usual.
 //!
 //! Lanes: [`MAX_CONNECTIONS`] general connections, plus [`CONTROL_LANE`]
 //! reserved ones that serve only `health`, `set_fence` and `kill_all`; and one
@@ -226,6 +229,19 @@ impl Envd {
                 ),
             )
         })
+    }
+
+    /// Forgets the lease state this envd was restored with, keeping every
+    /// process: the sandbox is a new one (a live fork, `hostsock`'s
+    /// `SIGHUP`), restored from a memory image of its parent. The fence
+    /// becomes unleased with no fence seen (the child's lease counter is its
+    /// own), and the parent holder's tunnels and background handles go, so
+    /// nothing authorised by the parent's lease reaches the child.
+    pub fn forget_lease(&self) {
+        let _gate = self.fence_gate.write().unwrap_or_else(|p| p.into_inner());
+        self.tunnels.close_all();
+        self.background.clear();
+        *self.fence() = Fence::default();
     }
 
     /// Ends every process but envd, the fence unchanged (a level-1 reset).

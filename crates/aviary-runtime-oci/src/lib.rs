@@ -66,8 +66,8 @@ use async_trait::async_trait;
 use aviary_core::{RuntimeName, SandboxId};
 use aviary_runtime::conformance::Inspector;
 use aviary_runtime::{
-    validate_spec, Checkpointable, EnvdEndpoint, LayerExport, LayerStage, Pausable, ResourceUsage,
-    Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable,
+    validate_spec, Checkpointable, EnvdEndpoint, LayerExport, LayerStage, LiveFork, Pausable,
+    ResourceUsage, Runtime, RuntimeError, RuntimeStatus, SandboxHandle, SandboxSpec, Snapshottable,
     SpawnIsolation, SpawnOutput, SpawnRequest, SpawnStdio, Spawner, TemplateRef,
 };
 use host::CgroupLayout;
@@ -713,6 +713,7 @@ impl OciRuntime {
         spec: &SandboxSpec,
         template: &Path,
         dirs: &SandboxDirs,
+        start: Start<'_>,
     ) -> Result<SandboxHandle, RuntimeError> {
         // Layers staged for this id (`stage_layers`, a restore) are adopted
         // (moved onto the sandbox's disk, see `quota`) instead of starting
@@ -815,12 +816,17 @@ impl OciRuntime {
 
         // PID 1 inherits the runtime's stdio: /dev/null, never a host file or a
         // pipe we would wait on. Errors come back through --log.
-        let mut args = vec![
-            "--log".into(),
-            dirs.log().display().to_string(),
-            "run".into(),
-            "--detach".into(),
-        ];
+        let mut args = vec!["--log".into(), dirs.log().display().to_string()];
+        match start {
+            Start::Run => args.extend(["run".into(), "--detach".into()]),
+            // (runsc only: no descriptor is passed below)
+            Start::Fork { image } => args.extend([
+                "restore".into(),
+                "--image-path".into(),
+                image.display().to_string(),
+                "--detach".into(),
+            ]),
+        }
         if envd_socket.is_some() {
             args.extend(["--preserve-fds".into(), "1".into()]);
         }
@@ -844,7 +850,19 @@ impl OciRuntime {
         // envd holds its own copy now; the host never accepts on it.
         drop(envd_socket);
         if !out.success() {
-            return Err(self.failure("run", &out, Some(&dirs.log())));
+            return Err(self.failure(
+                match start {
+                    Start::Run => "run",
+                    Start::Fork { .. } => "restore",
+                },
+                &out,
+                Some(&dirs.log()),
+            ));
+        }
+        if let Start::Fork { .. } = start {
+            // the restored envd still holds its parent's lease state and
+            // waits, quiesced: SIGHUP makes it forget that state and serve
+            self.resume_envd(&spec.id, "HUP").await?;
         }
         let pid_text =
             std::fs::read_to_string(dirs.pid_file()).map_err(|source| RuntimeError::ReadFile {
@@ -1019,28 +1037,17 @@ fn probe_overlay(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-#[async_trait]
-impl Runtime for OciRuntime {
-    fn name(&self) -> &str {
-        self.config.binary.name()
-    }
-
-    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
-        if self.config.binary.is_gvisor() {
-            // runsc runs with `--network=none` and without host sockets to
-            // connect to (the egress socket would need `--host-uds=open`)
-            return profile == aviary_core::NetworkProfile::None;
-        }
-        match profile {
-            aviary_core::NetworkProfile::None => true,
-            aviary_core::NetworkProfile::Allowlist => self.egress.is_some(),
-            aviary_core::NetworkProfile::Open => self.open_network.is_some(),
-        }
-    }
-
-    #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
-    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+impl OciRuntime {
+    /// `create`, or (`Start::Fork`) the same sandbox started from a memory
+    /// image instead of its init: everything but the runtime's start is
+    /// shared, so a forked child is set up exactly like a created one.
+    async fn create_from(
+        &self,
+        spec: &SandboxSpec,
+        start: Start<'_>,
+    ) -> Result<SandboxHandle, RuntimeError> {
         validate_spec(spec)?;
+
         if spec.network == aviary_core::NetworkProfile::Open && self.open_network.is_none() {
             return Err(RuntimeError::Unsupported {
                 what: "network profile \"open\" (slirp4netns is not installed on this node)".into(),
@@ -1078,7 +1085,7 @@ impl Runtime for OciRuntime {
             .attach(&*self.spawner, &dirs.root, spec.resources.disk_mb)
             .await
         {
-            Ok(()) => self.create_inner(spec, &template, &dirs).await,
+            Ok(()) => self.create_inner(spec, &template, &dirs, start).await,
             Err(e) => Err(e),
         };
         match created {
@@ -1088,6 +1095,31 @@ impl Runtime for OciRuntime {
                 Err(e.with_cleanup(self.destroy(&spec.id).await))
             }
         }
+    }
+}
+
+#[async_trait]
+impl Runtime for OciRuntime {
+    fn name(&self) -> &str {
+        self.config.binary.name()
+    }
+
+    fn enforces_network(&self, profile: aviary_core::NetworkProfile) -> bool {
+        if self.config.binary.is_gvisor() {
+            // runsc runs with `--network=none` and without host sockets to
+            // connect to (the egress socket would need `--host-uds=open`)
+            return profile == aviary_core::NetworkProfile::None;
+        }
+        match profile {
+            aviary_core::NetworkProfile::None => true,
+            aviary_core::NetworkProfile::Allowlist => self.egress.is_some(),
+            aviary_core::NetworkProfile::Open => self.open_network.is_some(),
+        }
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %spec.id, runtime = self.config.binary.name()))]
+    async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError> {
+        self.create_from(spec, Start::Run).await
     }
 
     /// Cuts the egress socket and the user-mode network (`open`): after a
@@ -1481,6 +1513,15 @@ impl Snapshottable for OciRuntime {
     }
 }
 
+/// How `create_from` starts the container.
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    /// `run`: PID 1 starts fresh.
+    Run,
+    /// `runsc restore` from another sandbox's memory image (a live fork).
+    Fork { image: &'a Path },
+}
+
 /// `<state_dir>/<id>.checkpoint`: a runsc sandbox's saved memory.
 const CHECKPOINT_SUFFIX: &str = ".checkpoint";
 
@@ -1503,10 +1544,11 @@ impl OciRuntime {
         }
     }
 
-    /// Asks envd to serve again (SIGUSR2) after removing its old socket
-    /// file, which gVisor does not let it unlink from inside (`remove_file`
+    /// Asks envd to serve again (`signal`: SIGUSR2, or SIGHUP for a live
+    /// fork's child, which also forgets its parent's lease) after removing
+    /// its old socket file, which gVisor does not let it unlink from inside (`remove_file`
     /// unlinks whatever the sandbox left there, never following it).
-    async fn resume_envd(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+    async fn resume_envd(&self, id: &SandboxId, signal: &str) -> Result<(), RuntimeError> {
         let socket = self
             .dirs(id)
             .envd_run()
@@ -1521,7 +1563,7 @@ impl OciRuntime {
                 })
             }
         }
-        self.signal_init(id, "USR2").await
+        self.signal_init(id, signal).await
     }
 
     /// Sends `signal` to the sandbox's PID 1 (envd) from outside.
@@ -1541,7 +1583,7 @@ impl OciRuntime {
         // lstat: a regular file made by envd (never followed)
         while !std::fs::symlink_metadata(&marker).is_ok_and(|m| m.is_file()) {
             if std::time::Instant::now() > deadline {
-                let _ = self.resume_envd(id).await;
+                let _ = self.resume_envd(id, "USR2").await;
                 return Err(RuntimeError::InvokeRuntime {
                     action: "runsc checkpoint".into(),
                     detail: format!(
@@ -1634,8 +1676,101 @@ impl Checkpointable for OciRuntime {
         if !self.has_checkpoint(id).await? {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
+        let checkpoint = self.dirs(id).checkpoint();
+        let handle = self.restore_image(id, &checkpoint).await?;
+        remove_tree(&checkpoint)?;
+        Ok(handle)
+    }
+
+    #[instrument(skip_all, fields(sandbox.id = %parent, child.id = %child.id))]
+    async fn fork_running(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxSpec,
+    ) -> Result<LiveFork, RuntimeError> {
+        self.require_gvisor("live forks")?;
+        validate_spec(child)?;
+        if !self.runtime_knows(parent) {
+            return Err(RuntimeError::NotFound { id: parent.clone() });
+        }
+        let child_dirs = self.dirs(&child.id);
+        if self.runtime_knows(&child.id)
+            || child_dirs.root.exists()
+            || seed_dir(&child_dirs.root).exists()
+        {
+            return Err(RuntimeError::AlreadyExists {
+                id: child.id.clone(),
+            });
+        }
+        // a frozen envd cannot step aside: it runs for the image, and is
+        // frozen again after
+        let was_paused = self.status(parent).await? == RuntimeStatus::Paused;
+        if was_paused {
+            self.resume(parent).await?;
+        }
+        self.quiesce_envd(parent).await?;
+        // the image is the child's (`<child>.checkpoint`): a crash from here
+        // on leaves it to the child's destroy, never to the parent's
+        let image = child_dirs.checkpoint();
+        if let Err(e) = self.checkpoint_into(parent, &image, false).await {
+            let _ = self.resume_envd(parent, "USR2").await;
+            return Err(e);
+        }
+        // the parent has stopped: its files are now what the image expects
+        // (runsc `--leave-running` does the same stop and restore inside,
+        // and then waits for the container in the foreground)
+        self.invoke(
+            "delete",
+            vec!["delete".into(), "--force".into(), parent.to_string()],
+        )
+        .await?;
+        self.cgroups.kill_and_remove(parent).await?;
+        let copied = self.copy_layers_for_fork(parent, &child.id).await;
+        let parent_handle = match self.restore_image(parent, &image).await {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = remove_tree(&image);
+                let _ = remove_tree(&seed_dir(&child_dirs.root));
+                return Err(RuntimeError::InvokeRuntime {
+                    action: "runsc restore of the parent of a live fork".into(),
+                    detail: format!("sandbox {parent} did not come back: {e}"),
+                });
+            }
+        };
+        if was_paused {
+            self.pause(parent).await?;
+        }
+        let forked = match copied {
+            Ok(()) => self.create_from(child, Start::Fork { image: &image }).await,
+            Err(e) => Err(e),
+        };
+        let removed = remove_tree(&image);
+        let child_handle = match forked {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = remove_tree(&seed_dir(&child_dirs.root));
+                return Err(e.with_cleanup(self.destroy(&child.id).await));
+            }
+        };
+        if let Err(e) = removed {
+            return Err(e.with_cleanup(self.destroy(&child.id).await));
+        }
+        Ok(LiveFork {
+            parent: parent_handle,
+            child: child_handle,
+        })
+    }
+}
+
+impl OciRuntime {
+    /// `runsc restore` of sandbox `id` (its own bundle, written at create)
+    /// from the memory image in `image`, then envd serves again (SIGUSR2).
+    async fn restore_image(
+        &self,
+        id: &SandboxId,
+        image: &Path,
+    ) -> Result<SandboxHandle, RuntimeError> {
         let dirs = self.dirs(id);
-        let checkpoint = dirs.checkpoint();
         let _ = std::fs::remove_file(dirs.pid_file());
         let _ = std::fs::remove_file(dirs.envd_run().join(aviary_runtime::ENVD_SOCKET_NAME));
         // the bundle written at create (host-only) describes the same sandbox
@@ -1645,7 +1780,7 @@ impl Checkpointable for OciRuntime {
                 dirs.log().display().to_string(),
                 "restore".into(),
                 "--image-path".into(),
-                checkpoint.display().to_string(),
+                image.display().to_string(),
                 "--detach".into(),
                 "--bundle".into(),
                 dirs.bundle().display().to_string(),
@@ -1666,8 +1801,7 @@ impl Checkpointable for OciRuntime {
         if !out.success() {
             return Err(self.failure("restore", &out, Some(&dirs.log())));
         }
-        self.resume_envd(id).await?;
-        remove_tree(&checkpoint)?;
+        self.resume_envd(id, "USR2").await?;
         let init_pid = read_pid_file(&dirs.pid_file())?;
         Ok(SandboxHandle {
             id: id.clone(),
@@ -1678,6 +1812,56 @@ impl Checkpointable for OciRuntime {
             init_pid,
             envd: Some(self.gvisor_envd_endpoint(id)?),
         })
+    }
+
+    /// Copies a stopped parent's writable layer and workspace into the
+    /// child's stage (`<child>.seed/`, adopted by its create), owners,
+    /// modes, overlay whiteouts and xattrs kept (`cp -a`; gVisor sandboxes
+    /// have no id mapping to shift).
+    async fn copy_layers_for_fork(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxId,
+    ) -> Result<(), RuntimeError> {
+        let stage = self.stage_layers(child).await?;
+        let from = self.dirs(parent);
+        for (src, dst) in [
+            (from.upper(), &stage.writable),
+            (from.workspace(), &stage.workspace),
+        ] {
+            let mut src = src.into_os_string();
+            src.push("/.");
+            let mut req = SpawnRequest::new(
+                PathBuf::from("cp"),
+                vec![
+                    "-a".into(),
+                    "--".into(),
+                    src.to_string_lossy().into_owned(),
+                    dst.display().to_string(),
+                ],
+            );
+            req.stdio = SpawnStdio::Capture;
+            req.timeout = self.config.command_timeout;
+            let out = self
+                .spawner
+                .run(&req)
+                .await
+                .map_err(|source| RuntimeError::Spawn {
+                    program: "cp".into(),
+                    source,
+                })?;
+            if !out.success() {
+                return Err(RuntimeError::InvokeRuntime {
+                    action: "copy of a live fork's files".into(),
+                    detail: format!(
+                        "cp exit {:?}: {}",
+                        out.code,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }
 

@@ -445,6 +445,205 @@ mod gvisor {
         assert!(!f.state.join(format!("{}.checkpoint", spec.id)).exists());
     }
 
+    /// `sh -c script` through `client` under lease token `token`.
+    async fn sh_as(
+        client: &EnvdClient,
+        token: Option<u64>,
+        script: &str,
+    ) -> Result<(i32, String), EnvdError> {
+        let out = client
+            .exec_collect(
+                ExecSpec {
+                    argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+                    timeout: Some(Duration::from_secs(20)),
+                    ..Default::default()
+                },
+                token,
+            )
+            .await?;
+        let mut text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.push_str(&String::from_utf8_lossy(&out.stderr));
+        Ok((out.exit.exit_code, text))
+    }
+
+    /// A live fork: the child runs the parent's processes with their memory
+    /// (a shell variable), has its own copy of the files as they were at the
+    /// fork, its own gofer and envd socket, and starts unleased (the
+    /// parent's fence is refused, a lower first fence of its own is taken);
+    /// the parent keeps running with its lease; both go without residue.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_fork_runs_the_parents_processes() {
+        use aviary_runtime::Checkpointable;
+        let _g = LOCK.lock().await;
+        let Some(envd) = envd_binary() else { return };
+        let Some(f) = fixture() else { return };
+        let rt = f.runtime(OciBinary::Runsc);
+        let empty = footprint(&f.state);
+        let parent = envd_spec(&f, &envd, "sbx-fork");
+        let h = rt.create(&parent).await.unwrap();
+        let client = client_of(&h);
+        client.wait_ready(Duration::from_secs(10)).await.unwrap();
+        client.set_fence(Some(3)).await.unwrap();
+        let (code, pid) = sh_as(
+            &client,
+            Some(3),
+            "echo before > /workspace/before.txt; cd /workspace; \
+             sh -c 'secret=$$-kept; while :; do echo $secret > /tmp/seen; sleep 0.2; done' >/dev/null 2>&1 & echo $!",
+        )
+        .await
+        .unwrap();
+        assert_eq!(code, 0, "{pid}");
+        let pid = pid.trim().to_string();
+        let alive = format!("kill -0 {pid} && rm -f /tmp/seen && sleep 1 && cat /tmp/seen");
+        assert_eq!(
+            sh_as(&client, Some(3), &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+
+        let child = envd_spec(&f, &envd, "sbx-fork");
+        let fork = rt.fork_running(&parent.id, &child).await.unwrap();
+        assert_eq!(fork.child.id, child.id);
+        let (pe, ce) = (fork.parent.envd_endpoint(), fork.child.envd_endpoint());
+        assert_ne!(pe.peer_pid, ce.peer_pid, "a gofer each");
+        assert!(
+            ce.socket.starts_with(f.state.join(child.id.as_str())),
+            "{ce:?}"
+        );
+        assert!(!f.state.join(format!("{}.checkpoint", child.id)).exists());
+        assert!(!f.state.join(format!("{}.seed", child.id)).exists());
+        assert_eq!(rt.status(&parent.id).await.unwrap(), RuntimeStatus::Running);
+        assert_eq!(rt.status(&child.id).await.unwrap(), RuntimeStatus::Running);
+
+        // the parent: same process, same lease
+        let p = client_of(&fork.parent);
+        p.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(
+            sh_as(&p, Some(3), &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+        // the child: the same process with its memory, unleased; the
+        // parent's token is refused there
+        let c = client_of(&fork.child);
+        c.wait_ready(Duration::from_secs(10)).await.unwrap();
+        let err = sh_as(&c, Some(3), "true").await.unwrap_err();
+        assert!(format!("{err:?}").contains("StaleToken"), "{err:?}");
+        assert_eq!(
+            sh_as(&c, None, &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+        // files: copied at the fork, apart from then on
+        assert_eq!(
+            sh_as(
+                &c,
+                None,
+                "cat /workspace/before.txt; echo child > /workspace/c.txt"
+            )
+            .await
+            .unwrap(),
+            (0, "before\n".into())
+        );
+        sh_as(&p, Some(3), "echo parent > /workspace/p.txt")
+            .await
+            .unwrap();
+        assert_eq!(
+            sh_as(&p, Some(3), "ls /workspace").await.unwrap(),
+            (0, "before.txt\np.txt\n".into())
+        );
+        assert_eq!(
+            sh_as(&c, None, "ls /workspace").await.unwrap(),
+            (0, "before.txt\nc.txt\n".into())
+        );
+        assert!(fork.child.workspace_dir.join("c.txt").is_file());
+        assert!(!h.workspace_dir.join("c.txt").exists());
+        // the child's own fence set-up: unleased again keeps the processes;
+        // its first lease may take a fence below the parent's
+        c.set_fence(None).await.unwrap();
+        assert_eq!(
+            sh_as(&c, None, &format!("kill -0 {pid} && echo up"))
+                .await
+                .unwrap(),
+            (0, "up\n".into())
+        );
+        c.set_fence(Some(1)).await.unwrap();
+        assert_eq!(
+            sh_as(&c, Some(1), "echo leased").await.unwrap(),
+            (0, "leased\n".into())
+        );
+        // the parent's process never noticed
+        assert_eq!(
+            sh_as(&p, Some(3), &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+
+        // a fork that fails once the parent was saved (the child's
+        // template is not there) leaves nothing of the child, and the
+        // parent running its process under its lease (behind a new gofer)
+        let mut bad = envd_spec(&f, &envd, "sbx-fork");
+        bad.template.digest = format!("sha256:{}", "0".repeat(64));
+        let err = rt.fork_running(&parent.id, &bad).await.unwrap_err();
+        assert!(
+            format!("{err}").contains("not in the template store"),
+            "{err}"
+        );
+        assert!(!rt.list().await.unwrap().contains(&bad.id));
+        for suffix in ["", ".checkpoint", ".seed"] {
+            assert!(!f.state.join(format!("{}{suffix}", bad.id)).exists());
+        }
+        let p = client_of(&SandboxHandle {
+            envd: Some(rt.envd_endpoint(&parent.id).await.unwrap()),
+            ..fork.parent.clone()
+        });
+        p.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(
+            sh_as(&p, Some(3), &alive).await.unwrap(),
+            (0, format!("{pid}-kept\n"))
+        );
+        // an id that is taken is refused before the parent is touched
+        let before = rt.envd_endpoint(&parent.id).await.unwrap();
+        let err = rt.fork_running(&parent.id, &child).await.unwrap_err();
+        assert!(
+            matches!(err, aviary_runtime::RuntimeError::AlreadyExists { .. }),
+            "{err:?}"
+        );
+        assert_eq!(
+            rt.envd_endpoint(&parent.id).await.unwrap(),
+            before,
+            "the parent was not stopped"
+        );
+
+        rt.destroy(&child.id).await.unwrap();
+        rt.destroy(&parent.id).await.unwrap();
+        assert!(rt.list().await.unwrap().is_empty());
+        // (other sandboxes of this host may come and go under */aviary)
+        let without_cgroups = |mut fp: Footprint| {
+            fp.remove("cgroup dirs under */aviary");
+            fp
+        };
+        assert_eq!(
+            without_cgroups(footprint(&f.state)),
+            without_cgroups(empty),
+            "nothing of either is left"
+        );
+        for h in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+            for id in [&parent.id, &child.id] {
+                assert!(!h.path().join("aviary").join(id.as_str()).exists());
+            }
+        }
+    }
+
+    /// crun cannot fork a running sandbox: `Unsupported`, nothing made.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_fork_is_unsupported_on_crun() {
+        use aviary_runtime::{Checkpointable, RuntimeError};
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = f.runtime(OciBinary::Crun);
+        let (parent, child) = (spec_for(&f), spec_for(&f));
+        let err = rt.fork_running(&parent.id, &child).await.unwrap_err();
+        assert!(matches!(err, RuntimeError::Unsupported { .. }), "{err:?}");
+        assert!(rt.list().await.unwrap().is_empty());
+    }
+
     /// p50 of `samples` in ms.
     fn p50_ms(samples: &[Duration]) -> f64 {
         conformance::median(samples).as_secs_f64() * 1000.0

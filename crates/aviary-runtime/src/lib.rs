@@ -372,6 +372,29 @@ pub trait Checkpointable: Pausable {
     /// own, as for its create): its processes continue where they were. The
     /// checkpoint is consumed. Returns like `create`, once PID 1 runs.
     async fn restore(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+    /// A live fork: starts `child.id` (a new sandbox, as for its create)
+    /// from a memory image of running sandbox `parent`, with a copy of the
+    /// parent's files taken at the moment of the image, so the child runs
+    /// the same processes with the same memory. The parent keeps its
+    /// processes and files (it stops briefly while the image is taken, and
+    /// comes back on new compute: its handle changes). The child's envd
+    /// forgets the parent's lease state: it starts unleased, its processes
+    /// kept. On failure nothing of the child is left; the parent is running
+    /// unless its own restore failed (then the error says so and it must be
+    /// destroyed).
+    async fn fork_running(
+        &self,
+        parent: &SandboxId,
+        child: &SandboxSpec,
+    ) -> Result<LiveFork, RuntimeError>;
+}
+
+/// What [`Checkpointable::fork_running`] made.
+#[derive(Clone, Debug)]
+pub struct LiveFork {
+    /// The parent on its new compute (same id, new pids).
+    pub parent: SandboxHandle,
+    pub child: SandboxHandle,
 }
 
 /// One runtime together with the optional capabilities it implements, as a

@@ -451,6 +451,7 @@ async fn orphan_chunks_are_collected_without_an_admin() {
                 id.as_str(),
                 aviary_server::snapshots::ForkRequest {
                     snapshot: Some(snap.id.clone()),
+                    live: false,
                     token: None,
                 },
             ),

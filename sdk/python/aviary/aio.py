@@ -519,12 +519,16 @@ class AsyncSandbox:
     async def snapshots(self) -> List[Snapshot]:
         return await self._client.snapshots(self.id)
 
-    async def fork(self, snapshot: Optional[str] = None) -> "AsyncSandbox":
+    async def fork(self, snapshot: Optional[str] = None, *, live: bool = False) -> "AsyncSandbox":
         """A new sandbox from a checkpoint of this one (a fresh checkpoint
-        when none is named)."""
+        when none is named). ``live=True`` (runsc only; ``Unsupported``
+        elsewhere) forks the running sandbox with its processes instead: the
+        child runs them with their memory, unleased."""
         body: Dict[str, Any] = {}
         if snapshot is not None:
             body["snapshot"] = snapshot
+        if live:
+            body["live"] = True
         return AsyncSandbox._from_create(self._client, await self._call("POST", "/fork", json=body))
 
     async def events(

@@ -521,12 +521,16 @@ class Sandbox:
     def snapshots(self) -> List[Snapshot]:
         return self._client.snapshots(self.id)
 
-    def fork(self, snapshot: Optional[str] = None) -> "Sandbox":
+    def fork(self, snapshot: Optional[str] = None, *, live: bool = False) -> "Sandbox":
         """A new sandbox from a checkpoint of this one (a fresh checkpoint
-        when none is named)."""
+        when none is named). ``live=True`` (runsc only; ``Unsupported``
+        elsewhere) forks the running sandbox with its processes instead: the
+        child runs them with their memory, unleased."""
         body: Dict[str, Any] = {}
         if snapshot is not None:
             body["snapshot"] = snapshot
+        if live:
+            body["live"] = True
         return Sandbox._from_create(self._client, self._call("POST", "/fork", json=body))
 
     def events(

@@ -218,6 +218,14 @@ def test_snapshot_and_fork(env: LiveServer) -> None:
         assert sbx.files.read_text("/workspace/state.txt") == "v1"
 
 
+def test_live_fork_is_unsupported_on_crun(env: LiveServer) -> None:
+    with Sandbox.create() as sbx:
+        with pytest.raises(aviary.Unsupported) as e:
+            sbx.fork(live=True)
+        assert e.value.status == 409
+        assert sbx.run("echo still").stdout == "still\n"
+
+
 def test_pause_resume_hibernate_wake(env: LiveServer) -> None:
     with Sandbox.create() as sbx:
         sbx.files.write("/workspace/keep.txt", "kept")
