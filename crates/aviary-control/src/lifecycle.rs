@@ -796,8 +796,17 @@ impl ControlPlane {
                     | SandboxState::Running
                     | SandboxState::Idle
             );
-            let same = self.live_opt(&id).is_some_and(|l| Arc::ptr_eq(&l, &live));
-            if settled && same && self.envd_is_gone(&rec, Some(&live)).await {
+            let same = || self.live_opt(&id).is_some_and(|l| Arc::ptr_eq(&l, &live));
+            if !settled || !same() {
+                continue;
+            }
+            // not one a hibernate, wake or live fork is working on (a live
+            // fork saves and restores its parent: its envd is away meanwhile
+            // while the row stays `Leased`); the next probe looks again
+            let Ok(Some(_lifecycle)) = self.try_lifecycle_guard(&id, "envd probe").await else {
+                continue;
+            };
+            if same() && self.envd_is_gone(&rec, Some(&live)).await {
                 let _ = self.mark_lost(&id, LOST_ENVD_GONE, None).await;
             }
         }
