@@ -442,7 +442,6 @@ async fn idle_memory(
     }
     server.control_plane.reclaims.settled().await;
     measured
-
 }
 
 fn median<T: Copy + Ord>(v: &[T]) -> Option<T> {
@@ -563,4 +562,3 @@ fn report(
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
 }
-
