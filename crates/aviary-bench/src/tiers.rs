@@ -9,8 +9,9 @@
 //! - host memory per idle sandbox: per tier, IDLE sandboxes (10 by default)
 //!   created and left idle for [`SETTLE`], then (a) the sum of their cgroup
 //!   memory (`GET /v1/sandboxes/{id}/usage`, `memory_bytes`) divided by
-//!   IDLE and (b) the drop of the host's `MemAvailable` from before the
-//!   creates to after, divided by IDLE; [`MEM_ROUNDS`] rounds, the tiers
+//!   IDLE and (b) the drop of the host's `MemAvailable` while they are
+//!   alive (against the mean of before the creates and after the deletes
+//!   were reclaimed), divided by IDLE; [`MEM_ROUNDS`] rounds, the tiers
 //!   alternating round by round, the median shown (with the spread);
 //! - memory checkpoint / restore through the server: hibernate → wake →
 //!   first exec of an idle sandbox on `runsc` (the only tier whose
@@ -43,7 +44,7 @@ const TIERS: [Runtime; 4] = [
 const SETTLE: Duration = Duration::from_secs(5);
 /// Memory rounds per tier (the median is shown; another build on the
 /// machine moves `MemAvailable`).
-const MEM_ROUNDS: usize = 3;
+const MEM_ROUNDS: usize = 5;
 /// Hibernate → wake rounds on runsc.
 const CHECKPOINT_ROUNDS: usize = 3;
 
@@ -409,9 +410,9 @@ async fn mem_available_steady() -> u64 {
 }
 
 /// `idle` sandboxes on `rt`, left idle for [`SETTLE`]: the sum of their
-/// cgroup memory (bytes), the drop of `MemAvailable` since before the
-/// first create (KiB), and the processes in their cgroups; then deleted
-/// and their reclaims awaited.
+/// cgroup memory (bytes), the drop of `MemAvailable` while they are alive
+/// (KiB; from the mean of before the first create and after their
+/// deletes were reclaimed), and the processes in their cgroups.
 async fn idle_memory(
     server: &RunningServer,
     client: &Client,
@@ -434,14 +435,19 @@ async fn idle_memory(
             cg += u.memory_bytes;
             pids += u.pids;
         }
-        anyhow::Ok((cg, before as i64 - after as i64, pids))
+        anyhow::Ok((cg, after, pids))
     }
     .await;
     for id in &ids {
         client.delete_sandbox(id.as_str(), None).await?;
     }
     server.control_plane.reclaims.settled().await;
-    measured
+    let (cg, during, pids) = measured?;
+    // the baseline is the mean of before and after: memory that something
+    // else on the machine took or gave back at a steady rate cancels out
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let gone = mem_available_steady().await;
+    Ok((cg, (before as i64 + gone as i64) / 2 - during as i64, pids))
 }
 
 fn median<T: Copy + Ord>(v: &[T]) -> Option<T> {
@@ -546,12 +552,14 @@ fn report(
          cache and kernel memory charged to it). For `runsc` that cgroup holds the gVisor \
          sandbox (sentry, gofer) as `runsc` placed it; for `docker` it is the container's cgroup \
          (dockerd, containerd and the shim are outside it).\n\
-         - **`MemAvailable` drop** is the host's `MemAvailable` (median of 5 reads) before the \
-         {idle} creates minus after they settled, divided by {idle}: everything the host gave \
-         up, inside the cgroups or not (the runtime's processes outside the sandbox's cgroup, \
-         containerd shims, kernel objects: mounts, namespaces, page tables). It also moves with \
-         whatever else runs on the machine, so read the spread; a negative value means \
-         something else freed memory meanwhile.\n\
+         - **`MemAvailable` drop** is the host's `MemAvailable` (median of 5 reads) with the \
+         {idle} sandboxes settled, subtracted from the mean of the reads before their creates \
+         and after their deletes were reclaimed (so a steady drift of the rest of the machine \
+         cancels), divided by {idle}: everything the host gave up, inside the cgroups or not \
+         (the runtime's processes outside the sandbox's cgroup, containerd shims, kernel \
+         objects: mounts, namespaces, page tables, minus page cache the kernel counts as \
+         available). Other work on the machine (builds) still moves it, so read the spread; a \
+         negative value means something else freed memory meanwhile.\n\
          - **Checkpoint / restore** keeps processes only on `runsc` (`runsc checkpoint` / \
          `restore`); on the other tiers hibernate snapshots the files and wake starts the \
          sandbox again.\n\
