@@ -478,7 +478,7 @@ fn report(
     println!(
         "| tier | cold create → first exec (API) p50 / p90 ms (n) | exec round trip of `true` \
          (API → envd) p50 / p90 ms (n) | cgroup memory per idle sandbox MiB | host \
-         `MemAvailable` drop per idle sandbox MiB | processes per idle sandbox (its cgroup) | \
+         `MemAvailable` drop per idle sandbox MiB | processes and threads per idle sandbox (its cgroup) | \
          memory checkpoint / restore |"
     );
     println!("|---|---|---|---|---|---|---|");
