@@ -549,9 +549,9 @@ fn report(
     println!(
         "\n- **cgroup memory** is `memory_bytes` of `GET /v1/sandboxes/{{id}}/usage`: what the \
          kernel charges to the sandbox's memory cgroup (its processes' anonymous memory, page \
-         cache and kernel memory charged to it). For `runsc` that cgroup holds the gVisor \
-         sandbox (sentry, gofer) as `runsc` placed it; for `docker` it is the container's cgroup \
-         (dockerd, containerd and the shim are outside it).\n\
+         cache and kernel memory charged to it). For `runsc` it is the cgroup runsc places the gVisor \
+         sandbox in; for `docker` it is the container's cgroup (dockerd, containerd and the \
+         shim are outside it).\n\
          - **`MemAvailable` drop** is the host's `MemAvailable` (median of 5 reads) with the \
          {idle} sandboxes settled, subtracted from the mean of the reads before their creates \
          and after their deletes were reclaimed (so a steady drift of the rest of the machine \
@@ -559,7 +559,8 @@ fn report(
          (the runtime's processes outside the sandbox's cgroup, containerd shims, kernel \
          objects: mounts, namespaces, page tables, minus page cache the kernel counts as \
          available). Other work on the machine (builds) still moves it, so read the spread; a \
-         negative value means something else freed memory meanwhile.\n\
+         negative value means the deletes left memory in use or something else freed memory \
+         meanwhile.\n\
          - **Checkpoint / restore** keeps processes only on `runsc` (`runsc checkpoint` / \
          `restore`); on the other tiers hibernate snapshots the files and wake starts the \
          sandbox again.\n\
