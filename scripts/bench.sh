@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker scale.
+# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker scale "
+all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -16,7 +16,7 @@ done
 want() { [[ $parts == *" $1 "* ]]; }
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
-if want core || want planner || want pool || want leases || want replicas; then
+if want core || want planner || want pool || want leases || want replicas || want docker || want tiers || want scale; then
   cargo build --release --locked -p aviary-bench
 fi
 if want snapshots; then
@@ -143,6 +143,14 @@ fi
 if want docker; then
   "$CARGO_TARGET_DIR/release/aviary-bench" docker-runtime "$iterations" | tee "$out"
   write_section docker "$measured" "$out"
+fi
+
+# isolation tiers side by side in one server: crun, runc, runsc (gVisor),
+# docker; cold create → first exec, exec round trip, host memory per idle
+# sandbox (AVIARY_BENCH_TIERS_IDLE of a tier alive), runsc hibernate → wake
+if want tiers; then
+  "$CARGO_TARGET_DIR/release/aviary-bench" tiers "$iterations" "${AVIARY_BENCH_TIERS_IDLE:-10}" | tee "$out"
+  write_section tiers "$measured" "$out"
 fi
 
 # scale: sustained creates/s (1, 4, 16 clients) vs the crun floor, and the

@@ -17,6 +17,8 @@
 //! crun in one server ([`docker_runtime`]).
 //! `aviary-bench scale [MAX] [TSV]` sustained creates/s and the cost per idle
 //! sandbox at 10 / 100 / 500 / 1000 alive ([`scale`]).
+//! `aviary-bench tiers [ITERATIONS] [IDLE]` the isolation tiers (crun, runc,
+//! runsc, docker) side by side in one server ([`tiers`]).
 #![forbid(unsafe_code)]
 
 mod docker_runtime;
@@ -25,6 +27,7 @@ mod planner;
 mod pool_churn;
 mod replicas;
 mod scale;
+mod tiers;
 
 use anyhow::{bail, Context};
 use aviary_client::Client;
@@ -171,6 +174,11 @@ async fn main() -> anyhow::Result<()> {
     if args.get(1).map(String::as_str) == Some("scale") {
         let max = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1000);
         return scale::run(max, args.get(3).map(Path::new)).await;
+    }
+    if args.get(1).map(String::as_str) == Some("tiers") {
+        let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
+        let idle = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(10);
+        return tiers::run(iters, idle).await;
     }
     if args.get(1).map(String::as_str) == Some("replicas") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);

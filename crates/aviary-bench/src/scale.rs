@@ -52,7 +52,7 @@ fn progress(line: &str) {
     eprintln!("bench scale: {line}");
 }
 
-fn mem_available_kib() -> u64 {
+pub(crate) fn mem_available_kib() -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
