@@ -245,7 +245,7 @@ async fn measure(
             }
             let t = Instant::now();
             match exec_true(&client, id.as_str()).await {
-                Ok(()) if n >= 10 => tiers[*i].1.exec.push(t.elapsed()),
+                Ok(()) if n >= exec_warmups(iters) => tiers[*i].1.exec.push(t.elapsed()),
                 Ok(()) => {}
                 Err(e) => fail(&mut tiers[*i], "exec round trips", e),
             }
@@ -298,6 +298,12 @@ async fn measure(
     }
     server.stop().await?;
     Ok(checkpoint)
+}
+
+/// Exec round trips per tier not counted (of `iters * 7`): 10, fewer on a
+/// short run.
+fn exec_warmups(iters: usize) -> usize {
+    10.min(iters * 7 / 2)
 }
 
 /// The tiers still measured.
@@ -564,10 +570,11 @@ fn report(
          - **Checkpoint / restore** keeps processes only on `runsc` (`runsc checkpoint` / \
          `restore`); on the other tiers hibernate snapshots the files and wake starts the \
          sandbox again.\n\
-         - Cold create: {iters} per tier after 2 warm-ups; exec: {} per tier after 10 warm-ups.\n\
+         - Cold create: {iters} per tier after 2 warm-ups; exec: {} per tier after {} warm-ups.\n\
          - 1-minute load average: {load_before} before the run, {load_after} after (on {} \
          cores: the times move with it, the memory much less).",
-        (iters * 7).saturating_sub(10),
+        iters * 7 - exec_warmups(iters),
+        exec_warmups(iters),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
     );
 }
