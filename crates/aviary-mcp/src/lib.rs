@@ -370,6 +370,12 @@ pub struct ForkArgs {
     /// Snapshot id to fork from; a fresh snapshot of the sandbox when absent.
     #[serde(default)]
     pub snapshot_id: Option<String>,
+    /// Fork the running sandbox with its live processes (their memory,
+    /// e.g. a REPL's variables) instead of its files: only sandboxes on the
+    /// gVisor (`runsc`) runtime can; others answer `unsupported`. Takes no
+    /// `snapshot_id`.
+    #[serde(default)]
+    pub live: bool,
 }
 
 /// A tool's answer: the JSON as text (what every model reads) and as
@@ -680,16 +686,26 @@ impl AviaryMcp {
     }
 
     #[tool(
-        description = "Fork a sandbox: a new sandbox starting from a snapshot of it (a fresh snapshot when `snapshot_id` is absent), leased to this session. Use it to try something risky on a copy. Returns the new sandbox and the decision."
+        description = "Fork a sandbox: a new sandbox starting from a snapshot of it (a fresh snapshot when `snapshot_id` is absent), leased to this session. Use it to try something risky on a copy. With `live: true` (gVisor sandboxes only) the copy also runs the sandbox's live processes. Returns the new sandbox and the decision."
     )]
     async fn fork(&self, Parameters(a): Parameters<ForkArgs>) -> ToolResult {
         check_id!(&a.sandbox_id);
+        if a.live && a.snapshot_id.is_some() {
+            return Ok(tool_error(
+                ErrorCode::InvalidRequest.as_str(),
+                "a live fork forks the running sandbox: give no snapshot_id with live",
+            ));
+        }
         let token = self.session.token(&a.sandbox_id);
-        let forked = try_tool!(
-            self.client()
-                .fork(&a.sandbox_id, a.snapshot_id.as_deref(), token)
-                .await
-        );
+        let forked = if a.live {
+            try_tool!(self.client().fork_live(&a.sandbox_id, token).await)
+        } else {
+            try_tool!(
+                self.client()
+                    .fork(&a.sandbox_id, a.snapshot_id.as_deref(), token)
+                    .await
+            )
+        };
         let id = forked.sandbox.id.to_string();
         let leased = self.take_lease(&id).await;
         let mut v = serde_json::to_value(&forked).unwrap_or_default();

@@ -138,6 +138,9 @@ async def test_stdio_tools_create_run_files_snapshot_fork_release(server: LiveSe
             created.append(fork["id"])
             assert fork["id"] != sbx["id"] and fork["leased_by_this_session"] is True
             assert data(await s.call_tool("read_file", {"sandbox_id": fork["id"], "path": "/workspace/src/app.py"}))["content"] == "print(42)\n"
+            # a live fork needs the gVisor runtime (this sandbox runs on crun), and takes no snapshot
+            assert "unsupported" in error_text(await s.call_tool("fork", {"sandbox_id": sbx["id"], "live": True}))
+            assert "invalid_request" in error_text(await s.call_tool("fork", {"sandbox_id": sbx["id"], "live": True, "snapshot_id": snap["id"]}))
 
             # bad input and API failures are tool errors carrying the code and the reason
             assert "invalid_request" in error_text(await s.call_tool("run_command", {"sandbox_id": "../../v1/keys", "command": "true"}))
