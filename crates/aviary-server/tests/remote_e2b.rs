@@ -166,97 +166,19 @@ async fn a_server_places_a_class_on_the_remote_runtime() {
     let key_file = dir.path().join("e2b.key");
     std::fs::write(&key_file, format!("{}\n", p.ts.key)).unwrap();
 
-    let mut settings = aviary_config::Config::default();
-    settings.server.runtimes = vec![RuntimeName::Crun, RuntimeName::E2b];
-    let mut remote = settings
-        .classes
-        .iter()
-        .find(|c| c.name == settings.server.default_class)
-        .unwrap()
-        .clone();
-    remote.name = "remote".into();
-    remote.runtimes = vec![RuntimeName::E2b];
-    settings.classes.push(remote);
-    settings.remote_e2b = Some(aviary_config::RemoteE2bSettings {
-        api_url: format!("{}/e2b", p.ts.url()),
-        sandbox_url: Some(format!("{}/e2b/envd", p.ts.url())),
-        domain: "aviary.test".into(),
-        port_url: Some(p.ts.url()),
-        proxy_key: true,
-        api_key_env: None,
-        api_key_file: Some(key_file),
-        templates: BTreeMap::from([("busybox".to_owned(), "base".to_owned())]),
-        timeout_s: 600,
+    let cfg = remote::server_config(RuntimeName::E2b, dir.path(), |settings| {
+        settings.remote_e2b = Some(aviary_config::RemoteE2bSettings {
+            api_url: format!("{}/e2b", p.ts.url()),
+            sandbox_url: Some(format!("{}/e2b/envd", p.ts.url())),
+            domain: "aviary.test".into(),
+            port_url: Some(p.ts.url()),
+            proxy_key: true,
+            api_key_env: None,
+            api_key_file: Some(key_file),
+            templates: BTreeMap::from([("busybox".to_owned(), "base".to_owned())]),
+            timeout_s: 600,
+        });
     });
-    let mut cfg =
-        aviary_server::config::ServerConfig::from_settings(settings, common::envd_binary());
-    let base = common::config(&dir.path().join("d"), "busybox");
-    cfg.data_dir = base.data_dir;
-    cfg.listen = base.listen;
-    cfg.templates_dir = base.templates_dir;
-    cfg.control.default_template = base.control.default_template;
-    cfg.control.default_template_source = base.control.default_template_source;
-    cfg.control.sweep_interval_ms = 100;
     let a = common::start_cfg(cfg).await;
-
-    let created = a
-        .client
-        .create_sandbox(&CreateSandboxRequest {
-            class: Some("remote".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let s = created.sandbox;
-    assert_eq!(s.runtime, "e2b");
-    let id = s.id.to_string();
-    assert_eq!(
-        provider_sandboxes(&p).await.len(),
-        1,
-        "the provider runs it"
-    );
-
-    let r = a
-        .client
-        .exec(&id, &common::shell("echo hello from $(uname -s); exit 4"))
-        .await
-        .unwrap();
-    assert_eq!(r.exit_code, 4);
-    assert_eq!(r.stdout, "hello from Linux\n");
-    a.client
-        .write_file(&id, "/tmp/round.txt", b"round trip".to_vec(), None)
-        .await
-        .unwrap();
-    let r = a
-        .client
-        .exec(&id, &common::shell("cat /tmp/round.txt | tr a-z A-Z"))
-        .await
-        .unwrap();
-    assert_eq!(r.stdout, "ROUND TRIP");
-    assert_eq!(
-        a.client.read_file(&id, "/tmp/round.txt").await.unwrap(),
-        b"round trip"
-    );
-
-    a.client.delete_sandbox(&id, None).await.unwrap();
-    // delete answers first and reclaims the compute in the background
-    a.cp().reclaims.settled().await;
-    assert_eq!(
-        provider_sandboxes(&p).await.len(),
-        0,
-        "destroy removed the provider's sandbox"
-    );
-
-    // a class on e2b with a template nobody mapped is refused, and leaves nothing
-    let e = a
-        .client
-        .create_sandbox(&CreateSandboxRequest {
-            class: Some("remote".into()),
-            template: Some("busybox-unmapped".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert!(!e.to_string().is_empty());
-    assert_eq!(provider_sandboxes(&p).await.len(), 0);
+    remote::check_server_flow(&a, &p, "e2b").await;
 }

@@ -230,38 +230,19 @@ fn config_with(
 ) -> aviary_server::config::ServerConfig {
     let key_file = dir.join("osb.key");
     std::fs::write(&key_file, format!("{key}\n")).unwrap();
-    let mut settings = aviary_config::Config::default();
-    settings.server.runtimes = vec![RuntimeName::Crun, RuntimeName::Opensandbox];
-    let mut remote = settings
-        .classes
-        .iter()
-        .find(|c| c.name == settings.server.default_class)
-        .unwrap()
-        .clone();
-    remote.name = "remote".into();
-    remote.runtimes = vec![RuntimeName::Opensandbox];
-    settings.classes.push(remote);
-    settings.remote_opensandbox = Some(aviary_config::RemoteOpenSandboxSettings {
-        url: format!("{}/opensandbox", p.ts.url()),
-        api_key_env: None,
-        api_key_file: Some(key_file),
-        templates: BTreeMap::from([("busybox".to_owned(), "busybox".to_owned())]),
-        timeout_s: 600,
-        request_timeout_s: 60,
-        ready_timeout_s: 120,
-        deny_egress: false,
-        pausable,
-    });
-    let mut cfg =
-        aviary_server::config::ServerConfig::from_settings(settings, common::envd_binary());
-    let base = common::config(&dir.join("d"), "busybox");
-    cfg.data_dir = base.data_dir;
-    cfg.listen = base.listen;
-    cfg.templates_dir = base.templates_dir;
-    cfg.control.default_template = base.control.default_template;
-    cfg.control.default_template_source = base.control.default_template_source;
-    cfg.control.sweep_interval_ms = 100;
-    cfg
+    remote::server_config(RuntimeName::Opensandbox, dir, |settings| {
+        settings.remote_opensandbox = Some(aviary_config::RemoteOpenSandboxSettings {
+            url: format!("{}/opensandbox", p.ts.url()),
+            api_key_env: None,
+            api_key_file: Some(key_file),
+            templates: BTreeMap::from([("busybox".to_owned(), "busybox".to_owned())]),
+            timeout_s: 600,
+            request_timeout_s: 60,
+            ready_timeout_s: 120,
+            deny_egress: false,
+            pausable,
+        });
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -272,70 +253,7 @@ async fn a_server_places_a_class_on_the_opensandbox_runtime() {
         .tempdir_in("/tmp")
         .unwrap();
     let a = common::start_cfg(config_on(&p, &p.ts.key, dir.path())).await;
-
-    let created = a
-        .client
-        .create_sandbox(&CreateSandboxRequest {
-            class: Some("remote".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let s = created.sandbox;
-    assert_eq!(s.runtime, "opensandbox");
-    let id = s.id.to_string();
-    let theirs = provider_sandboxes(&p).await;
-    assert_eq!(theirs.len(), 1, "the provider runs it");
-    assert_eq!(
-        theirs[0].metadata.get("aviary_sandbox"),
-        Some(&id),
-        "labelled with this server's id"
-    );
-
-    let r = a
-        .client
-        .exec(&id, &common::shell("echo hello from $(uname -s); exit 4"))
-        .await
-        .unwrap();
-    assert_eq!(r.exit_code, 4);
-    assert_eq!(r.stdout, "hello from Linux\n");
-    a.client
-        .write_file(&id, "/tmp/round.txt", b"round trip".to_vec(), None)
-        .await
-        .unwrap();
-    let r = a
-        .client
-        .exec(&id, &common::shell("cat /tmp/round.txt | tr a-z A-Z"))
-        .await
-        .unwrap();
-    assert_eq!(r.stdout, "ROUND TRIP");
-    assert_eq!(r.exit_code, 0);
-    assert_eq!(
-        a.client.read_file(&id, "/tmp/round.txt").await.unwrap(),
-        b"round trip"
-    );
-
-    a.client.delete_sandbox(&id, None).await.unwrap();
-    // delete answers first and reclaims the compute in the background
-    a.cp().reclaims.settled().await;
-    assert!(
-        provider_sandboxes(&p).await.is_empty(),
-        "destroy removed the provider's sandbox"
-    );
-
-    // a class on opensandbox with a template nobody mapped is refused, and
-    // leaves nothing
-    let e = a
-        .client
-        .create_sandbox(&CreateSandboxRequest {
-            class: Some("remote".into()),
-            template: Some("busybox-unmapped".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert!(!e.to_string().is_empty());
-    assert!(provider_sandboxes(&p).await.is_empty());
+    remote::check_server_flow(&a, &p, "opensandbox").await;
 
     // a server holding a key the provider refuses does not start, and says why
     let dir_b = tempfile::Builder::new()

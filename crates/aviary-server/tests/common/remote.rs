@@ -159,3 +159,106 @@ pub async fn inside_envd_dir(envd: &EnvdClient, script: &str) -> String {
     );
     listing
 }
+
+/// A server config whose class `remote` runs on `runtime` (beside the
+/// default crun class), on this test's data dir; `provider` fills in the
+/// runtime's `[remote_*]` table.
+pub fn server_config(
+    runtime: aviary_core::RuntimeName,
+    dir: &Path,
+    provider: impl FnOnce(&mut aviary_config::Config),
+) -> aviary_server::config::ServerConfig {
+    let mut settings = aviary_config::Config::default();
+    settings.server.runtimes = vec![aviary_core::RuntimeName::Crun, runtime];
+    let mut remote = settings
+        .classes
+        .iter()
+        .find(|c| c.name == settings.server.default_class)
+        .unwrap()
+        .clone();
+    remote.name = "remote".into();
+    remote.runtimes = vec![runtime];
+    settings.classes.push(remote);
+    provider(&mut settings);
+    let mut cfg =
+        aviary_server::config::ServerConfig::from_settings(settings, common::envd_binary());
+    let base = common::config(&dir.join("d"), "busybox");
+    cfg.data_dir = base.data_dir;
+    cfg.listen = base.listen;
+    cfg.templates_dir = base.templates_dir;
+    cfg.control.default_template = base.control.default_template;
+    cfg.control.default_template_source = base.control.default_template_source;
+    cfg.control.sweep_interval_ms = 100;
+    cfg
+}
+
+/// Through server `a`, whose class `remote` runs on `runtime` at provider
+/// `p`: a create lands at the provider (labelled with this server's id),
+/// commands run with their exit code and output, a file makes a round trip,
+/// the delete removes the provider's sandbox, and a template nobody mapped
+/// is refused and leaves nothing.
+pub async fn check_server_flow(a: &common::TestServer, p: &Provider, runtime: &str) {
+    use aviary_core::api::CreateSandboxRequest;
+    let created = a
+        .client
+        .create_sandbox(&CreateSandboxRequest {
+            class: Some("remote".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let s = created.sandbox;
+    assert_eq!(s.runtime, runtime);
+    let id = s.id.to_string();
+    let theirs = provider_sandboxes(p).await;
+    assert_eq!(theirs.len(), 1, "the provider runs it");
+    assert_eq!(
+        theirs[0].metadata.get("aviary_sandbox"),
+        Some(&id),
+        "labelled with this server's id"
+    );
+
+    let r = a
+        .client
+        .exec(&id, &common::shell("echo hello from $(uname -s); exit 4"))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, 4);
+    assert_eq!(r.stdout, "hello from Linux\n");
+    a.client
+        .write_file(&id, "/tmp/round.txt", b"round trip".to_vec(), None)
+        .await
+        .unwrap();
+    let r = a
+        .client
+        .exec(&id, &common::shell("cat /tmp/round.txt | tr a-z A-Z"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "ROUND TRIP");
+    assert_eq!(r.exit_code, 0);
+    assert_eq!(
+        a.client.read_file(&id, "/tmp/round.txt").await.unwrap(),
+        b"round trip"
+    );
+
+    a.client.delete_sandbox(&id, None).await.unwrap();
+    // delete answers first and reclaims the compute in the background
+    a.cp().reclaims.settled().await;
+    assert!(
+        provider_sandboxes(p).await.is_empty(),
+        "destroy removed the provider's sandbox"
+    );
+
+    // a template nobody mapped is refused, and leaves nothing
+    let e = a
+        .client
+        .create_sandbox(&CreateSandboxRequest {
+            class: Some("remote".into()),
+            template: Some("busybox-unmapped".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(!e.to_string().is_empty());
+    assert!(provider_sandboxes(p).await.is_empty());
+}
