@@ -22,7 +22,6 @@ mod common;
 #[path = "common/remote.rs"]
 mod remote;
 
-use aviary_core::api::CreateSandboxRequest;
 use aviary_core::RuntimeName;
 use aviary_envd_proto::EnvdClient;
 use aviary_runtime::{Runtime, RuntimeError, RuntimeStatus};
