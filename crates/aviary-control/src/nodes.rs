@@ -295,10 +295,10 @@ impl ControlPlane {
         let now = aviary_core::now();
         let (cpu, mem) = (self.cfg.local_cpu, self.cfg.local_memory_mb);
         let mut committed = (0.0, 0u64);
-        for r in self.registry.list_sandboxes(None, false).await? {
-            if r.node == self.cfg.local_node && holds_compute(r.state) {
-                committed.0 += r.resources.cpu;
-                committed.1 += r.resources.memory_mb;
+        for t in self.registry.live_totals(None).await? {
+            if t.node == self.cfg.local_node && holds_compute(t.state) {
+                committed.0 += t.cpu;
+                committed.1 += t.memory_mb;
             }
         }
         let templates = match placing {

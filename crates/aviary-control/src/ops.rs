@@ -2603,8 +2603,8 @@ impl ControlPlane {
     /// not counted) are in each state, for `/metrics`.
     pub async fn sandbox_counts_by_state(&self) -> Result<Vec<(String, usize)>, OpError> {
         let mut counts: std::collections::BTreeMap<&'static str, usize> = Default::default();
-        for r in self.registry.list_sandboxes(None, false).await? {
-            *counts.entry(r.state.as_str()).or_default() += 1;
+        for t in self.registry.live_totals(None).await? {
+            *counts.entry(t.state.as_str()).or_default() += t.sandboxes as usize;
         }
         Ok(counts.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
     }

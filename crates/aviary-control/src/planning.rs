@@ -166,12 +166,18 @@ impl ControlPlane {
     }
 
     async fn tenant_usage(&self, tenant: &str) -> Result<TenantUsage, OpError> {
-        let live = self.registry.list_sandboxes(Some(tenant), false).await?;
+        // sums, not rows: a create's quota check costs the same with a
+        // thousand live sandboxes as with one
         let mut u = TenantUsage::default();
-        for r in live.iter().filter(|r| !r.state.is_terminal()) {
-            u.sandboxes += 1;
-            u.cpu += r.resources.cpu;
-            u.memory_mb += r.resources.memory_mb;
+        for t in self.registry.live_totals(Some(tenant)).await? {
+            if t.state.is_terminal() {
+                continue;
+            }
+            u.sandboxes = u
+                .sandboxes
+                .saturating_add(u32::try_from(t.sandboxes).unwrap_or(u32::MAX));
+            u.cpu += t.cpu;
+            u.memory_mb += t.memory_mb;
         }
         Ok(u)
     }

@@ -376,6 +376,30 @@ impl Registry for PostgresRegistry {
         rows.iter().map(sandbox_row).collect()
     }
 
+    async fn live_totals(&self, tenant: Option<&str>) -> Result<Vec<LiveTotal>, RegistryError> {
+        let mut q = QueryBuilder::<Postgres>::new(
+            "SELECT node_id, state, count(*) AS n, COALESCE(SUM(cpu), 0)::float8 AS cpu, \
+             COALESCE(SUM(memory_mb), 0)::bigint AS memory_mb FROM sandbox_instance WHERE TRUE",
+        );
+        if let Some(t) = tenant {
+            q.push(" AND tenant_id = ").push_bind(t);
+        }
+        // a literal, so the live-rows partial index applies
+        q.push(" AND state <> 'Terminated' GROUP BY node_id, state ORDER BY node_id, state");
+        let rows = q.build().fetch_all(&self.pool).await.map_err(storage)?;
+        rows.iter()
+            .map(|row| {
+                Ok(LiveTotal {
+                    node: col(row, "node_id")?,
+                    state: parse("state", &col::<String>(row, "state")?)?,
+                    sandboxes: to_u64(col(row, "n")?)?,
+                    cpu: col(row, "cpu")?,
+                    memory_mb: to_u64(col(row, "memory_mb")?)?,
+                })
+            })
+            .collect()
+    }
+
     async fn transition(
         &self,
         id: &SandboxId,

@@ -200,6 +200,17 @@ pub(crate) fn list_sandboxes_sql(by_tenant: bool, include_terminated: bool) -> S
     sql
 }
 
+/// [`Registry::live_totals`]'s query. The state is a literal, so the live
+/// partial indexes apply.
+pub(crate) fn live_totals_sql(by_tenant: bool) -> String {
+    format!(
+        "SELECT node_id, state, count(*) AS n, total(cpu) AS cpu, total(memory_mb) AS memory_mb \
+         FROM sandbox_instance WHERE {} state <> 'Terminated' \
+         GROUP BY node_id, state ORDER BY node_id, state",
+        if by_tenant { "tenant_id = ? AND" } else { "" }
+    )
+}
+
 impl SqliteRegistry {
     async fn exists(&self, id: &SandboxId) -> Result<bool, RegistryError> {
         let found: Option<i64> =
@@ -366,6 +377,27 @@ impl Registry for SqliteRegistry {
         }
         let rows = q.fetch_all(&self.reader).await.map_err(storage)?;
         rows.iter().map(sandbox_row).collect()
+    }
+
+    async fn live_totals(&self, tenant: Option<&str>) -> Result<Vec<LiveTotal>, RegistryError> {
+        let sql = live_totals_sql(tenant.is_some());
+        let mut q = sqlx::query(&sql);
+        if let Some(t) = tenant {
+            q = q.bind(t);
+        }
+        let rows = q.fetch_all(&self.reader).await.map_err(storage)?;
+        rows.iter()
+            .map(|row| {
+                Ok(LiveTotal {
+                    node: col(row, "node_id")?,
+                    state: parse("state", &col::<String>(row, "state")?)?,
+                    sandboxes: to_u64(col(row, "n")?)?,
+                    cpu: col(row, "cpu")?,
+                    // total() is REAL in SQLite; memory sums are whole MiB
+                    memory_mb: col::<f64>(row, "memory_mb")?.max(0.0) as u64,
+                })
+            })
+            .collect()
     }
 
     async fn transition(

@@ -553,6 +553,26 @@ async fn live_listings_use_the_live_index_not_the_history() {
             !plan.iter().any(|d| d.contains("TEMP B-TREE")),
             "the index gives the order: {plan:?}"
         );
+        // the sums a create reads (quota, scheduler) scan the same index
+        let sql = format!(
+            "EXPLAIN QUERY PLAN {}",
+            crate::registry::live_totals_sql(by_tenant)
+        );
+        let mut q = sqlx::query(&sql);
+        if by_tenant {
+            q = q.bind("acme");
+        }
+        let plan: Vec<String> = q
+            .fetch_all(&reg.reader)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| sqlx::Row::get::<String, _>(r, "detail"))
+            .collect();
+        assert!(
+            plan.iter().any(|d| d.contains(index)),
+            "live totals, by_tenant={by_tenant}: {plan:?}"
+        );
     }
     // a history of terminated rows, and live rows of two tenants
     let mut live = Vec::new();

@@ -36,6 +36,7 @@ pub async fn run_all<H: RegistryHarness>(h: &H) {
     run!(
         insert_then_get,
         list_filters_tenant_and_terminated,
+        live_totals_sum_the_live_rows,
         transition_walks_a_path,
         transition_refuses_stale_version,
         transition_refuses_illegal_steps,
@@ -203,6 +204,67 @@ pub async fn list_filters_tenant_and_terminated<R: Registry>(r: &R) {
         .await
         .unwrap()
         .is_empty());
+}
+
+/// `live_totals` agrees with summing `list_sandboxes` by hand: per node and
+/// state, terminated rows left out, one tenant or all.
+pub async fn live_totals_sum_the_live_rows<R: Registry>(r: &R) {
+    let (t1, t2) = (tenant(), tenant());
+    let mut on_other = sample_sandbox(&t1);
+    on_other.node = "node-b".into();
+    on_other.resources.cpu = 0.25;
+    on_other.resources.memory_mb = 300;
+    r.insert_sandbox(&on_other, TransitionCtx::default())
+        .await
+        .unwrap();
+    let a = insert(r, &t1).await;
+    insert(r, &t1).await;
+    let gone = insert(r, &t1).await;
+    insert(r, &t2).await;
+    r.transition(
+        &a.id,
+        0,
+        &[SandboxState::Planning],
+        FenceCheck::Skip,
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap();
+    r.transition(
+        &gone.id,
+        0,
+        &[SandboxState::Terminated],
+        FenceCheck::Skip,
+        TransitionCtx::default(),
+    )
+    .await
+    .unwrap();
+    let mut totals = r.live_totals(Some(&t1)).await.unwrap();
+    totals.sort_by(|x, y| (&x.node, x.state.as_str()).cmp(&(&y.node, y.state.as_str())));
+    let row = |node: &str, state, sandboxes, cpu, memory_mb| LiveTotal {
+        node: node.into(),
+        state,
+        sandboxes,
+        cpu,
+        memory_mb,
+    };
+    assert_eq!(
+        totals,
+        vec![
+            row("local", SandboxState::Planning, 1, 1.5, 2048),
+            row("local", SandboxState::Requested, 1, 1.5, 2048),
+            row("node-b", SandboxState::Requested, 1, 0.25, 300),
+        ],
+        "one tenant, by node and state, the terminated one left out"
+    );
+    // every tenant's: the same as summing the live listing
+    let mut all = r.live_totals(None).await.unwrap();
+    let mut by_hand = LiveTotal::sum(&r.list_sandboxes(None, false).await.unwrap());
+    for v in [&mut all, &mut by_hand] {
+        v.sort_by(|x, y| (&x.node, x.state.as_str()).cmp(&(&y.node, y.state.as_str())));
+    }
+    assert_eq!(all, by_hand);
+    assert!(r.live_totals(Some(&tenant())).await.unwrap().is_empty());
 }
 
 pub async fn transition_walks_a_path<R: Registry>(r: &R) {

@@ -193,6 +193,14 @@ pub trait Registry: Send + Sync {
         include_terminated: bool,
     ) -> Result<Vec<SandboxRecord>, RegistryError>;
 
+    /// The live (not `Terminated`) sandboxes of one tenant or all, summed by
+    /// node and state: what the quota check and the scheduler read on every
+    /// create. Its cost is a scan of the live index, never a decode of every
+    /// row (this default does the decode; the SQL registries aggregate).
+    async fn live_totals(&self, tenant: Option<&str>) -> Result<Vec<LiveTotal>, RegistryError> {
+        Ok(LiveTotal::sum(&self.list_sandboxes(tenant, false).await?))
+    }
+
     /// Walks `path` (each step must be legal per
     /// [`SandboxState::can_transition_to`], starting from the current state)
     /// in ONE transaction: checks `version == expected_version` (else

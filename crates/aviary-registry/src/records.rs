@@ -380,3 +380,40 @@ impl std::fmt::Debug for NodeRegistration {
             .finish()
     }
 }
+
+/// Live sandboxes on one node in one state, summed ([`crate::Registry::live_totals`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LiveTotal {
+    pub node: String,
+    pub state: SandboxState,
+    pub sandboxes: u64,
+    pub cpu: f64,
+    pub memory_mb: u64,
+}
+
+impl LiveTotal {
+    /// Sums `records` (terminated ones left out) by node and state, in
+    /// (node, state) order.
+    pub fn sum(records: &[SandboxRecord]) -> Vec<LiveTotal> {
+        let mut by: std::collections::BTreeMap<(&str, &'static str), LiveTotal> =
+            Default::default();
+        for r in records
+            .iter()
+            .filter(|r| r.state != SandboxState::Terminated)
+        {
+            let t = by
+                .entry((r.node.as_str(), r.state.as_str()))
+                .or_insert_with(|| LiveTotal {
+                    node: r.node.clone(),
+                    state: r.state,
+                    sandboxes: 0,
+                    cpu: 0.0,
+                    memory_mb: 0,
+                });
+            t.sandboxes += 1;
+            t.cpu += r.resources.cpu;
+            t.memory_mb += r.resources.memory_mb;
+        }
+        by.into_values().collect()
+    }
+}
