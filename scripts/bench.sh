@@ -51,36 +51,50 @@ open("BENCHMARKS.md", "w").write(re.sub(pattern, lambda m: section, text, flags=
 PY
   rm -f "$section"
 }
+# part NAME: a progress line per part, with the time since the start
+bench_start=0  # (SECONDS counts from the start of the script, builds included)
+part_no=0
+part_count=$(wc -w <<<"$parts")
+part() {
+  part_no=$((part_no + 1))
+  printf 'bench [%02d:%02d] part %d/%d: %s\n' $(((SECONDS - bench_start) / 60)) $(((SECONDS - bench_start) % 60)) \
+    "$part_no" "$part_count" "$1" >&2
+}
 measured="Measured $(date -u +%Y-%m-%d) on: $machine."
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 
 # core path: cold create, exec round trip, warm pool, memory (vs crun and docker)
 if want core; then
+  part core
   "$CARGO_TARGET_DIR/release/aviary-bench" "$iterations" | tee "$out"
   write_section core "$measured" "$out"
 fi
 
 # snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd
 if want snapshots; then
+  part snapshots
   "$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$out"
   write_section snapshots "$measured" "$out"
 fi
 
 # chunker: the fastcdc crate (used) beside the former hand-written gear chunker
 if want chunker; then
+  part chunker
   "$CARGO_TARGET_DIR/release/examples/chunker_bench" --size-mib 256 | { echo '```'; cat; echo '```'; } | tee "$out"
   write_section chunker "$measured 256 MiB of random bytes, median of 5:" "$out"
 fi
 
 # registry history: a create's live listing with 100k terminated sandboxes, with and without the live index
 if want history; then
+  part history
   "$CARGO_TARGET_DIR/release/examples/history_bench" 100000 | tee "$out"
   write_section history "$measured Median of 300 listings of a tenant's 20 live sandboxes:" "$out"
 fi
 
 # disk quotas: create/destroy with and without the per-sandbox disk, interleaved
 if want quota; then
+  part quota
   cargo test --release --locked -p aviary-runtime-oci --test quota -- \
       --ignored --nocapture measure_create_cost 2>/dev/null |
       grep -E '^(probe|create|destroy)' | { echo '```'; cat; echo '```'; } | tee "$out"
@@ -90,6 +104,7 @@ fi
 # gVisor: crun beside runsc (create → first exec, exec), and runsc's memory
 # checkpoint / restore of a sandbox whose process holds 100 MB
 if want gvisor; then
+  part gvisor
   cargo test --release --locked -p aviary-runtime-oci --test gvisor -- \
       --ignored --nocapture measure_checkpoint_cost 2>/dev/null |
       grep -E '^\|' | tee "$out"
@@ -98,12 +113,14 @@ fi
 
 # planner: accuracy on the labelled corpus, beside both baselines (no root, seconds)
 if want planner; then
+  part planner
   "$CARGO_TARGET_DIR/release/aviary-bench" planner | tee "$out"
   write_section planner "Measured $(date -u +%Y-%m-%d) by \`aviary-bench planner\` (accuracy does not depend on the machine; the timing does: $machine)." "$out"
 fi
 
 # warm pool under churn: hits over create → exec → rm cycles, hit vs miss latency
 if want pool; then
+  part pool
   "$CARGO_TARGET_DIR/release/aviary-bench" pool-churn "${AVIARY_BENCH_POOL_CYCLES:-50}" | tee "$out"
   write_section pool "$measured" "$out"
 fi
@@ -125,6 +142,7 @@ services_down() {
 
 # lease stores: embedded vs PostgreSQL vs Redis, beside redis-benchmark (the floor)
 if want leases; then
+  part leases
   services_up
   "$CARGO_TARGET_DIR/release/aviary-bench" leases "${AVIARY_BENCH_LEASE_CYCLES:-2000}" | tee "$out"
   services_down
@@ -134,6 +152,7 @@ fi
 # replicas: distributed create → first exec (1 vs 3 replicas, two node agents)
 # vs the embedded server; reconciler time to find and restore a Lost sandbox
 if want replicas; then
+  part replicas
   services_up
   "$CARGO_TARGET_DIR/release/aviary-bench" replicas "$iterations" | tee "$out"
   services_down
@@ -141,6 +160,7 @@ if want replicas; then
 fi
 # the docker runtime beside crun in one server: cold create → first exec, exec round trip
 if want docker; then
+  part docker
   "$CARGO_TARGET_DIR/release/aviary-bench" docker-runtime "$iterations" | tee "$out"
   write_section docker "$measured" "$out"
 fi
@@ -149,6 +169,7 @@ fi
 # docker; cold create → first exec, exec round trip, host memory per idle
 # sandbox (AVIARY_BENCH_TIERS_IDLE of a tier alive), runsc hibernate → wake
 if want tiers; then
+  part tiers
   "$CARGO_TARGET_DIR/release/aviary-bench" tiers "$iterations" "${AVIARY_BENCH_TIERS_IDLE:-10}" | tee "$out"
   write_section tiers "$measured" "$out"
 fi
@@ -157,6 +178,7 @@ fi
 # cost per idle sandbox with 10 / 100 / 500 / 1000 alive; the curve plotted
 # by matplotlib from a throwaway venv (pinned) into docs/scale.png
 if want scale; then
+  part scale
   echo "bench: scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)" >&2
   load_before=$(cut -d' ' -f1 /proc/loadavg)
   points=$(mktemp)
@@ -171,4 +193,4 @@ if want scale; then
   rm -f "$points"
   write_section scale "$measured 1-minute load average before / after: $load_before / $(cut -d' ' -f1 /proc/loadavg)." "$out"
 fi
-echo "BENCHMARKS.md updated" >&2
+printf 'bench [%02d:%02d] done: BENCHMARKS.md updated\n' $(((SECONDS - bench_start) / 60)) $(((SECONDS - bench_start) % 60)) >&2

@@ -219,17 +219,7 @@ pub async fn run(max: usize, tsv: Option<&Path>) -> anyhow::Result<()> {
         let sample: Vec<&String> = alive.iter().step_by((target / 10).max(1)).collect();
         let rss: u64 = sample.iter().map(|id| sandbox_rss_kib(id)).sum();
         let rss_per = rss as f64 / 1024.0 / sample.len() as f64;
-        let mut cold = Vec::new();
-        for _ in 0..5 {
-            let t = Instant::now();
-            let s = client
-                .create_sandbox(&CreateSandboxRequest::default())
-                .await?;
-            client.exec(s.sandbox.id.as_str(), &true_cmd()).await?;
-            cold.push(t.elapsed());
-            client.delete_sandbox(s.sandbox.id.as_str(), None).await?;
-            cp.reclaims.settled().await;
-        }
+        let (cold, _) = cold_creates(&client, &cp, 5).await?;
         let mut exec = Vec::new();
         for i in 0..30 {
             let id = &alive[(i * 7919) % alive.len()];
@@ -240,7 +230,7 @@ pub async fn run(max: usize, tsv: Option<&Path>) -> anyhow::Result<()> {
         }
         points.push(Point {
             alive: target,
-            create_exec_p50: stats(cold).p50,
+            create_exec_p50: cold.p50,
             exec_p50: stats(exec).p50,
             mem_per_sandbox_mib: mem_per,
             rss_per_sandbox_mib: rss_per,
@@ -255,8 +245,62 @@ pub async fn run(max: usize, tsv: Option<&Path>) -> anyhow::Result<()> {
         client.delete_sandbox(id, None).await?;
     }
     cp.reclaims.settled().await;
+
+    // per-request registry work must not grow with history: the same cold
+    // create → first exec before and after 100k terminated sandboxes are
+    // added to the server's own registry
+    progress("cold creates with the history so far, then with 100k more terminated sandboxes");
+    let (before_history, tenant) = cold_creates(&client, &cp, 10).await?;
+    let registry = aviary_registry_sqlite::SqliteRegistry::open(&server.cfg.registry_path())
+        .await
+        .context("open the server's registry")?;
+    registry
+        .seed_terminated_history(&tenant, HISTORY)
+        .await
+        .context("seed the history")?;
+    registry.close().await;
+    let (after_history, _) = cold_creates(&client, &cp, 10).await?;
     server.stop().await?;
-    report(&floor, &rates, &points, &creates, limit.as_deref(), tsv)
+    report(&floor, &rates, &points, &creates, limit.as_deref(), tsv)?;
+    println!(
+        "\n| terminated sandboxes in the registry | cold create → first exec p50 ms | p90 ms | n |\n|---|---|---|---|"
+    );
+    for (what, s) in [
+        ("the bench's own (a few thousand)", &before_history),
+        ("+ 100000 (half the measured tenant's)", &after_history),
+    ] {
+        println!("| {what} | {:.2} | {:.2} | {} |", s.p50, s.p90, s.n);
+    }
+    println!(
+        "\nWith 100k more terminated sandboxes a cold create → first exec takes {:.2}× the time.",
+        after_history.p50 / before_history.p50
+    );
+    Ok(())
+}
+
+/// Terminated rows added for the history measurement.
+const HISTORY: u64 = 100_000;
+
+/// `n` cold create → first exec → delete cycles, each reclaim awaited; and
+/// the tenant they were created for.
+async fn cold_creates(
+    client: &Client,
+    cp: &aviary_server::ops::ControlPlane,
+    n: usize,
+) -> anyhow::Result<(crate::Stats, String)> {
+    let (mut cold, mut tenant) = (Vec::new(), String::new());
+    for _ in 0..n {
+        let t = Instant::now();
+        let s = client
+            .create_sandbox(&CreateSandboxRequest::default())
+            .await?;
+        client.exec(s.sandbox.id.as_str(), &true_cmd()).await?;
+        cold.push(t.elapsed());
+        tenant = s.sandbox.tenant.clone();
+        client.delete_sandbox(s.sandbox.id.as_str(), None).await?;
+        cp.reclaims.settled().await;
+    }
+    Ok((stats(cold), tenant))
 }
 
 fn report(

@@ -172,6 +172,9 @@ pub struct ServerSettings {
     /// dockerd's API socket, for the `docker` runtime (used only when
     /// `runtimes` lists it).
     pub docker_socket: PathBuf,
+    /// Sandbox disks each crun/runc runtime keeps made ahead of need, per
+    /// recently asked disk size (0..=16; 0 = make each on its create).
+    pub disk_pool: usize,
 }
 
 /// The HTTP edge's limits (keys of `[server]`). Every value is positive.
@@ -591,6 +594,7 @@ pub(crate) fn default_server() -> ServerSettings {
         edge: default_edge(),
         open_network: false,
         docker_socket: PathBuf::from("/var/run/docker.sock"),
+        disk_pool: 2,
     }
 }
 

@@ -105,6 +105,7 @@ struct RawServer {
     metrics_token_env: Option<Spanned<String>>,
     open_network: Option<bool>,
     docker_socket: Option<Spanned<String>>,
+    disk_pool: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -727,6 +728,20 @@ fn check_server(
     if let Some(raw) = raw {
         if let Some(open) = raw.open_network {
             s.open_network = open;
+        }
+        if let Some(n) = raw.disk_pool {
+            ck.check(
+                *n.get_ref() <= 16,
+                &n.span(),
+                || "server.disk_pool".into(),
+                || {
+                    format!(
+                        "server: disk_pool must be between 0 and 16, got {}",
+                        n.get_ref()
+                    )
+                },
+            )?;
+            s.disk_pool = n.into_inner();
         }
         if let Some(sock) = raw.docker_socket {
             ck.check(

@@ -42,25 +42,12 @@ async fn main() {
     }
     let none = median_us(&reg, live).await;
 
+    reg.seed_terminated_history("acme", history).await.unwrap();
     let mut conn = SqliteConnectOptions::new()
         .filename(&path)
         .connect()
         .await
         .unwrap();
-    sqlx::query(
-        "INSERT INTO sandbox_instance (sandbox_id, tenant_id, scope, runtime_provider, node_id, \
-         resource_class, cpu, memory_mb, disk_mb, pids, template_id, template_digest, \
-         network_profile, state, created_at, last_active_at, version, tainted) \
-         WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?) \
-         SELECT printf('sbx-h%019d', i), CASE i % 2 WHEN 0 THEN 'acme' ELSE 'other' END, \
-         'session', 'crun', 'local', 'python-small', 1.0, 512, 1024, 64, 'busybox', \
-         'sha256:aa', 'none', 'Terminated', i, i, 3, 0 FROM n",
-    )
-    .bind(history as i64)
-    .execute(&mut conn)
-    .await
-    .unwrap();
-    sqlx::query("ANALYZE").execute(&mut conn).await.unwrap();
     let with_index = median_us(&reg, live).await;
     sqlx::query("DROP INDEX sandbox_instance_live_by_tenant")
         .execute(&mut conn)

@@ -106,6 +106,38 @@ impl SqliteRegistry {
             .map_err(storage)
     }
 
+    /// Benchmarks only: adds `rows` terminated sandboxes (half of them
+    /// `tenant`'s, half another tenant's) in one statement, then `ANALYZE`s,
+    /// so a registry can be measured with a long history without creating
+    /// it one sandbox at a time. Ids are `sbx-h<n>`; nothing else refers to
+    /// them.
+    #[doc(hidden)]
+    pub async fn seed_terminated_history(
+        &self,
+        tenant: &str,
+        rows: u64,
+    ) -> Result<(), RegistryError> {
+        sqlx::query(
+            "INSERT INTO sandbox_instance (sandbox_id, tenant_id, scope, runtime_provider, node_id, \
+             resource_class, cpu, memory_mb, disk_mb, pids, template_id, template_digest, \
+             network_profile, state, created_at, last_active_at, version, tainted) \
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1) \
+             SELECT printf('sbx-h%019d', i), CASE i % 2 WHEN 0 THEN ?2 ELSE 'history-other' END, \
+             'session', 'crun', 'local', 'python-small', 1.0, 512, 1024, 64, 'busybox', \
+             'sha256:aa', 'none', 'Terminated', i, i, 3, 0 FROM n",
+        )
+        .bind(i64::try_from(rows).map_err(|_| RegistryError::Storage("too many rows".into()))?)
+        .bind(tenant)
+        .execute(&self.writer)
+        .await
+        .map_err(storage)?;
+        sqlx::query("ANALYZE")
+            .execute(&self.writer)
+            .await
+            .map_err(storage)?;
+        Ok(())
+    }
+
     /// A write transaction holding the database's write lock from its start.
     async fn begin_write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
         self.writer.begin_with("BEGIN IMMEDIATE").await

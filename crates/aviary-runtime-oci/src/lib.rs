@@ -52,6 +52,7 @@
 //! run concurrently; calls for one sandbox must be serialised by the caller.
 
 pub mod config;
+mod disk_pool;
 mod host;
 pub mod idmap;
 mod open_net;
@@ -146,6 +147,10 @@ pub struct OciConfig {
     /// Enforce each sandbox's `disk_mb` with a file system of its own (see
     /// [`quota`]). Off only on purpose: sandboxes can then fill the host disk.
     pub disk_quota: bool,
+    /// Sandbox disks kept made ahead of need, per recently asked size (see
+    /// `disk_pool`): a create then moves one into place instead of making
+    /// it. 0 (the library default) keeps none; the server keeps 2.
+    pub disk_pool: usize,
     /// Host ids for user namespaces, one range per sandbox (see [`idmap`]).
     /// `None` runs sandboxes without one: root inside is host root.
     pub user_namespace: Option<idmap::IdPool>,
@@ -173,6 +178,7 @@ impl OciConfig {
             tmp_size_mb: 256,
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
+            disk_pool: 0,
             user_namespace: (!binary.is_gvisor()).then(idmap::IdPool::default),
             id_dir: None,
             template_store: None,
@@ -353,7 +359,8 @@ impl OciRuntime {
             &config.state_dir,
             config.disk_quota,
             config.command_timeout,
-        )?;
+        )?
+        .with_pool(config.disk_pool);
         Ok(OciRuntime {
             disks,
             cgroups: CgroupLayout {
@@ -417,6 +424,11 @@ impl OciRuntime {
                 tracing::warn!(sandbox.id = %id, error = %e, "re-attaching egress failed: egress stays closed");
             }
         }
+    }
+
+    /// The sandbox disks (and the disks made ahead of need).
+    pub fn disks(&self) -> &quota::SandboxDisks {
+        &self.disks
     }
 
     pub fn config(&self) -> &OciConfig {

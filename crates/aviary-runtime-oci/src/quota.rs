@@ -65,6 +65,8 @@ pub struct SandboxDisks {
     mkfs: PathBuf,
     /// Longest `mkfs.ext4` may take.
     timeout: Duration,
+    /// Disks made ahead of need (off unless [`Self::with_pool`]).
+    pool: crate::disk_pool::DiskPool,
 }
 
 /// Where the disk image of the sandbox whose dir is `sandbox_root` lives:
@@ -84,6 +86,7 @@ impl SandboxDisks {
             golden_dir: state_dir.join(".disks"),
             mkfs: PathBuf::from("mkfs.ext4"),
             timeout,
+            pool: crate::disk_pool::DiskPool::open(state_dir, 0),
         };
         if enabled {
             std::fs::create_dir_all(&disks.golden_dir).map_err(|source| {
@@ -101,6 +104,22 @@ impl SandboxDisks {
         }
         disks.recover(state_dir);
         Ok(disks)
+    }
+
+    /// Keeps `per_size` disks of each recently asked size made ahead of need
+    /// (see [`crate::disk_pool`]); 0 keeps none. No effect when disks are off.
+    pub fn with_pool(mut self, per_size: usize) -> Self {
+        if self.enabled {
+            if let Some(state_dir) = self.golden_dir.parent() {
+                self.pool = crate::disk_pool::DiskPool::open(state_dir, per_size);
+            }
+        }
+        self
+    }
+
+    /// How many disks are made ahead of need right now.
+    pub fn pooled(&self) -> usize {
+        self.pool.ready_count()
     }
 
     /// Gives the freshly claimed, empty sandbox dir `root` its own file system
@@ -124,6 +143,9 @@ impl SandboxDisks {
         }
         let image = disk_image(root);
         let golden = self.golden(spawner, disk_mb).await?;
+        if self.pool.take(root, disk_mb, &golden) {
+            return Ok(());
+        }
         let (from, to) = (golden.clone(), image.clone());
         tokio::task::spawn_blocking(move || copy_sparse(&from, &to))
             .await
@@ -372,7 +394,7 @@ fn mkfs_args(image: &Path) -> Vec<String> {
 
 /// Copies `src` to the new file `dst` (same size) by its data extents only,
 /// so holes stay holes.
-fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
+pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
     use nix::unistd::{lseek, Whence};
     let from = File::open(src)?;
     let len = i64::try_from(from.metadata()?.len()).map_err(io::Error::other)?;
@@ -466,7 +488,7 @@ struct LoopConfig {
 /// Attaches `image` to a free loop device (auto-clear, direct I/O, 4 KiB
 /// blocks) and mounts its ext4 at `target`. The device fd is closed on
 /// return; the mount keeps the device, and unmounting frees it.
-fn mount_disk(image: &Path, target: &Path) -> io::Result<()> {
+pub(crate) fn mount_disk(image: &Path, target: &Path) -> io::Result<()> {
     let backing = OpenOptions::new()
         .read(true)
         .write(true)

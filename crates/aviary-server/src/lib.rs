@@ -89,6 +89,7 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
         let mut oci = aviary_runtime_oci::OciConfig::new(binary, state.clone())
             .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
+        oci.disk_pool = cfg.control.settings.server.disk_pool;
         let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
             .with_context(|| format!("setting up the OCI runtime {name}"))?
             .with_egress(Arc::new(egress.clone()));
