@@ -26,7 +26,7 @@ if want chunker; then
   cargo build --release --locked -p aviary-snapshots --example chunker_bench
 fi
 if want history; then
-  cargo build --release --locked -p aviary-registry-sqlite --example history_bench
+  cargo build --release --locked -p aviary-registry-sqlite --example history_bench --example create_writes_bench
 fi
 # a static envd given by the caller is used as it is (e.g. the CI target's)
 AVIARY_ENVD=${AVIARY_ENVD:-$(scripts/build-envd.sh)}
@@ -85,10 +85,15 @@ if want chunker; then
   write_section chunker "$measured 256 MiB of random bytes, median of 5:" "$out"
 fi
 
-# registry history: a create's live listing with 100k terminated sandboxes, with and without the live index
+# registry: a create's live listing with 100k terminated sandboxes, with and without the live index;
+# and each of a cold create's registry writes apart
 if want history; then
   part history
-  "$CARGO_TARGET_DIR/release/examples/history_bench" 100000 | tee "$out"
+  { "$CARGO_TARGET_DIR/release/examples/history_bench" 100000
+    echo
+    echo "A cold create's own registry work, each write apart (median of 300 creates' worth):"
+    echo
+    "$CARGO_TARGET_DIR/release/examples/create_writes_bench" 300; } | tee "$out"
   write_section history "$measured Median of 300 listings of a tenant's 20 live sandboxes:" "$out"
 fi
 
