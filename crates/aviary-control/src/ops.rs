@@ -2609,6 +2609,14 @@ impl ControlPlane {
         Ok(counts.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
     }
 
+    /// The server is stopping: every runtime lets go of what it keeps
+    /// ready ahead of need (pre-made disks); sandboxes keep running.
+    pub fn release_spares(&self) {
+        for rt in self.runtimes.all() {
+            rt.runtime.release_spares();
+        }
+    }
+
     pub fn live_count(&self) -> usize {
         self.live.lock().expect("live map poisoned").len()
     }

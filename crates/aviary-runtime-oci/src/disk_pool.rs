@@ -35,6 +35,8 @@ const MAX_SIZES: usize = 8;
 struct Ready {
     by_size: HashMap<u64, Vec<PathBuf>>,
     refilling: std::collections::HashSet<u64>,
+    /// Set by [`DiskPool::drain`]: nothing is taken or made any more.
+    drained: bool,
 }
 
 #[derive(Debug)]
@@ -99,6 +101,9 @@ impl DiskPool {
         }
         let entry = {
             let mut ready = self.0.ready.lock().expect("disk pool poisoned");
+            if ready.drained {
+                return false;
+            }
             ready.by_size.get_mut(&disk_mb).and_then(Vec::pop)
         };
         let taken = match entry {
@@ -157,6 +162,11 @@ impl DiskPool {
                 match make_disk(&golden, &entry) {
                     Ok(()) => {
                         let mut ready = pool.0.ready.lock().expect("disk pool poisoned");
+                        if ready.drained {
+                            drop(ready);
+                            discard(&entry);
+                            break;
+                        }
                         ready.by_size.entry(disk_mb).or_default().push(entry);
                     }
                     Err(error) => {
@@ -173,6 +183,19 @@ impl DiskPool {
                 .refilling
                 .remove(&disk_mb);
         });
+    }
+
+    /// Unmounts and deletes every ready disk and stops refilling (a refill
+    /// under way finishes into an off pool and is discarded by its drop).
+    pub(crate) fn drain(&self) {
+        let entries: Vec<PathBuf> = {
+            let mut ready = self.0.ready.lock().expect("disk pool poisoned");
+            ready.drained = true;
+            ready.by_size.drain().flat_map(|(_, v)| v).collect()
+        };
+        for entry in entries {
+            discard(&entry);
+        }
     }
 
     /// How many disks are ready, all sizes together.

@@ -1134,6 +1134,10 @@ impl Runtime for OciRuntime {
         self.create_from(spec, Start::Run).await
     }
 
+    fn release_spares(&self) {
+        self.disks.drain_pool();
+    }
+
     /// Cuts the egress socket and the user-mode network (`open`): after a
     /// destroy is answered, the sandbox reaches nothing outside it while
     /// the rest of the teardown runs.

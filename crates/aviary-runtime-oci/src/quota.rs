@@ -117,6 +117,12 @@ impl SandboxDisks {
         self
     }
 
+    /// Unmounts and deletes the disks made ahead of need (the server is
+    /// stopping); later creates make their disks themselves.
+    pub fn drain_pool(&self) {
+        self.pool.drain();
+    }
+
     /// How many disks are made ahead of need right now.
     pub fn pooled(&self) -> usize {
         self.pool.ready_count()
@@ -131,6 +137,17 @@ impl SandboxDisks {
         root: &Path,
         disk_mb: u64,
     ) -> Result<(), RuntimeError> {
+        self.attach_from(spawner, root, disk_mb, true).await
+    }
+
+    /// [`Self::attach`], taking a disk made ahead of need when `pooled`.
+    async fn attach_from(
+        &self,
+        spawner: &dyn Spawner,
+        root: &Path,
+        disk_mb: u64,
+        pooled: bool,
+    ) -> Result<(), RuntimeError> {
         if !self.enabled {
             return Ok(());
         }
@@ -143,7 +160,7 @@ impl SandboxDisks {
         }
         let image = disk_image(root);
         let golden = self.golden(spawner, disk_mb).await?;
-        if self.pool.take(root, disk_mb, &golden) {
+        if pooled && self.pool.take(root, disk_mb, &golden) {
             return Ok(());
         }
         let (from, to) = (golden.clone(), image.clone());
@@ -357,7 +374,8 @@ impl SandboxDisks {
         let root = state_dir.join(format!(".probe-disk-{}", std::process::id()));
         let _ = std::fs::create_dir(&root);
         let result = async {
-            self.attach(spawner, &root, MIN_DISK_MB)
+            // (the pool is not asked: a probe must not start one of its size)
+            self.attach_from(spawner, &root, MIN_DISK_MB, false)
                 .await
                 .map_err(|e| aviary_runtime::conformance::chain(&e))?;
             fill_until_full(&root.join("fill"))

@@ -208,6 +208,9 @@ pub trait Runtime: Send + Sync {
     /// Starts a sandbox; returns once its PID 1 has started. On failure nothing
     /// is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<SandboxHandle, RuntimeError>;
+    /// The server is stopping: let go of what the runtime keeps ready ahead
+    /// of need (e.g. pre-made disks). Sandboxes are not touched.
+    fn release_spares(&self) {}
     /// Kills and removes the sandbox and everything the runtime made for it.
     /// Idempotent: destroying an unknown id succeeds.
     async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError>;

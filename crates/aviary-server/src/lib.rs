@@ -653,6 +653,7 @@ pub async fn start(
     let app = http::router(cp.clone(), server)
         .nest_service("/e2b", aviary_compat_e2b::router(cp.clone(), e2b));
     let edge_cp = cp.clone();
+    let stopping_cp = cp.clone();
     let task = tokio::spawn(async move {
         let res = edge::serve(listener, app, edge_cp, async move {
             let _ = rx.await;
@@ -666,6 +667,7 @@ pub async fn start(
         gc_task.abort();
         history_task.abort();
         leader_task.abort();
+        stopping_cp.release_spares();
         res.context("http server failed")
     });
     Ok(RunningServer {
