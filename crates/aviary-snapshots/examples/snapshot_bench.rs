@@ -255,7 +255,10 @@ impl XfsMount {
             .arg(&m.mnt)
             .output()?;
         if !out.status.success() {
-            bail!("mount -o loop: {}", String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "mount -o loop: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
         m.mounted = true;
         Ok(m)
@@ -287,7 +290,14 @@ async fn main() -> Result<()> {
     if want("plain") {
         let host = args.dir.join("plain");
         std::fs::create_dir_all(&host)?;
-        ok &= run_case(&args, &host, &host, None, "workspace in a plain directory (the host's filesystem)").await?;
+        ok &= run_case(
+            &args,
+            &host,
+            &host,
+            None,
+            "workspace in a plain directory (the host's filesystem)",
+        )
+        .await?;
         if !args.keep {
             let _ = std::fs::remove_dir_all(&host);
         }

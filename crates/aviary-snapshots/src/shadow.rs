@@ -157,7 +157,11 @@ impl ShadowSet {
     }
 
     /// The previous shadow of `path`, if it holds exactly `parent_chunks`.
-    pub fn previous(&self, path: &str, parent_chunks: &[ChunkHash]) -> Option<(File, &ShadowEntry)> {
+    pub fn previous(
+        &self,
+        path: &str,
+        parent_chunks: &[ChunkHash],
+    ) -> Option<(File, &ShadowEntry)> {
         let e = self.old.files.get(path)?;
         if e.chunks.len() != parent_chunks.len()
             || e.chunks.iter().zip(parent_chunks).any(|((h, _), p)| h != p)
@@ -346,7 +350,9 @@ pub(crate) fn extents(file: &File, size: u64) -> std::io::Result<Option<Vec<Exte
             // Extents must come sorted, non-overlapping and move forward.
             if x.fe_length == 0
                 || end.is_none()
-                || out.last().is_some_and(|p| p.logical + p.length > x.fe_logical)
+                || out
+                    .last()
+                    .is_some_and(|p| p.logical + p.length > x.fe_logical)
                 || x.fe_logical + x.fe_length <= start
             {
                 return Ok(None);
@@ -482,6 +488,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one dirty range each
     fn reusable_chunks_avoid_dirty_ranges_and_size_dependent_cuts() {
         let cfg = ChunkerConfig {
             min_size: 64,

@@ -237,6 +237,9 @@ fn hash_threads() -> usize {
         .clamp(1, 4)
 }
 
+/// A file read: its index in `entries`, its entry, the bytes read.
+type ReadDone = (usize, (Entry, u64));
+
 /// State shared by the hashing threads.
 struct Hashing<'a> {
     cfg: ChunkerConfig,
@@ -263,7 +266,8 @@ impl Walker {
         self.root_dev = md.dev();
         if let Some(dir) = &self.shadow_dir {
             self.shadow = Some(
-                ShadowSet::open(dir, &root).map_err(|e| SnapshotError::file("open shadow", dir, e))?,
+                ShadowSet::open(dir, &root)
+                    .map_err(|e| SnapshotError::file("open shadow", dir, e))?,
             );
         }
         let mut e = base_entry(String::new(), EntryKind::Dir, &md);
@@ -287,7 +291,7 @@ impl Walker {
             failed: std::sync::atomic::AtomicBool::new(false),
         };
         let entries = &self.entries;
-        let results: Vec<Result<Vec<(usize, (Entry, u64))>, SnapshotError>> =
+        let results: Vec<Result<Vec<ReadDone>, SnapshotError>> =
             std::thread::scope(|scope| {
                 let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
                     .map(|_| {

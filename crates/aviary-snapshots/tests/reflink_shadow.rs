@@ -4,6 +4,7 @@
 //! byte for byte — after in-place edits, appends, truncation, holes, files replaced
 //! by rename, and unchanged files. Needs root, `mkfs.xfs` (scripts/deps.sh) and a
 //! loop device; skips loudly otherwise.
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
 
 use aviary_snapshots::{
     restore_dir, snapshot_dir, ChunkerConfig, LocalStore, RestoreOptions, SnapshotManifest,
@@ -167,21 +168,40 @@ async fn partial_rereads_equal_full_rereads_on_xfs() {
     let shadow = fs.mnt.join("shadow");
     std::fs::create_dir(&ws).unwrap();
     let names = [
-        "edited", "appended", "truncated", "holed", "renamed", "unchanged", "grown", "small",
+        "edited",
+        "appended",
+        "truncated",
+        "holed",
+        "renamed",
+        "unchanged",
+        "grown",
+        "small",
     ];
     for (i, n) in names.iter().enumerate() {
-        let len = if *n == "small" { 4096 } else { 6 * MIB + i * 1000 };
+        let len = if *n == "small" {
+            4096
+        } else {
+            6 * MIB + i * 1000
+        };
         std::fs::write(ws.join(n), random_bytes(i as u64, len)).unwrap();
     }
     let mut req = SnapshotRequest::new("t", "ws").shadow(&shadow);
     req.chunker = CFG;
     let first = snapshot_dir(&store, &ws, req).await.unwrap();
     assert_eq!(first.read_bytes, first.total_bytes);
-    assert_eq!(shadow_files(&shadow), 7, "every file of 1 MiB or more has a shadow");
+    assert_eq!(
+        shadow_files(&shadow),
+        7,
+        "every file of 1 MiB or more has a shadow"
+    );
 
     // In-place edits (one spanning a chunk boundary region, one tiny), an append, a
     // truncation, a punched hole, a rename over the file, and a sparse extension.
-    write_at(&ws.join("edited"), 3 * MIB as u64, &random_bytes(100, 64 * 1024));
+    write_at(
+        &ws.join("edited"),
+        3 * MIB as u64,
+        &random_bytes(100, 64 * 1024),
+    );
     write_at(&ws.join("edited"), 100, b"x");
     std::fs::OpenOptions::new()
         .append(true)
@@ -240,7 +260,11 @@ async fn partial_rereads_equal_full_rereads_on_xfs() {
         .set_len(1000)
         .unwrap();
     let third = check_round(&store, &ws, &shadow, &second, host.path()).await;
-    assert!(third.read_bytes < third.total_bytes / 4, "read {}", third.read_bytes);
+    assert!(
+        third.read_bytes < third.total_bytes / 4,
+        "read {}",
+        third.read_bytes
+    );
     // Shadows of deleted and now-small files are gone; the others remain.
     assert_eq!(shadow_files(&shadow), 5);
 
