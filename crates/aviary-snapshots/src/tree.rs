@@ -291,41 +291,40 @@ impl Walker {
             failed: std::sync::atomic::AtomicBool::new(false),
         };
         let entries = &self.entries;
-        let results: Vec<Result<Vec<ReadDone>, SnapshotError>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
-                    .map(|_| {
-                        let tx = self.tx.clone();
-                        let (shared, todo) = (&shared, &todo);
-                        scope.spawn(move || {
-                            let mut done = Vec::new();
-                            loop {
-                                if shared.failed.load(std::sync::atomic::Ordering::Relaxed) {
-                                    break;
-                                }
-                                let i = shared
-                                    .next
-                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&idx) = todo.get(i) else { break };
-                                match read_file(shared, &tx, entries[idx].clone()) {
-                                    Ok(e) => done.push((idx, e)),
-                                    Err(err) => {
-                                        shared
-                                            .failed
-                                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                                        return Err(err);
-                                    }
+        let results: Vec<Result<Vec<ReadDone>, SnapshotError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
+                .map(|_| {
+                    let tx = self.tx.clone();
+                    let (shared, todo) = (&shared, &todo);
+                    scope.spawn(move || {
+                        let mut done = Vec::new();
+                        loop {
+                            if shared.failed.load(std::sync::atomic::Ordering::Relaxed) {
+                                break;
+                            }
+                            let i = shared
+                                .next
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(&idx) = todo.get(i) else { break };
+                            match read_file(shared, &tx, entries[idx].clone()) {
+                                Ok(e) => done.push((idx, e)),
+                                Err(err) => {
+                                    shared
+                                        .failed
+                                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                                    return Err(err);
                                 }
                             }
-                            Ok(done)
-                        })
+                        }
+                        Ok(done)
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("hashing thread panicked"))
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("hashing thread panicked"))
+                .collect()
+        });
         let mut read_bytes = 0;
         for r in results {
             for (idx, (e, read)) in r? {

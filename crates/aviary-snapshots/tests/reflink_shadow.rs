@@ -357,3 +357,59 @@ fn reflink_supported(dir: &Path) -> bool {
     let _ = std::fs::remove_file(dir.join("probe-b"));
     ok
 }
+
+#[tokio::test]
+async fn random_edit_rounds_match_full_rereads_on_xfs() {
+    let Some(fs) = LoopFs::xfs() else { return };
+    let host = tempfile::tempdir().unwrap();
+    let store = LocalStore::open(host.path().join("store")).unwrap();
+    let ws = fs.mnt.join("workspace");
+    let shadow = fs.mnt.join("shadow");
+    std::fs::create_dir(&ws).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(12);
+    for i in 0..4u64 {
+        std::fs::write(
+            ws.join(format!("f{i}")),
+            random_bytes(i, 2 * MIB + rng.gen_range(0..MIB)),
+        )
+        .unwrap();
+    }
+    let mut req = SnapshotRequest::new("t", "ws").shadow(&shadow);
+    req.chunker = CFG;
+    let mut parent = snapshot_dir(&store, &ws, req).await.unwrap();
+    for round in 0..6u64 {
+        for i in 0..4u64 {
+            let path = ws.join(format!("f{i}"));
+            let len = std::fs::metadata(&path).unwrap().len();
+            match rng.gen_range(0..5) {
+                0 => {
+                    let n = rng.gen_range(1..200_000usize);
+                    let off = rng.gen_range(0..len);
+                    write_at(&path, off, &random_bytes(round * 10 + i, n));
+                }
+                1 => std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(&path)
+                    .unwrap()
+                    .write_all(&random_bytes(round, rng.gen_range(1..300_000)))
+                    .unwrap(),
+                2 => std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .unwrap()
+                    .set_len(rng.gen_range(MIB as u64..=len.max(MIB as u64 + 1)))
+                    .unwrap(),
+                3 => {
+                    // Several small scattered writes.
+                    for k in 0..5 {
+                        let off = rng.gen_range(0..len);
+                        write_at(&path, off, &random_bytes(round * 100 + k, 10));
+                    }
+                }
+                _ => {} // unchanged
+            }
+        }
+        parent = check_round(&store, &ws, &shadow, &parent, host.path()).await;
+    }
+    drop(fs);
+}
