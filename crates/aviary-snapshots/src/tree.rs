@@ -10,6 +10,9 @@
 //! With a `parent`, a file whose size, mtime, ctime and inode are unchanged since the
 //! parent (and whose ctime is safely older than the parent's scan start, so a write
 //! racing the parent's read cannot hide) reuses the parent's chunk list unread.
+//! With a shadow directory on a reflink filesystem, a changed large file is chunked
+//! from a clone of itself and re-read only around the blocks that changed since
+//! the previous snapshot's clone ([`crate::shadow`]).
 //!
 //! **Restore.** The manifest is validated first (relative, normalised paths only, no
 //! duplicates, nothing below a symlink or a non-directory). Async tasks fetch chunks
