@@ -71,9 +71,11 @@ if want core; then
   write_section core "$measured" "$out"
 fi
 
-# snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd
+# snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd; once in a
+# plain dir (the host's fs), once on a loop-mounted XFS the example makes (root; reflink
+# shadows: changed files re-read only where they changed)
 if want snapshots; then
-  part snapshots
+  part "snapshots (plain dir, then XFS with reflink shadows)"
   "$CARGO_TARGET_DIR/release/examples/snapshot_bench" --size-mib "${AVIARY_BENCH_SNAPSHOT_MIB:-1024}" | tee "$out"
   write_section snapshots "$measured" "$out"
 fi

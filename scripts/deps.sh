@@ -4,7 +4,9 @@
 #   scripts/deps.sh test       plus what the test suite and benchmarks use
 set -euo pipefail
 
-want=(crun runc runsc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs slirp4netns iptables)
+# xfsprogs: an XFS (reflink=1) filesystem lets snapshots track changes below the
+# file level (aviary-snapshots shadow clones); its tests and bench make one
+want=(crun runc runsc debootstrap busybox-static jq curl ca-certificates gcc libc6-dev pkg-config util-linux iproute2 file e2fsprogs xfsprogs slirp4netns iptables)
 # node/npm build the web console (scripts/build-console.sh); the E2B JS SDK
 # tests use them too
 command -v npm >/dev/null || want+=(nodejs npm)

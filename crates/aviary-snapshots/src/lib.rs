@@ -26,6 +26,7 @@ pub mod gc;
 mod hash;
 mod manifest;
 mod service;
+pub mod shadow;
 pub mod store;
 mod tree;
 

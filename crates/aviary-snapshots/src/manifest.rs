@@ -75,7 +75,8 @@ pub struct SnapshotManifest {
     /// Number of chunks this snapshot had to write.
     #[serde(default)]
     pub new_chunks: u64,
-    /// File bytes read and hashed (files unchanged since the parent are not read).
+    /// File bytes read and hashed (files unchanged since the parent are not read;
+    /// with reflink shadows, changed files only around their changed blocks).
     #[serde(default)]
     pub read_bytes: u64,
 }

@@ -10,6 +10,9 @@
 //! With a `parent`, a file whose size, mtime, ctime and inode are unchanged since the
 //! parent (and whose ctime is safely older than the parent's scan start, so a write
 //! racing the parent's read cannot hide) reuses the parent's chunk list unread.
+//! With a shadow directory on a reflink filesystem, a changed large file is chunked
+//! from a clone of itself and re-read only around the blocks that changed since
+//! the previous snapshot's clone ([`crate::shadow`]).
 //!
 //! **Restore.** The manifest is validated first (relative, normalised paths only, no
 //! duplicates, nothing below a symlink or a non-directory). Async tasks fetch chunks
@@ -21,10 +24,11 @@
 //! marker) is applied last, directories deepest first. On any error the partly
 //! restored contents are removed; a corrupt chunk is never written.
 
-use crate::chunker::{ChunkerConfig, StreamChunker};
+use crate::chunker::{self, ChunkerConfig, StreamChunker};
 use crate::error::SnapshotError;
 use crate::hash::{validate_tenant, ChunkHash, SnapshotId};
 use crate::manifest::{Entry, EntryKind, SnapshotManifest};
+use crate::shadow::{self, ShadowEntry, ShadowSet, MIN_SHADOW_SIZE};
 use crate::store::ChunkStore;
 use aviary_core::SandboxId;
 use futures_util::{stream, StreamExt, TryStreamExt};
@@ -57,6 +61,10 @@ pub struct SnapshotRequest {
     /// re-reading unchanged files.
     pub parent: Option<SnapshotId>,
     pub chunker: ChunkerConfig,
+    /// Host-only directory for reflink shadows (see [`crate::shadow`]): on the same
+    /// filesystem as the tree, outside it and out of the sandbox's reach. `None`, or a
+    /// filesystem without reflinks: changed files are read whole.
+    pub shadow: Option<PathBuf>,
 }
 
 impl SnapshotRequest {
@@ -67,7 +75,14 @@ impl SnapshotRequest {
             label: label.into(),
             parent: None,
             chunker: ChunkerConfig::default(),
+            shadow: None,
         }
+    }
+
+    /// Track changes inside large files with reflink shadows kept in `dir`.
+    pub fn shadow(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.shadow = Some(dir.into());
+        self
     }
 
     pub fn sandbox(mut self, id: SandboxId) -> Self {
@@ -124,17 +139,18 @@ pub async fn snapshot_dir(
 ) -> Result<SnapshotManifest, SnapshotError> {
     validate_tenant(&req.tenant)?;
     let created_at = aviary_core::now();
-    let reuse = match &req.parent {
+    let (reuse, trust_before) = match &req.parent {
         Some(parent) => {
             let p = store.get_manifest(&req.tenant, parent).await?;
-            let trust_before = now_ns(p.created_at) - RACY_WINDOW_NS;
-            p.entries
+            let files = p
+                .entries
                 .into_iter()
-                .filter(|e| e.kind == EntryKind::File && e.ctime_ns < trust_before)
+                .filter(|e| e.kind == EntryKind::File)
                 .map(|e| (e.path.clone(), e))
-                .collect()
+                .collect();
+            (files, now_ns(p.created_at) - RACY_WINDOW_NS)
         }
-        None => HashMap::new(),
+        None => (HashMap::new(), i64::MIN),
     };
     let (tx, rx) = mpsc::channel::<(ChunkHash, Vec<u8>)>(CHANNEL_DEPTH);
     let walker = Walker {
@@ -142,6 +158,9 @@ pub async fn snapshot_dir(
         root_dev: 0,
         cfg: req.chunker,
         reuse,
+        trust_before,
+        shadow_dir: req.shadow.clone(),
+        shadow: None,
         tx,
         entries: Vec::new(),
         to_read: Vec::new(),
@@ -167,7 +186,7 @@ pub async fn snapshot_dir(
         .await
         .map_err(|e| SnapshotError::backend(store.backend(), "join walker", e))?;
     let (new_bytes, new_chunks) = consumed?;
-    let (entries, read_bytes) = walked?;
+    let (entries, read_bytes, shadow) = walked?;
 
     let manifest = SnapshotManifest {
         id: SnapshotId::generate(),
@@ -184,6 +203,15 @@ pub async fn snapshot_dir(
     };
     store.flush().await?;
     store.put_manifest(&manifest).await?;
+    if let Some(shadow) = shadow {
+        // The snapshot stands even if its shadows cannot be kept: the next one then
+        // reads changed files whole.
+        match tokio::task::spawn_blocking(move || shadow.commit()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not keep snapshot shadows"),
+            Err(e) => tracing::warn!(error = %e, "could not keep snapshot shadows"),
+        }
+    }
     tracing::debug!(id = %manifest.id, new_bytes, read_bytes, "snapshot stored");
     Ok(manifest)
 }
@@ -192,7 +220,12 @@ struct Walker {
     root: PathBuf,
     root_dev: u64,
     cfg: ChunkerConfig,
+    /// The parent's files by path.
     reuse: HashMap<String, Entry>,
+    /// Parent entries with a ctime before this may be reused unread.
+    trust_before: i64,
+    shadow_dir: Option<PathBuf>,
+    shadow: Option<ShadowSet>,
     tx: mpsc::Sender<(ChunkHash, Vec<u8>)>,
     entries: Vec<Entry>,
     /// Indices into `entries` of files that must be read.
@@ -207,17 +240,22 @@ fn hash_threads() -> usize {
         .clamp(1, 4)
 }
 
+/// A file read: its index in `entries`, its entry, the bytes read.
+type ReadDone = (usize, (Entry, u64));
+
 /// State shared by the hashing threads.
 struct Hashing<'a> {
     cfg: ChunkerConfig,
     root: &'a Path,
+    reuse: &'a HashMap<String, Entry>,
+    shadow: Option<&'a ShadowSet>,
     emitted: std::sync::Mutex<HashSet<ChunkHash>>,
     next: std::sync::atomic::AtomicUsize,
     failed: std::sync::atomic::AtomicBool,
 }
 
 impl Walker {
-    fn run(mut self) -> Result<(Vec<Entry>, u64), SnapshotError> {
+    fn run(mut self) -> Result<(Vec<Entry>, u64, Option<ShadowSet>), SnapshotError> {
         let root = self.root.clone();
         let md =
             std::fs::symlink_metadata(&root).map_err(|e| SnapshotError::file("stat", &root, e))?;
@@ -229,12 +267,18 @@ impl Walker {
             ));
         }
         self.root_dev = md.dev();
+        if let Some(dir) = &self.shadow_dir {
+            self.shadow = Some(
+                ShadowSet::open(dir, &root)
+                    .map_err(|e| SnapshotError::file("open shadow", dir, e))?,
+            );
+        }
         let mut e = base_entry(String::new(), EntryKind::Dir, &md);
         e.opaque = has_opaque_xattr(&root);
         self.entries.push(e);
         self.walk_dir("", &root)?;
         let read_bytes = self.read_files()?;
-        Ok((self.entries, read_bytes))
+        Ok((self.entries, read_bytes, self.shadow))
     }
 
     /// Read, chunk and hash every file in `to_read`, on several threads.
@@ -243,50 +287,51 @@ impl Walker {
         let shared = Hashing {
             cfg: self.cfg,
             root: &self.root,
+            reuse: &self.reuse,
+            shadow: self.shadow.as_ref().filter(|s| s.enabled()),
             emitted: std::sync::Mutex::new(HashSet::new()),
             next: std::sync::atomic::AtomicUsize::new(0),
             failed: std::sync::atomic::AtomicBool::new(false),
         };
         let entries = &self.entries;
-        let results: Vec<Result<Vec<(usize, Entry)>, SnapshotError>> =
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
-                    .map(|_| {
-                        let tx = self.tx.clone();
-                        let (shared, todo) = (&shared, &todo);
-                        scope.spawn(move || {
-                            let mut done = Vec::new();
-                            loop {
-                                if shared.failed.load(std::sync::atomic::Ordering::Relaxed) {
-                                    break;
-                                }
-                                let i = shared
-                                    .next
-                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                let Some(&idx) = todo.get(i) else { break };
-                                match read_file(shared, &tx, entries[idx].clone()) {
-                                    Ok(e) => done.push((idx, e)),
-                                    Err(err) => {
-                                        shared
-                                            .failed
-                                            .store(true, std::sync::atomic::Ordering::Relaxed);
-                                        return Err(err);
-                                    }
+        let results: Vec<Result<Vec<ReadDone>, SnapshotError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..hash_threads().min(todo.len().max(1)))
+                .map(|_| {
+                    let tx = self.tx.clone();
+                    let (shared, todo) = (&shared, &todo);
+                    scope.spawn(move || {
+                        let mut done = Vec::new();
+                        loop {
+                            if shared.failed.load(std::sync::atomic::Ordering::Relaxed) {
+                                break;
+                            }
+                            let i = shared
+                                .next
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(&idx) = todo.get(i) else { break };
+                            match read_file(shared, &tx, entries[idx].clone()) {
+                                Ok(e) => done.push((idx, e)),
+                                Err(err) => {
+                                    shared
+                                        .failed
+                                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                                    return Err(err);
                                 }
                             }
-                            Ok(done)
-                        })
+                        }
+                        Ok(done)
                     })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("hashing thread panicked"))
-                    .collect()
-            });
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("hashing thread panicked"))
+                .collect()
+        });
         let mut read_bytes = 0;
         for r in results {
-            for (idx, e) in r? {
-                read_bytes += e.size;
+            for (idx, (e, read)) in r? {
+                read_bytes += read;
                 self.entries[idx] = e;
             }
         }
@@ -335,13 +380,17 @@ impl Walker {
                 let mut entry = base_entry(child_rel, EntryKind::File, &md);
                 match self.reuse.get(&entry.path) {
                     Some(prev)
-                        if prev.size == md.len()
+                        if prev.ctime_ns < self.trust_before
+                            && prev.size == md.len()
                             && prev.mtime_ns == entry.mtime_ns
                             && prev.ctime_ns == entry.ctime_ns
                             && prev.ino == entry.ino =>
                     {
                         entry.size = prev.size;
                         entry.chunks = prev.chunks.clone();
+                        if let Some(shadow) = &self.shadow {
+                            shadow.carry(&entry.path, &entry.chunks);
+                        }
                     }
                     _ => self.to_read.push(self.entries.len()),
                 }
@@ -371,11 +420,12 @@ impl Walker {
 }
 
 /// Chunk and hash one file, handing chunks not yet seen in this snapshot to the store.
+/// Returns the entry and the bytes read.
 fn read_file(
     shared: &Hashing<'_>,
     tx: &mpsc::Sender<(ChunkHash, Vec<u8>)>,
     mut entry: Entry,
-) -> Result<Entry, SnapshotError> {
+) -> Result<(Entry, u64), SnapshotError> {
     let abs = shared.root.join(&entry.path);
     let abs = abs.as_path();
     let file = OpenOptions::new()
@@ -397,6 +447,18 @@ fn read_file(
     entry.mtime_ns = time_ns(fmd.mtime(), fmd.mtime_nsec());
     entry.ctime_ns = time_ns(fmd.ctime(), fmd.ctime_nsec());
     entry.ino = fmd.ino();
+    if let Some(shadow) = shared.shadow {
+        if fmd.len() >= MIN_SHADOW_SIZE && shadow.enabled() {
+            match read_via_shadow(shared, shadow, tx, &mut entry, &file) {
+                Ok(Some(read)) => return Ok((entry, read)),
+                Ok(None) => {}
+                Err(ShadowError::Snapshot(e)) => return Err(e),
+                Err(ShadowError::Io(e)) => {
+                    tracing::debug!(path = %abs.display(), error = %e, "shadow unusable, reading the whole file");
+                }
+            }
+        }
+    }
     let mut chunker = StreamChunker::new(file, shared.cfg);
     let mut size = 0u64;
     while let Some(chunk) = chunker
@@ -404,26 +466,140 @@ fn read_file(
         .map_err(|e| SnapshotError::file("read", abs, e))?
     {
         size += chunk.len() as u64;
-        let hash = ChunkHash::of(chunk);
-        let first = shared
-            .emitted
-            .lock()
-            .expect("dedup set poisoned")
-            .insert(hash.clone());
-        if first {
-            tx.blocking_send((hash.clone(), chunk.to_vec()))
-                .map_err(|_| {
-                    SnapshotError::backend(
-                        "snapshot",
-                        "hand chunk to store",
-                        "store writer stopped",
-                    )
-                })?;
-        }
-        entry.chunks.push(hash);
+        entry.chunks.push(emit(shared, tx, chunk)?);
     }
     entry.size = size;
-    Ok(entry)
+    Ok((entry, size))
+}
+
+/// Hash a chunk and hand it to the store unless this snapshot already did.
+fn emit(
+    shared: &Hashing<'_>,
+    tx: &mpsc::Sender<(ChunkHash, Vec<u8>)>,
+    chunk: &[u8],
+) -> Result<ChunkHash, SnapshotError> {
+    let hash = ChunkHash::of(chunk);
+    let first = shared
+        .emitted
+        .lock()
+        .expect("dedup set poisoned")
+        .insert(hash.clone());
+    if first {
+        tx.blocking_send((hash.clone(), chunk.to_vec()))
+            .map_err(|_| {
+                SnapshotError::backend("snapshot", "hand chunk to store", "store writer stopped")
+            })?;
+    }
+    Ok(hash)
+}
+
+enum ShadowError {
+    /// The snapshot itself failed (the store stopped): give up.
+    Snapshot(SnapshotError),
+    /// The shadow path failed: read the live file instead.
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for ShadowError {
+    fn from(e: std::io::Error) -> Self {
+        ShadowError::Io(e)
+    }
+}
+
+/// Clone `live` into a new shadow and chunk the clone: only the ranges that changed
+/// since the previous shadow when there is a usable one, else all of it. `Ok(None)`:
+/// the filesystem cannot clone.
+fn read_via_shadow(
+    shared: &Hashing<'_>,
+    shadow: &ShadowSet,
+    tx: &mpsc::Sender<(ChunkHash, Vec<u8>)>,
+    entry: &mut Entry,
+    live: &std::fs::File,
+) -> Result<Option<u64>, ShadowError> {
+    let Some((name, clone)) = shadow.clone_new(live)? else {
+        return Ok(None);
+    };
+    let new_size = clone.metadata()?.len();
+    let cfg = &shared.cfg;
+    let previous = shared
+        .reuse
+        .get(&entry.path)
+        .and_then(|p| shadow.previous(&entry.path, &p.chunks));
+    let plan = match previous {
+        Some((old_file, old)) => {
+            let old_ext = shadow::extents(&old_file, old.size)?;
+            let new_ext = shadow::extents(&clone, new_size)?;
+            match (old_ext, new_ext) {
+                (Some(a), Some(b)) => {
+                    let dirty = shadow::dirty_ranges(&a, old.size, &b, new_size);
+                    let ok = shadow::reusable(&old.chunks, new_size, &dirty, cfg);
+                    Some((old.chunks.as_slice(), ok))
+                }
+                _ => None,
+            }
+        }
+        None => None,
+    };
+    let (old, ok): (&[(ChunkHash, u64)], Vec<bool>) = plan.unwrap_or((&[], Vec::new()));
+    // Parent chunk starts, for finding a cut that lands on one.
+    let mut starts = HashMap::with_capacity(old.len());
+    let mut off = 0u64;
+    for (i, (_, len)) in old.iter().enumerate() {
+        starts.insert(off, i);
+        off += len;
+    }
+    let mut chunks: Vec<(ChunkHash, u64)> = Vec::new();
+    let mut read = 0u64;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut buf_off = 0u64;
+    let mut pos = 0u64;
+    while pos < new_size {
+        if let Some(&i) = starts.get(&pos) {
+            if ok[i] {
+                chunks.push(old[i].clone());
+                pos += old[i].1;
+                continue;
+            }
+        }
+        // Re-chunk at `pos`: the chunker sees the bytes a full read would show it
+        // there (up to a maximum chunk, or to the end).
+        let want = (cfg.max_size as u64).min(new_size - pos) as usize;
+        if pos >= buf_off && pos <= buf_off + buf.len() as u64 {
+            buf.drain(..(pos - buf_off) as usize);
+        } else {
+            buf.clear();
+        }
+        buf_off = pos;
+        while buf.len() < want {
+            let have = buf.len();
+            buf.resize(want, 0);
+            let n = std::os::unix::fs::FileExt::read_at(
+                &clone,
+                &mut buf[have..],
+                buf_off + have as u64,
+            )?;
+            buf.truncate(have + n);
+            if n == 0 {
+                return Err(std::io::Error::from(ErrorKind::UnexpectedEof).into());
+            }
+            read += n as u64;
+        }
+        let cut = chunker::cut_point(&buf[..want], cfg);
+        let hash = emit(shared, tx, &buf[..cut]).map_err(ShadowError::Snapshot)?;
+        chunks.push((hash, cut as u64));
+        pos += cut as u64;
+    }
+    entry.size = new_size;
+    entry.chunks = chunks.iter().map(|c| c.0.clone()).collect();
+    shadow.record(
+        &entry.path,
+        ShadowEntry {
+            name,
+            size: new_size,
+            chunks,
+        },
+    );
+    Ok(Some(read))
 }
 
 fn base_entry(path: String, kind: EntryKind, md: &std::fs::Metadata) -> Entry {
