@@ -55,6 +55,7 @@ pub mod config;
 mod disk_pool;
 mod host;
 pub mod idmap;
+mod mount_ns;
 mod open_net;
 pub mod quota;
 pub mod seccomp;
@@ -214,6 +215,12 @@ pub struct OciRuntime {
     egress: Option<Arc<dyn aviary_runtime::EgressGateway>>,
     /// `slirp4netns`, for the `open` profile; without it `open` is refused.
     open_network: Option<PathBuf>,
+    /// Whether crun/runc run in the prepared mount namespace (see
+    /// `mount_ns`): real processes only, not a recording fake.
+    prepared_ns: bool,
+    /// That namespace, made at the first command (`None`: it could not be
+    /// made; commands then run as before, in a fresh copy of the host's).
+    mount_ns: std::sync::OnceLock<Option<Arc<std::os::fd::OwnedFd>>>,
 }
 
 /// Where a sandbox's staged layers ([`Snapshottable::stage_layers`]) wait
@@ -286,7 +293,9 @@ impl SandboxDirs {
 impl OciRuntime {
     /// A runtime that spawns real processes. Creates the state dir.
     pub fn new(config: OciConfig) -> Result<Self, RuntimeError> {
-        Self::with_spawner(config, Arc::new(ProcessSpawner))
+        let mut rt = Self::with_spawner(config, Arc::new(ProcessSpawner))?;
+        rt.prepared_ns = !rt.config.binary.is_gvisor();
+        Ok(rt)
     }
 
     /// A runtime that spawns through `spawner` (tests pass a recording fake).
@@ -373,6 +382,8 @@ impl OciRuntime {
             hide_for_crun,
             egress: None,
             open_network: None,
+            prepared_ns: false,
+            mount_ns: std::sync::OnceLock::new(),
         })
     }
 
@@ -558,6 +569,44 @@ impl OciRuntime {
         })
     }
 
+    /// How commands ran before the prepared namespace (and still do when
+    /// it cannot be made): crun on hybrid hosts in a fresh private copy of
+    /// the host's namespace without cgroup2, anything else as it is.
+    fn fresh_isolation(&self) -> SpawnIsolation {
+        if self.hide_for_crun.is_empty() {
+            SpawnIsolation::None
+        } else {
+            SpawnIsolation::PrivateMountNamespace {
+                detach: self.hide_for_crun.clone(),
+            }
+        }
+    }
+
+    /// Whether creates run in the prepared mount namespace (made by the
+    /// first create; `false` before it, or when it could not be made).
+    pub fn uses_prepared_namespace(&self) -> bool {
+        self.mount_ns.get().is_some_and(Option::is_some)
+    }
+
+    /// The prepared mount namespace (`mount_ns`), made at the first call.
+    fn prepared_mount_ns(&self) -> Option<&Arc<std::os::fd::OwnedFd>> {
+        if !self.prepared_ns {
+            return None;
+        }
+        self.mount_ns
+            .get_or_init(
+                || match mount_ns::prepare(&self.config.state_dir, &self.hide_for_crun) {
+                    Ok(fd) => Some(Arc::new(fd)),
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot prepare the runtime's mount namespace; \
+                            each command copies the host's (slower with many sandboxes)");
+                        None
+                    }
+                },
+            )
+            .as_ref()
+    }
+
     fn request(&self, args: Vec<String>, stdio: SpawnStdio) -> SpawnRequest {
         let mut full = vec![
             "--root".to_string(),
@@ -574,13 +623,7 @@ impl OciRuntime {
             program: self.program.clone(),
             args: full,
             stdio,
-            isolation: if self.hide_for_crun.is_empty() {
-                SpawnIsolation::None
-            } else {
-                SpawnIsolation::PrivateMountNamespace {
-                    detach: self.hide_for_crun.clone(),
-                }
-            },
+            isolation: self.fresh_isolation(),
             timeout: self.config.command_timeout,
             pass_fd: None,
         }
@@ -851,6 +894,26 @@ impl OciRuntime {
         ]);
         let mut req = self.request(args, SpawnStdio::Null);
         req.pass_fd = envd_socket.as_ref().map(|s| s.as_raw_fd());
+        // The create runs in the prepared namespace (`mount_ns`), with the
+        // sandbox's own mounts attached from a clone of them; the other
+        // commands (kill, delete, exec: off the create path, and runc's
+        // need the bundle dir of the sandbox they name) run as before.
+        let _tree = match (start, self.prepared_mount_ns()) {
+            (Start::Run, Some(ns)) => match mount_ns::clone_tree(&dirs.root) {
+                Ok(fd) => {
+                    req.isolation = SpawnIsolation::JoinMountNamespace {
+                        ns: ns.as_raw_fd(),
+                        tree: Some((fd.as_raw_fd(), dirs.root.clone())),
+                    };
+                    Some(fd)
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot clone the sandbox's mounts; running in a copy of the host's namespace");
+                    None
+                }
+            },
+            _ => None,
+        };
         let out = self
             .spawner
             .run(&req)

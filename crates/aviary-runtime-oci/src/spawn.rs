@@ -60,6 +60,46 @@ impl Spawner for ProcessSpawner {
                 });
             }
         }
+        if let SpawnIsolation::JoinMountNamespace { ns, tree } = &request.isolation {
+            let ns = *ns;
+            let tree = match tree {
+                Some((fd, at)) => Some((
+                    *fd,
+                    CString::new(at.as_os_str().as_bytes())
+                        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+                )),
+                None => None,
+            };
+            // SAFETY: the closure runs in the forked child before exec and only
+            // calls setns(2), unshare(2) and move_mount(2), async-signal-safe
+            // system calls, on fds the caller keeps open until `run` returns
+            // and on a C string built before fork; no allocation, no locks.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setns(ns, libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // a copy: nothing the child mounts reaches the prepared one
+                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if let Some((fd, at)) = &tree {
+                        if libc::syscall(
+                            libc::SYS_move_mount,
+                            *fd,
+                            c"".as_ptr(),
+                            libc::AT_FDCWD,
+                            at.as_ptr(),
+                            crate::mount_ns::MOVE_MOUNT_F_EMPTY_PATH,
+                        ) != 0
+                        {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
+            }
+        }
         if let Some(fd) = request.pass_fd {
             let target = aviary_runtime::ENVD_LISTEN_FD;
             // SAFETY: runs in the forked child before exec and only calls

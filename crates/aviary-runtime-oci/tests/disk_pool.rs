@@ -140,6 +140,8 @@ mod disk_pool {
             // the first create of a size makes its disk and starts the pool
             let a = spec(&f);
             rt.create(&a).await.unwrap();
+            // (and crun ran in the runtime's own small mount namespace)
+            assert!(rt.uses_prepared_namespace());
             wait_pooled(&rt, 2).await;
             assert_eq!(mounts_under(&pool_dir).len(), 2, "two disks ready");
 

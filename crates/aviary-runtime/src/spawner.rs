@@ -29,6 +29,15 @@ pub enum SpawnIsolation {
     PrivateMountNamespace {
         detach: Vec<PathBuf>,
     },
+    /// Run the child in a private copy of the mount namespace held open by
+    /// the caller's fd `ns` (one prepared once, whose mount table does not
+    /// grow with the number of sandboxes), with the detached mount tree
+    /// `tree` (an `open_tree(OPEN_TREE_CLONE)` fd) attached at its path
+    /// when given. The caller keeps both fds open until `run` returns.
+    JoinMountNamespace {
+        ns: i32,
+        tree: Option<(i32, PathBuf)>,
+    },
 }
 
 /// One program to run to completion.
