@@ -103,31 +103,23 @@ async fn xfs_disks_keep_the_quota_and_snapshots_read_only_changed_extents() {
     let root = sandbox_root(&ts.data, &p);
     assert_eq!(fstype_at(&root).as_deref(), Some("xfs"), "{root:?}");
 
-    // 32 MiB of random bytes in the workspace, snapshotted
-    let out = c
-        .exec(
-            &p,
-            &shell(
-                "head -c 33554432 /dev/urandom > /workspace/big && sync && md5sum < /workspace/big",
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(out.exit_code, 0, "{out:?}");
-    let s1 = c.snapshot(&p, None).await.unwrap();
-    let tenant = s1["tenant"].as_str().unwrap().to_owned();
-    let store = ts.cp().snapshots.store().clone();
-    let manifest = |s: &serde_json::Value| {
-        let id: aviary_snapshots::SnapshotId =
-            s["workspace_manifest"].as_str().unwrap().parse().unwrap();
-        let (tenant, store) = (tenant.clone(), store.clone());
-        async move { store.get_manifest(&tenant, &id).await.unwrap() }
-    };
-    let m1 = manifest(&s1).await;
+    let run = write_edit_snapshot(&ts, &p).await;
+    let (m1, m2) = (&run.m1, &run.m2);
+    eprintln!(
+        "XFS shadows: snapshot #1 read {} bytes, #2 (8 KiB edited in a 32 MiB file) read {} bytes, stored {} new",
+        m1.read_bytes, m2.read_bytes, m2.new_bytes
+    );
     assert!(
         m1.read_bytes >= 32 * MIB,
         "first snapshot reads it all: {m1:?}"
     );
+    assert!(
+        m2.read_bytes < 12 * MIB,
+        "snapshot #2 read {} of a {} byte file",
+        m2.read_bytes,
+        32 * MIB
+    );
+    assert!(m2.new_bytes < 12 * MIB, "{m2:?}");
 
     // the shadows live on the sandbox's own disk, one dir per layer
     let shadow = root.join(".shadow");
@@ -147,45 +139,16 @@ async fn xfs_disks_keep_the_quota_and_snapshots_read_only_changed_extents() {
     assert!(!out.stdout.contains(".shadow"), "{}", out.stdout);
     assert!(!out.stdout.contains("index.json"), "{}", out.stdout);
 
-    // 8 KiB edited in place in the middle: the next snapshot reads a few
-    // chunks around it, not the 32 MiB file
-    let out = c
-        .exec(
-            &p,
-            &shell(
-                "head -c 8192 /dev/urandom | dd of=/workspace/big bs=4096 seek=2000 conv=notrunc 2>/dev/null \
-                 && sync && md5sum < /workspace/big",
-            ),
-        )
-        .await
-        .unwrap();
-    assert_eq!(out.exit_code, 0, "{out:?}");
-    let edited_md5 = out.stdout.clone();
-    let s2 = c.snapshot(&p, None).await.unwrap();
-    assert_eq!(s2["parent"], s1["id"]);
-    let m2 = manifest(&s2).await;
-    eprintln!(
-        "XFS shadows: snapshot #1 read {} bytes, #2 (8 KiB edited in a 32 MiB file) read {} bytes, stored {} new",
-        m1.read_bytes, m2.read_bytes, m2.new_bytes
-    );
-    assert!(
-        m2.read_bytes < 12 * MIB,
-        "snapshot #2 read {} of a {} byte file",
-        m2.read_bytes,
-        32 * MIB
-    );
-    assert!(m2.new_bytes < 12 * MIB, "{m2:?}");
-
     // a fork from the second snapshot holds exactly the edited file
     let f = c
-        .fork(&p, s2["id"].as_str(), None)
+        .fork(&p, run.s2["id"].as_str(), None)
         .await
         .unwrap()
         .sandbox
         .id
         .to_string();
     let out = c.exec(&f, &shell("md5sum < /workspace/big")).await.unwrap();
-    assert_eq!(out.stdout, edited_md5);
+    assert_eq!(out.stdout, run.edited_md5);
 
     // the quota holds on XFS: the disk fills up, with ENOSPC inside
     let out = c
@@ -217,5 +180,86 @@ async fn xfs_disks_keep_the_quota_and_snapshots_read_only_changed_extents() {
     ts.cp().reclaims.settled().await;
     assert!(!shadow.exists(), "shadow dir outlived its sandbox");
     assert!(!root.exists());
+    ts.cleanup().await;
+}
+
+/// What [`write_edit_snapshot`] saw.
+struct EditRun {
+    m1: aviary_snapshots::SnapshotManifest,
+    m2: aviary_snapshots::SnapshotManifest,
+    s2: serde_json::Value,
+    edited_md5: String,
+}
+
+/// 32 MiB of random bytes into sandbox `p`'s workspace, a snapshot, 8 KiB
+/// edited in place in the middle, another snapshot: their workspace
+/// manifests (which count the bytes each read).
+async fn write_edit_snapshot(ts: &common::TestServer, p: &str) -> EditRun {
+    let c = &ts.client;
+    let out = c
+        .exec(
+            p,
+            &shell("head -c 33554432 /dev/urandom > /workspace/big && sync"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let s1 = c.snapshot(p, None).await.unwrap();
+    let out = c
+        .exec(
+            p,
+            &shell(
+                "head -c 8192 /dev/urandom | dd of=/workspace/big bs=4096 seek=2000 conv=notrunc 2>/dev/null \
+                 && sync && md5sum < /workspace/big",
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.exit_code, 0, "{out:?}");
+    let s2 = c.snapshot(p, None).await.unwrap();
+    assert_eq!(s2["parent"], s1["id"]);
+    let store = ts.cp().snapshots.store().clone();
+    let tenant = s1["tenant"].as_str().unwrap();
+    let manifest = |s: &serde_json::Value| {
+        s["workspace_manifest"]
+            .as_str()
+            .unwrap()
+            .parse::<aviary_snapshots::SnapshotId>()
+            .unwrap()
+    };
+    EditRun {
+        m1: store.get_manifest(tenant, &manifest(&s1)).await.unwrap(),
+        m2: store.get_manifest(tenant, &manifest(&s2)).await.unwrap(),
+        s2,
+        edited_md5: out.stdout,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext4_disks_read_an_edited_file_whole() {
+    if let Some(why) = unavailable() {
+        eprintln!("SKIPPED: sandbox disks: {why}");
+        return;
+    }
+    // the default file system: the shadow dir is offered, but without
+    // reflinks a snapshot falls back to reading changed files whole
+    let ts = common::start().await;
+    let p = common::new_sandbox(&ts.client).await;
+    let root = sandbox_root(&ts.data, &p);
+    assert_eq!(fstype_at(&root).as_deref(), Some("ext4"), "{root:?}");
+    let run = write_edit_snapshot(&ts, &p).await;
+    eprintln!(
+        "ext4: snapshot #1 read {} bytes, #2 read {} bytes",
+        run.m1.read_bytes, run.m2.read_bytes
+    );
+    assert!(run.m2.read_bytes >= 32 * MIB, "{:?}", run.m2);
+    assert!(
+        !root.join(".shadow/workspace/index.json").exists()
+            || std::fs::read_dir(root.join(".shadow/workspace/files"))
+                .unwrap()
+                .next()
+                .is_none(),
+        "no clones on ext4"
+    );
     ts.cleanup().await;
 }
