@@ -515,8 +515,31 @@ mod quota {
         let out = sh(&rt, &a.id, "cat /proc/self/mountinfo; ls -a /").await;
         assert!(!String::from_utf8_lossy(&out.stdout).contains(".shadow"));
 
+        // A reboot, then a runtime set back to ext4: the XFS disk is still
+        // mounted as XFS (the file system comes from the image itself).
+        let out = sh(&rt, &b.id, "sync").await;
+        assert!(out.success(), "{}", text(&out));
+        let crun = std::process::Command::new("crun")
+            .args(["--root"])
+            .arg(f.state.join("crun-state"))
+            .args(["delete", "--force", b.id.as_str()])
+            .status()
+            .unwrap();
+        assert!(crun.success());
+        for m in mounts_under(&root_b).iter().rev() {
+            nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH).unwrap();
+        }
+        assert!(!root_b.join("workspace").exists(), "disk is unmounted");
+        let ext4 = runtime(&f);
+        assert_eq!(fstype_at(&root_b).as_deref(), Some("xfs"));
+        assert_eq!(
+            std::fs::read_to_string(root_b.join("workspace/x")).unwrap(),
+            "hi\n"
+        );
+        ext4.destroy(&b.id).await.unwrap();
+        assert!(!root_b.exists());
+
         rt.destroy(&a.id).await.unwrap();
-        rt.destroy(&b.id).await.unwrap();
         assert!(!shadows.exists());
         rt.disks().drain_pool();
         assert_eq!(mounts_under(&f.state), Vec::<String>::new());
