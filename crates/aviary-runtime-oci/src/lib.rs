@@ -28,7 +28,7 @@
 //!
 //! Limits: cpu (CFS quota), memory (+swap = memory) and pids are enforced by
 //! cgroups. `disk_mb` bounds `upper/` and `workspace/` together: each
-//! sandbox dir is its own loop-mounted ext4 image of `disk_mb` MiB
+//! sandbox dir is its own loop-mounted ext4 (or XFS, `OciConfig::disk_fs`) image of `disk_mb` MiB
 //! (`<state_dir>/<id>.img`, see [`quota`]), so a full sandbox gets `ENOSPC`
 //! inside (unless `OciConfig::disk_quota` is off).
 //!
