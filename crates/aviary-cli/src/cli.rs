@@ -631,6 +631,10 @@ struct NodeArgs {
     /// OCI runtime: crun (default) or runc.
     #[arg(long, default_value = "crun")]
     runtime: String,
+    /// File system of each sandbox's disk: ext4 (default) or xfs (reflinks:
+    /// snapshots re-read only changed extents; disks of at least 300 MiB).
+    #[arg(long, default_value = "ext4")]
+    disk_fs: String,
 }
 
 #[derive(Subcommand, Debug)]
@@ -1992,11 +1996,14 @@ async fn node(a: NodeArgs) -> Result<i32, Failure> {
     let templates_dir = a
         .templates_dir
         .unwrap_or_else(|| a.data_dir.join("templates"));
-    let runtime = aviary_runtime_oci::OciRuntime::new(
-        aviary_runtime_oci::OciConfig::new(binary, a.data_dir.join("sandboxes"))
-            .with_template_store(&templates_dir),
-    )
-    .map_err(|e| fail(format!("runtime: {e}")))?;
+    let mut oci = aviary_runtime_oci::OciConfig::new(binary, a.data_dir.join("sandboxes"))
+        .with_template_store(&templates_dir);
+    oci.disk_fs = a
+        .disk_fs
+        .parse()
+        .map_err(|e: String| Failure::new(ErrorCode::InvalidRequest, format!("--disk-fs: {e}")))?;
+    let runtime =
+        aviary_runtime_oci::OciRuntime::new(oci).map_err(|e| fail(format!("runtime: {e}")))?;
     runtime
         .probe()
         .await

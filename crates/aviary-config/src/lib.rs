@@ -175,6 +175,31 @@ pub struct ServerSettings {
     /// Sandbox disks each crun/runc runtime keeps made ahead of need, per
     /// recently asked disk size (0..=16; 0 = make each on its create).
     pub disk_pool: usize,
+    /// The file system of each crun/runc sandbox's disk (`ext4` or `xfs`).
+    pub disk_fs: DiskFs,
+}
+
+/// The file system of each sandbox's own disk (`[server] disk_fs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DiskFs {
+    /// ext4 (the default): smallest and quickest to make.
+    #[default]
+    Ext4,
+    /// XFS with reflinks: snapshots read only the changed extents of large
+    /// files. Every class's `disk_mb` must be at least [`XFS_MIN_DISK_MB`].
+    Xfs,
+}
+
+/// `mkfs.xfs` refuses file systems smaller than this (MiB).
+pub const XFS_MIN_DISK_MB: u64 = 300;
+
+impl DiskFs {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiskFs::Ext4 => "ext4",
+            DiskFs::Xfs => "xfs",
+        }
+    }
 }
 
 /// The HTTP edge's limits (keys of `[server]`). Every value is positive.
@@ -595,6 +620,7 @@ pub(crate) fn default_server() -> ServerSettings {
         open_network: false,
         docker_socket: PathBuf::from("/var/run/docker.sock"),
         disk_pool: 2,
+        disk_fs: DiskFs::Ext4,
     }
 }
 

@@ -106,6 +106,7 @@ struct RawServer {
     open_network: Option<bool>,
     docker_socket: Option<Spanned<String>>,
     disk_pool: Option<Spanned<usize>>,
+    disk_fs: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -357,7 +358,11 @@ pub(crate) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     };
     let class_names: HashSet<&str> = classes.iter().map(|c| c.name.as_str()).collect();
 
-    let server = check_server(&ck, raw.server, &class_names)?;
+    let smallest_disk = classes
+        .iter()
+        .min_by_key(|c| c.disk_mb)
+        .map(|c| (c.name.as_str(), c.disk_mb));
+    let server = check_server(&ck, raw.server, &class_names, smallest_disk)?;
 
     let tenants = match raw.tenants {
         Some(list) => check_tenants(&ck, list, &class_names, &profile_names)?,
@@ -722,10 +727,39 @@ fn check_server(
     ck: &Checker<'_>,
     raw: Option<RawServer>,
     classes: &HashSet<&str>,
+    smallest_disk: Option<(&str, u64)>,
 ) -> Result<ServerSettings, ConfigError> {
     let mut s = crate::default_server();
     let mut class_span = DEFAULTED;
     if let Some(raw) = raw {
+        if let Some(fs) = raw.disk_fs {
+            let span = fs.span();
+            s.disk_fs = match fs.get_ref().as_str() {
+                "ext4" => crate::DiskFs::Ext4,
+                "xfs" => crate::DiskFs::Xfs,
+                other => {
+                    return Err(ck.fail(
+                        &span,
+                        "server.disk_fs".into(),
+                        format!("server: disk_fs must be \"ext4\" or \"xfs\", got {other:?}"),
+                    ))
+                }
+            };
+            if let (crate::DiskFs::Xfs, Some((class, mb))) = (s.disk_fs, smallest_disk) {
+                ck.check(
+                    mb >= crate::XFS_MIN_DISK_MB,
+                    &span,
+                    || "server.disk_fs".into(),
+                    || {
+                        format!(
+                            "server: disk_fs = \"xfs\" needs every class's disk_mb >= {} \
+                             (mkfs.xfs refuses smaller file systems), but class {class:?} has {mb}",
+                            crate::XFS_MIN_DISK_MB
+                        )
+                    },
+                )?;
+            }
+        }
         if let Some(open) = raw.open_network {
             s.open_network = open;
         }

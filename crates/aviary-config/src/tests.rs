@@ -1551,3 +1551,54 @@ fn kubernetes_settings_are_checked() {
     let e = Config::from_str(&KUBE.replace("deployment", "deploymnet"), ORIGIN).unwrap_err();
     assert!(e.to_string().contains("deploymnet"), "{e}");
 }
+
+#[test]
+fn disk_fs_defaults_to_ext4_and_parses_xfs() {
+    let cfg = Config::from_str(BASE, ORIGIN).unwrap();
+    assert_eq!(cfg.server.disk_fs, DiskFs::Ext4);
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"small\"\ndisk_fs = \"xfs\"",
+    );
+    let cfg = Config::from_str(&text, ORIGIN).unwrap();
+    assert_eq!(cfg.server.disk_fs, DiskFs::Xfs);
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"small\"\ndisk_fs = \"ext4\"",
+    );
+    let cfg = Config::from_str(&text, ORIGIN).unwrap();
+    assert_eq!(cfg.server.disk_fs, DiskFs::Ext4);
+}
+
+#[test]
+fn unknown_disk_fs_is_rejected_at_its_line() {
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"small\"\ndisk_fs = \"btrfs\"",
+    );
+    expect_error(
+        &text,
+        line_of(&text, "disk_fs"),
+        "server.disk_fs",
+        "disk_fs must be \"ext4\" or \"xfs\", got \"btrfs\"",
+    );
+}
+
+#[test]
+fn xfs_refuses_a_class_disk_below_its_minimum() {
+    let text = edit(
+        "default_class = \"small\"",
+        "default_class = \"small\"\ndisk_fs = \"xfs\"",
+    )
+    .replacen("disk_mb = 2048", "disk_mb = 256", 1);
+    expect_error(
+        &text,
+        line_of(&text, "disk_fs"),
+        "server.disk_fs",
+        "needs every class's disk_mb >= 300 (mkfs.xfs refuses smaller file systems), \
+         but class \"small\" has 256",
+    );
+    // the same class is fine on ext4
+    let ext4 = text.replacen("disk_fs = \"xfs\"", "disk_fs = \"ext4\"", 1);
+    Config::from_str(&ext4, ORIGIN).unwrap();
+}

@@ -224,6 +224,12 @@ impl LayerArchive for RuntimeLayers {
             .await
             .map_err(OpError::runtime("read the sandbox's layers"))?;
         let root = layers.layer(layer).to_owned();
+        // one shadow dir per layer, where the runtime offers one (on ext4
+        // or any file system without reflinks it stays empty)
+        let request = match layers.shadow(layer) {
+            Some(dir) => request.shadow(dir),
+            None => request,
+        };
         Ok(self.trees.snapshot(store, root, request).await?)
     }
 

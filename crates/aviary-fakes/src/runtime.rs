@@ -610,6 +610,7 @@ impl Snapshottable for FakeRuntime {
         let layers = LayerExport {
             writable: dir.join("upper"),
             workspace: dir.join("workspace"),
+            shadows: None,
         };
         dump_files(&envd, &layers)?;
         Ok(layers)

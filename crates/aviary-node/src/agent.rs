@@ -594,11 +594,14 @@ async fn snapshot_layer(
         reason: e.body_text(),
     })?;
     let layers = layers_of(&node)?;
-    let root = layers.export_layers(&id).await?.layer(layer).to_owned();
+    let exported = layers.export_layers(&id).await?;
+    let root = exported.layer(layer).to_owned();
     let parent_id = req.parent.as_ref().map(|p| p.id.clone());
     let mut snap = aviary_snapshots::SnapshotRequest::new(req.tenant, req.label);
     snap.sandbox_id = req.sandbox_id;
     snap.parent = parent_id;
+    // the node's own shadow dir, never one named by the request
+    snap.shadow = exported.shadow(layer);
     let (tx, rx) = tokio::sync::mpsc::channel::<Vec<u8>>(16);
     let h = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || {

@@ -115,6 +115,8 @@ impl Snapshottable for DockerRuntime {
         Ok(LayerExport {
             writable: self.upper_dir(id).await?,
             workspace: dirs.workspace(),
+            // the upper dir is on Docker's storage, not beside the workspace
+            shadows: None,
         })
     }
 

@@ -28,7 +28,7 @@
 //!
 //! Limits: cpu (CFS quota), memory (+swap = memory) and pids are enforced by
 //! cgroups. `disk_mb` bounds `upper/` and `workspace/` together: each
-//! sandbox dir is its own loop-mounted ext4 image of `disk_mb` MiB
+//! sandbox dir is its own loop-mounted ext4 (or XFS, `OciConfig::disk_fs`) image of `disk_mb` MiB
 //! (`<state_dir>/<id>.img`, see [`quota`]), so a full sandbox gets `ENOSPC`
 //! inside (unless `OciConfig::disk_quota` is off).
 //!
@@ -61,7 +61,7 @@ pub mod quota;
 pub mod seccomp;
 mod spawn;
 
-pub use quota::{disk_image, SandboxDisks, MIN_DISK_MB};
+pub use quota::{disk_image, DiskFs, SandboxDisks, MIN_DISK_MB, MIN_XFS_DISK_MB};
 pub use spawn::ProcessSpawner;
 
 use async_trait::async_trait;
@@ -152,6 +152,9 @@ pub struct OciConfig {
     /// `disk_pool`): a create then moves one into place instead of making
     /// it. 0 (the library default) keeps none; the server keeps 2.
     pub disk_pool: usize,
+    /// The file system of each sandbox's disk (ext4 unless set; XFS gives
+    /// snapshots reflink change tracking, see [`quota::DiskFs`]).
+    pub disk_fs: DiskFs,
     /// Host ids for user namespaces, one range per sandbox (see [`idmap`]).
     /// `None` runs sandboxes without one: root inside is host root.
     pub user_namespace: Option<idmap::IdPool>,
@@ -180,6 +183,7 @@ impl OciConfig {
             command_timeout: Duration::from_secs(30),
             disk_quota: true,
             disk_pool: 0,
+            disk_fs: DiskFs::Ext4,
             user_namespace: (!binary.is_gvisor()).then(idmap::IdPool::default),
             id_dir: None,
             template_store: None,
@@ -272,6 +276,12 @@ impl SandboxDirs {
     /// the merge is renames, and never mounted inside.
     fn workspace_stage(&self) -> PathBuf {
         self.root.join(".restore")
+    }
+    /// Snapshot shadows of the layers ([`LayerExport::shadows`]): on the
+    /// sandbox's own disk (so reflinks work and destroy removes them), never
+    /// mounted inside, host-only (0700).
+    fn shadows(&self) -> PathBuf {
+        self.root.join(".shadow")
     }
     /// gVisor only: the dir mounted read-write at
     /// [`aviary_runtime::CONTROL_MOUNT`], where envd binds its socket (a host
@@ -369,6 +379,7 @@ impl OciRuntime {
             config.disk_quota,
             config.command_timeout,
         )?
+        .with_fs(config.disk_fs)
         .with_pool(config.disk_pool);
         Ok(OciRuntime {
             disks,
@@ -1509,9 +1520,40 @@ impl Snapshottable for OciRuntime {
         if !writable.is_dir() || !workspace.is_dir() {
             return Err(RuntimeError::NotFound { id: id.clone() });
         }
+        // Only a sandbox with a disk of its own gets shadows: they pin the
+        // blocks the sandbox rewrites, which must count against its disk,
+        // never the host's.
+        let shadows = if self.config.disk_quota {
+            let dir = dirs.shadows();
+            blocking(&dir.clone(), move || {
+                match make_dir(&dir, 0o700) {
+                    Ok(()) => {}
+                    Err(RuntimeError::CreateDir { source, .. })
+                        if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(e),
+                }
+                // the disk root is the host's alone; still, only a real dir
+                let meta =
+                    std::fs::symlink_metadata(&dir).map_err(|source| RuntimeError::CreateDir {
+                        path: dir.clone(),
+                        source,
+                    })?;
+                if !meta.is_dir() {
+                    return Err(RuntimeError::CreateDir {
+                        path: dir,
+                        source: std::io::Error::other("not a directory"),
+                    });
+                }
+                Ok(Some(dir))
+            })
+            .await?
+        } else {
+            None
+        };
         Ok(LayerExport {
             writable,
             workspace,
+            shadows,
         })
     }
 

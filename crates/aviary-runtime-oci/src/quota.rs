@@ -2,7 +2,9 @@
 //! and `/workspace` together.
 //!
 //! Each sandbox dir `<state_dir>/<id>` is the mount point of the sandbox's own
-//! ext4 file system: a sparse image file `<state_dir>/<id>.img` of exactly
+//! file system ([`DiskFs`]: ext4 by default, or XFS with reflinks so
+//! snapshots can track changes inside large files, see
+//! `aviary_snapshots::shadow`): a sparse image file `<state_dir>/<id>.img` of exactly
 //! `disk_mb` MiB, attached to a loop device (auto-clear, direct I/O) and
 //! mounted with `discard`. Everything the sandbox can write on disk — `upper/`,
 //! `work/`, `workspace/` — lives on it, so a full sandbox gets `ENOSPC`
@@ -13,7 +15,13 @@
 //! New disks are not formatted one by one: the first sandbox of a size runs
 //! `mkfs.ext4` once into `<state_dir>/.disks/ext4-v1-<mb>.img` (lazy inode
 //! tables and journal, no resize inode: ~240 KiB of data for 10 GiB), and
-//! every disk of that size is a sparse copy of it.
+//! every disk of that size is a sparse copy of it. XFS likewise
+//! (`mkfs.xfs -m reflink=1` into `xfs-v1-<mb>.img`); mkfs writes its 64 MiB
+//! log as zeros, which the golden image keeps as holes (132 KiB of data for
+//! 10 GiB). All copies share one UUID: XFS disks are mounted `nouuid`.
+//! [`mount_disk`] tells the two apart by the image's superblock, so the
+//! disk pool, reboot recovery and disks made before a change of `disk_fs`
+//! all mount right.
 //!
 //! Why not project quotas (XFS `prjquota`, as Docker's overlay2 does, or ext4
 //! `project`): the kernels this runs on are built without `CONFIG_XFS_QUOTA`
@@ -48,7 +56,72 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Smallest sandbox disk: an ext4 journal and its metadata need a few MiB.
+/// (XFS needs more: [`DiskFs::min_disk_mb`].)
 pub const MIN_DISK_MB: u64 = 32;
+
+/// Smallest XFS sandbox disk: `mkfs.xfs` (6.1) refuses anything smaller
+/// ("Filesystem must be larger than 300MB"), its log alone is 64 MiB.
+pub const MIN_XFS_DISK_MB: u64 = 300;
+
+/// The file system of each sandbox's disk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DiskFs {
+    /// ext4: the smallest and quickest to make; no reflinks, so a snapshot
+    /// reads every changed file whole.
+    #[default]
+    Ext4,
+    /// XFS with `reflink=1`: snapshots keep `FICLONE` shadows of large files
+    /// and read only their changed extents. At least [`MIN_XFS_DISK_MB`].
+    Xfs,
+}
+
+impl DiskFs {
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskFs::Ext4 => "ext4",
+            DiskFs::Xfs => "xfs",
+        }
+    }
+
+    /// Smallest disk of this file system, in MiB.
+    pub fn min_disk_mb(self) -> u64 {
+        match self {
+            DiskFs::Ext4 => MIN_DISK_MB,
+            DiskFs::Xfs => MIN_XFS_DISK_MB,
+        }
+    }
+
+    fn mkfs(self) -> &'static str {
+        match self {
+            DiskFs::Ext4 => "mkfs.ext4",
+            DiskFs::Xfs => "mkfs.xfs",
+        }
+    }
+
+    fn package(self) -> &'static str {
+        match self {
+            DiskFs::Ext4 => "e2fsprogs",
+            DiskFs::Xfs => "xfsprogs",
+        }
+    }
+}
+
+impl std::fmt::Display for DiskFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DiskFs {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ext4" => Ok(DiskFs::Ext4),
+            "xfs" => Ok(DiskFs::Xfs),
+            other => Err(format!("unknown disk file system {other:?} (ext4 or xfs)")),
+        }
+    }
+}
 
 const MIB: u64 = 1024 * 1024;
 
@@ -61,7 +134,9 @@ pub struct SandboxDisks {
     enabled: bool,
     /// `<state_dir>/.disks`: the formatted images new disks are copied from.
     golden_dir: PathBuf,
-    /// `mkfs.ext4`, looked up in `PATH`.
+    /// The file system new disks get.
+    fs: DiskFs,
+    /// `mkfs.ext4` or `mkfs.xfs`, looked up in `PATH`.
     mkfs: PathBuf,
     /// Longest `mkfs.ext4` may take.
     timeout: Duration,
@@ -84,7 +159,8 @@ impl SandboxDisks {
         let disks = SandboxDisks {
             enabled,
             golden_dir: state_dir.join(".disks"),
-            mkfs: PathBuf::from("mkfs.ext4"),
+            fs: DiskFs::Ext4,
+            mkfs: PathBuf::from(DiskFs::Ext4.mkfs()),
             timeout,
             pool: crate::disk_pool::DiskPool::open(state_dir, 0),
         };
@@ -104,6 +180,19 @@ impl SandboxDisks {
         }
         disks.recover(state_dir);
         Ok(disks)
+    }
+
+    /// Makes new disks with file system `fs` (ext4 unless set). Disks made
+    /// before keep theirs.
+    pub fn with_fs(mut self, fs: DiskFs) -> Self {
+        self.fs = fs;
+        self.mkfs = PathBuf::from(fs.mkfs());
+        self
+    }
+
+    /// The file system new disks get.
+    pub fn fs(&self) -> DiskFs {
+        self.fs
     }
 
     /// Keeps `per_size` disks of each recently asked size made ahead of need
@@ -151,10 +240,12 @@ impl SandboxDisks {
         if !self.enabled {
             return Ok(());
         }
-        if disk_mb < MIN_DISK_MB {
+        let min = self.fs.min_disk_mb();
+        if disk_mb < min {
             return Err(RuntimeError::InvalidSpec {
                 reason: format!(
-                    "disk_mb {disk_mb} is below the smallest sandbox disk ({MIN_DISK_MB} MiB)"
+                    "disk_mb {disk_mb} is below the smallest sandbox disk on {} ({min} MiB)",
+                    self.fs
                 ),
             });
         }
@@ -183,13 +274,14 @@ impl SandboxDisks {
     }
 
     /// The formatted, empty image of `disk_mb` MiB that new sandbox disks
-    /// are copied from (`<state_dir>/.disks/ext4-v1-<mb>.img`), made by
-    /// `mkfs.ext4` the first time a size is asked for. Copying its few
-    /// hundred KiB of metadata is ~10 ms cheaper than running mkfs for every
-    /// sandbox. All copies share one file system UUID, which ext4 ignores.
+    /// are copied from (`<state_dir>/.disks/<fs>-v1-<mb>.img`), made by
+    /// `mkfs.ext4` / `mkfs.xfs` the first time a size is asked for. Copying
+    /// its few hundred KiB of metadata is ~10 ms cheaper than running mkfs
+    /// for every sandbox. All copies share one file system UUID, which ext4
+    /// ignores and XFS is told to (`nouuid`).
     async fn golden(&self, spawner: &dyn Spawner, disk_mb: u64) -> Result<PathBuf, RuntimeError> {
         let dir = &self.golden_dir;
-        let golden = dir.join(format!("ext4-v1-{disk_mb}.img"));
+        let golden = dir.join(format!("{}-v1-{disk_mb}.img", self.fs));
         if golden.is_file() {
             return Ok(golden);
         }
@@ -200,10 +292,12 @@ impl SandboxDisks {
         // Made under a private name and renamed: concurrent first creates
         // each make one, and the last rename wins with an equal image.
         let tmp = dir.join(format!(
-            ".{disk_mb}.{}.{}.tmp",
+            ".{}-{disk_mb}.{}.{}.tmp",
+            self.fs,
             std::process::id(),
             TMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
+        let sparse = tmp.with_extension("sparse");
         let made = async {
             create_sparse(&tmp, disk_mb.saturating_mul(MIB)).map_err(|source| {
                 RuntimeError::WriteFile {
@@ -212,34 +306,46 @@ impl SandboxDisks {
                 }
             })?;
             self.mkfs(spawner, &tmp).await?;
-            std::fs::rename(&tmp, &golden).map_err(|source| RuntimeError::WriteFile {
+            // mkfs.xfs writes its whole log (64 MiB) as zeros: kept as holes,
+            // so every copy stays a few hundred KiB.
+            let (from, to) = (tmp.clone(), sparse.clone());
+            tokio::task::spawn_blocking(move || copy_dropping_zeros(&from, &to))
+                .await
+                .unwrap_or_else(|join| Err(io::Error::other(join.to_string())))
+                .map_err(|source| RuntimeError::WriteFile {
+                    path: sparse.clone(),
+                    source,
+                })?;
+            std::fs::rename(&sparse, &golden).map_err(|source| RuntimeError::WriteFile {
                 path: golden.clone(),
                 source,
             })
         }
         .await;
+        let _ = std::fs::remove_file(&tmp);
         if made.is_err() {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = std::fs::remove_file(&sparse);
         }
         made.map(|()| golden)
     }
 
     async fn mkfs(&self, spawner: &dyn Spawner, image: &Path) -> Result<(), RuntimeError> {
-        let mut req = SpawnRequest::new(self.mkfs.clone(), mkfs_args(image));
+        let mut req = SpawnRequest::new(self.mkfs.clone(), mkfs_args(self.fs, image));
         req.timeout = self.timeout;
         let out = spawner
             .run(&req)
             .await
             .map_err(|source| RuntimeError::Spawn {
                 program: format!(
-                    "{} (disk quotas need e2fsprogs, or disk_quota = false)",
-                    self.mkfs.display()
+                    "{} (disk quotas need {}, or disk_quota = false)",
+                    self.mkfs.display(),
+                    self.fs.package()
                 ),
                 source,
             })?;
         if !out.success() {
             return Err(RuntimeError::InvokeRuntime {
-                action: "mkfs.ext4".into(),
+                action: self.fs.mkfs().into(),
                 detail: format!(
                     "exit {:?}: {}",
                     out.code,
@@ -375,10 +481,11 @@ impl SandboxDisks {
         let _ = std::fs::create_dir(&root);
         let result = async {
             // (the pool is not asked: a probe must not start one of its size)
-            self.attach_from(spawner, &root, MIN_DISK_MB, false)
+            let mb = self.fs.min_disk_mb();
+            self.attach_from(spawner, &root, mb, false)
                 .await
                 .map_err(|e| aviary_runtime::conformance::chain(&e))?;
-            fill_until_full(&root.join("fill"))
+            fill_until_full(&root.join("fill"), mb, self.fs)
         }
         .await;
         let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
@@ -388,7 +495,26 @@ impl SandboxDisks {
     }
 }
 
-fn mkfs_args(image: &Path) -> Vec<String> {
+fn mkfs_args(fs: DiskFs, image: &Path) -> Vec<String> {
+    if fs == DiskFs::Xfs {
+        return vec![
+            "-q".into(),
+            "-f".into(),
+            // reflinks for snapshot shadows
+            "-m".into(),
+            "reflink=1".into(),
+            // 4 KiB blocks and sectors: the loop device's logical block size
+            // is 4096 (direct I/O), and XFS refuses to mount a file system
+            // with smaller sectors on it ("device supports 4096 byte sectors")
+            "-b".into(),
+            "size=4096".into(),
+            "-s".into(),
+            "size=4096".into(),
+            // no discard of the (sparse) image file
+            "-K".into(),
+            image.display().to_string(),
+        ];
+    }
     vec![
         "-q".into(),
         "-F".into(),
@@ -413,6 +539,15 @@ fn mkfs_args(image: &Path) -> Vec<String> {
 /// Copies `src` to the new file `dst` (same size) by its data extents only,
 /// so holes stay holes.
 pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
+    copy_extents(src, dst, false)
+}
+
+/// [`copy_sparse`] that also leaves every all-zero 4 KiB block a hole.
+fn copy_dropping_zeros(src: &Path, dst: &Path) -> io::Result<()> {
+    copy_extents(src, dst, true)
+}
+
+fn copy_extents(src: &Path, dst: &Path, drop_zeros: bool) -> io::Result<()> {
     use nix::unistd::{lseek, Whence};
     let from = File::open(src)?;
     let len = i64::try_from(from.metadata()?.len()).map_err(io::Error::other)?;
@@ -435,7 +570,18 @@ pub(crate) fn copy_sparse(src: &Path, dst: &Path) -> io::Result<()> {
         let mut buf = vec![0u8; usize::try_from(hole - data).map_err(io::Error::other)?];
         let at = u64::try_from(data).map_err(io::Error::other)?;
         from.read_exact_at(&mut buf, at)?;
-        to.write_all_at(&buf, at)?;
+        if drop_zeros {
+            // `dst` reads zeros wherever nothing is written
+            let mut off = 0u64;
+            for block in buf.chunks(4096) {
+                if block.iter().any(|&b| b != 0) {
+                    to.write_all_at(block, at + off)?;
+                }
+                off += block.len() as u64;
+            }
+        } else {
+            to.write_all_at(&buf, at)?;
+        }
         pos = hole;
     }
     Ok(())
@@ -450,13 +596,30 @@ fn create_sparse(path: &Path, bytes: u64) -> io::Result<()> {
     f.set_len(bytes)
 }
 
-/// Writes zeros to `file` until the file system says it is full; `Ok` only
-/// when that was `ENOSPC`.
-fn fill_until_full(file: &Path) -> Result<(), String> {
+/// Writes zeros to `file` until the file system of `disk_mb` MiB says it
+/// is full; `Ok` only when that was `ENOSPC`. On XFS the space is asked for
+/// with `fallocate` instead (real blocks reserved, none written: an XFS disk
+/// is at least 300 MiB, too much to write at every start).
+fn fill_until_full(file: &Path, disk_mb: u64, fs: DiskFs) -> Result<(), String> {
     use std::io::Write;
     let mut f = File::create(file).map_err(|e| format!("create {file:?}: {e}"))?;
     let block = vec![0u8; MIB as usize];
-    for _ in 0..(MIN_DISK_MB * 2) {
+    if fs == DiskFs::Xfs {
+        f.write_all(&block)
+            .map_err(|e| format!("writing {file:?}: {e}"))?;
+        let len = i64::try_from(disk_mb * 2 * MIB).map_err(|e| e.to_string())?;
+        return match nix::fcntl::fallocate(
+            f.as_raw_fd(),
+            nix::fcntl::FallocateFlags::empty(),
+            0,
+            len,
+        ) {
+            Err(nix::errno::Errno::ENOSPC) => Ok(()),
+            Err(e) => Err(format!("fallocate {file:?}: {e}")),
+            Ok(()) => Err(format!("{} MiB fit on a {disk_mb} MiB disk", disk_mb * 2)),
+        };
+    }
+    for _ in 0..(disk_mb * 2) {
         // ext4 reserves blocks at write(): a full disk fails the write itself.
         if let Err(e) = f.write_all(&block) {
             return if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -466,10 +629,7 @@ fn fill_until_full(file: &Path) -> Result<(), String> {
             };
         }
     }
-    Err(format!(
-        "{} MiB fit on a {MIN_DISK_MB} MiB disk",
-        MIN_DISK_MB * 2
-    ))
+    Err(format!("{} MiB fit on a {disk_mb} MiB disk", disk_mb * 2))
 }
 
 // <linux/loop.h>
@@ -503,15 +663,36 @@ struct LoopConfig {
     reserved: [u64; 8],
 }
 
+/// The file system an image holds, by its superblock's magic (XFS: `XFSB`
+/// at byte 0; anything else is taken for ext4, whose mount checks its own).
+fn image_fs(image: &File) -> io::Result<DiskFs> {
+    let mut magic = [0u8; 4];
+    image.read_exact_at(&mut magic, 0)?;
+    Ok(if &magic == b"XFSB" {
+        DiskFs::Xfs
+    } else {
+        DiskFs::Ext4
+    })
+}
+
 /// Attaches `image` to a free loop device (auto-clear, direct I/O, 4 KiB
-/// blocks) and mounts its ext4 at `target`. The device fd is closed on
-/// return; the mount keeps the device, and unmounting frees it.
+/// blocks) and mounts its file system (ext4 or XFS, by its superblock) at
+/// `target`. The device fd is closed on return; the mount keeps the
+/// device, and unmounting frees it.
 pub(crate) fn mount_disk(image: &Path, target: &Path) -> io::Result<()> {
     let backing = OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open(image)?;
+    let (fstype, options) = match image_fs(&backing)? {
+        // noinit_itable: no background zeroing of the inode tables (the
+        // image is sparse, they read back as zeros anyway).
+        DiskFs::Ext4 => ("ext4", "discard,noinit_itable"),
+        // nouuid: every disk is a copy of one golden image, and XFS
+        // refuses a second mount of a UUID otherwise.
+        DiskFs::Xfs => ("xfs", "discard,nouuid"),
+    };
     let control = OpenOptions::new()
         .read(true)
         .write(true)
@@ -579,11 +760,9 @@ pub(crate) fn mount_disk(image: &Path, target: &Path) -> io::Result<()> {
         return nix::mount::mount(
             Some(&device_path),
             target,
-            Some("ext4"),
+            Some(fstype),
             nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
-            // noinit_itable: no background zeroing of the inode tables (the
-            // image is sparse, they read back as zeros anyway).
-            Some("discard,noinit_itable"),
+            Some(options),
         )
         .map_err(io::Error::from);
     }

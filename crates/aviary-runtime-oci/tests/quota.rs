@@ -11,7 +11,7 @@ mod quota {
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance;
     use aviary_runtime::{BindMount, Runtime, SandboxSpec, Snapshottable, SpawnOutput};
-    use aviary_runtime_oci::{disk_image, OciBinary, OciRuntime};
+    use aviary_runtime_oci::{disk_image, DiskFs, OciBinary, OciRuntime, MIN_XFS_DISK_MB};
     use std::os::unix::fs::MetadataExt;
     use std::path::Path;
     use tokio::sync::Mutex;
@@ -405,6 +405,159 @@ mod quota {
         assert!(!f.state.join(spec.id.as_str()).exists());
     }
 
+    /// Why XFS disks cannot be tested here (besides what [`fixture`] checks).
+    fn xfs_missing() -> Option<&'static str> {
+        if !Path::new("/usr/sbin/mkfs.xfs").exists() && !Path::new("/sbin/mkfs.xfs").exists() {
+            return Some("mkfs.xfs is missing (scripts/deps.sh installs xfsprogs)");
+        }
+        let fs = std::fs::read_to_string("/proc/filesystems").unwrap_or_default();
+        if !fs
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some("xfs"))
+            && !std::process::Command::new("modprobe")
+                .arg("xfs")
+                .status()
+                .is_ok_and(|s| s.success())
+        {
+            return Some("the kernel has no XFS (modprobe xfs failed)");
+        }
+        None
+    }
+
+    fn xfs_runtime(f: &Fixture, pool: usize) -> OciRuntime {
+        let mut config = f.config(OciBinary::Crun);
+        config.disk_fs = DiskFs::Xfs;
+        config.disk_pool = pool;
+        OciRuntime::new(config).unwrap()
+    }
+
+    /// The file system type mounted at `dir` (this mount namespace).
+    fn fstype_at(dir: &Path) -> Option<String> {
+        let d = dir.to_str().unwrap();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .rfind(|l| l.split(' ').nth(4) == Some(d))
+            .and_then(|l| l.split(" - ").nth(1))
+            .and_then(|rest| rest.split(' ').next())
+            .map(str::to_string)
+    }
+
+    #[tokio::test]
+    async fn xfs_disks_below_its_minimum_are_refused() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let rt = xfs_runtime(&f, 0);
+        // fine on ext4, too small for mkfs.xfs
+        let spec = spec_for(&f, DISK_MB);
+        let err = rt.create(&spec).await.unwrap_err();
+        assert!(
+            conformance::chain(&err)
+                .contains("disk_mb 64 is below the smallest sandbox disk on xfs (300 MiB)"),
+            "{err}"
+        );
+        assert!(!f.state.join(spec.id.as_str()).exists());
+        assert!(!disk_image(&f.state.join(spec.id.as_str())).exists());
+    }
+
+    #[tokio::test]
+    async fn xfs_disks_probe_pool_and_shadows() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        if let Some(why) = xfs_missing() {
+            eprintln!("SKIPPED: quota/xfs: {why}");
+            return;
+        }
+        let rt = xfs_runtime(&f, 1);
+        rt.probe().await.unwrap();
+        assert_eq!(rt.disks().fs(), DiskFs::Xfs);
+        // the golden image is XFS's own, and sparse despite the 64 MiB log
+        let golden = f.state.join(format!(".disks/xfs-v1-{MIN_XFS_DISK_MB}.img"));
+        assert!(golden.is_file(), "{golden:?}");
+        assert!(allocated(&golden) < 4 * MIB, "{}", allocated(&golden));
+
+        let a = spec_for(&f, MIN_XFS_DISK_MB);
+        rt.create(&a).await.unwrap();
+        let root_a = f.state.join(a.id.as_str());
+        assert_eq!(fstype_at(&root_a).as_deref(), Some("xfs"));
+        // a pooled disk (made in the background after the first create)
+        // mounts as XFS too
+        for _ in 0..400 {
+            if rt.disks().pooled() == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+        assert_eq!(rt.disks().pooled(), 1, "pool never refilled");
+        let b = spec_for(&f, MIN_XFS_DISK_MB);
+        rt.create(&b).await.unwrap();
+        let root_b = f.state.join(b.id.as_str());
+        assert_eq!(fstype_at(&root_b).as_deref(), Some("xfs"));
+        let out = sh(&rt, &b.id, "echo hi > /workspace/x && cat /workspace/x").await;
+        assert!(out.success(), "{}", text(&out));
+
+        // the layers come with a host-only shadow dir on the same disk
+        let layers = rt.export_layers(&a.id).await.unwrap();
+        let shadows = layers.shadows.clone().unwrap();
+        assert_eq!(shadows, root_a.join(".shadow"));
+        let meta = std::fs::symlink_metadata(&shadows).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        assert_eq!(
+            meta.dev(),
+            std::fs::metadata(&layers.workspace).unwrap().dev()
+        );
+        assert_eq!(
+            layers.shadow(aviary_runtime::Layer::Workspace),
+            Some(shadows.join("workspace"))
+        );
+        let out = sh(&rt, &a.id, "cat /proc/self/mountinfo; ls -a /").await;
+        assert!(!String::from_utf8_lossy(&out.stdout).contains(".shadow"));
+
+        // A reboot, then a runtime set back to ext4: the XFS disk is still
+        // mounted as XFS (the file system comes from the image itself).
+        let out = sh(&rt, &b.id, "sync").await;
+        assert!(out.success(), "{}", text(&out));
+        let crun = std::process::Command::new("crun")
+            .args(["--root"])
+            .arg(f.state.join("crun-state"))
+            .args(["delete", "--force", b.id.as_str()])
+            .status()
+            .unwrap();
+        assert!(crun.success());
+        for m in mounts_under(&root_b).iter().rev() {
+            nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH).unwrap();
+        }
+        assert!(!root_b.join("workspace").exists(), "disk is unmounted");
+        let ext4 = runtime(&f);
+        assert_eq!(fstype_at(&root_b).as_deref(), Some("xfs"));
+        assert_eq!(
+            std::fs::read_to_string(root_b.join("workspace/x")).unwrap(),
+            "hi\n"
+        );
+        ext4.destroy(&b.id).await.unwrap();
+        assert!(!root_b.exists());
+
+        rt.destroy(&a.id).await.unwrap();
+        assert!(!shadows.exists());
+        rt.disks().drain_pool();
+        assert_eq!(mounts_under(&f.state), Vec::<String>::new());
+    }
+
+    #[tokio::test]
+    async fn quotas_off_offer_no_shadow_dir() {
+        let _g = LOCK.lock().await;
+        let Some(f) = fixture() else { return };
+        let mut config = f.config(OciBinary::Crun);
+        config.disk_quota = false;
+        let rt = OciRuntime::new(config).unwrap();
+        let spec = spec_for(&f, DISK_MB);
+        rt.create(&spec).await.unwrap();
+        // shadows would pin blocks on the host's file system, unbounded
+        assert_eq!(rt.export_layers(&spec.id).await.unwrap().shadows, None);
+        rt.destroy(&spec.id).await.unwrap();
+    }
+
     fn median_p90(mut v: Vec<std::time::Duration>) -> String {
         v.sort();
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
@@ -431,15 +584,28 @@ mod quota {
         let mut config = f.config(OciBinary::Crun);
         config.disk_quota = false;
         let without = OciRuntime::new(config).unwrap();
+        // the same quota on XFS disks (`disk_fs = "xfs"`), when it can run
+        let xfs = xfs_missing().is_none().then(|| xfs_runtime(&f, 0));
         let t = std::time::Instant::now();
         with.probe().await.unwrap();
         let probe = t.elapsed();
+        let mut probe_xfs = None;
+        if let Some(x) = &xfs {
+            let t = std::time::Instant::now();
+            x.probe().await.unwrap();
+            probe_xfs = Some(t.elapsed());
+        }
         let (mut c_on, mut d_on, mut c_off, mut d_off) = (vec![], vec![], vec![], vec![]);
+        let (mut c_xfs, mut d_xfs) = (vec![], vec![]);
         for i in 0..=n {
-            for (rt, creates, destroys) in [
+            let mut runs = vec![
                 (&with, &mut c_on, &mut d_on),
                 (&without, &mut c_off, &mut d_off),
-            ] {
+            ];
+            if let Some(x) = &xfs {
+                runs.push((x, &mut c_xfs, &mut d_xfs));
+            }
+            for (rt, creates, destroys) in runs {
                 // Class-sized disk: 10 GiB, as the default "small" class.
                 let spec = spec_for(&f, 10240);
                 let t = std::time::Instant::now();
@@ -477,6 +643,11 @@ mod quota {
         );
         println!("create with 50 MB seed, quota on : {}", median_p90(s_on));
         println!("create with 50 MB seed, quota off: {}", median_p90(s_off));
+        if let Some(p) = probe_xfs {
+            println!("probe on xfs: {:.1} ms", p.as_secs_f64() * 1000.0);
+            println!("create, disk quota on xfs : {}", median_p90(c_xfs));
+            println!("destroy, disk quota on xfs: {}", median_p90(d_xfs));
+        }
         println!("create, disk quota on : {}", median_p90(c_on));
         println!("create, disk quota off: {}", median_p90(c_off));
         println!("destroy, disk quota on : {}", median_p90(d_on));

@@ -298,6 +298,12 @@ impl LayerExport {
             Layer::Writable => &self.writable,
         }
     }
+
+    /// Where a snapshot of `layer` keeps its change-tracking state (one dir
+    /// per layer under [`Self::shadows`]), if the runtime offers one.
+    pub fn shadow(&self, layer: Layer) -> Option<std::path::PathBuf> {
+        self.shadows.as_ref().map(|d| d.join(layer.as_str()))
+    }
 }
 
 /// A running sandbox's layers as host directories, for reading: what a
@@ -311,6 +317,11 @@ pub struct LayerExport {
     pub writable: PathBuf,
     /// The directory mounted at [`WORKSPACE_MOUNT`].
     pub workspace: PathBuf,
+    /// A host-only directory on the same file system as both layers,
+    /// outside them and out of the sandbox's reach, where snapshots may keep
+    /// state between runs (reflink shadows, `aviary_snapshots::shadow`; see
+    /// [`Self::shadow`]). Removed with the sandbox. `None`: no such place.
+    pub shadows: Option<PathBuf>,
 }
 
 /// Empty host directories where the caller writes the layers of a sandbox

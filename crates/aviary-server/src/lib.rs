@@ -90,6 +90,10 @@ pub async fn build(cfg: ServerConfig) -> anyhow::Result<Arc<ControlPlane>> {
             .with_template_store(cfg.templates_root());
         oci.id_dir = Some(cfg.runtime_state_dir());
         oci.disk_pool = cfg.control.settings.server.disk_pool;
+        oci.disk_fs = match cfg.control.settings.server.disk_fs {
+            aviary_config::DiskFs::Ext4 => aviary_runtime_oci::DiskFs::Ext4,
+            aviary_config::DiskFs::Xfs => aviary_runtime_oci::DiskFs::Xfs,
+        };
         let mut runtime = aviary_runtime_oci::OciRuntime::new(oci)
             .with_context(|| format!("setting up the OCI runtime {name}"))?
             .with_egress(Arc::new(egress.clone()));

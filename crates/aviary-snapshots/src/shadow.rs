@@ -34,7 +34,9 @@
 //! derive from the (attacker-chosen) tree paths. A snapshot writes new clones under a
 //! fresh generation, replaces the index only after its manifest is stored, then
 //! deletes every file the new index does not name; an aborted snapshot deletes its
-//! own clones. Only one snapshot may use a shadow directory at a time.
+//! own clones. Only one snapshot uses a shadow directory at a time: `ShadowSet::open`
+//! waits for an exclusive `flock` on it, held until the set is committed or dropped
+//! (two snapshots of one sandbox at once take turns on its shadows).
 
 use crate::chunker::ChunkerConfig;
 use crate::hash::ChunkHash;
@@ -85,6 +87,8 @@ pub(crate) struct ShadowSet {
     /// Clones made by this snapshot (deleted unless committed).
     created: Mutex<Vec<PathBuf>>,
     committed: bool,
+    /// Exclusive `flock` on the directory, released with the set.
+    _lock: nix::fcntl::Flock<File>,
 }
 
 impl ShadowSet {
@@ -92,6 +96,12 @@ impl ShadowSet {
     /// Refuses a shadow directory inside the tree or containing it.
     pub fn open(dir: &Path, root: &Path) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir.join(FILES))?;
+        let lock = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(dir)?;
+        let lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| std::io::Error::from(e))?;
         let (cdir, croot) = (dir.canonicalize()?, root.canonicalize()?);
         if cdir.starts_with(&croot) || croot.starts_with(&cdir) {
             return Err(std::io::Error::new(
@@ -117,6 +127,7 @@ impl ShadowSet {
             new: Mutex::new(HashMap::new()),
             created: Mutex::new(Vec::new()),
             committed: false,
+            _lock: lock,
         })
     }
 
@@ -457,6 +468,28 @@ pub(crate) fn reusable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_snapshot_at_a_time_uses_a_shadow_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (dir, root) = (tmp.path().join("shadow"), tmp.path().join("tree"));
+        std::fs::create_dir(&root).unwrap();
+        let try_lock = || {
+            let f = File::open(&dir).unwrap();
+            nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map(drop)
+        };
+        let first = ShadowSet::open(&dir, &root).unwrap();
+        // another snapshot's open would wait: the lock is taken
+        assert_eq!(
+            try_lock().map_err(|(_, e)| e),
+            Err(nix::errno::Errno::EWOULDBLOCK)
+        );
+        drop(first);
+        assert!(try_lock().is_ok(), "released with the set");
+        let second = ShadowSet::open(&dir, &root).unwrap();
+        second.commit().unwrap();
+        assert!(try_lock().is_ok(), "released by commit");
+    }
 
     fn ext(logical: u64, physical: u64, length: u64) -> Extent {
         Extent {
