@@ -28,6 +28,7 @@
 //! free sandbox exactly one wins.
 #![forbid(unsafe_code)]
 
+mod cached;
 pub mod conformance;
 pub mod fences;
 mod in_process_locks;
@@ -36,6 +37,7 @@ pub mod locks;
 mod memory;
 
 pub use aviary_core::api::Lease;
+pub use cached::CachedLeaseStore;
 pub use fences::{FenceAuthority, MemoryFences};
 pub use in_process_locks::InProcessLocks;
 pub use locks::{HeldLock, LockError, LockGuard, LockHolder, LockName, LockRequest, Locks};
