@@ -29,7 +29,7 @@ use crate::{fence_rule, Fence, Lease, LeaseError, LeaseStore};
 use async_trait::async_trait;
 use aviary_core::{LeaseToken, SandboxId};
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use time::OffsetDateTime;
 
@@ -39,8 +39,8 @@ const MAX_ENTRIES: usize = 65_536;
 
 /// A [`LeaseStore`] whose reads of one sandbox's lease are answered from
 /// memory until that sandbox's lease changes through this wrapper.
-pub struct CachedLeaseStore<S> {
-    inner: S,
+pub struct CachedLeaseStore {
+    inner: Arc<dyn LeaseStore>,
     state: Mutex<CacheState>,
 }
 
@@ -53,17 +53,12 @@ struct CacheState {
     views: HashMap<SandboxId, Option<Lease>>,
 }
 
-impl<S: LeaseStore> CachedLeaseStore<S> {
-    pub fn new(inner: S) -> Self {
+impl CachedLeaseStore {
+    pub fn new(inner: Arc<dyn LeaseStore>) -> Self {
         CachedLeaseStore {
             inner,
             state: Mutex::default(),
         }
-    }
-
-    /// The wrapped store.
-    pub fn inner(&self) -> &S {
-        &self.inner
     }
 
     fn lock(&self) -> MutexGuard<'_, CacheState> {
@@ -125,7 +120,7 @@ impl<S: LeaseStore> CachedLeaseStore<S> {
 }
 
 #[async_trait]
-impl<S: LeaseStore> LeaseStore for CachedLeaseStore<S> {
+impl LeaseStore for CachedLeaseStore {
     async fn acquire(
         &self,
         sandbox: &SandboxId,
@@ -204,14 +199,14 @@ mod tests {
 
     #[async_trait]
     impl LeaseHarness for Harness {
-        type Store = CachedLeaseStore<MemoryLeaseStore>;
+        type Store = CachedLeaseStore;
         async fn open(&self) -> Self::Store {
             // a restart is a new process: a new, empty cache
-            CachedLeaseStore::new(self.0.clone())
+            CachedLeaseStore::new(Arc::new(self.0.clone()))
         }
-        async fn create_sandbox(&self, store: &Self::Store) -> SandboxId {
+        async fn create_sandbox(&self, _store: &Self::Store) -> SandboxId {
             let id = aviary_core::SandboxId::generate();
-            store.inner().add_sandbox(&id);
+            self.0.add_sandbox(&id);
             id
         }
     }
@@ -221,11 +216,11 @@ mod tests {
         conformance::run_all(&Harness(MemoryLeaseStore::new())).await;
     }
 
-    fn store_with_sandbox() -> (CachedLeaseStore<MemoryLeaseStore>, SandboxId) {
+    fn store_with_sandbox() -> (CachedLeaseStore, SandboxId) {
         let inner = MemoryLeaseStore::new();
         let id = aviary_core::SandboxId::generate();
         inner.add_sandbox(&id);
-        (CachedLeaseStore::new(inner), id)
+        (CachedLeaseStore::new(Arc::new(inner)), id)
     }
 
     #[tokio::test]
@@ -288,7 +283,7 @@ mod tests {
     #[derive(Clone)]
     struct SlowReads {
         inner: MemoryLeaseStore,
-        gate: std::sync::Arc<Mutex<Option<SlowRead>>>,
+        gate: Arc<Mutex<Option<SlowRead>>>,
     }
 
     struct SlowRead {
@@ -362,7 +357,7 @@ mod tests {
             inner,
             gate: Default::default(),
         };
-        let s = std::sync::Arc::new(CachedLeaseStore::new(slow.clone()));
+        let s = Arc::new(CachedLeaseStore::new(Arc::new(slow.clone())));
         let a = s.acquire(&id, "a", MINUTE, T0).await.unwrap();
         // a check reads the lease, then waits before answering
         let (read_tx, read_rx) = tokio::sync::oneshot::channel();
