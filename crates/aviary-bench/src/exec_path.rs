@@ -168,6 +168,8 @@ pub async fn run(iters: usize) -> anyhow::Result<()> {
 struct ExecRounds {
     envd: Vec<Duration>,
     api: Vec<Duration>,
+    /// `GET /healthz` through the same client: HTTP alone.
+    http: Vec<Duration>,
     /// Per API round trip, its stages (span name → time).
     stages: Vec<HashMap<&'static str, Duration>>,
 }
@@ -190,6 +192,7 @@ async fn exec_rounds(
     let mut out = ExecRounds {
         envd: Vec::new(),
         api: Vec::new(),
+        http: Vec::new(),
         stages: Vec::new(),
     };
     let warm = 20;
@@ -204,7 +207,11 @@ async fn exec_rounds(
         let d_api = t.elapsed();
         anyhow::ensure!(r.exit_code == 0, "API exec of true: {r:?}");
         let stages = times.take();
+        let t = Instant::now();
+        client.healthz().await?;
+        let d_http = t.elapsed();
         if i >= warm {
+            out.http.push(d_http);
             out.envd.push(d_envd);
             out.api.push(d_api);
             out.stages.push(stages);
@@ -327,9 +334,22 @@ async fn cli_rounds(bin: &Path, url: &str, key: &str, iters: usize) -> anyhow::R
 }
 
 /// What `aviary run` asks of the server, from a client in this process
-/// (no process start): create with a lease, streamed exec, delete.
-async fn client_rounds(client: &Client, iters: usize) -> anyhow::Result<Vec<Duration>> {
-    let mut out = Vec::new();
+/// (no process start): create with a lease, streamed exec, delete; each
+/// phase timed.
+struct ClientRounds {
+    total: Vec<Duration>,
+    create: Vec<Duration>,
+    exec: Vec<Duration>,
+    delete: Vec<Duration>,
+}
+
+async fn client_rounds(client: &Client, iters: usize) -> anyhow::Result<ClientRounds> {
+    let mut out = ClientRounds {
+        total: Vec::new(),
+        create: Vec::new(),
+        exec: Vec::new(),
+        delete: Vec::new(),
+    };
     for i in 0..iters + 2 {
         let t = Instant::now();
         let created = client
@@ -341,10 +361,12 @@ async fn client_rounds(client: &Client, iters: usize) -> anyhow::Result<Vec<Dura
                 ..Default::default()
             })
             .await?;
+        let d_create = t.elapsed();
         let token = created.lease.map(|l| l.token);
         let id = created.sandbox.id.to_string();
-        let r = client
-            .exec(
+        let t_exec = Instant::now();
+        let mut s = client
+            .exec_stream(
                 &id,
                 &aviary_core::api::ExecRequest {
                     cmd: Some(vec!["true".into()]),
@@ -353,10 +375,26 @@ async fn client_rounds(client: &Client, iters: usize) -> anyhow::Result<Vec<Dura
                 },
             )
             .await?;
-        anyhow::ensure!(r.exit_code == 0);
+        loop {
+            match s.next().await? {
+                Some(aviary_client::StreamItem::Exit(r)) => {
+                    anyhow::ensure!(r.exit_code == 0);
+                    break;
+                }
+                Some(_) => {}
+                None => bail!("exec stream ended without an exit"),
+            }
+        }
+        drop(s);
+        let d_exec = t_exec.elapsed();
+        let t_delete = Instant::now();
         client.delete_sandbox(&id, token).await?;
+        let d_delete = t_delete.elapsed();
         if i >= 2 {
-            out.push(t.elapsed());
+            out.total.push(t.elapsed());
+            out.create.push(d_create);
+            out.exec.push(d_exec);
+            out.delete.push(d_delete);
         }
     }
     Ok(out)
@@ -478,7 +516,7 @@ fn report(
     plain: &ExecRounds,
     leased: &ExecRounds,
     cli: Option<&CliRounds>,
-    inproc: &[Duration],
+    inproc: &ClientRounds,
     floor: &Result<(Stats, Stats), String>,
 ) {
     println!("### Exec path and `aviary run` (issue 12)\n");
@@ -494,6 +532,7 @@ fn report(
     println!("{}", row("Aviary API (`POST /exec`, unleased)", &Ok(s_api)));
     println!("{}", row("envd's own round trip (leased, with the fence)", &Ok(l_envd)));
     println!("{}", row("Aviary API (leased, with the token)", &Ok(l_api)));
+    println!("{}", row("HTTP alone: `GET /healthz`, same client (no auth, no body)", &Ok(stats(leased.http.clone()))));
     println!(
         "\nAPI overhead over envd at p50: {o_plain:.0} µs unleased, {o_leased:.0} µs leased (target ≤ 300 µs).\n"
     );
@@ -522,9 +561,12 @@ fn report(
     if cli.is_none() {
         println!("| `aviary` CLI | n/a | n/a | no aviary binary |");
     }
-    let inproc = stats(inproc.to_vec());
-    let inproc_p50 = inproc.p50;
-    println!("{}", row("the same create + exec + delete from an in-process client", &Ok(inproc)));
+    let total = stats(inproc.total.clone());
+    let inproc_p50 = total.p50;
+    println!("{}", row("the same create + streamed exec + delete from an in-process client", &Ok(total)));
+    println!("{}", row("… its create (with a lease)", &Ok(stats(inproc.create.clone()))));
+    println!("{}", row("… its streamed exec", &Ok(stats(inproc.exec.clone()))));
+    println!("{}", row("… its delete", &Ok(stats(inproc.delete.clone()))));
     let floor_p50 = match floor {
         Ok((pair, alone)) => {
             let p = pair.p50;

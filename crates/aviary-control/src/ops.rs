@@ -1852,12 +1852,21 @@ impl ControlPlane {
         stdin: Option<aviary_envd_proto::StdinSource>,
     ) -> Result<ExecRun, OpError> {
         let mut spec = Self::exec_spec(&req.request)?;
-        let (rec, live) = self.writable(cx, &req.id).await?;
-        let venv = self
-            .active_venv(&rec.id)
+        // The sandbox's venv (its environment row) is read beside its row:
+        // two registry reads at once, and the venv is used only once the
+        // row showed the caller's tenant.
+        let (writable, venv) = tokio::join!(
+            self.writable(cx, &req.id),
+            async {
+                match req.id.parse::<SandboxId>() {
+                    Ok(id) => self.active_venv(&id).await,
+                    Err(_) => Ok(None),
+                }
+            }
             .instrument(tracing::trace_span!("exec.venv"))
-            .await?;
-        if let Some(venv) = venv {
+        );
+        let (rec, live) = writable?;
+        if let Some(venv) = venv? {
             // the task's fresh venv (a `new_venv` hand-out) comes first,
             // unless the caller set these variables itself
             for (k, v) in venv.exec_env(aviary_envd_proto::DEFAULT_PATH) {
@@ -1879,10 +1888,9 @@ impl ControlPlane {
         spec.user = rec.run_as.clone();
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
         let oom_before = runtime
-            .usage(&rec.id)
+            .oom_kills(&rec.id)
             .instrument(tracing::trace_span!("exec.usage"))
             .await
-            .map(|u| u.oom_kills)
             .ok();
         let started = async {
             match stdin {
@@ -1961,8 +1969,8 @@ impl ControlPlane {
         if exit.exit_code == 0 {
             return false;
         }
-        match (oom_before, run.runtime.usage(run_id).await) {
-            (Some(b), Ok(u)) => u.oom_kills > b,
+        match (oom_before, run.runtime.oom_kills(run_id).await) {
+            (Some(b), Ok(after)) => after > b,
             _ => false,
         }
     }
