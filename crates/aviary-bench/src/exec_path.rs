@@ -93,13 +93,9 @@ pub async fn run(iters: usize) -> anyhow::Result<()> {
     let iters = iters.max(5);
     let times = SpanTimes::default();
     tracing::subscriber::set_global_default(
-        tracing_subscriber::registry().with(
-            times
-                .clone()
-                .with_filter(tracing_subscriber::filter::filter_fn(|m| {
-                    m.is_span() && timed_span(m.name())
-                })),
-        ),
+        tracing_subscriber::registry().with(times.clone().with_filter(
+            tracing_subscriber::filter::filter_fn(|m| m.is_span() && timed_span(m.name())),
+        )),
     )
     .context("installing the span timer")?;
 
@@ -125,7 +121,10 @@ pub async fn run(iters: usize) -> anyhow::Result<()> {
         })
         .await?;
     let leased = leased_created.sandbox.id;
-    let token = leased_created.lease.context("leased create without lease")?.token;
+    let token = leased_created
+        .lease
+        .context("leased create without lease")?
+        .token;
 
     let rounds = iters * 10;
     progress(&format!(
@@ -135,7 +134,9 @@ pub async fn run(iters: usize) -> anyhow::Result<()> {
     let with_lease = exec_rounds(&client, &*runtime, &leased, Some(token), rounds, &times).await?;
     client.delete_sandbox(leased.as_str(), Some(token)).await?;
 
-    progress(&format!("CLI: aviary run / create / exec / rm, {iters} each"));
+    progress(&format!(
+        "CLI: aviary run / create / exec / rm, {iters} each"
+    ));
     let cli = match aviary_bin() {
         Ok(bin) => Some(cli_rounds(&bin, &server.url(), &server.admin_key, iters).await?),
         Err(e) => {
@@ -143,7 +144,9 @@ pub async fn run(iters: usize) -> anyhow::Result<()> {
             None
         }
     };
-    progress(&format!("in-process client: create + exec + delete, {iters}"));
+    progress(&format!(
+        "in-process client: create + exec + delete, {iters}"
+    ));
     let inproc = client_rounds(&client, iters).await?;
 
     progress(&format!(
@@ -279,7 +282,9 @@ async fn aviary(bin: &Path, url: &str, key: &str, args: &[&str]) -> anyhow::Resu
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-async fn timed<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<(T, Duration)> {
+async fn timed<T>(
+    f: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<(T, Duration)> {
     let t = Instant::now();
     let v = f.await?;
     Ok((v, t.elapsed()))
@@ -431,14 +436,17 @@ async fn crun_run_delete(
         for i in 0..iters + 2 {
             for detached in [true, false] {
                 let name = format!("exec-floor-{i}-{detached}");
-                spec["linux"]["cgroupsPath"] =
-                    serde_json::json!(format!("/aviary-bench/{name}"));
+                spec["linux"]["cgroupsPath"] = serde_json::json!(format!("/aviary-bench/{name}"));
                 std::fs::write(bundle.join("config.json"), serde_json::to_vec(&spec)?)?;
                 let mut run = vec!["run".into()];
                 if detached {
                     run.push("--detach".into());
                 }
-                run.extend(["--bundle".into(), bundle.to_string_lossy().into(), name.clone()]);
+                run.extend([
+                    "--bundle".into(),
+                    bundle.to_string_lossy().into(),
+                    name.clone(),
+                ]);
                 let t = Instant::now();
                 let o = ProcessSpawner.run(&crun(run)).await?;
                 if !o.success() {
@@ -484,19 +492,51 @@ fn stage_rows(r: &ExecRounds) -> Vec<(&'static str, &'static str, f64)> {
         median(r.stages.iter().map(|s| ms(f(s)) * 1000.0).collect())
     };
     let mut rows = vec![
-        ("authentication (API key, cached)", "http.auth", per(&|s| get(s, "http.auth"))),
-        ("registry read: the sandbox's row (tenant, state)", "exec.lookup", per(&|s| get(s, "exec.lookup"))),
-        ("fence check in the lease store", "exec.fence", per(&|s| get(s, "exec.fence"))),
-        ("live envd handle", "exec.live", per(&|s| get(s, "exec.live"))),
-        ("registry read: the sandbox's environment (active venv)", "exec.venv", per(&|s| get(s, "exec.venv"))),
-        ("cgroup read: OOM counter before the exec", "exec.usage", per(&|s| get(s, "exec.usage"))),
-        ("envd: connect + request", "exec.envd_start", per(&|s| get(s, "exec.envd_start"))),
+        (
+            "authentication (API key, cached)",
+            "http.auth",
+            per(&|s| get(s, "http.auth")),
+        ),
+        (
+            "registry read: the sandbox's row (tenant, state)",
+            "exec.lookup",
+            per(&|s| get(s, "exec.lookup")),
+        ),
+        (
+            "fence check in the lease store",
+            "exec.fence",
+            per(&|s| get(s, "exec.fence")),
+        ),
+        (
+            "live envd handle",
+            "exec.live",
+            per(&|s| get(s, "exec.live")),
+        ),
+        (
+            "registry read: the sandbox's environment (active venv)",
+            "exec.venv",
+            per(&|s| get(s, "exec.venv")),
+        ),
+        (
+            "cgroup read: OOM counter before the exec",
+            "exec.usage",
+            per(&|s| get(s, "exec.usage")),
+        ),
+        (
+            "envd: connect + request",
+            "exec.envd_start",
+            per(&|s| get(s, "exec.envd_start")),
+        ),
         (
             "envd: the command runs, to its exit",
             "exec.envd_wait − exec.finish",
             per(&|s| get(s, "exec.envd_wait").saturating_sub(get(s, "exec.finish"))),
         ),
-        ("after the exit (activity, OOM attribution)", "exec.finish", per(&|s| get(s, "exec.finish"))),
+        (
+            "after the exit (activity, OOM attribution)",
+            "exec.finish",
+            per(&|s| get(s, "exec.finish")),
+        ),
     ];
     let api = r.api.clone();
     let rest: Vec<f64> = api
@@ -520,7 +560,9 @@ fn report(
     floor: &Result<(Stats, Stats), String>,
 ) {
     println!("### Exec path and `aviary run` (issue 12)\n");
-    println!("Milliseconds; p50 / p90 over n. envd and API round trips interleaved, same sandbox.\n");
+    println!(
+        "Milliseconds; p50 / p90 over n. envd and API round trips interleaved, same sandbox.\n"
+    );
     println!("| exec round trip of `true` | p50 ms | p90 ms | n |\n|---|---|---|---|");
     let s_envd = stats(plain.envd.clone());
     let s_api = stats(plain.api.clone());
@@ -528,11 +570,29 @@ fn report(
     let l_api = stats(leased.api.clone());
     let over = |a: &Stats, b: &Stats| (a.p50 - b.p50) * 1000.0;
     let (o_plain, o_leased) = (over(&s_api, &s_envd), over(&l_api, &l_envd));
-    println!("{}", row("envd's own round trip (control plane's envd client, unleased)", &Ok(s_envd)));
+    println!(
+        "{}",
+        row(
+            "envd's own round trip (control plane's envd client, unleased)",
+            &Ok(s_envd)
+        )
+    );
     println!("{}", row("Aviary API (`POST /exec`, unleased)", &Ok(s_api)));
-    println!("{}", row("envd's own round trip (leased, with the fence)", &Ok(l_envd)));
+    println!(
+        "{}",
+        row(
+            "envd's own round trip (leased, with the fence)",
+            &Ok(l_envd)
+        )
+    );
     println!("{}", row("Aviary API (leased, with the token)", &Ok(l_api)));
-    println!("{}", row("HTTP alone: `GET /healthz`, same client (no auth, no body)", &Ok(stats(leased.http.clone()))));
+    println!(
+        "{}",
+        row(
+            "HTTP alone: `GET /healthz`, same client (no auth, no body)",
+            &Ok(stats(leased.http.clone()))
+        )
+    );
     println!(
         "\nAPI overhead over envd at p50: {o_plain:.0} µs unleased, {o_leased:.0} µs leased (target ≤ 300 µs).\n"
     );
@@ -551,11 +611,38 @@ fn report(
             stats(c.rm.clone()),
         );
         let p50 = (run.p50, create.p50 + exec.p50 + rm.p50, create.p50, rm.p50);
-        println!("{}", row("`aviary run -- true` (CLI process: create + exec + destroy)", &Ok(run)));
-        println!("{}", row("`aviary sandbox create --lease-owner` (CLI process)", &Ok(create)));
-        println!("{}", row("`aviary sandbox exec --token … -- true` (CLI process)", &Ok(exec)));
-        println!("{}", row("`aviary sandbox rm --token …` (CLI process)", &Ok(rm)));
-        println!("{}", row("`aviary --version` (the CLI process alone)", &Ok(stats(c.version.clone()))));
+        println!(
+            "{}",
+            row(
+                "`aviary run -- true` (CLI process: create + exec + destroy)",
+                &Ok(run)
+            )
+        );
+        println!(
+            "{}",
+            row(
+                "`aviary sandbox create --lease-owner` (CLI process)",
+                &Ok(create)
+            )
+        );
+        println!(
+            "{}",
+            row(
+                "`aviary sandbox exec --token … -- true` (CLI process)",
+                &Ok(exec)
+            )
+        );
+        println!(
+            "{}",
+            row("`aviary sandbox rm --token …` (CLI process)", &Ok(rm))
+        );
+        println!(
+            "{}",
+            row(
+                "`aviary --version` (the CLI process alone)",
+                &Ok(stats(c.version.clone()))
+            )
+        );
         p50
     });
     if cli.is_none() {
@@ -563,19 +650,52 @@ fn report(
     }
     let total = stats(inproc.total.clone());
     let inproc_p50 = total.p50;
-    println!("{}", row("the same create + streamed exec + delete from an in-process client", &Ok(total)));
-    println!("{}", row("… its create (with a lease)", &Ok(stats(inproc.create.clone()))));
-    println!("{}", row("… its streamed exec", &Ok(stats(inproc.exec.clone()))));
+    println!(
+        "{}",
+        row(
+            "the same create + streamed exec + delete from an in-process client",
+            &Ok(total)
+        )
+    );
+    println!(
+        "{}",
+        row(
+            "… its create (with a lease)",
+            &Ok(stats(inproc.create.clone()))
+        )
+    );
+    println!(
+        "{}",
+        row("… its streamed exec", &Ok(stats(inproc.exec.clone())))
+    );
     println!("{}", row("… its delete", &Ok(stats(inproc.delete.clone()))));
     let floor_p50 = match floor {
         Ok((pair, alone)) => {
             let p = pair.p50;
-            println!("{}", row("`crun run --detach` + `crun delete` of the bundle (floor)", &Ok(Stats { ..*pair })));
-            println!("{}", row("`crun run` in the foreground (runs, waits, removes)", &Ok(Stats { ..*alone })));
+            println!(
+                "{}",
+                row(
+                    "`crun run --detach` + `crun delete` of the bundle (floor)",
+                    &Ok(Stats { ..*pair })
+                )
+            );
+            println!(
+                "{}",
+                row(
+                    "`crun run` in the foreground (runs, waits, removes)",
+                    &Ok(Stats { ..*alone })
+                )
+            );
             Some(p)
         }
         Err(e) => {
-            println!("{}", row("`crun run --detach` + `crun delete` (floor)", &Err(e.clone())));
+            println!(
+                "{}",
+                row(
+                    "`crun run --detach` + `crun delete` (floor)",
+                    &Err(e.clone())
+                )
+            );
             None
         }
     };

@@ -12,14 +12,20 @@ use std::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_aviary");
 
 fn envd() -> PathBuf {
-    std::env::var_os("AVIARY_ENVD").map(PathBuf::from).unwrap_or_else(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let out = Command::new(root.join("scripts/build-envd.sh"))
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-    })
+    std::env::var_os("AVIARY_ENVD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+            let out = Command::new(root.join("scripts/build-envd.sh"))
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+        })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -59,7 +65,10 @@ async fn run_exits_with_the_remote_code_and_leaves_nothing() {
         .unwrap();
     assert_eq!(o.status.code(), Some(7), "{o:?}");
     assert_eq!(String::from_utf8_lossy(&o.stdout), "out\n");
-    assert!(String::from_utf8_lossy(&o.stderr).contains("err\n"), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("err\n"),
+        "{o:?}"
+    );
     let o = run(&["run", "--", "true"]).await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{o:?}");
     let o = run(&["run", "--", "no-such-command"]).await.unwrap();

@@ -39,8 +39,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use time::OffsetDateTime;
-use tracing::Instrument;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 /// Where envd sits inside every sandbox, and where it listens.
 pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";

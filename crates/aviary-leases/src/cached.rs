@@ -17,6 +17,7 @@
 //!   race is where it always was: the registry's counter check in the
 //!   write's transaction, and envd, which refuses a fence it has moved past
 //!   (a new grant reaches envd before it is answered).
+//!
 //! Expiry is by time: a cached lease counts as live only while
 //! `now < expires_at`, the inner store's own rule, so a lease that ran out
 //! is refused at once, before any sweep deletes it.
@@ -128,11 +129,8 @@ impl LeaseStore for CachedLeaseStore {
         ttl: Duration,
         now: OffsetDateTime,
     ) -> Result<Lease, LeaseError> {
-        self.changing(
-            Some(sandbox),
-            self.inner.acquire(sandbox, owner, ttl, now),
-        )
-        .await
+        self.changing(Some(sandbox), self.inner.acquire(sandbox, owner, ttl, now))
+            .await
     }
 
     async fn renew(

@@ -38,8 +38,8 @@ use serde::Deserialize;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use utoipa::OpenApi;
 use tracing::Instrument;
+use utoipa::OpenApi;
 
 /// What every handler gets: the control plane and the HTTP limits.
 #[derive(Clone)]

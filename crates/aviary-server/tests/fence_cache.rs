@@ -5,6 +5,8 @@
 //! through the E2B and OpenSandbox surfaces, which share the exec path.
 //! Each change is made right after an exec that filled the cache.
 
+#![allow(clippy::tests_outside_test_module)] // integration tests are their own crate
+
 mod common;
 
 use aviary_core::api::{AcquireLeaseRequest, CreateSandboxRequest, ExecRequest};
@@ -48,7 +50,10 @@ async fn every_lease_change_fences_the_old_token_at_once() {
     let l1 = created.lease.unwrap().token;
     // twice: the second is answered from the cache
     for _ in 0..2 {
-        assert_eq!(c.exec(&id, &true_with(Some(l1))).await.unwrap().exit_code, 0);
+        assert_eq!(
+            c.exec(&id, &true_with(Some(l1))).await.unwrap().exit_code,
+            0
+        );
     }
     assert_eq!(
         code(c.exec(&id, &true_with(None)).await.unwrap_err()),
@@ -73,14 +78,13 @@ async fn every_lease_change_fences_the_old_token_at_once() {
         code(c.exec(&id, &true_with(Some(l1))).await.unwrap_err()),
         ErrorCode::StaleToken
     );
-    assert_eq!(c.exec(&id, &true_with(Some(l2))).await.unwrap().exit_code, 0);
+    assert_eq!(
+        c.exec(&id, &true_with(Some(l2))).await.unwrap().exit_code,
+        0
+    );
 
     // revoked by the control plane (as a loss or a destroy does)
-    ts.cp()
-        .leases
-        .revoke(&id.parse().unwrap())
-        .await
-        .unwrap();
+    ts.cp().leases.revoke(&id.parse().unwrap()).await.unwrap();
     assert_eq!(
         code(c.exec(&id, &true_with(Some(l2))).await.unwrap_err()),
         ErrorCode::StaleToken
@@ -108,7 +112,10 @@ async fn every_lease_change_fences_the_old_token_at_once() {
         code(c.exec(&id, &true_with(Some(l3.token))).await.unwrap_err()),
         ErrorCode::StaleToken
     );
-    assert_eq!(c.exec(&id, &true_with(Some(l4))).await.unwrap().exit_code, 0);
+    assert_eq!(
+        c.exec(&id, &true_with(Some(l4))).await.unwrap().exit_code,
+        0
+    );
 
     // the streamed exec and a file write share the check
     match c.exec_stream(&id, &true_with(Some(l3.token))).await {
@@ -170,10 +177,17 @@ async fn compat_surfaces_see_a_native_lease_at_once() {
     let r = e2b_run().await.unwrap();
     let (status, body) = (r.status().as_u16(), r.text().await.unwrap());
     assert!(e2b_ran(status, &body), "{status} {body}");
-    let lease = ts.client.acquire_lease(&id, "native", Some(300)).await.unwrap();
+    let lease = ts
+        .client
+        .acquire_lease(&id, "native", Some(300))
+        .await
+        .unwrap();
     let r = e2b_run().await.unwrap();
     let (status, body) = (r.status().as_u16(), r.text().await.unwrap());
-    assert!(!e2b_ran(status, &body), "ran under a lease: {status} {body}");
+    assert!(
+        !e2b_ran(status, &body),
+        "ran under a lease: {status} {body}"
+    );
     assert!(body.contains("lease"), "{status} {body}");
     ts.client.release_lease(&id, lease.token).await.unwrap();
     let r = e2b_run().await.unwrap();
@@ -186,9 +200,11 @@ async fn compat_surfaces_see_a_native_lease_at_once() {
     let created: Value = http
         .post(format!("{base}/v1/sandboxes"))
         .header("OPEN-SANDBOX-API-KEY", &ts.key)
-        .json(&serde_json::json!({"image": {"uri": "busybox"}, "timeout": 120,
+        .json(
+            &serde_json::json!({"image": {"uri": "busybox"}, "timeout": 120,
             "resourceLimits": {"cpu": "1", "memory": "2Gi"},
-            "entrypoint": ["tail", "-f", "/dev/null"]}))
+            "entrypoint": ["tail", "-f", "/dev/null"]}),
+        )
         .send()
         .await
         .unwrap()
@@ -219,7 +235,11 @@ async fn compat_surfaces_see_a_native_lease_at_once() {
     let r = osb_run().await.unwrap();
     assert_eq!(r.status(), 200);
     assert!(r.text().await.unwrap().contains("execution_complete"));
-    let lease = ts.client.acquire_lease(&id, "native", Some(300)).await.unwrap();
+    let lease = ts
+        .client
+        .acquire_lease(&id, "native", Some(300))
+        .await
+        .unwrap();
     let r = osb_run().await.unwrap();
     assert_eq!(r.status(), 409);
     let body: Value = r.json().await.unwrap();
