@@ -1852,20 +1852,14 @@ impl ControlPlane {
         stdin: Option<aviary_envd_proto::StdinSource>,
     ) -> Result<ExecRun, OpError> {
         let mut spec = Self::exec_spec(&req.request)?;
-        // The sandbox's venv (its environment row) is read beside its row:
-        // two registry reads at once, and the venv is used only once the
-        // row showed the caller's tenant.
-        let (writable, venv) = tokio::join!(
-            self.writable(cx, &req.id),
-            async {
-                match req.id.parse::<SandboxId>() {
-                    Ok(id) => self.active_venv(&id).await,
-                    Err(_) => Ok(None),
-                }
-            }
+        let (rec, live) = self.writable(cx, &req.id).await?;
+        // (read after the row, not beside it: on this 2-core class of host
+        // the two reads at once took longer than one after the other;
+        // BENCHMARKS.md, exec path)
+        let venv = self
+            .active_venv(&rec.id)
             .instrument(tracing::trace_span!("exec.venv"))
-        );
-        let (rec, live) = writable?;
+            .await;
         if let Some(venv) = venv? {
             // the task's fresh venv (a `new_venv` hand-out) comes first,
             // unless the caller set these variables itself
