@@ -3,11 +3,11 @@
 # (dockerd, hand-started as in RUNTIME-NOTES), measures side by side in one
 # run, and writes the results into BENCHMARKS.md (between the markers).
 #   scripts/bench.sh [ITERATIONS] [PART...]
-# PARTs (default: all, in this order): core snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale.
+# PARTs (default: all, in this order): core exec snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 iterations=${1:-30}
-all_parts=" core snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale "
+all_parts=" core exec snapshots chunker history quota gvisor planner pool leases replicas docker tiers scale "
 parts=" ${*:2} "
 [[ $parts == "  " ]] && parts=$all_parts
 for p in $parts; do
@@ -16,6 +16,10 @@ done
 want() { [[ $parts == *" $1 "* ]]; }
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+if want exec; then
+  # the real `aviary` binary is what a user runs
+  cargo build --release --locked -p aviary-bench -p aviary-cli
+fi
 if want core || want planner || want pool || want leases || want replicas || want docker || want tiers || want scale; then
   cargo build --release --locked -p aviary-bench
 fi
@@ -69,6 +73,16 @@ if want core; then
   part core
   "$CARGO_TARGET_DIR/release/aviary-bench" "$iterations" | tee "$out"
   write_section core "$measured" "$out"
+fi
+
+# exec path: envd's own round trip vs the API's (and where the difference
+# goes), `aviary run -- true` as a user runs it vs crun run + crun delete
+if want exec; then
+  part exec
+  load_before=$(cut -d' ' -f1 /proc/loadavg)
+  AVIARY_BIN="$CARGO_TARGET_DIR/release/aviary" \
+    "$CARGO_TARGET_DIR/release/aviary-bench" exec-path "$iterations" | tee "$out"
+  write_section exec "$measured 1-minute load average before / after: $load_before / $(cut -d' ' -f1 /proc/loadavg)." "$out"
 fi
 
 # snapshots: 1 GiB workspace, incremental after a 1% change, vs tar | zstd; once in a

@@ -19,9 +19,12 @@
 //! sandbox at 10 / 100 / 500 / 1000 alive ([`scale`]).
 //! `aviary-bench tiers [ITERATIONS] [IDLE]` the isolation tiers (crun, runc,
 //! runsc, docker) side by side in one server ([`tiers`]).
+//! `aviary-bench exec-path [ITERATIONS]` where an exec's time goes beside
+//! envd's own round trip, and `aviary run` as a user runs it ([`exec_path`]).
 #![forbid(unsafe_code)]
 
 mod docker_runtime;
+mod exec_path;
 mod leases;
 mod planner;
 mod pool_churn;
@@ -179,6 +182,10 @@ async fn main() -> anyhow::Result<()> {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
         let idle = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(10);
         return tiers::run(iters, idle).await;
+    }
+    if args.get(1).map(String::as_str) == Some("exec-path") {
+        let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(30);
+        return exec_path::run(iters).await;
     }
     if args.get(1).map(String::as_str) == Some("replicas") {
         let iters = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(20);
@@ -465,6 +472,39 @@ fn vm_rss_kib(pid: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The sandbox's own OCI spec changed only where the floor must differ:
+/// `/bin/true` as the process, the template rootfs read-only as root (no
+/// overlay), no user namespace, no binds into the sandbox's state dir.
+fn floor_spec(
+    config_json: &Path,
+    rootfs: &Path,
+    state_dir: &Path,
+) -> anyhow::Result<serde_json::Value> {
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(config_json)?)?;
+    spec["process"]["args"] = serde_json::json!(["/bin/true"]);
+    spec["root"] = serde_json::json!({"path": rootfs, "readonly": true});
+    // The floor runs without the sandbox's user namespace: the shared
+    // template is owned by host root and only an idmapped mount (which
+    // Aviary makes per sandbox) would let the namespace's root read it.
+    // So the floor does less than Aviary does (RUNTIME-NOTES: a user
+    // namespace costs crun 3–7 ms); the ratio is conservative.
+    if let Some(linux) = spec["linux"].as_object_mut() {
+        linux.remove("uidMappings");
+        linux.remove("gidMappings");
+        if let Some(ns) = linux.get_mut("namespaces").and_then(|n| n.as_array_mut()) {
+            ns.retain(|n| n["type"] != "user");
+        }
+    }
+    let sd = state_dir.to_string_lossy().into_owned();
+    if let Some(m) = spec["mounts"].as_array_mut() {
+        m.retain(|m| {
+            !m["source"].as_str().is_some_and(|s| s.starts_with(&sd))
+                && m["destination"] != "/.aviary/envd"
+        });
+    }
+    Ok(spec)
+}
+
 /// `crun run` of the sandbox's own bundle, changed only where it must be:
 /// `/bin/true` as the process, the template rootfs read-only as root (no
 /// overlay), no binds into the sandbox's state dir, its own cgroup path.
@@ -476,28 +516,7 @@ async fn crun_floor(
     state_dir: &Path,
 ) -> Result<Stats, String> {
     let inner = async {
-        let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(config_json)?)?;
-        spec["process"]["args"] = serde_json::json!(["/bin/true"]);
-        spec["root"] = serde_json::json!({"path": rootfs, "readonly": true});
-        // The floor runs without the sandbox's user namespace: the shared
-        // template is owned by host root and only an idmapped mount (which
-        // Aviary makes per sandbox) would let the namespace's root read it.
-        // So the floor does less than Aviary does (RUNTIME-NOTES: a user
-        // namespace costs crun 3–7 ms); the ratio is conservative.
-        if let Some(linux) = spec["linux"].as_object_mut() {
-            linux.remove("uidMappings");
-            linux.remove("gidMappings");
-            if let Some(ns) = linux.get_mut("namespaces").and_then(|n| n.as_array_mut()) {
-                ns.retain(|n| n["type"] != "user");
-            }
-        }
-        let sd = state_dir.to_string_lossy().into_owned();
-        if let Some(m) = spec["mounts"].as_array_mut() {
-            m.retain(|m| {
-                !m["source"].as_str().is_some_and(|s| s.starts_with(&sd))
-                    && m["destination"] != "/.aviary/envd"
-            });
-        }
+        let mut spec = floor_spec(config_json, rootfs, state_dir)?;
         let bundle = work.join("floor-bundle");
         std::fs::create_dir_all(&bundle)?;
         let root = work.join("floor-crun");

@@ -40,6 +40,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 use time::OffsetDateTime;
 use tokio::sync::watch;
+use tracing::Instrument;
 
 /// Where envd sits inside every sandbox, and where it listens.
 pub const ENVD_IN_SANDBOX: &str = "/.aviary/envd";
@@ -1715,10 +1716,18 @@ impl ControlPlane {
         cx: &OpContext,
         id: &str,
     ) -> Result<(SandboxRecord, Arc<LiveSandbox>), OpError> {
-        let rec = self.sandbox_for(&cx.caller, id).await?;
+        let rec = self
+            .sandbox_for(&cx.caller, id)
+            .instrument(tracing::trace_span!("exec.lookup"))
+            .await?;
         Self::running(&rec)?;
-        self.check_fence(&rec.id, cx.token).await?;
-        let live = self.live_rec(&rec).await?;
+        self.check_fence(&rec.id, cx.token)
+            .instrument(tracing::trace_span!("exec.fence"))
+            .await?;
+        let live = self
+            .live_rec(&rec)
+            .instrument(tracing::trace_span!("exec.live"))
+            .await?;
         Self::not_paused(&rec, &live)?;
         Ok((rec, live))
     }
@@ -1844,7 +1853,14 @@ impl ControlPlane {
     ) -> Result<ExecRun, OpError> {
         let mut spec = Self::exec_spec(&req.request)?;
         let (rec, live) = self.writable(cx, &req.id).await?;
-        if let Some(venv) = self.active_venv(&rec.id).await? {
+        // (read after the row, not beside it: on this 2-core class of host
+        // the two reads at once took longer than one after the other;
+        // BENCHMARKS.md, exec path)
+        let venv = self
+            .active_venv(&rec.id)
+            .instrument(tracing::trace_span!("exec.venv"))
+            .await;
+        if let Some(venv) = venv? {
             // the task's fresh venv (a `new_venv` hand-out) comes first,
             // unless the caller set these variables itself
             for (k, v) in venv.exec_env(aviary_envd_proto::DEFAULT_PATH) {
@@ -1865,21 +1881,24 @@ impl ControlPlane {
         }
         spec.user = rec.run_as.clone();
         let runtime = self.runtime_for(&rec.node, &rec.runtime)?;
-        let oom_before = runtime.usage(&rec.id).await.map(|u| u.oom_kills).ok();
-        let stream = self
-            .via_envd(
-                &rec,
-                &live,
-                match stdin {
-                    Some(stdin) => {
-                        live.envd
-                            .exec_piped(spec, stdin, cx.token.map(|t| t.fence()))
-                            .await
-                    }
-                    None => live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
-                },
-            )
-            .await?;
+        let oom_before = runtime
+            .oom_kills(&rec.id)
+            .instrument(tracing::trace_span!("exec.usage"))
+            .await
+            .ok();
+        let started = async {
+            match stdin {
+                Some(stdin) => {
+                    live.envd
+                        .exec_piped(spec, stdin, cx.token.map(|t| t.fence()))
+                        .await
+                }
+                None => live.envd.exec(spec, cx.token.map(|t| t.fence())).await,
+            }
+        }
+        .instrument(tracing::trace_span!("exec.envd_start"))
+        .await;
+        let stream = self.via_envd(&rec, &live, started).await?;
         self.metrics.inc_exec();
         Ok(ExecRun {
             id: rec.id,
@@ -1944,8 +1963,8 @@ impl ControlPlane {
         if exit.exit_code == 0 {
             return false;
         }
-        match (oom_before, run.runtime.usage(run_id).await) {
-            (Some(b), Ok(u)) => u.oom_kills > b,
+        match (oom_before, run.runtime.oom_kills(run_id).await) {
+            (Some(b), Ok(after)) => after > b,
             _ => false,
         }
     }
@@ -2052,7 +2071,18 @@ impl ControlPlane {
         cx: &OpContext,
         req: OnSandbox<ExecRequest>,
     ) -> Result<ExecResult, OpError> {
-        let mut run = self.exec_start(cx, req).await?;
+        async {
+            let mut run = self.exec_start(cx, req).await?;
+            self.exec_collect(&mut run)
+                .instrument(tracing::trace_span!("exec.envd_wait"))
+                .await
+        }
+        .instrument(tracing::trace_span!("exec.op"))
+        .await
+    }
+
+    /// Drains a started exec's output (capped) to its exit.
+    async fn exec_collect(&self, run: &mut ExecRun) -> Result<ExecResult, OpError> {
         let cap = self.cfg.exec_output_cap;
         let (mut out, mut err, mut truncated) = (Vec::new(), Vec::new(), false);
         loop {
@@ -2071,7 +2101,10 @@ impl ControlPlane {
                     append_capped(&mut err, &d, cap, &mut truncated)
                 }
                 aviary_envd_proto::ExecEvent::Exit(exit) => {
-                    let oom = self.exec_finish(&run, &exit).await;
+                    let oom = self
+                        .exec_finish(run, &exit)
+                        .instrument(tracing::trace_span!("exec.finish"))
+                        .await;
                     return Ok(ExecResult {
                         exit_code: exit.exit_code,
                         stdout: String::from_utf8_lossy(&out).into_owned(),

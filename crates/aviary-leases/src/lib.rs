@@ -10,8 +10,10 @@
 //! release / expire / revoke of the one lease a sandbox may have, and the
 //! fencing check every mutating call goes through. Backends: the embedded
 //! SQLite store (`aviary-registry-sqlite`), [`MemoryLeaseStore`] for unit
-//! tests at the seams, and later Redis. Every backend must pass
-//! [`conformance::run_all`].
+//! tests at the seams, and Redis (`aviary-coord-redis`). Every backend must
+//! pass [`conformance::run_all`]. [`CachedLeaseStore`] keeps a store's
+//! reads in memory for a store this process alone writes (the embedded one),
+//! and passes the same suite.
 //!
 //! Invariants every backend keeps:
 //! - A sandbox has at most one *live* lease; a lease is live while
@@ -28,6 +30,7 @@
 //! free sandbox exactly one wins.
 #![forbid(unsafe_code)]
 
+mod cached;
 pub mod conformance;
 pub mod fences;
 mod in_process_locks;
@@ -36,6 +39,7 @@ pub mod locks;
 mod memory;
 
 pub use aviary_core::api::Lease;
+pub use cached::CachedLeaseStore;
 pub use fences::{FenceAuthority, MemoryFences};
 pub use in_process_locks::InProcessLocks;
 pub use locks::{HeldLock, LockError, LockGuard, LockHolder, LockName, LockRequest, Locks};

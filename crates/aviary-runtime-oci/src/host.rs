@@ -322,6 +322,26 @@ impl CgroupLayout {
         })
     }
 
+    /// The OOM-kill counter of [`Self::usage`] alone: one file read.
+    pub fn oom_kills(&self, id: &SandboxId) -> Result<u64, RuntimeError> {
+        let file = match (self.v1("memory"), self.unified()) {
+            (Some(mem), _) => self.dir_in(mem, id).join("memory.oom_control"),
+            (None, Some(u)) => self.dir_in(u, id).join("memory.events"),
+            (None, None) => {
+                return Err(RuntimeError::ProbeRuntime {
+                    reason: "no memory cgroup hierarchy is mounted".into(),
+                })
+            }
+        };
+        match std::fs::read_to_string(&file) {
+            Ok(text) => Ok(parse_key(&text, "oom_kill")),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(RuntimeError::NotFound { id: id.clone() })
+            }
+            Err(source) => Err(RuntimeError::ReadFile { path: file, source }),
+        }
+    }
+
     /// Pids of every process in any of the sandbox's cgroups (any depth).
     pub fn processes(&self, id: &SandboxId) -> Vec<i32> {
         let mut pids = Vec::new();

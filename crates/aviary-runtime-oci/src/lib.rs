@@ -1346,6 +1346,10 @@ impl Runtime for OciRuntime {
         Ok(usage)
     }
 
+    async fn oom_kills(&self, id: &SandboxId) -> Result<u64, RuntimeError> {
+        self.cgroups.oom_kills(id)
+    }
+
     async fn envd_endpoint(&self, id: &SandboxId) -> Result<EnvdEndpoint, RuntimeError> {
         if self.config.binary.is_gvisor() {
             return self.gvisor_envd_endpoint(id);

@@ -226,6 +226,12 @@ pub trait Runtime: Send + Sync {
     async fn status(&self, id: &SandboxId) -> Result<RuntimeStatus, RuntimeError>;
     /// Fails with [`RuntimeError::NotFound`] for an unknown sandbox.
     async fn usage(&self, id: &SandboxId) -> Result<ResourceUsage, RuntimeError>;
+    /// [`ResourceUsage::oom_kills`] alone, read before every exec (to tell
+    /// an OOM kill from a plain failure): a runtime that can read it for
+    /// less than all of [`Runtime::usage`] says so here.
+    async fn oom_kills(&self, id: &SandboxId) -> Result<u64, RuntimeError> {
+        self.usage(id).await.map(|u| u.oom_kills)
+    }
     /// The sandboxes this runtime actually has (for the reconciler), including
     /// half-torn-down ones that `destroy` should finish.
     async fn list(&self) -> Result<Vec<SandboxId>, RuntimeError>;

@@ -38,6 +38,7 @@ use serde::Deserialize;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
+use tracing::Instrument;
 use utoipa::OpenApi;
 
 /// What every handler gets: the control plane and the HTTP limits.
@@ -108,7 +109,11 @@ impl FromRequestParts<AppState> for Auth {
                 }
             }
         }
-        let caller = match cp.authenticate(key).await {
+        let caller = match cp
+            .authenticate(key)
+            .instrument(tracing::trace_span!("http.auth"))
+            .await
+        {
             Err(OpError::Unauthorized) => {
                 if let (Some(l), Some(f)) = (&limiter, &failures) {
                     let _ = l.take(f, now);

@@ -367,7 +367,10 @@ async fn open_stores(cfg: &ServerConfig) -> anyhow::Result<Stores> {
         return Ok(Stores {
             registry: registry.clone(),
             coordination: aviary_leases::Coordination {
-                leases: registry.clone(),
+                // this process alone writes the embedded lease table (its
+                // locks are in-process too): a lease check is answered from
+                // memory until the sandbox's lease changes
+                leases: Arc::new(aviary_leases::CachedLeaseStore::new(registry.clone())),
                 locks: Arc::new(aviary_leases::InProcessLocks::new()),
                 fences: registry,
             },
