@@ -16,12 +16,10 @@ done
 want() { [[ $parts == *" $1 "* ]]; }
 source scripts/deps.sh bench
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
-if want exec; then
-  # the real `aviary` binary is what a user runs
+if want core || want exec || want planner || want pool || want leases || want replicas || want docker || want tiers || want scale; then
+  # one package set for every part (another set would unify features
+  # differently and rebuild the tree); `exec` runs the real `aviary` binary
   cargo build --release --locked -p aviary-bench -p aviary-cli
-fi
-if want core || want planner || want pool || want leases || want replicas || want docker || want tiers || want scale; then
-  cargo build --release --locked -p aviary-bench
 fi
 if want snapshots; then
   cargo build --release --locked -p aviary-snapshots --example snapshot_bench
@@ -199,8 +197,7 @@ fi
 # cost per idle sandbox with 10 / 100 / 500 / 1000 alive; the curve plotted
 # by matplotlib from a throwaway venv (pinned) into docs/scale.png
 if want scale; then
-  part scale
-  echo "bench: scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)" >&2
+  part "scale (up to ${AVIARY_BENCH_SCALE_MAX:-1000} idle sandboxes)"
   load_before=$(cut -d' ' -f1 /proc/loadavg)
   points=$(mktemp)
   "$CARGO_TARGET_DIR/release/aviary-bench" scale "${AVIARY_BENCH_SCALE_MAX:-1000}" "$points" | tee "$out"
