@@ -124,6 +124,8 @@ fi
 # checkpoint / restore of a sandbox whose process holds 100 MB
 if want gvisor; then
   part gvisor
+  # one round by default: under ptrace each round's 100 MB process takes ~4 min to fill
+  AVIARY_BENCH_GVISOR_ROUNDS=${AVIARY_BENCH_GVISOR_ROUNDS:-1} \
   cargo test --release --locked -p aviary-runtime-oci --test gvisor -- \
       --ignored --nocapture measure_checkpoint_cost 2>/dev/null |
       grep -E '^\|' | tee "$out"
