@@ -67,7 +67,10 @@ fn run_flow(flow: &Flow, program: &str, script: &str, extra: &[(&str, &str)]) ->
         .env_remove("E2B_DOMAIN")
         .env_remove("E2B_DEBUG")
         .env("OTHER_KEY", &flow.other_key)
-        .env("RUN", &run);
+        .env("RUN", &run)
+        // a crash of the interpreter (seen once: SIGABRT at exit after the
+        // flow had printed its result) shows every thread's Python stack
+        .env("PYTHONFAULTHANDLER", "1");
     for (k, v) in extra {
         cmd.env(k, v);
     }
