@@ -44,7 +44,6 @@ pub(crate) fn prepare(state_dir: &Path, detach: &[std::path::PathBuf]) -> io::Re
         .map(|p| CString::new(p.as_os_str().as_bytes()))
         .collect::<Result<_, _>>()
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let root = c"/";
     // The helper unmounts the state dir's mounts in its new namespace (a
     // sandbox's disk and overlay: children first), says so, and waits to be
     // killed; its namespace outlives it through the fd opened below.
@@ -63,29 +62,10 @@ exec sleep 60
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     // SAFETY: runs in the forked child before exec and only calls
-    // unshare(2), mount(2) and umount2(2), async-signal-safe system calls,
-    // on C strings built before fork; no allocation, no locks.
+    // `enter_private_namespace`, async-signal-safe (see there); the C strings
+    // were built before fork.
     unsafe {
-        cmd.pre_exec(move || {
-            if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if libc::mount(
-                std::ptr::null(),
-                root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-            for t in &targets {
-                // EINVAL / ENOENT: not a mount point here, nothing to hide.
-                libc::umount2(t.as_ptr(), libc::MNT_DETACH);
-            }
-            Ok(())
-        });
+        cmd.pre_exec(move || crate::spawn::enter_private_namespace(&targets));
     }
     let mut child = cmd.spawn()?;
     let result = (|| {

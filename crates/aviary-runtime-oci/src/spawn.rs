@@ -10,6 +10,37 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::process::Stdio;
 
+/// Moves the calling process into a new, recursively private mount
+/// namespace and lazily unmounts `targets` there (missing ones are skipped).
+/// Meant for a forked child before exec: it only calls unshare(2), mount(2)
+/// and umount2(2), async-signal-safe system calls, and neither allocates
+/// nor takes locks (`targets` were built before fork and are only read).
+pub(crate) fn enter_private_namespace(targets: &[CString]) -> std::io::Result<()> {
+    // SAFETY: plain system calls on a valid flag set and on NUL-terminated
+    // strings that live for the call; no memory is handed to the kernel
+    // beyond the call.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+        for t in targets {
+            // EINVAL / ENOENT: not a mount point here, nothing to hide.
+            libc::umount2(t.as_ptr(), libc::MNT_DETACH);
+        }
+    }
+    Ok(())
+}
+
 /// Runs [`SpawnRequest`]s as host processes.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ProcessSpawner;
@@ -32,32 +63,11 @@ impl Spawner for ProcessSpawner {
                 .map(|p| CString::new(p.as_os_str().as_bytes()))
                 .collect::<Result<_, _>>()
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-            let root = c"/";
-            // SAFETY: the closure runs in the forked child before exec and only
-            // calls unshare(2), mount(2) and umount2(2) through libc, which are
-            // async-signal-safe system calls; it touches no locks and does not
-            // allocate (the C strings were built before fork and are only read).
+            // SAFETY: the closure runs in the forked child before exec and
+            // only calls `enter_private_namespace`, which is async-signal-safe
+            // (see there); the C strings were built before fork.
             unsafe {
-                cmd.pre_exec(move || {
-                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    if libc::mount(
-                        std::ptr::null(),
-                        root.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        std::ptr::null(),
-                    ) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    for t in &targets {
-                        // EINVAL / ENOENT: not a mount point here, nothing to hide.
-                        libc::umount2(t.as_ptr(), libc::MNT_DETACH);
-                    }
-                    Ok(())
-                });
+                cmd.pre_exec(move || enter_private_namespace(&targets));
             }
         }
         if let SpawnIsolation::JoinMountNamespace { ns, tree } = &request.isolation {
