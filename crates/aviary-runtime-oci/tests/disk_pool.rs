@@ -9,7 +9,7 @@ mod common;
 
 #[cfg(test)]
 mod disk_pool {
-    use crate::common::{self, Fixture};
+    use crate::common::{self, mounts_under, Fixture};
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::{BindMount, Runtime, SandboxSpec, SpawnOutput};
     use aviary_runtime_oci::{disk_image, OciBinary, OciRuntime};
@@ -79,28 +79,9 @@ mod disk_pool {
         )
     }
 
-    /// Mount points at or below `dir`.
-    fn mounts_under(dir: &Path) -> Vec<String> {
-        let d = dir.to_str().unwrap();
-        std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m == d || m.starts_with(&format!("{d}/")))
-            .collect()
-    }
-
-    /// Loop devices whose backing file lies under `dir`.
+    /// How many loop devices have their backing file under `dir`.
     fn loops_under(dir: &Path) -> usize {
-        let d = dir.to_str().unwrap();
-        std::fs::read_dir("/sys/block")
-            .unwrap()
-            .flatten()
-            .filter(|e| {
-                std::fs::read_to_string(e.path().join("loop/backing_file"))
-                    .is_ok_and(|b| b.trim().starts_with(d))
-            })
-            .count()
+        loop_names_under(dir).len()
     }
 
     /// The loop devices (names) whose backing file lies under `dir`.

@@ -7,7 +7,7 @@ mod common;
 
 #[cfg(test)]
 mod quota {
-    use crate::common::{self, Fixture};
+    use crate::common::{self, mounts_under, Fixture};
     use aviary_core::{NetworkProfile, ResourceLimits, SandboxId};
     use aviary_runtime::conformance;
     use aviary_runtime::{BindMount, Runtime, SandboxSpec, Snapshottable, SpawnOutput};
@@ -75,17 +75,6 @@ mod quota {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         )
-    }
-
-    /// Mount points at or below `dir` in this mount namespace.
-    fn mounts_under(dir: &Path) -> Vec<String> {
-        let d = dir.to_str().unwrap();
-        std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m == d || m.starts_with(&format!("{d}/")))
-            .collect()
     }
 
     /// Loop devices whose backing file is `image`.

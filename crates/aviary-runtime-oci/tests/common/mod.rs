@@ -170,3 +170,14 @@ impl Drop for Fixture {
         .unwrap();
     }
 }
+
+/// Mount points at or below `dir` in this mount namespace.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let d = dir.to_str().unwrap();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+        .filter(|m| m == d || m.starts_with(&format!("{d}/")))
+        .collect()
+}
